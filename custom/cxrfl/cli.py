@@ -1,0 +1,104 @@
+"""The ``cxrfl`` command line.
+
+Subcommands import their modules lazily so ``cxrfl --help`` stays fast. Errors meant for
+the operator (:class:`cxrfl.errors.CxrflError`) print one clear line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cxrfl.errors import CxrflError
+
+
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from cxrfl.synth import write_profile
+
+    configs = write_profile(
+        args.profile, Path(args.out), n_per_site=args.n_per_site, image_size=args.image_size, seed=args.seed
+    )
+    for cfg in configs:
+        print(f"wrote site config {cfg}")
+    return 0
+
+
+def _cmd_summary(args: argparse.Namespace) -> int:
+    from cxrfl.data.summary import format_summary, summarise
+
+    summary = summarise(args.site_config, check_images=not args.no_image_check)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 0
+
+
+def _cmd_predict(args: argparse.Namespace) -> int:
+    from cxrfl.predict import format_predictions, predict_images
+
+    rows = predict_images(args.model, args.images, device=args.device)
+    print(format_predictions(rows, fmt="json" if args.json else "csv" if args.csv else "table"))
+    return 0
+
+
+def _cmd_jobs_export(args: argparse.Namespace) -> int:
+    from cxrfl.jobs import export_all
+
+    for path in export_all(Path(args.out)):
+        print(f"wrote job {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``cxrfl`` command."""
+    p = argparse.ArgumentParser(prog="cxrfl", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    data = sub.add_parser("data", help="site data: synthesize demo data, summarise and validate")
+    dsub = data.add_subparsers(dest="data_command", required=True)
+    s = dsub.add_parser("synth", help="write a synthetic demo profile (images, labels, site configs)")
+    s.add_argument("--profile", default="two-hospitals")
+    s.add_argument("--out", required=True, help="output folder")
+    s.add_argument("--n-per-site", type=int, default=None, help="images per site (profile default if unset)")
+    s.add_argument("--image-size", type=int, default=None, help="written image size in pixels")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=_cmd_synth)
+    m = dsub.add_parser("summary", help="summarise and validate one site's data")
+    m.add_argument("site_config", help="the site config YAML")
+    m.add_argument("--json", action="store_true", help="print JSON")
+    m.add_argument("--no-image-check", action="store_true", help="do not open every image")
+    m.set_defaults(func=_cmd_summary)
+
+    pr = sub.add_parser("predict", help="predict every class of a model for PNG/JPEG/DICOM images")
+    pr.add_argument("--model", required=True, help="a checkpoint saved by a cxrfl job")
+    pr.add_argument("images", nargs="+")
+    fmt = pr.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true")
+    fmt.add_argument("--csv", action="store_true")
+    pr.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    pr.set_defaults(func=_cmd_predict)
+
+    jobs = sub.add_parser("jobs", help="NVFlare job folders")
+    jsub = jobs.add_subparsers(dest="jobs_command", required=True)
+    je = jsub.add_parser("export", help="write every job folder defined in cxrfl.jobs")
+    je.add_argument("--out", default="jobs")
+    je.set_defaults(func=_cmd_jobs_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``cxrfl`` console script.
+
+    Args:
+        argv: arguments (default: ``sys.argv[1:]``).
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CxrflError as exc:
+        print(f"cxrfl: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

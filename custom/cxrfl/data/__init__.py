@@ -1,0 +1,1 @@
+"""Site data: readers for the published label formats, patient splits, transforms, summaries."""

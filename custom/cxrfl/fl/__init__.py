@@ -1,0 +1,1 @@
+"""NVFlare glue: executors, controllers and aggregators around the framework-free core."""
