@@ -41,6 +41,29 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from cxrfl.report import format_report, load_run
+
+    run = load_run(args.workspace)
+    external = None
+    if args.external:
+        from cxrfl.data.site import load_site
+        from cxrfl.evaluation import evaluate_on_site
+        from cxrfl.models import model_from_checkpoint
+
+        if args.external == "demo":
+            from cxrfl.synth import demo_site_config
+
+            config = demo_site_config("external")
+        else:
+            config = Path(args.external)
+        model, classes, mcfg = model_from_checkpoint(run["app"] / "best_FL_global_model.pt")
+        data = load_site(config)
+        external = {"site": data.site, **evaluate_on_site(model, classes, data, image_size=mcfg.image_size, splits=None)}
+    print(format_report(run, external))
+    return 0
+
+
 def _cmd_jobs_export(args: argparse.Namespace) -> int:
     from cxrfl.jobs import export_all
 
@@ -77,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--csv", action="store_true")
     pr.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     pr.set_defaults(func=_cmd_predict)
+
+    rp = sub.add_parser("report", help="where a finished run's models are and how it went")
+    rp.add_argument("workspace", help="simulator workspace (-w), downloaded job result or server app folder")
+    rp.add_argument("--external", help="also evaluate the best model on this site config ('demo': the demo external site)")
+    rp.set_defaults(func=_cmd_report)
 
     jobs = sub.add_parser("jobs", help="NVFlare job folders")
     jsub = jobs.add_subparsers(dest="jobs_command", required=True)

@@ -1,0 +1,148 @@
+"""One site's usable data: labels read, images checked, patients split, problems listed."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from cxrfl.config import SiteConfig, load_site_config
+from cxrfl.data.images import ImageError, read_image
+from cxrfl.data.readers import read_labels
+from cxrfl.data.splits import SPLITS, check_split, patient_split
+from cxrfl.errors import DataError
+
+
+@dataclass
+class SiteData:
+    """A site's images, labels and splits.
+
+    Args:
+        site: the site name.
+        classes: canonical class names the site contributes, in label column order.
+        table: one row per usable image: ``path`` (absolute), ``patient``, ``split``
+            (``train``/``val``/``test``), then one float column per class: 1.0, 0.0 or NaN
+            (NaN = not annotated, masked out of loss and metrics).
+        skipped: ``(image path, reason)`` of images left out as missing or unreadable.
+        problems: warnings that do not stop the site (a class without positives in a split ...).
+    """
+
+    site: str
+    classes: list[str]
+    table: pd.DataFrame
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def split_table(self, name: str) -> pd.DataFrame:
+        """The rows of one split, re-indexed from 0.
+
+        Args:
+            name: ``train``, ``val`` or ``test``.
+        """
+        if name not in SPLITS:
+            raise ValueError(f"unknown split {name!r}; use one of {', '.join(SPLITS)}")
+        return self.table[self.table["split"] == name].reset_index(drop=True)
+
+    def positives(self, split: str | None = None) -> dict[str, int]:
+        """Positive images per class.
+
+        Args:
+            split: count in this split only (default: all images).
+        """
+        table = self.table if split is None else self.split_table(split)
+        return {c: int((table[c] == 1.0).sum()) for c in self.classes}
+
+
+def _image_problem(path: str, decode: bool) -> str | None:
+    """Why an image cannot be used, or None."""
+    if not decode:
+        return None if os.path.isfile(path) else "missing"
+    try:
+        read_image(path)
+    except ImageError as exc:
+        return exc.reason
+    return None
+
+
+def _check_images(table: pd.DataFrame, config: SiteConfig, decode: bool) -> list[tuple[str, str]]:
+    """Find missing (and, with ``decode``, unreadable) images; apply ``bad_images``."""
+    paths = table["path"].tolist()
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        reasons = list(pool.map(lambda p: _image_problem(p, decode), paths, chunksize=64))
+    bad = [(p, r) for p, r in zip(paths, reasons) if r is not None]
+    where = f" (site config {config.source})" if config.source else ""
+    if bad and config.bad_images == "error":
+        path, reason = bad[0]
+        raise DataError(
+            f"cannot use image {path}: {reason}; fix or remove it, or set bad_images: skip{where} "
+            f"({len(bad)} bad image(s) in all)"
+        )
+    if bad and len(bad) > config.max_bad_fraction * len(paths):
+        path, reason = bad[0]
+        raise DataError(
+            f"{len(bad)} of {len(paths)} images of site {config.site!r} are missing or unreadable "
+            f"({len(bad) / len(paths):.1%} > max_bad_fraction {config.max_bad_fraction:.1%}); first: {path}: "
+            f"{reason}. Check dataset.images ({config.dataset.images}){where}"
+        )
+    return bad
+
+
+def _split_problems(table: pd.DataFrame, classes: list[str], expected: tuple[str, ...]) -> list[str]:
+    """Warnings about empty splits and classes without positives (per split)."""
+    problems = []
+    for name in expected:
+        if not (table["split"] == name).any():
+            problems.append(f"split {name!r} has no images")
+    for c in classes:
+        positive = table[c] == 1.0
+        if not positive.any():
+            problems.append(f"class {c!r} has no positive image at this site; its AUROC cannot be computed")
+            continue
+        empty = [s for s in SPLITS if (table["split"] == s).any() and not positive[table["split"] == s].any()]
+        if empty:
+            problems.append(
+                f"class {c!r} has no positive image in split(s) {', '.join(empty)} ({int(positive.sum())} in all)"
+            )
+    return problems
+
+
+def load_site(config: SiteConfig | str | Path, *, check_images: bool = True) -> SiteData:
+    """Read, check and split one site's data.
+
+    Missing images are always detected; with ``check_images`` every image is also decoded.
+    Bad images are skipped (``bad_images: skip``, up to ``max_bad_fraction``) or raise
+    (``bad_images: error``). A split given by the data (``split_file``/``split_column``) is
+    used after checking that no patient is in two splits; otherwise patients are split by
+    :func:`cxrfl.data.splits.patient_split`.
+
+    Args:
+        config: a site config or the path of its YAML file.
+        check_images: decode every image (slow for very large sites).
+
+    Raises:
+        ConfigError: the config is invalid.
+        DataError: labels or images cannot be used (the message names the file).
+    """
+    if not isinstance(config, SiteConfig):
+        config = load_site_config(config)
+    table = read_labels(config)
+    problems = list(table.attrs.get("problems", []))
+    classes = [c for c in table.columns if c not in ("path", "patient", "split")]
+    skipped = _check_images(table, config, decode=check_images)
+    if skipped:
+        table = table[~table["path"].isin({p for p, _ in skipped})].reset_index(drop=True)
+        problems.append(f"{len(skipped)} image(s) skipped as missing or unreadable")
+    if table.empty:
+        raise DataError(f"site {config.site!r} has no usable image ({config.dataset.labels})")
+    if "split" in table:
+        check_split(table, config.dataset.split_file or config.dataset.labels)
+        expected = SPLITS
+    else:
+        table.insert(2, "split", patient_split(table, classes, config.split))
+        fractions = (config.split.train, config.split.val, config.split.test)
+        expected = tuple(s for s, f in zip(SPLITS, fractions) if f > 0)
+    problems += _split_problems(table, classes, expected)
+    return SiteData(site=config.site, classes=classes, table=table, skipped=skipped, problems=problems)

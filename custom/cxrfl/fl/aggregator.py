@@ -1,0 +1,136 @@
+"""NVFlare aggregator around :func:`cxrfl.aggregation.surgical_aggregate`.
+
+Works inside our :class:`cxrfl.fl.controller.SurgicalAggregation` and, on its own, inside
+NVFlare's standard ``FedAvg`` (``aggregator=``) or ``ScatterAndGather`` workflows. Each site
+result must carry ``meta["classes"]`` (its head's row order) and ``meta["num_samples"]``.
+Invalid results are rejected with one log line naming the site and the reason; the others
+are aggregated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
+
+from cxrfl.aggregation import surgical_aggregate, validate_update
+from cxrfl.errors import UpdateRejected
+from cxrfl.models import HEAD_PREFIX
+
+
+class SurgicalAggregator(ModelAggregator):
+    """Surgical aggregation as an NVFlare ``ModelAggregator``.
+
+    Args:
+        weighting: ``uniform`` (the papers) or ``samples`` (weighted by ``num_samples``).
+        batchnorm: ``fedavg``, ``fedbn`` or ``fedbn+`` (see the core function).
+        bn_keys: BatchNorm parameter and buffer names (from :func:`cxrfl.models.batchnorm_keys`).
+        robust: None, ``median`` or ``clip`` (off by default).
+        clip_norm: update norm bound for ``clip``.
+        head_prefix: state-dict prefix of the classification head.
+    """
+
+    def __init__(
+        self,
+        weighting: str = "uniform",
+        batchnorm: str = "fedavg",
+        bn_keys: Sequence[str] = (),
+        robust: str | None = None,
+        clip_norm: float | None = None,
+        head_prefix: str = HEAD_PREFIX,
+    ) -> None:
+        super().__init__()
+        if weighting not in ("uniform", "samples"):
+            raise ValueError(f"weighting must be 'uniform' or 'samples', got {weighting!r}")
+        if robust not in (None, "median", "clip"):
+            raise ValueError(f"robust must be null, 'median' or 'clip', got {robust!r}")
+        if robust == "clip" and not clip_norm:
+            raise ValueError("robust='clip' needs a positive clip_norm")
+        self.weighting = weighting
+        self.batchnorm = batchnorm
+        self.bn_keys = tuple(bn_keys)
+        self.robust = robust
+        self.clip_norm = clip_norm
+        self.head_prefix = head_prefix
+        self.expected_shapes: dict[str, tuple] | None = None
+        self.announced: dict[str, list[str]] = {}
+        self.reference: dict | None = None
+        self.rejected: dict[str, str] = {}
+        self._updates: list[dict] = []
+
+    def expect(self, shapes: dict[str, tuple] | None, announced: dict[str, list[str]] | None = None) -> None:
+        """Set what valid results look like for the next aggregation.
+
+        Args:
+            shapes: non-head parameter name -> shape every site must send.
+            announced: site -> the classes it announced; rows for other classes are rejected.
+        """
+        self.expected_shapes = shapes
+        self.announced = dict(announced or {})
+
+    def accept_model(self, model: FLModel) -> bool:
+        """Validate one site's result and keep it for aggregation.
+
+        Args:
+            model: the site's FLModel (``meta``: client_name, classes, num_samples).
+
+        Returns:
+            True if accepted, False if rejected (logged with the site and reason).
+        """
+        meta = model.meta or {}
+        site = str(meta.get("client_name", "unknown-site"))
+        update = {
+            "site": site,
+            "classes": list(meta.get("classes") or []),
+            "params": model.params or {},
+            "num_samples": meta.get("num_samples"),
+        }
+        try:
+            validate_update(
+                update,
+                expected_shapes=self.expected_shapes,
+                head_prefix=self.head_prefix,
+                announced_classes=self.announced.get(site) if self.announced else None,
+            )
+        except UpdateRejected as exc:
+            self.rejected[site] = str(exc)
+            self.warning(f"rejected result: {exc}")
+            return False
+        self._updates.append(update)
+        return True
+
+    @property
+    def accepted_sites(self) -> list[str]:
+        return [u["site"] for u in self._updates]
+
+    def contributors(self) -> dict[str, list[str]]:
+        """class -> the sites whose rows were averaged into it (accepted results only)."""
+        out: dict[str, list[str]] = {}
+        for u in self._updates:
+            for c in u["classes"]:
+                out.setdefault(c, []).append(u["site"])
+        return {c: sorted(s) for c, s in sorted(out.items())}
+
+    def aggregate_model(self) -> FLModel:
+        """Stitch the accepted results; ``meta`` carries ``classes`` and ``contributors``."""
+        if not self._updates:
+            raise UpdateRejected("no valid site result to aggregate")
+        params, classes = surgical_aggregate(
+            self._updates,
+            head_prefix=self.head_prefix,
+            weighting=self.weighting,
+            batchnorm=self.batchnorm,
+            bn_keys=self.bn_keys,
+            robust=self.robust,
+            clip_norm=self.clip_norm,
+            reference=self.reference,
+        )
+        meta = {"classes": classes, "contributors": self.contributors(), "sites": self.accepted_sites}
+        self.reset_stats()
+        return FLModel(params_type=ParamsType.FULL, params=params, meta=meta)
+
+    def reset_stats(self) -> None:
+        """Forget the accepted results and rejections of the current round."""
+        self._updates = []
+        self.rejected = {}

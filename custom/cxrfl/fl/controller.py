@@ -1,0 +1,291 @@
+"""Server workflow of surgical aggregation: head warm-up, federated rounds, evaluation.
+
+Each site receives the feature extractor and only the head rows of its own classes (one task
+per site), and never a name of another site's classes. Results are validated and stitched by
+:class:`cxrfl.fl.aggregator.SurgicalAggregator`. Training stops on the mean of the sites'
+validation BCE of the received global model (patience, min delta) or after ``num_rounds``.
+Written to the server's app folder:
+
+- ``FL_global_model.pt``: the latest global model (a self-describing cxrfl checkpoint);
+- ``best_FL_global_model.pt``: the global model with the lowest mean validation loss;
+- ``cxrfl/rounds.jsonl``: one aggregation record per round (sites, contributors per class,
+  rejections, losses and AUROCs); ``cxrfl/checkpoints/round_NNN.pt`` when kept;
+- ``cxrfl/evaluation.json``: the best model on every site's test split and an external set;
+- ``cxrfl/run_config.json``: the settings of this run.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from nvflare.app_common.workflows.model_controller import ModelController
+
+import cxrfl
+from cxrfl.aggregation import site_payload
+from cxrfl.data.site import load_site
+from cxrfl.errors import CxrflError
+from cxrfl.evaluation import evaluate_on_site, shared_classes
+from cxrfl.fl.aggregator import SurgicalAggregator
+from cxrfl.metrics import summarise_auroc
+from cxrfl.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, save_checkpoint
+from cxrfl.site_learner import BATCHNORM_MODES, to_numpy
+from cxrfl.training import TrainConfig
+
+GLOBAL_MODEL = "FL_global_model.pt"
+BEST_MODEL = "best_FL_global_model.pt"
+
+
+class SurgicalAggregation(ModelController):
+    """Surgical aggregation for class-heterogeneous federated multi-label learning.
+
+    Args:
+        num_rounds: maximum number of federated rounds after the warm-up.
+        min_clients: fewest valid site results that make a round; fewer keep the previous model.
+        model_config: :class:`cxrfl.models.ModelConfig` fields.
+        train_config: :class:`cxrfl.training.TrainConfig` fields (sent to the sites).
+        batchnorm: ``fedavg``, ``fedbn`` (BatchNorm local) or ``fedbn+`` (frozen at initial statistics).
+        weighting: ``uniform`` (the papers) or ``samples``.
+        robust: None, ``median`` or ``clip`` robust aggregation (off by default).
+        clip_norm: update norm bound for ``robust="clip"``.
+        patience: rounds without improvement of the mean validation loss before stopping.
+        min_delta: improvement smaller than this does not count.
+        task_timeout: seconds a site may take per task (0: no limit).
+        seed: seed of the initial weights.
+        evaluate_test: evaluate the best model on every site's test split at the end.
+        external_test: server-side site config of a fully annotated external test set (optional).
+        keep_round_checkpoints: keep every round's global model under ``cxrfl/checkpoints``.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_rounds: int = 20,
+        min_clients: int = 2,
+        model_config: dict | None = None,
+        train_config: dict | None = None,
+        batchnorm: str = "fedavg",
+        weighting: str = "uniform",
+        robust: str | None = None,
+        clip_norm: float | None = None,
+        patience: int = 5,
+        min_delta: float = 1e-4,
+        task_timeout: int = 0,
+        seed: int = 0,
+        evaluate_test: bool = True,
+        external_test: str | None = None,
+        keep_round_checkpoints: bool = True,
+    ) -> None:
+        super().__init__(persistor_id="", ignore_result_error=True)
+        if num_rounds < 0 or min_clients < 1 or patience < 1 or task_timeout < 0:
+            raise ValueError("num_rounds >= 0, min_clients >= 1, patience >= 1 and task_timeout >= 0 are required")
+        if batchnorm not in BATCHNORM_MODES:
+            raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
+        self.num_rounds = num_rounds
+        self.min_clients = min_clients
+        self.model_config = ModelConfig.from_dict(model_config or {})
+        self.train_config = TrainConfig.from_dict(train_config or {})
+        self.batchnorm = batchnorm
+        self.patience = patience
+        self.min_delta = min_delta
+        self.task_timeout = task_timeout
+        self.seed = seed
+        self.evaluate_test = evaluate_test
+        self.external_test = external_test
+        self.keep_round_checkpoints = keep_round_checkpoints
+        self.aggregator = SurgicalAggregator(weighting=weighting, batchnorm=batchnorm, robust=robust, clip_norm=clip_norm)
+        self._settings = {
+            "num_rounds": num_rounds, "min_clients": min_clients, "batchnorm": batchnorm, "weighting": weighting,
+            "robust": robust, "clip_norm": clip_norm, "patience": patience, "min_delta": min_delta, "seed": seed,
+            "model_config": self.model_config.to_dict(), "train_config": self.train_config.to_dict(),
+        }
+
+    # ------------------------------------------------------------- helpers
+    def _out(self, *parts: str) -> Path:
+        path = Path(self.get_app_dir()).joinpath(*parts)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _task_meta(self, **extra: Any) -> dict[str, Any]:
+        return {
+            "model_config": self.model_config.to_dict(),
+            "train_config": self.train_config.to_dict(),
+            "batchnorm": self.batchnorm,
+            **extra,
+        }
+
+    def _run_tasks(self, task_name: str, payloads: dict[str, FLModel]) -> dict[str, FLModel]:
+        """Send one task per site (each its own payload) and wait for all of them to end."""
+        results: dict[str, FLModel] = {}
+
+        def collect(result: FLModel) -> bool:
+            results[result.meta["client_name"]] = result
+            return True
+
+        for site, data in payloads.items():
+            self.send_model(task_name=task_name, data=data, targets=[site], callback=collect, timeout=self.task_timeout)
+        while self.get_num_standing_tasks() > 0:
+            if self.abort_signal.triggered:
+                break
+            time.sleep(0.2)
+        return results
+
+    def _save(self, name: str, state: dict[str, np.ndarray], classes: list[str], **extra: Any) -> Path:
+        path = self._out(name)
+        tensors = {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}
+        save_checkpoint(path, tensors, classes=classes, model_config=self.model_config, extra=extra)
+        return path
+
+    def _record(self, record: dict[str, Any]) -> None:
+        with self._out("cxrfl", "rounds.jsonl").open("a") as f:
+            f.write(json.dumps(record, default=_json_default) + "\n")
+
+    def _accept(self, results: dict[str, FLModel], expected: dict[str, tuple], announced: dict[str, list[str]] | None):
+        """Validate the results; returns the aggregated FLModel or None when too few are valid."""
+        self.aggregator.fl_ctx = self.fl_ctx
+        self.aggregator.expect(expected, announced)
+        for result in results.values():
+            self.aggregator.accept_model(result)
+        rejected = dict(self.aggregator.rejected)
+        if len(self.aggregator.accepted_sites) < self.min_clients:
+            self.warning(
+                f"only {len(self.aggregator.accepted_sites)} valid result(s) (min_clients={self.min_clients}); "
+                f"keeping the previous global model"
+            )
+            self.aggregator.reset_stats()
+            return None, rejected
+        return self.aggregator.aggregate_model(), rejected
+
+    # ----------------------------------------------------------------- run
+    def run(self) -> None:
+        self.info(f"surgical aggregation: up to {self.num_rounds} rounds, batchnorm={self.batchnorm}")
+        self._out("cxrfl", "run_config.json").write_text(
+            json.dumps({**self._settings, "cxrfl_version": cxrfl.__version__, "python": platform.python_version(),
+                        "torch": torch.__version__, "external_test": self.external_test}, indent=2)
+        )
+        torch.manual_seed(self.seed)
+        init = build_model(self.model_config, 1)
+        bn_keys = set(batchnorm_keys(init))
+        self.aggregator.bn_keys = tuple(sorted(bn_keys))
+        global_state = {k: v for k, v in to_numpy(init.state_dict()).items() if not k.startswith(HEAD_PREFIX)}
+        del init
+        local_bn = self.batchnorm != "fedavg"
+        expected = {k: v.shape for k, v in global_state.items() if not (local_bn and k in bn_keys)}
+
+        # ---- head warm-up: sites announce their classes with their warmed-up rows
+        sites = self.sample_clients()
+        warm = self._run_tasks(
+            "train",
+            {s: FLModel(params_type=ParamsType.FULL, params=global_state, current_round=0, total_rounds=self.num_rounds,
+                        meta=self._task_meta(phase="warmup", round=0)) for s in sites},
+        )
+        agg, rejected = self._accept(warm, expected, None)
+        if agg is None:
+            self.panic(f"head warm-up produced too few valid results (rejected: {rejected}); stopping")
+            return
+        announced = {s: list(warm[s].meta["classes"]) for s in agg.meta["sites"]}
+        classes = list(agg.meta["classes"])
+        global_state.update(agg.params)
+        shared = shared_classes(announced)
+        self._record(self._round_record(0, "warmup", warm, agg, rejected))
+        self.info(f"global classes after warm-up: {len(classes)} ({len(shared)} shared by 2+ sites)")
+        path = self._save(GLOBAL_MODEL, global_state, classes, round=0)
+
+        # ---- federated rounds
+        best_loss, best_round, best_state, stale = float("inf"), 0, dict(global_state), 0
+        for rnd in range(1, self.num_rounds + 1):
+            if self.abort_signal.triggered:
+                return
+            start = time.perf_counter()
+            payloads = {}
+            for s, site_classes in announced.items():
+                params = site_payload(global_state, classes, site_classes)
+                if self.batchnorm == "fedbn":
+                    params = {k: v for k, v in params.items() if k not in bn_keys}
+                payloads[s] = FLModel(params_type=ParamsType.FULL, params=params, current_round=rnd,
+                                      total_rounds=self.num_rounds, meta=self._task_meta(phase="train", round=rnd))
+            evaluated_state = dict(global_state)
+            results = self._run_tasks("train", payloads)
+            agg, rejected = self._accept(results, expected, announced)
+            if agg is not None:
+                global_state.update(agg.params)
+            losses = [r.meta["metrics"]["val_loss"] for r in results.values()
+                      if r.meta.get("metrics", {}).get("val_loss") is not None and np.isfinite(r.meta["metrics"]["val_loss"])]
+            mean_loss = float(np.mean(losses)) if losses else float("nan")
+            record = self._round_record(rnd, "train", results, agg, rejected)
+            record.update(mean_val_loss_of_previous_global=mean_loss, seconds=time.perf_counter() - start)
+            self._record(record)
+            path = self._save(GLOBAL_MODEL, global_state, classes, round=rnd)
+            if self.keep_round_checkpoints:
+                self._save(f"cxrfl/checkpoints/round_{rnd:03d}.pt", global_state, classes, round=rnd)
+            self.info(f"round {rnd}: {len(results)} site result(s), mean val loss of round {rnd - 1} model {mean_loss:.4f} "
+                      f"({time.perf_counter() - start:.1f}s)")
+            if np.isfinite(mean_loss) and mean_loss < best_loss - self.min_delta:
+                best_loss, best_round, best_state, stale = mean_loss, rnd - 1, evaluated_state, 0
+                self._save(BEST_MODEL, best_state, classes, round=best_round, mean_val_loss=best_loss)
+            else:
+                stale += 1
+                if stale >= self.patience:
+                    self.info(f"early stop: no improvement for {stale} rounds (best round {best_round})")
+                    break
+        if best_round == 0 and not self._out(BEST_MODEL).exists():
+            self._save(BEST_MODEL, global_state, classes, round=self.num_rounds)
+            best_state = global_state
+        self.info(f"global model: {path}; best (round {best_round}): {self._out(BEST_MODEL)}")
+        self._evaluate(best_state, classes, announced, shared, bn_keys)
+
+    def _round_record(self, rnd: int, phase: str, results: dict[str, FLModel], agg: FLModel | None,
+                      rejected: dict[str, str]) -> dict[str, Any]:
+        metrics = {s: {k: v for k, v in r.meta.get("metrics", {}).items()} for s, r in results.items()}
+        return {
+            "round": rnd,
+            "phase": phase,
+            "sites_answered": sorted(results),
+            "sites_aggregated": list(agg.meta["sites"]) if agg else [],
+            "contributors": agg.meta["contributors"] if agg else {},
+            "rejected": rejected,
+            "aggregated": agg is not None,
+            "site_metrics": metrics,
+        }
+
+    def _evaluate(self, state: dict[str, np.ndarray], classes: list[str], announced: dict[str, list[str]],
+                  shared: list[str], bn_keys: set[str]) -> None:
+        report: dict[str, Any] = {"classes": classes, "shared_classes": shared, "sites": {}, "external": None}
+        if self.evaluate_test:
+            payloads = {}
+            for s, site_classes in announced.items():
+                params = site_payload(state, classes, site_classes)
+                if self.batchnorm == "fedbn":
+                    params = {k: v for k, v in params.items() if k not in bn_keys}
+                payloads[s] = FLModel(params_type=ParamsType.FULL, params=params, meta=self._task_meta(split="test"))
+            for s, r in self._run_tasks("validate", payloads).items():
+                m = r.meta.get("metrics", {})
+                report["sites"][s] = {**m, **summarise_auroc(m.get("auroc", {}), shared=shared)}
+        if self.external_test:
+            try:
+                model = build_model(self.model_config, len(classes))
+                model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in state.items()})
+                data = load_site(self.external_test)
+                ext = evaluate_on_site(model, classes, data, image_size=self.model_config.image_size, splits=None)
+                ext.update(summarise_auroc(ext["auroc"], shared=shared))
+                report["external"] = {"site": data.site, **ext}
+                self.info(f"external test {data.site}: mean AUROC {ext['mean']}")
+            except CxrflError as exc:
+                self.error(f"external test set could not be evaluated: {exc}")
+        path = self._out("cxrfl", "evaluation.json")
+        path.write_text(json.dumps(report, indent=2, default=_json_default))
+        self.info(f"evaluation written to {path}")
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)

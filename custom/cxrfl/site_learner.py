@@ -1,0 +1,272 @@
+"""The site side of class-heterogeneous federated training, free of any FL framework.
+
+A :class:`SiteLearner` holds one site's data and local model. It receives parameter dicts
+(the feature extractor plus the head rows of its own classes only), warms the head up,
+trains, evaluates, and returns updates in the form :func:`cxrfl.aggregation.surgical_aggregate`
+takes. State that must survive between rounds (optimizer, local BatchNorm for FedBN) lives on
+disk in ``state_dir``, so a process that is rebuilt every round (NVFlare simulator with
+``-t 1``) behaves like one that lives through the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cxrfl.data.dataset import make_loader
+from cxrfl.data.site import SiteData
+from cxrfl.models import (
+    HEAD_PREFIX,
+    ModelConfig,
+    batchnorm_keys,
+    build_model,
+    freeze_backbone,
+    set_batchnorm_frozen,
+)
+from cxrfl.training import EvalResult, TrainConfig, adam, evaluate, train_epochs
+
+log = logging.getLogger(__name__)
+
+BATCHNORM_MODES = ("fedavg", "fedbn", "fedbn+")
+
+
+def to_numpy(params: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Detach a state dict into CPU numpy arrays (what travels over the wire).
+
+    Args:
+        params: name -> tensor or array.
+    """
+    return {k: (v.detach().cpu().numpy() if torch.is_tensor(v) else np.asarray(v)) for k, v in params.items()}
+
+
+@dataclass
+class SiteUpdate:
+    """What a site returns after a task.
+
+    Args:
+        params: name -> numpy array (feature extractor and own head rows; no BatchNorm under FedBN).
+        classes: the row order of the head in ``params``.
+        num_samples: training images used.
+        metrics: losses, per-class AUROC on the received model, timing.
+    """
+
+    params: dict[str, np.ndarray]
+    classes: list[str]
+    num_samples: int
+    metrics: dict[str, Any]
+
+
+class SiteLearner:
+    """One site's local model, data and optimizer state.
+
+    Args:
+        data: the site's loaded data (its classes define its head rows).
+        state_dir: folder for state kept across rounds (created).
+        model_config: network settings.
+        train_config: optimisation settings.
+        batchnorm: ``fedavg``, ``fedbn`` (BatchNorm stays local) or ``fedbn+`` (frozen).
+        device: torch device.
+        num_workers: data-loader worker processes.
+    """
+
+    def __init__(
+        self,
+        data: SiteData,
+        state_dir: str | Path,
+        *,
+        model_config: ModelConfig,
+        train_config: TrainConfig,
+        batchnorm: str = "fedavg",
+        device: torch.device | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        if batchnorm not in BATCHNORM_MODES:
+            raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
+        self.data = data
+        self.classes = list(data.classes)
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.model_config = model_config
+        self.train_config = train_config
+        self.batchnorm = batchnorm
+        self.device = device or torch.device("cpu")
+        self.num_workers = num_workers
+        torch.manual_seed(train_config.seed)
+        self.model = build_model(model_config, len(self.classes)).to(self.device)
+        if batchnorm == "fedbn+":
+            set_batchnorm_frozen(self.model)
+        self.bn_keys = set(batchnorm_keys(self.model))
+        self._loaders: dict[tuple[str, bool], torch.utils.data.DataLoader] = {}
+
+    # ----------------------------------------------------------------- data
+    def loader(self, split: str, *, train: bool) -> torch.utils.data.DataLoader:
+        """A loader over one split of this site's data, built once (evaluation images are cached).
+
+        Args:
+            split: ``train``, ``val`` or ``test``.
+            train: shuffle and augment.
+        """
+        key = (split, train)
+        if key not in self._loaders:
+            self._loaders[key] = self._make_loader(split, train)
+        return self._loaders[key]
+
+    def _make_loader(self, split: str, train: bool) -> torch.utils.data.DataLoader:
+        tc = self.train_config
+        return make_loader(
+            self.data.split_table(split),
+            self.classes,
+            image_size=self.model_config.image_size,
+            train=train and tc.augment,
+            batch_size=tc.batch_size,
+            num_workers=self.num_workers,
+            seed=tc.seed,
+            cache=not train,
+        )
+
+    @property
+    def num_train(self) -> int:
+        return len(self.data.split_table("train"))
+
+    # --------------------------------------------------------------- params
+    def load_params(self, params: dict[str, Any]) -> None:
+        """Load received parameters; keys the server does not send (local BatchNorm) stay local.
+
+        Args:
+            params: name -> array; head rows must be this site's classes in order.
+        """
+        state = self.model.state_dict()
+        missing = set(state) - set(params) - self.bn_keys
+        if missing and any(not k.startswith(HEAD_PREFIX) for k in missing):
+            raise KeyError(f"received parameters lack {sorted(missing)[:5]} ...")
+        for k, v in params.items():
+            if k not in state:
+                raise KeyError(f"received unknown parameter {k!r}")
+            t = torch.as_tensor(np.asarray(v))
+            if tuple(t.shape) != tuple(state[k].shape):
+                raise ValueError(f"received {k!r} with shape {tuple(t.shape)}, expected {tuple(state[k].shape)}")
+            state[k] = t.to(state[k].dtype)
+        if self.batchnorm == "fedbn":
+            local_bn = self._load("local_bn.pt")
+            if local_bn is not None:
+                state.update(local_bn)
+        self.model.load_state_dict(state)
+
+    def outgoing_params(self) -> dict[str, np.ndarray]:
+        """The parameters this site sends: everything but local BatchNorm under FedBN/FedBN+."""
+        state = self.model.state_dict()
+        if self.batchnorm == "fedbn":
+            self._save("local_bn.pt", {k: v.clone() for k, v in state.items() if k in self.bn_keys})
+        keep = {k: v for k, v in state.items() if self.batchnorm == "fedavg" or k not in self.bn_keys}
+        return to_numpy(keep)
+
+    def _save(self, name: str, obj: Any) -> None:
+        tmp = self.state_dir / f".{name}.tmp"
+        torch.save(obj, tmp)
+        tmp.replace(self.state_dir / name)
+
+    def _load(self, name: str) -> Any:
+        path = self.state_dir / name
+        return torch.load(path, map_location=self.device, weights_only=False) if path.is_file() else None
+
+    # ---------------------------------------------------------------- tasks
+    def validate(self, split: str = "val") -> EvalResult:
+        """Evaluate the current model on one split.
+
+        Args:
+            split: the split name.
+        """
+        return evaluate(self.model, self.loader(split, train=False), self.classes, self.device, amp=self.train_config.amp)
+
+    def warmup(self, params: dict[str, Any]) -> SiteUpdate:
+        """Head warm-up: feature extractor frozen, head trained, best validation loss kept.
+
+        Args:
+            params: the initial global feature extractor (no head rows).
+        """
+        tc = self.train_config
+        start = time.perf_counter()
+        torch.manual_seed(tc.seed)
+        self.model.classifier.reset_parameters()
+        self.load_params(params)
+        freeze_backbone(self.model, True)
+        opt = adam(self.model, tc.warmup_lr, tc.weight_decay)
+        train_loader = self.loader("train", train=True)
+        best, best_state, last = float("inf"), None, None
+        for epoch in range(tc.warmup_epochs):
+            last = train_epochs(
+                self.model, train_loader, opt, self.device, max_steps=tc.max_steps_per_epoch,
+                amp=tc.amp, desc=f"{self.data.site} warm-up {epoch + 1}/{tc.warmup_epochs}", train_mode=False,
+            )
+            val = self.validate("val")
+            if np.isfinite(val.loss) and val.loss < best:
+                best = val.loss
+                best_state = {k: v.clone() for k, v in self.model.state_dict().items()}
+        if best_state is not None:
+            self.model.load_state_dict(best_state)
+        freeze_backbone(self.model, False)
+        if self.batchnorm == "fedbn+":
+            set_batchnorm_frozen(self.model)
+        val = self.validate("val")
+        metrics = {
+            "phase": "warmup",
+            "train_loss": last.loss if last else None,
+            "val_loss": val.loss,
+            "val_auroc": val.aurocs,
+            "val_mean_auroc": val.mean_auroc,
+            "seconds": time.perf_counter() - start,
+        }
+        return SiteUpdate(self.outgoing_params(), self.classes, self.num_train, metrics)
+
+    def train_round(self, params: dict[str, Any], round_num: int) -> SiteUpdate:
+        """One federated round: evaluate the received global model, then train locally.
+
+        Args:
+            params: the global feature extractor and this site's head rows.
+            round_num: the round number (for logs and the optimizer state).
+        """
+        tc = self.train_config
+        start = time.perf_counter()
+        torch.manual_seed(tc.seed + round_num)
+        self.load_params(params)
+        received = self.validate("val")
+        opt = adam(self.model, tc.lr, tc.weight_decay)
+        opt_state = self._load("optimizer.pt")
+        if opt_state is not None:
+            try:
+                opt.load_state_dict(opt_state)
+            except ValueError:
+                log.warning("site %s: stored optimizer state does not fit the model; starting afresh", self.data.site)
+        stats = train_epochs(
+            self.model, self.loader("train", train=True), opt, self.device, epochs=tc.local_epochs,
+            max_steps=tc.max_steps_per_epoch, amp=tc.amp, desc=f"{self.data.site} round {round_num}",
+        )
+        self._save("optimizer.pt", opt.state_dict())
+        metrics = {
+            "phase": "train",
+            "round": round_num,
+            "train_loss": stats.loss,
+            "images_per_second": stats.images_per_second,
+            "val_loss": received.loss,
+            "val_auroc": received.aurocs,
+            "val_mean_auroc": received.mean_auroc,
+            "seconds": time.perf_counter() - start,
+        }
+        return SiteUpdate(self.outgoing_params(), self.classes, self.num_train, metrics)
+
+    def evaluate_params(self, params: dict[str, Any], split: str) -> dict[str, Any]:
+        """Evaluate received parameters on one split (cross-site evaluation).
+
+        Args:
+            params: the global feature extractor and this site's head rows.
+            split: ``val`` or ``test``.
+        """
+        self.load_params(params)
+        res = self.validate(split)
+        return {"split": split, "loss": res.loss, "auroc": res.aurocs, "mean_auroc": res.mean_auroc, "n": len(res.y_true)}

@@ -1,0 +1,253 @@
+"""Framework-free local training and evaluation loops (plain PyTorch).
+
+Used by the NVFlare executors, the baselines and the benchmarks alike, so that "inside the
+simulator" and "plain PyTorch" run the very same code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from cxrfl.errors import ConfigError
+from cxrfl.losses import masked_bce
+from cxrfl.metrics import per_class_auroc, summarise_auroc
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Local optimisation settings; defaults are the surgical-aggregation papers' values.
+
+    Args:
+        lr: Adam learning rate of federated rounds (papers: 5e-5 from ImageNet weights).
+        warmup_lr: learning rate of the head warm-up with a frozen feature extractor.
+        warmup_epochs: head warm-up epochs before federated rounds (papers: 15).
+        local_epochs: local epochs per round (papers: E = 1).
+        batch_size: minibatch size (papers: 64).
+        weight_decay: Adam weight decay.
+        max_steps_per_epoch: cap on optimiser steps per epoch (None: the whole split).
+        augment: random rotation/flip/zoom/contrast on training images.
+        seed: seed of weight init, shuffling and augmentation.
+        amp: mixed precision on CUDA (ignored on CPU).
+    """
+
+    lr: float = 5e-5
+    warmup_lr: float = 5e-3
+    warmup_epochs: int = 15
+    local_epochs: int = 1
+    batch_size: int = 64
+    weight_decay: float = 0.0
+    max_steps_per_epoch: int | None = None
+    augment: bool = True
+    seed: int = 0
+    amp: bool = True
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.warmup_lr <= 0:
+            raise ConfigError("train: lr and warmup_lr must be > 0")
+        if self.warmup_epochs < 0 or self.local_epochs < 1 or self.batch_size < 1:
+            raise ConfigError("train: warmup_epochs >= 0, local_epochs >= 1 and batch_size >= 1 are required")
+        if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
+            raise ConfigError("train: max_steps_per_epoch must be >= 1 or null")
+
+    def to_dict(self) -> dict:
+        """Plain dict (for job configs and task metadata)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> TrainConfig:
+        """Build from a dict, rejecting unknown keys with a clear message.
+
+        Args:
+            data: the mapping (None gives the defaults).
+        """
+        data = dict(data or {})
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown train setting(s): {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+
+@dataclass
+class EpochStats:
+    """What one call of :func:`train_epochs` did.
+
+    Args:
+        loss: mean training loss over all steps.
+        steps: optimiser steps taken.
+        images: images processed.
+        seconds: wall time.
+    """
+
+    loss: float
+    steps: int
+    images: int
+    seconds: float
+
+    @property
+    def images_per_second(self) -> float:
+        return self.images / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class EvalResult:
+    """Validation/test outcome of one model on one split.
+
+    Args:
+        loss: mean masked BCE over known labels.
+        aurocs: class -> AUROC, None where not defined (one label value only).
+        y_true: [n, K] labels (0 where unknown).
+        mask: [n, K] 1 where the label is known.
+        scores: [n, K] predicted probabilities.
+        classes: class order of the columns.
+    """
+
+    loss: float
+    aurocs: dict[str, float | None]
+    y_true: np.ndarray
+    mask: np.ndarray
+    scores: np.ndarray
+    classes: list[str] = field(default_factory=list)
+
+    @property
+    def mean_auroc(self) -> float | None:
+        """Mean over the classes whose AUROC is defined (None when none is)."""
+        return summarise_auroc(self.aurocs)["mean"]
+
+
+def _autocast(device: torch.device, amp: bool):
+    if amp and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def _progress(iterable: Iterable, desc: str | None, total: int | None):
+    return tqdm(iterable, desc=desc, total=total, leave=False, disable=desc is None or not sys.stderr.isatty())
+
+
+def train_epochs(
+    model: nn.Module,
+    loader: torch.utils.data.DataLoader,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    epochs: int = 1,
+    max_steps: int | None = None,
+    class_weight: torch.Tensor | None = None,
+    amp: bool = True,
+    desc: str | None = None,
+    train_mode: bool = True,
+) -> EpochStats:
+    """Run local epochs of masked-BCE training.
+
+    Args:
+        model: the network (its forward returns logits [B, K]).
+        loader: yields (images, targets, mask).
+        optimizer: the optimiser over the trainable parameters.
+        device: where to compute.
+        epochs: number of passes over the loader.
+        max_steps: cap on steps per epoch.
+        class_weight: optional per-class loss weights [K].
+        amp: mixed precision on CUDA.
+        desc: progress-bar label (None: no bar).
+        train_mode: put the model in train mode (False keeps eval mode, e.g. for a frozen backbone).
+    """
+    model.train(train_mode)
+    scaler = torch.amp.GradScaler("cuda") if amp and device.type == "cuda" else None
+    total_loss, steps, images = 0.0, 0, 0
+    start = time.perf_counter()
+    cw = class_weight.to(device) if class_weight is not None else None
+    for _ in range(epochs):
+        n = len(loader) if max_steps is None else min(len(loader), max_steps)
+        for i, (x, y, m) in enumerate(_progress(loader, desc, n)):
+            if max_steps is not None and i >= max_steps:
+                break
+            x = x.to(device, non_blocking=True)
+            if device.type == "cuda":
+                x = x.contiguous(memory_format=torch.channels_last)
+            y, m = y.to(device, non_blocking=True), m.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            with _autocast(device, amp):
+                logits = model(x)
+            loss = masked_bce(logits.float(), y, m, class_weight=cw)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"training loss became {loss.item()} at step {steps}")
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
+            total_loss += float(loss.detach())
+            steps += 1
+            images += int(x.shape[0])
+    return EpochStats(loss=total_loss / max(steps, 1), steps=steps, images=images, seconds=time.perf_counter() - start)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    loader: torch.utils.data.DataLoader,
+    classes: Sequence[str],
+    device: torch.device,
+    *,
+    amp: bool = True,
+    desc: str | None = None,
+) -> EvalResult:
+    """Masked BCE and per-class AUROC of a model on one split.
+
+    Args:
+        model: the network.
+        loader: yields (images, targets, mask) without augmentation.
+        classes: the class names of the model's outputs, in order.
+        device: where to compute.
+        amp: mixed precision on CUDA.
+        desc: progress-bar label (None: no bar).
+    """
+    model.eval()
+    ys, ms, ps = [], [], []
+    total, known = 0.0, 0.0
+    for x, y, m in _progress(loader, desc, len(loader)):
+        x = x.to(device, non_blocking=True)
+        with _autocast(device, amp):
+            logits = model(x).float()
+        y, m = y.to(device), m.to(device)
+        total += float(masked_bce(logits, y, m, reduction="sum"))
+        known += float(m.sum())
+        ys.append(y.cpu().numpy())
+        ms.append(m.cpu().numpy())
+        ps.append(torch.sigmoid(logits).cpu().numpy())
+    k = len(classes)
+    y_true = np.concatenate(ys) if ys else np.zeros((0, k), np.float32)
+    mask = np.concatenate(ms) if ms else np.zeros((0, k), np.float32)
+    scores = np.concatenate(ps) if ps else np.zeros((0, k), np.float32)
+    loss = total / known if known else math.nan
+    return EvalResult(
+        loss=loss,
+        aurocs=per_class_auroc(y_true, scores, list(classes), mask=mask),
+        y_true=y_true,
+        mask=mask,
+        scores=scores,
+        classes=list(classes),
+    )
+
+
+def adam(model: nn.Module, lr: float, weight_decay: float = 0.0) -> torch.optim.Adam:
+    """Adam over the model's trainable parameters.
+
+    Args:
+        model: the network.
+        lr: learning rate.
+        weight_decay: weight decay.
+    """
+    return torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
