@@ -26,7 +26,8 @@ class SurgicalAggregator(ModelAggregator):
         weighting: ``uniform`` (the papers) or ``samples`` (weighted by ``num_samples``).
         batchnorm: ``fedavg``, ``fedbn`` or ``fedbn+`` (see the core function).
         bn_keys: BatchNorm parameter and buffer names (from :func:`cxrfl.models.batchnorm_keys`).
-        robust: None, ``median`` or ``clip`` (off by default).
+        robust: None, ``median`` or ``clip`` (off by default). ``clip`` bounds each update relative
+            to the previous global model, so the first aggregation (no reference yet) is a plain mean.
         clip_norm: update norm bound for ``clip``.
         head_prefix: state-dict prefix of the classification head.
     """
@@ -55,19 +56,30 @@ class SurgicalAggregator(ModelAggregator):
         self.head_prefix = head_prefix
         self.expected_shapes: dict[str, tuple] | None = None
         self.announced: dict[str, list[str]] = {}
+        self.classes: list[str] | None = None
         self.reference: dict | None = None
         self.rejected: dict[str, str] = {}
         self._updates: list[dict] = []
 
-    def expect(self, shapes: dict[str, tuple] | None, announced: dict[str, list[str]] | None = None) -> None:
+    def expect(
+        self,
+        shapes: dict[str, tuple] | None,
+        announced: dict[str, list[str]] | None = None,
+        classes: list[str] | None = None,
+        reference: dict | None = None,
+    ) -> None:
         """Set what valid results look like for the next aggregation.
 
         Args:
             shapes: non-head parameter name -> shape every site must send.
             announced: site -> the classes it announced; rows for other classes are rejected.
+            classes: the global class order; a class no valid site sent keeps its ``reference`` row.
+            reference: the previous global parameters (needed with ``classes`` and for ``clip``).
         """
         self.expected_shapes = shapes
         self.announced = dict(announced or {})
+        self.classes = list(classes) if classes is not None else None
+        self.reference = reference
 
     def accept_model(self, model: FLModel) -> bool:
         """Validate one site's result and keep it for aggregation.
@@ -119,11 +131,12 @@ class SurgicalAggregator(ModelAggregator):
         params, classes = surgical_aggregate(
             self._updates,
             head_prefix=self.head_prefix,
+            classes=self.classes,
             weighting=self.weighting,
             batchnorm=self.batchnorm,
             bn_keys=self.bn_keys,
-            robust=self.robust,
-            clip_norm=self.clip_norm,
+            robust=None if self.robust == "clip" and self.reference is None else self.robust,
+            clip_norm=self.clip_norm if self.reference is not None else None,
             reference=self.reference,
         )
         meta = {"classes": classes, "contributors": self.contributors(), "sites": self.accepted_sites}

@@ -146,10 +146,11 @@ class SurgicalAggregation(ModelController):
         with self._out("cxrfl", "rounds.jsonl").open("a") as f:
             f.write(json.dumps(record, default=_json_default) + "\n")
 
-    def _accept(self, results: dict[str, FLModel], expected: dict[str, tuple], announced: dict[str, list[str]] | None):
-        """Validate the results; returns the aggregated FLModel or None when too few are valid."""
+    def _accept(self, results: dict[str, FLModel], expected: dict[str, tuple], announced: dict[str, list[str]] | None,
+                classes: list[str] | None = None, reference: dict[str, np.ndarray] | None = None):
+        """Validate the results; returns (aggregated FLModel or None when too few are valid, rejections)."""
         self.aggregator.fl_ctx = self.fl_ctx
-        self.aggregator.expect(expected, announced)
+        self.aggregator.expect(expected, announced, classes, reference)
         for result in results.values():
             self.aggregator.accept_model(result)
         rejected = dict(self.aggregator.rejected)
@@ -212,7 +213,7 @@ class SurgicalAggregation(ModelController):
                                       total_rounds=self.num_rounds, meta=self._task_meta(phase="train", round=rnd))
             evaluated_state = dict(global_state)
             results = self._run_tasks("train", payloads)
-            agg, rejected = self._accept(results, expected, announced)
+            agg, rejected = self._accept(results, expected, announced, classes, evaluated_state)
             if agg is not None:
                 global_state.update(agg.params)
             losses = [r.meta["metrics"]["val_loss"] for r in results.values()

@@ -1,0 +1,163 @@
+"""Per-class AUROC (scikit-learn), summaries as the papers report them, and their statistics."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from scipy import stats
+from sklearn.metrics import roc_auc_score
+
+
+def _labels_2d(y_true: np.ndarray, y_score: np.ndarray, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    y_true = np.asarray(y_true, dtype=float)
+    y_score = np.asarray(y_score, dtype=float)
+    if y_true.ndim == 1 and n_classes == 1:
+        y_true, y_score = y_true[:, None], y_score.reshape(-1, 1)
+    if y_true.ndim != 2 or y_true.shape[1] != n_classes or y_score.shape != y_true.shape:
+        raise ValueError(
+            f"y_true {y_true.shape} and y_score {y_score.shape} must both be [n_samples, {n_classes}] "
+            f"({n_classes} classes)"
+        )
+    return y_true, y_score
+
+
+def per_class_auroc(
+    y_true: np.ndarray,
+    y_score: np.ndarray,
+    classes: Sequence[str],
+    mask: np.ndarray | None = None,
+) -> dict[str, float | None]:
+    """AUROC of each class over its known entries (``sklearn.metrics.roc_auc_score``).
+
+    Args:
+        y_true: [n, K] labels in {0, 1}; NaN marks an unknown label when ``mask`` is None.
+        y_score: [n, K] scores (logits or probabilities).
+        classes: the K class names, in column order.
+        mask: [n, K], nonzero where the label is known (default: where ``y_true`` is not NaN).
+
+    Returns:
+        class -> AUROC, or None ("not defined") when the known entries of a class hold only one
+        label value (never 0.5).
+    """
+    classes = list(classes)
+    y_true, y_score = _labels_2d(y_true, y_score, len(classes))
+    known = ~np.isnan(y_true) if mask is None else np.asarray(mask).reshape(y_true.shape) != 0
+    out: dict[str, float | None] = {}
+    for j, name in enumerate(classes):
+        t, s = y_true[known[:, j], j], y_score[known[:, j], j]
+        if not np.isin(t, (0.0, 1.0)).all():
+            raise ValueError(f"class {name!r}: known labels must be 0 or 1, found {sorted(set(t) - {0.0, 1.0})[:5]}")
+        out[name] = float(roc_auc_score(t, s)) if np.unique(t).size == 2 else None
+    return out
+
+
+def _mean_sd(values: Sequence[float]) -> dict[str, Any]:
+    n = len(values)
+    return {
+        "mean": float(np.mean(values)) if n else None,
+        "sd": float(np.std(values, ddof=1)) if n >= 2 else None,
+        "n": n,
+    }
+
+
+def summarise_auroc(aurocs: Mapping[str, float | None], *, shared: Iterable[str] | None = None) -> dict[str, Any]:
+    """Mean +- SD of the defined per-class AUROCs, optionally split into shared and unique classes.
+
+    SD is the sample standard deviation (ddof=1, as the papers report); None when fewer than two
+    classes are defined (mean None when none is).
+
+    Args:
+        aurocs: class -> AUROC or None (undefined, left out of the statistics).
+        shared: the classes that several sites have; the rest are "unique".
+
+    Returns:
+        ``{'mean', 'sd', 'n', 'undefined': [classes]}`` plus, when ``shared`` is given,
+        ``'shared'`` and ``'unique'``: ``{'mean', 'sd', 'n'}`` each.
+    """
+    defined = {c: float(v) for c, v in aurocs.items() if v is not None and not math.isnan(v)}
+    summary = _mean_sd(list(defined.values()))
+    summary["undefined"] = sorted(c for c in aurocs if c not in defined)
+    if shared is not None:
+        shared_set = set(shared)
+        summary["shared"] = _mean_sd([v for c, v in defined.items() if c in shared_set])
+        summary["unique"] = _mean_sd([v for c, v in defined.items() if c not in shared_set])
+    return summary
+
+
+def bootstrap_auroc_ci(
+    y_true: np.ndarray,
+    y_score: np.ndarray,
+    *,
+    n_boot: int = 1000,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap confidence interval of one class's AUROC.
+
+    Resamples (with replacement) that draw a single label value are skipped.
+
+    Args:
+        y_true: [n] labels in {0, 1}, both values present.
+        y_score: [n] scores.
+        n_boot: number of resamples.
+        alpha: 1 - confidence level (0.05: 95 % interval).
+        seed: seed of ``numpy.random.default_rng`` (same seed, same interval).
+
+    Returns:
+        (lower, upper).
+    """
+    y_true = np.asarray(y_true, dtype=float).ravel()
+    y_score = np.asarray(y_score, dtype=float).ravel()
+    if y_true.shape != y_score.shape:
+        raise ValueError(f"y_true {y_true.shape} and y_score {y_score.shape} differ in length")
+    if not np.isin(y_true, (0.0, 1.0)).all() or np.unique(y_true).size != 2:
+        raise ValueError("y_true must hold labels 0 and 1, both present (AUROC is undefined otherwise)")
+    if n_boot < 1 or not 0 < alpha < 1:
+        raise ValueError(f"need n_boot >= 1 and 0 < alpha < 1, got n_boot={n_boot}, alpha={alpha}")
+    rng = np.random.default_rng(seed)
+    n = y_true.size
+    scores = []
+    for _ in range(n_boot):
+        idx = rng.integers(0, n, n)
+        t = y_true[idx]
+        if t.min() != t.max():
+            scores.append(roc_auc_score(t, y_score[idx]))
+    if not scores:
+        raise ValueError("no bootstrap resample held both labels; too few samples")
+    lower, upper = np.quantile(scores, [alpha / 2, 1 - alpha / 2])
+    return float(lower), float(upper)
+
+
+def paired_ttest(a: Mapping[str, float | None], b: Mapping[str, float | None]) -> dict[str, Any]:
+    """Paired t-test (``scipy.stats.ttest_rel``) of two methods' per-class AUROCs.
+
+    Args:
+        a: class -> AUROC of method A (None: undefined).
+        b: class -> AUROC of method B.
+
+    Returns:
+        ``{'t', 'p', 'n', 'shapiro_p', 'classes'}`` over the classes defined in both (sorted);
+        t and p are None when n < 2 or the differences are all equal; ``shapiro_p``
+        (``scipy.stats.shapiro`` on a - b, a normality check) is None when n < 3 or the
+        differences are all equal.
+    """
+
+    def ok(v: float | None) -> bool:
+        return v is not None and not math.isnan(v)
+
+    common = sorted(c for c in a if c in b and ok(a[c]) and ok(b[c]))
+    x = np.array([a[c] for c in common], dtype=float)
+    y = np.array([b[c] for c in common], dtype=float)
+    diff = x - y
+    n = len(common)
+    varies = n >= 2 and np.ptp(diff) > 0
+    result: dict[str, Any] = {"t": None, "p": None, "n": n, "shapiro_p": None, "classes": common}
+    if varies:
+        test = stats.ttest_rel(x, y)
+        result["t"], result["p"] = float(test.statistic), float(test.pvalue)
+    if varies and n >= 3:
+        result["shapiro_p"] = float(stats.shapiro(diff).pvalue)
+    return result

@@ -1,0 +1,337 @@
+"""Surgical aggregation on tiny hand-made parameter dicts, checked against hand-computed values
+and against NVFlare's own weighted aggregation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from nvflare.app_common.aggregators.weighted_aggregation_helper import WeightedAggregationHelper
+
+from cxrfl.aggregation import site_payload, surgical_aggregate, validate_update
+from cxrfl.errors import UpdateRejected
+
+W, B = "classifier.weight", "classifier.bias"
+
+
+def update(site, head, body, n=1):
+    """head: {class: ([row...], bias)} in the site's row order; body: name -> array-like."""
+    classes = list(head)
+    params = {k: np.asarray(v, dtype=np.float32) for k, v in body.items()}
+    params[W] = np.array([head[c][0] for c in classes], dtype=np.float32)
+    params[B] = np.array([head[c][1] for c in classes], dtype=np.float32)
+    return {"site": site, "classes": classes, "params": params, "num_samples": n}
+
+
+def three_sites():
+    """Shared (y: all three), partially shared (x: a and c) and unique classes (w: c, z: b)."""
+    return [
+        update("a", {"x": ([1, 0], 1), "y": ([0, 2], 2)}, {"f.w": [[1, 2], [3, 4]], "f.b": [1]}, n=1),
+        update("b", {"y": ([4, 4], 4), "z": ([6, 0], 6)}, {"f.w": [[3, 2], [1, 0]], "f.b": [4]}, n=2),
+        update("c", {"x": ([3, 2], 3), "y": ([2, 0], 0), "w": ([9, 9], 9)}, {"f.w": [[2, 2], [2, 2]], "f.b": [7]}, n=5),
+    ]
+
+
+def to_torch(u):
+    return {**u, "params": {k: torch.from_numpy(np.array(v)) for k, v in u["params"].items()}}
+
+
+def test_uniform_shared_partial_and_unique_classes():
+    params, classes = surgical_aggregate(three_sites())
+    assert classes == ["w", "x", "y", "z"]  # sorted union
+    np.testing.assert_allclose(params["f.w"], [[2, 2], [2, 2]])
+    np.testing.assert_allclose(params["f.b"], [4])
+    # w: only site c; x: mean of a and c; y: mean of all three; z: only site b
+    np.testing.assert_allclose(params[W], [[9, 9], [2, 1], [2, 2], [6, 0]])
+    np.testing.assert_allclose(params[B], [9, 2, 2, 6])
+    assert params[W].dtype == np.float32 and list(params) == ["f.w", "f.b", W, B]
+
+
+def test_sample_weighting():
+    params, classes = surgical_aggregate(three_sites(), weighting="samples")  # n = 1, 2, 5
+    np.testing.assert_allclose(params["f.w"], np.array([[17, 16], [15, 14]]) / 8, rtol=1e-6)
+    np.testing.assert_allclose(params["f.b"], [44 / 8], rtol=1e-6)
+    expected_w = [[9, 9], [16 / 6, 10 / 6], [18 / 8, 10 / 8], [6, 0]]
+    np.testing.assert_allclose(params[W], expected_w, rtol=1e-6)
+    np.testing.assert_allclose(params[B], [9, 16 / 6, 10 / 8, 6], rtol=1e-6)
+
+
+def test_unique_class_keeps_its_row_exactly():
+    rng = np.random.default_rng(0)
+    row = rng.normal(size=5).astype(np.float32)
+    ups = [
+        update("a", {"rare": (row, 0.123456789)}, {"f": rng.normal(size=3)}),
+        update("b", {"common": (np.ones(5), 1.0)}, {"f": rng.normal(size=3)}, n=7),
+    ]
+    params, classes = surgical_aggregate(ups, weighting="samples")
+    assert classes == ["common", "rare"]
+    assert np.array_equal(params[W][1], row)
+    assert params[B][1] == np.float32(0.123456789)
+
+
+def test_explicit_class_order_and_unknown_class():
+    params, classes = surgical_aggregate(three_sites(), classes=["z", "y", "x", "w", "extra"],
+                                         reference={W: np.full((5, 2), 7.0), B: np.full(5, 7.0)})
+    assert classes == ["z", "y", "x", "w", "extra"]
+    np.testing.assert_allclose(params[W], [[6, 0], [2, 2], [2, 1], [9, 9], [7, 7]])  # extra: reference row
+    np.testing.assert_allclose(params[B], [6, 2, 2, 9, 7])
+    with pytest.raises(ValueError, match="no site sent class 'extra'"):
+        surgical_aggregate(three_sites(), classes=["z", "y", "x", "w", "extra"])
+    with pytest.raises(UpdateRejected, match=r"site c: .*\['w'\].*never announced"):
+        surgical_aggregate(three_sites(), classes=["x", "y", "z"])
+
+
+def with_bn(u, mean, count, var=1.0):
+    u["params"]["f.norm1.running_mean"] = np.full(2, mean, np.float32)
+    u["params"]["f.norm1.running_var"] = np.full(2, var, np.float32)
+    u["params"]["f.norm1.num_batches_tracked"] = np.array(count, dtype=np.int64)
+    return u
+
+
+BN_KEYS = ["f.norm1.running_mean", "f.norm1.running_var", "f.norm1.num_batches_tracked"]
+
+
+def test_batchnorm_fedavg_averages_bn_keys():
+    ups = [with_bn(u, m, c) for u, m, c in zip(three_sites(), (0.0, 3.0, 6.0), (10, 20, 31))]
+    params, _ = surgical_aggregate(ups, bn_keys=BN_KEYS, batchnorm="fedavg")
+    np.testing.assert_allclose(params["f.norm1.running_mean"], [3, 3])
+    # integer buffer: weighted mean rounded to the nearest integer, dtype kept: (10 + 20 + 31) / 3 = 20.33
+    assert params["f.norm1.num_batches_tracked"] == 20
+    assert params["f.norm1.num_batches_tracked"].dtype == np.int64
+    params, _ = surgical_aggregate(ups, bn_keys=BN_KEYS, weighting="samples")
+    assert params["f.norm1.num_batches_tracked"] == round((10 + 40 + 155) / 8)  # 25.6 -> 26
+
+
+@pytest.mark.parametrize("mode", ["fedbn", "fedbn+"])
+def test_batchnorm_local_modes_leave_bn_keys_out(mode):
+    ups = [with_bn(u, m, c) for u, m, c in zip(three_sites(), (0.0, 3.0, 6.0), (10, 20, 31))]
+    params, _ = surgical_aggregate(ups, bn_keys=BN_KEYS, batchnorm=mode)
+    assert set(params) == {"f.w", "f.b", W, B}
+    np.testing.assert_allclose(params["f.w"], [[2, 2], [2, 2]])
+    # sites may also keep their BatchNorm entries to themselves (and may differ in them)
+    ups[0]["params"] = {k: v for k, v in ups[0]["params"].items() if k not in BN_KEYS}
+    ups[1]["params"]["f.norm1.running_mean"] = np.zeros(7, np.float32)
+    params2, _ = surgical_aggregate(ups, bn_keys=BN_KEYS, batchnorm=mode)
+    assert set(params2) == set(params)
+
+
+def test_payload_rows_in_site_order():
+    params, classes = surgical_aggregate(three_sites())
+    payload = site_payload(params, classes, ["z", "x"])
+    assert list(payload) == ["f.w", "f.b", W, B]
+    np.testing.assert_allclose(payload[W], [[6, 0], [2, 1]])
+    np.testing.assert_allclose(payload[B], [6, 2])
+    assert payload["f.w"] is params["f.w"]
+    torch_params = {k: torch.from_numpy(v) for k, v in params.items()}
+    tp = site_payload(torch_params, classes, ["y"])
+    assert torch.equal(tp[W], torch.tensor([[2.0, 2.0]])) and torch.equal(tp[B], torch.tensor([2.0]))
+    with pytest.raises(ValueError, match="'Hernia'.*not in the global"):
+        site_payload(params, classes, ["x", "Hernia"])
+    with pytest.raises(ValueError, match="duplicate"):
+        site_payload(params, classes, ["x", "x"])
+
+
+def random_sites(rng, n_sites, classes, kind):
+    ups = []
+    for i in range(n_sites):
+        body = {"conv.weight": rng.normal(size=(4, 3, 3, 3)), "norm.running_var": rng.random(4) + 0.5,
+                "fc.bias": rng.normal(size=6)}
+        head = {c: (rng.normal(size=6), rng.normal()) for c in classes}
+        u = update(f"site-{i}", head, body, n=int(rng.integers(1, 500)))
+        ups.append(to_torch(u) if kind == "torch" else u)
+    return ups
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("weighting", ["uniform", "samples"])
+def test_identical_class_sets_equal_nvflare_fedavg(kind, weighting):
+    rng = np.random.default_rng(42)
+    ups = random_sites(rng, 4, ["a", "b", "c"], kind)
+    ours, classes = surgical_aggregate(ups, weighting=weighting)
+    helper = WeightedAggregationHelper()
+    for u in ups:
+        data = {k: (v.clone() if kind == "torch" else v.copy()) for k, v in u["params"].items()}
+        helper.add(data, u["num_samples"] if weighting == "samples" else 1, u["site"], 0)
+    theirs = helper.get_result()
+    assert classes == ["a", "b", "c"] and set(ours) == set(theirs)
+    for k in theirs:
+        assert isinstance(ours[k], torch.Tensor if kind == "torch" else np.ndarray)
+        np.testing.assert_allclose(np.asarray(ours[k]), np.asarray(theirs[k]), rtol=1e-5, atol=1e-6)
+
+
+def test_torch_and_numpy_inputs_give_the_same_result():
+    ups = three_sites()
+    ref, _ = surgical_aggregate(ups, weighting="samples")
+    tparams, _ = surgical_aggregate([to_torch(u) for u in ups], weighting="samples")
+    for k, v in ref.items():
+        assert isinstance(tparams[k], torch.Tensor) and tparams[k].dtype == torch.float32
+        np.testing.assert_allclose(tparams[k].numpy(), v)
+    gen_params, _ = surgical_aggregate(u for u in three_sites())  # a one-shot iterator works too
+    np.testing.assert_allclose(gen_params[W], surgical_aggregate(three_sites())[0][W])
+
+
+def good():
+    return update("h1", {"x": ([1, 2], 0), "y": ([3, 4], 0)}, {"f": [1.0, 2.0]}, n=10)
+
+
+SHAPES = {"f": (2,), W: (5, 2), B: (5,)}
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda u: u["params"].__setitem__("f", np.array([np.nan, 1], np.float32)), "non-finite"),
+        (lambda u: u["params"].__setitem__(W, np.array([[1, np.inf], [0, 0]], np.float32)), "non-finite"),
+        (lambda u: u["params"].__setitem__("f", np.zeros(3, np.float32)), r"'f' has shape \(3,\), expected \(2,\)"),
+        (lambda u: u["params"].pop("f"), r"missing parameter\(s\) 'f'"),
+        (lambda u: u["params"].__setitem__("g", np.zeros(1, np.float32)), r"unexpected parameter\(s\) 'g'"),
+        (lambda u: u["params"].__setitem__(W, np.zeros((3, 2), np.float32)), "one row per class"),
+        (lambda u: u["params"].__setitem__(B, np.zeros(3, np.float32)), "head bias"),
+        (lambda u: u["params"].__setitem__(W, np.zeros((2, 4), np.float32)), "4 inputs, expected 2"),
+        (lambda u: u.__setitem__("classes", ["x", "Hernia"]), r"\['Hernia'\].*never announced"),
+        (lambda u: u.__setitem__("classes", ["x", "x"]), r"duplicate class names \['x'\]"),
+        (lambda u: u.__setitem__("num_samples", 0), "num_samples must be a positive integer"),
+        (lambda u: u.__setitem__("num_samples", -5), "num_samples must be a positive integer"),
+        (lambda u: u.__setitem__("num_samples", 2.5), "num_samples must be a positive integer"),
+        (lambda u: u.pop("classes"), "missing field"),
+    ],
+)
+def test_validate_update_rejections(mutate, reason):
+    validate_update(good(), expected_shapes=SHAPES, announced_classes=["x", "y", "z"])  # the good one passes
+    u = good()
+    mutate(u)
+    with pytest.raises(UpdateRejected, match=rf"^site h1: .*{reason}"):
+        validate_update(u, expected_shapes=SHAPES, announced_classes=["x", "y", "z"])
+
+
+def test_validate_update_torch_nan():
+    u = to_torch(good())
+    u["params"]["f"][1] = float("nan")
+    with pytest.raises(UpdateRejected, match="site h1: non-finite values"):
+        validate_update(u)
+
+
+def test_aggregate_rejects_and_names_the_bad_site():
+    ups = three_sites()
+    ups[1]["params"]["f.w"][0, 1] = np.inf
+    with pytest.raises(UpdateRejected, match=r"^site b: non-finite values \(NaN or Inf\) in 'f.w'"):
+        surgical_aggregate(ups)
+    ups = [to_torch(u) for u in three_sites()]
+    ups[2]["params"][B][0] = float("nan")
+    with pytest.raises(UpdateRejected, match=r"^site c: non-finite .* 'classifier.bias'"):
+        surgical_aggregate(ups)
+    ups = three_sites()
+    ups[2]["params"]["f.extra"] = np.zeros(1, np.float32)
+    with pytest.raises(UpdateRejected, match=r"^site c: unexpected parameter"):
+        surgical_aggregate(ups)
+    ups = three_sites()
+    ups[2]["site"] = "a"
+    with pytest.raises(UpdateRejected, match="site a: sent more than one update"):
+        surgical_aggregate(ups)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"weighting": "size"}, "weighting"),
+        ({"batchnorm": "bn"}, "batchnorm"),
+        ({"robust": "trimmed"}, "robust"),
+        ({"robust": "median", "weighting": "samples"}, "unweighted"),
+        ({"robust": "clip", "clip_norm": 1.0}, "reference"),
+        ({"robust": "clip", "clip_norm": 0.0, "reference": {}}, "clip_norm"),
+        ({"clip_norm": 1.0}, "only used with robust='clip'"),
+        ({"classes": ["x", "x"]}, "duplicate"),
+        ({"bn_keys": [W], "batchnorm": "fedbn"}, "head"),
+    ],
+)
+def test_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        surgical_aggregate(three_sites(), **kwargs)
+
+
+HONEST = [1.0, 1.2, 0.8, 1.1]
+
+
+def poisoned_sites(scale=1e6):
+    values = [*HONEST, 1.0 * scale]  # the last site sends its weights scaled by 1e6
+    return [update(f"s{i}", {"x": ([v], v)}, {"f.w": np.full((2, 2), v)}) for i, v in enumerate(values)]
+
+
+def test_robust_median_and_clip_survive_a_scaled_site():
+    mean, _ = surgical_aggregate(poisoned_sites())
+    np.testing.assert_allclose(mean["f.w"], np.full((2, 2), (sum(HONEST) + 1e6) / 5), rtol=1e-6)  # ruined
+    assert mean["f.w"][0, 0] > 1e5
+
+    median, _ = surgical_aggregate(poisoned_sites(), robust="median")
+    np.testing.assert_allclose(median["f.w"], np.full((2, 2), 1.1))  # median of 0.8 1.0 1.1 1.2 1e6
+    np.testing.assert_allclose(median[W], [[1.1]])
+    np.testing.assert_allclose(median[B], [1.1])
+
+    reference = {"f.w": np.ones((2, 2), np.float32), W: np.ones((1, 1), np.float32), B: np.ones(1, np.float32)}
+    clipped, _ = surgical_aggregate(poisoned_sites(), robust="clip", clip_norm=0.5, reference=reference)
+    # body: honest deltas have norm |d| * 2 <= 0.4 (kept); the attacker's is clipped to norm 0.5 -> 0.25 each
+    np.testing.assert_allclose(clipped["f.w"], np.full((2, 2), 1 + (0 + 0.2 - 0.2 + 0.1 + 0.25) / 5), rtol=1e-6)
+    # head row (weight, bias): honest norms |d| * sqrt(2) <= 0.283; attacker's clipped to 0.5 -> 0.5 / sqrt(2) each
+    row = 1 + (0 + 0.2 - 0.2 + 0.1 + 0.5 / np.sqrt(2)) / 5
+    np.testing.assert_allclose(clipped[W], [[row]], rtol=1e-6)
+    np.testing.assert_allclose(clipped[B], [row], rtol=1e-6)
+    assert abs(clipped["f.w"][0, 0] - 1.025) < 0.1 and abs(median["f.w"][0, 0] - 1.025) < 0.1
+
+
+def test_robust_modes_without_attack_are_close_to_mean():
+    honest = poisoned_sites(scale=1.0)[:4]
+    reference = {"f.w": np.ones((2, 2), np.float32), W: np.ones((1, 1), np.float32), B: np.ones(1, np.float32)}
+    mean, _ = surgical_aggregate(honest)
+    clipped, _ = surgical_aggregate(honest, robust="clip", clip_norm=10.0, reference=reference, classes=["x"])
+    np.testing.assert_allclose(clipped["f.w"], mean["f.w"], rtol=1e-6)  # nothing exceeds the norm: plain mean
+    np.testing.assert_allclose(clipped[W], mean[W], rtol=1e-6)
+    median, _ = surgical_aggregate([to_torch(u) for u in honest], robust="median")
+    assert isinstance(median["f.w"], torch.Tensor)
+    np.testing.assert_allclose(median["f.w"].numpy(), np.full((2, 2), 1.05), rtol=1e-6)  # mean of 1.0 and 1.1
+
+
+def test_median_head_uses_only_sites_with_the_class():
+    ups = [
+        update("a", {"x": ([1.0], 1.0), "y": ([100.0], 100.0)}, {"f": [0.0]}),
+        update("b", {"x": ([2.0], 2.0)}, {"f": [0.0]}),
+        update("c", {"x": ([9.0], 9.0), "y": ([300.0], 300.0)}, {"f": [0.0]}),
+    ]
+    params, classes = surgical_aggregate(ups, robust="median")
+    assert classes == ["x", "y"]
+    np.testing.assert_allclose(params[W], [[2.0], [200.0]])
+
+
+def test_reference_must_match():
+    body_only = {"f.w": np.ones((2, 2), np.float32)}
+    with pytest.raises(ValueError, match="needs the reference head"):
+        surgical_aggregate(poisoned_sites(), robust="clip", clip_norm=1.0, reference=body_only, classes=["x"])
+    bad_rows = {**body_only, W: np.ones((2, 1), np.float32), B: np.ones(2, np.float32)}
+    for classes in (["x"], None):
+        with pytest.raises(ValueError, match="one row per entry of classes"):
+            surgical_aggregate(poisoned_sites(), robust="clip", clip_norm=1.0, reference=bad_rows, classes=classes)
+    with pytest.raises(ValueError, match=r"reference must hold 'f.w' with shape \(2, 2\), found nothing"):
+        surgical_aggregate(poisoned_sites(), robust="clip", clip_norm=1.0, reference={W: [[1.0]], B: [1.0]})
+
+
+def test_validate_update_expected_shapes_without_head_entries():
+    validate_update(good(), expected_shapes={"f": [2]})
+    with pytest.raises(UpdateRejected, match="missing parameter"):
+        validate_update(good(), expected_shapes={"f": [2], "g": [1]})
+
+
+def test_clip_reference_rows_follow_the_global_class_order():
+    ups = [
+        update("a", {"y": ([5.0], 5.0), "x": ([1.0], 1.0)}, {"f": [0.0]}),
+        update("b", {"x": ([3.0], 3.0)}, {"f": [2.0]}),
+    ]
+    ref_sorted = {"f": np.zeros(1, np.float32), W: np.array([[2.0], [4.0]], np.float32),
+                  B: np.array([2.0, 4.0], np.float32)}
+    # clip_norm 1.5: x deltas (-1, -1) and (1, 1) have norm 1.41 (kept); y delta (1, 1) kept; body deltas 0 and 2 -> 1.5
+    params, classes = surgical_aggregate(ups, robust="clip", clip_norm=1.5, reference=ref_sorted)
+    assert classes == ["x", "y"]
+    np.testing.assert_allclose(params[W], [[2.0], [5.0]])
+    np.testing.assert_allclose(params["f"], [(0 + 1.5) / 2])
+    ref_yx = {"f": ref_sorted["f"], W: ref_sorted[W][::-1].copy(), B: ref_sorted[B][::-1].copy()}
+    params_yx, classes_yx = surgical_aggregate(ups, robust="clip", clip_norm=1.5, reference=ref_yx, classes=["y", "x"])
+    assert classes_yx == ["y", "x"]
+    np.testing.assert_allclose(params_yx[W], [[5.0], [2.0]])

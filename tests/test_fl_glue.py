@@ -1,0 +1,106 @@
+"""NVFlare glue without a running federation: config resolution and the aggregator component."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+
+from cxrfl.errors import ConfigError
+from cxrfl.fl.aggregator import SurgicalAggregator
+from cxrfl.fl.executor import LOCAL_CONFIG_NAME, resolve_site_config
+
+
+def test_site_config_resolution_order(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CXRFL_SITE_CONFIG", raising=False)
+    monkeypatch.delenv("CXRFL_SITE_CONFIG_DIR", raising=False)
+    (tmp_path / "site_configs").mkdir()
+    (tmp_path / "site_configs" / "h1.yaml").write_text("x")
+    path, how = resolve_site_config("h1")
+    assert path == (tmp_path / "site_configs" / "h1.yaml").resolve() and how == "site_configs/"
+
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "h1.yaml").write_text("x")
+    monkeypatch.setenv("CXRFL_SITE_CONFIG_DIR", str(other))
+    assert resolve_site_config("h1")[0] == (other / "h1.yaml").resolve()
+
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / LOCAL_CONFIG_NAME).write_text("x")
+    assert resolve_site_config("h1", local)[0] == local / LOCAL_CONFIG_NAME
+
+    monkeypatch.setenv("CXRFL_SITE_CONFIG", "/some/file.yaml")
+    assert resolve_site_config("h1", local) == (__import__("pathlib").Path("/some/file.yaml"), "$CXRFL_SITE_CONFIG")
+
+
+def test_unknown_site_without_config_fails_clearly(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CXRFL_SITE_CONFIG", raising=False)
+    monkeypatch.delenv("CXRFL_SITE_CONFIG_DIR", raising=False)
+    with pytest.raises(ConfigError, match="no site config for 'mystery-hospital'"):
+        resolve_site_config("mystery-hospital")
+
+
+def result(site: str, classes: list[str], rows: np.ndarray, body: float, n: int = 10) -> FLModel:
+    params = {"body.w": np.full((2,), body, np.float32), "classifier.weight": rows.astype(np.float32),
+              "classifier.bias": rows[:, 0].astype(np.float32)}
+    return FLModel(params_type=ParamsType.FULL, params=params,
+                   meta={"client_name": site, "classes": classes, "num_samples": n})
+
+
+def test_aggregator_stitches_rows_and_rejects_a_bad_site(caplog):
+    agg = SurgicalAggregator()
+    agg.expect({"body.w": (2,)}, {"a": ["x", "y"], "b": ["y", "z"], "c": ["x"]})
+    assert agg.accept_model(result("a", ["x", "y"], np.array([[1.0, 1.0], [2.0, 2.0]]), body=1.0))
+    assert agg.accept_model(result("b", ["y", "z"], np.array([[4.0, 4.0], [6.0, 6.0]]), body=3.0))
+    bad = result("c", ["x"], np.array([[np.nan, 0.0]]), body=0.0)
+    with caplog.at_level(logging.WARNING):
+        assert not agg.accept_model(bad)
+    assert "c" in agg.rejected and "site c" in agg.rejected["c"]
+    out = agg.aggregate_model()
+    assert out.meta["classes"] == ["x", "y", "z"]
+    assert out.meta["contributors"] == {"x": ["a"], "y": ["a", "b"], "z": ["b"]}
+    np.testing.assert_allclose(out.params["body.w"], [2.0, 2.0])
+    np.testing.assert_allclose(out.params["classifier.weight"], [[1, 1], [3, 3], [6, 6]])
+    assert agg.accepted_sites == []  # reset after aggregation
+
+
+def test_aggregator_rejects_unannounced_class_and_shape():
+    agg = SurgicalAggregator()
+    agg.expect({"body.w": (2,)}, {"a": ["x"]})
+    assert not agg.accept_model(result("a", ["x", "secret"], np.ones((2, 2)), body=1.0))
+    assert "secret" in agg.rejected["a"]
+    wrong = result("a", ["x"], np.ones((1, 2)), body=1.0)
+    wrong.params["body.w"] = np.ones((3,), np.float32)
+    assert not agg.accept_model(wrong)
+    assert "body.w" in agg.rejected["a"]
+
+
+def test_a_missing_site_keeps_its_unique_rows_from_the_previous_global():
+    reference = {"body.w": np.zeros(2, np.float32), "classifier.weight": np.array([[1.0, 1.0], [2.0, 2.0], [9.0, 9.0]], np.float32),
+                 "classifier.bias": np.array([1.0, 2.0, 9.0], np.float32)}
+    agg = SurgicalAggregator()
+    agg.expect({"body.w": (2,)}, {"a": ["x", "y"], "b": ["y", "z"]}, ["x", "y", "z"], reference)
+    assert agg.accept_model(result("a", ["x", "y"], np.array([[3.0, 3.0], [4.0, 4.0]]), body=1.0))
+    out = agg.aggregate_model()  # site b (the only one with z) did not answer this round
+    assert out.meta["classes"] == ["x", "y", "z"]
+    np.testing.assert_allclose(out.params["classifier.weight"], [[3, 3], [4, 4], [9, 9]])
+    np.testing.assert_allclose(out.params["classifier.bias"], [3, 4, 9])
+    assert out.meta["contributors"] == {"x": ["a"], "y": ["a"]}
+
+
+def test_clip_limits_a_scaled_update_against_the_previous_global():
+    reference = {"body.w": np.zeros(2, np.float32), "classifier.weight": np.zeros((1, 2), np.float32),
+                 "classifier.bias": np.zeros(1, np.float32)}
+    plain, clipped = SurgicalAggregator(), SurgicalAggregator(robust="clip", clip_norm=1.0)
+    for agg in (plain, clipped):
+        agg.expect({"body.w": (2,)}, {"a": ["x"], "b": ["x"]}, ["x"], reference)
+        agg.accept_model(result("a", ["x"], np.array([[0.1, 0.1]]), body=0.1))
+        agg.accept_model(result("b", ["x"], np.array([[1e6, 1e6]]), body=1e6))
+    big, small = plain.aggregate_model(), clipped.aggregate_model()
+    assert np.abs(big.params["body.w"]).max() > 1e5
+    assert np.abs(small.params["body.w"]).max() < 1.0

@@ -1,0 +1,82 @@
+"""SiteLearner: warm-up, rounds, state on disk across rebuilds, FedBN locality (real NIH images)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cxrfl.data.site import SiteData, load_site
+from cxrfl.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model
+from cxrfl.site_learner import SiteLearner, to_numpy
+from cxrfl.training import TrainConfig
+
+MODEL = ModelConfig(image_size=32)
+TRAIN = TrainConfig(lr=1e-3, warmup_lr=5e-3, warmup_epochs=1, batch_size=8, max_steps_per_epoch=2, augment=False)
+
+
+@pytest.fixture(scope="module")
+def small_site(shared_data, repo_root) -> SiteData:
+    full = load_site(repo_root / "site_configs" / "nih1000.yaml", check_images=False)
+    parts = [full.table[full.table["split"] == s].head(n) for s, n in (("train", 24), ("val", 16), ("test", 16))]
+    table = __import__("pandas").concat(parts).reset_index(drop=True)
+    classes = ["Atelectasis", "Pleural Effusion", "Infiltration"]
+    return SiteData(site="nih-small", classes=classes, table=table[["path", "patient", "split", *classes]])
+
+
+def backbone() -> dict[str, np.ndarray]:
+    torch.manual_seed(1)
+    init = build_model(MODEL, 1)
+    return {k: v for k, v in to_numpy(init.state_dict()).items() if not k.startswith(HEAD_PREFIX)}
+
+
+def learner(site: SiteData, state_dir, batchnorm: str = "fedavg") -> SiteLearner:
+    return SiteLearner(site, state_dir, model_config=MODEL, train_config=TRAIN, batchnorm=batchnorm)
+
+
+def test_warmup_trains_only_the_head_and_returns_own_rows(small_site, tmp_path):
+    init = backbone()
+    update = learner(small_site, tmp_path).warmup(init)
+    assert update.classes == small_site.classes
+    assert update.params["classifier.weight"].shape == (3, 1024)
+    assert update.num_samples == 24
+    for k, v in init.items():  # frozen feature extractor, BatchNorm statistics included
+        np.testing.assert_array_equal(update.params[k], v, err_msg=k)
+    assert np.isfinite(update.metrics["val_loss"])
+
+
+def test_optimizer_state_survives_a_rebuilt_learner(small_site, tmp_path):
+    first = learner(small_site, tmp_path)
+    u1 = first.train_round(first.warmup(backbone()).params, 1)
+    assert (tmp_path / "optimizer.pt").is_file()
+    rebuilt = learner(small_site, tmp_path)  # what the simulator does with -t 1
+    rebuilt.train_round(u1.params, 2)
+    state = torch.load(tmp_path / "optimizer.pt", weights_only=False)["state"]
+    steps = {int(s["step"]) for s in state.values()}
+    assert steps == {2 * TRAIN.max_steps_per_epoch}
+    moved = [k for k in u1.params if not np.array_equal(u1.params[k], rebuilt.outgoing_params()[k])]
+    assert any(k.startswith("backbone") or "features" in k for k in moved)
+
+
+def test_fedbn_keeps_batchnorm_local(small_site, tmp_path):
+    site = learner(small_site, tmp_path, "fedbn")
+    bn = set(batchnorm_keys(site.model))
+    warm = site.warmup(backbone())
+    assert not bn & set(warm.params)
+    trained = site.train_round(warm.params, 1)
+    assert not bn & set(trained.params)
+    local = torch.load(tmp_path / "local_bn.pt", weights_only=False)
+    assert set(local) == bn
+    rebuilt = learner(small_site, tmp_path, "fedbn")
+    rebuilt.load_params(trained.params)  # payload without BatchNorm: the site's own statistics come back
+    state = rebuilt.model.state_dict()
+    for k in bn:
+        torch.testing.assert_close(state[k], local[k], msg=k)
+
+
+def test_received_params_of_wrong_shape_are_refused(small_site, tmp_path):
+    site = learner(small_site, tmp_path)
+    params = site.outgoing_params()
+    params["classifier.weight"] = np.zeros((5, 1024), np.float32)
+    with pytest.raises(ValueError, match="classifier.weight"):
+        site.load_params(params)
