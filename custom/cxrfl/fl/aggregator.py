@@ -139,7 +139,7 @@ class SurgicalAggregator(ModelAggregator):
             clip_norm=self.clip_norm if self.reference is not None else None,
             reference=self.reference,
         )
-        meta = {"classes": classes, "contributors": self.contributors(), "sites": self.accepted_sites}
+        meta = {"classes": classes, "contributors": self.contributors(), "sites": sorted(self.accepted_sites)}
         self.reset_stats()
         return FLModel(params_type=ParamsType.FULL, params=params, meta=meta)
 
