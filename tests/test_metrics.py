@@ -83,3 +83,48 @@ def test_paired_ttest_matches_scipy():
     assert two["n"] == 2 and two["shapiro_p"] is None
     assert two["p"] == pytest.approx(stats.ttest_rel([0.8, 0.7], [0.7, 0.5]).pvalue)
     assert paired_ttest({"a": 0.8}, {"a": 0.7}) == {"t": None, "p": None, "n": 1, "shapiro_p": None, "classes": ["a"]}
+
+
+def test_summary_is_not_defined_when_the_model_lacks_a_class():
+    aurocs = {"a": 0.8, "b": 0.6, "c": None, "d": None}  # c: one label value only; d: the model lacks it
+    s = summarise_auroc(aurocs, shared=["a", "d"], model_classes=["a", "b", "c"])
+    assert s["mean"] is None and s["sd"] is None and s["unknown"] == ["d"]  # never a mean of the rest, never 0.5
+    assert s["undefined"] == ["c", "d"] and s["n"] == 2
+    assert s["shared"] == {"mean": None, "sd": None, "n": 1, "unknown": ["d"]}  # a, d: d unknown
+    assert s["unique"]["mean"] == pytest.approx(0.6) and "unknown" not in s["unique"]  # b, c: c undefined only
+    full = summarise_auroc(aurocs, model_classes=["a", "b", "c", "d"])
+    assert full["mean"] == pytest.approx(0.7) and full["sd"] == pytest.approx(np.std([0.8, 0.6], ddof=1))
+    assert summarise_auroc(aurocs)["mean"] == pytest.approx(0.7)  # without model_classes: the old behaviour
+
+
+def test_fast_auroc_matches_sklearn_with_ties():
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, (5, 40)).astype(float)
+    s = np.round(rng.normal(size=(5, 40)) + y, 1)  # rounding makes ties
+    got = __import__("cxrfl.metrics", fromlist=["fast_auroc"]).fast_auroc(y, s)
+    np.testing.assert_allclose(got, [roc_auc_score(y[i], s[i]) for i in range(5)])
+    one = __import__("cxrfl.metrics", fromlist=["fast_auroc"]).fast_auroc(np.ones(5), np.arange(5.0))
+    assert np.isnan(one)
+
+
+def test_bootstrap_replicates_match_sklearn_and_the_one_class_interval():
+    from cxrfl.metrics import bootstrap_aurocs, percentile_ci
+
+    rng = np.random.default_rng(3)
+    y = rng.integers(0, 2, (120, 3)).astype(float)
+    s = y * 0.7 + rng.normal(size=(120, 3))
+    mask = np.ones_like(y)
+    mask[::4, 2] = 0  # a quarter of class 2 unknown
+    reps = bootstrap_aurocs(y, s, mask=mask, n_boot=40, seed=5)
+    assert reps.shape == (40, 3)
+    idx_rng = np.random.default_rng(5)
+    for b in range(40):  # the same resamples as bootstrap_auroc_ci draws
+        idx = idx_rng.integers(0, 120, 120)
+        for j in range(3):
+            keep = mask[idx, j] == 1
+            t, sc = y[idx, j][keep], s[idx, j][keep]
+            expected = roc_auc_score(t, sc) if 0 < t.sum() < len(t) else np.nan
+            np.testing.assert_allclose(reps[b, j], expected, equal_nan=True)
+    ci = percentile_ci(bootstrap_aurocs(y[:, 0], s[:, 0], n_boot=300, seed=7)[:, 0])
+    assert ci == pytest.approx(bootstrap_auroc_ci(y[:, 0], s[:, 0], n_boot=300, seed=7))
+    assert percentile_ci(np.full(5, np.nan)) is None

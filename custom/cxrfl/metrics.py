@@ -54,8 +54,10 @@ def per_class_auroc(
     return out
 
 
-def _mean_sd(values: Sequence[float]) -> dict[str, Any]:
+def _mean_sd(values: Sequence[float], unknown: Sequence[str] = ()) -> dict[str, Any]:
     n = len(values)
+    if unknown:  # the model does not predict every class of the set: not defined (the papers' "-")
+        return {"mean": None, "sd": None, "n": n, "unknown": sorted(unknown)}
     return {
         "mean": float(np.mean(values)) if n else None,
         "sd": float(np.std(values, ddof=1)) if n >= 2 else None,
@@ -63,27 +65,43 @@ def _mean_sd(values: Sequence[float]) -> dict[str, Any]:
     }
 
 
-def summarise_auroc(aurocs: Mapping[str, float | None], *, shared: Iterable[str] | None = None) -> dict[str, Any]:
+def summarise_auroc(
+    aurocs: Mapping[str, float | None],
+    *,
+    shared: Iterable[str] | None = None,
+    model_classes: Iterable[str] | None = None,
+) -> dict[str, Any]:
     """Mean +- SD of the defined per-class AUROCs, optionally split into shared and unique classes.
 
     SD is the sample standard deviation (ddof=1, as the papers report); None when fewer than two
-    classes are defined (mean None when none is).
+    classes are defined (mean None when none is). A class whose test labels hold one value only
+    is left out of the statistics. With ``model_classes``, a set of classes that holds a class
+    the model does not predict has no mean and no SD (None: "not defined", as in the papers),
+    whatever the other classes score; that set's summary lists those classes under ``unknown``.
 
     Args:
         aurocs: class -> AUROC or None (undefined, left out of the statistics).
         shared: the classes that several sites have; the rest are "unique".
+        model_classes: the classes the evaluated model predicts (None: all of ``aurocs``).
 
     Returns:
-        ``{'mean', 'sd', 'n', 'undefined': [classes]}`` plus, when ``shared`` is given,
-        ``'shared'`` and ``'unique'``: ``{'mean', 'sd', 'n'}`` each.
+        ``{'mean', 'sd', 'n', 'undefined': [classes]}`` (plus ``'unknown'`` when the model lacks
+        a class) and, when ``shared`` is given, ``'shared'`` and ``'unique'``: ``{'mean', 'sd',
+        'n'[, 'unknown']}`` each.
     """
     defined = {c: float(v) for c, v in aurocs.items() if v is not None and not math.isnan(v)}
-    summary = _mean_sd(list(defined.values()))
+    known = None if model_classes is None else set(model_classes)
+
+    def unknown_in(classes: Iterable[str]) -> list[str]:
+        return [] if known is None else [c for c in classes if c not in known]
+
+    summary = _mean_sd(list(defined.values()), unknown_in(aurocs))
     summary["undefined"] = sorted(c for c in aurocs if c not in defined)
     if shared is not None:
         shared_set = set(shared)
-        summary["shared"] = _mean_sd([v for c, v in defined.items() if c in shared_set])
-        summary["unique"] = _mean_sd([v for c, v in defined.items() if c not in shared_set])
+        for name, inside in (("shared", True), ("unique", False)):
+            group = [c for c in aurocs if (c in shared_set) == inside]
+            summary[name] = _mean_sd([defined[c] for c in group if c in defined], unknown_in(group))
     return summary
 
 
@@ -128,6 +146,97 @@ def bootstrap_auroc_ci(
     if not scores:
         raise ValueError("no bootstrap resample held both labels; too few samples")
     lower, upper = np.quantile(scores, [alpha / 2, 1 - alpha / 2])
+    return float(lower), float(upper)
+
+
+def fast_auroc(y_true: np.ndarray, y_score: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    """AUROC along ``axis`` by the Mann-Whitney rank sum (ties get average ranks): the same value
+    as ``sklearn.metrics.roc_auc_score``, vectorised over the other axes (bootstrap resamples).
+
+    Args:
+        y_true: labels in {0, 1}.
+        y_score: scores, same shape.
+        axis: the sample axis.
+
+    Returns:
+        the AUROCs; NaN where a slice holds one label value only.
+    """
+    y_true = np.moveaxis(np.asarray(y_true, dtype=float), axis, -1)
+    y_score = np.moveaxis(np.asarray(y_score, dtype=float), axis, -1)
+    ranks = stats.rankdata(y_score, axis=-1)
+    n_pos = y_true.sum(-1)
+    n_neg = y_true.shape[-1] - n_pos
+    with np.errstate(divide="ignore", invalid="ignore"):
+        auc = ((ranks * y_true).sum(-1) - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+    return np.where((n_pos > 0) & (n_neg > 0), auc, np.nan)
+
+
+def bootstrap_aurocs(
+    y_true: np.ndarray,
+    y_score: np.ndarray,
+    *,
+    mask: np.ndarray | None = None,
+    n_boot: int = 1000,
+    seed: int = 0,
+) -> np.ndarray:
+    """Bootstrap replicates of every class's AUROC, one resample of the images for all classes.
+
+    The resample indices are those of :func:`bootstrap_auroc_ci` with the same seed, so one
+    class's column gives that function's interval. Rows are shared by the classes, so a mean over
+    classes per row is a bootstrap replicate of the mean AUROC.
+
+    Args:
+        y_true: [n, K] labels in {0, 1}; NaN marks unknown entries when ``mask`` is None.
+        y_score: [n, K] scores.
+        mask: [n, K], nonzero where the label is known.
+        n_boot: number of resamples.
+        seed: seed of ``numpy.random.default_rng``.
+
+    Returns:
+        [n_boot, K] AUROCs; NaN where a resample holds one label value of a class only.
+    """
+    y_true = np.asarray(y_true, dtype=float)
+    y_score = np.asarray(y_score, dtype=float)
+    if y_true.ndim == 1:
+        y_true, y_score = y_true[:, None], y_score.reshape(-1, 1)
+        mask = None if mask is None else np.asarray(mask).reshape(-1, 1)
+    if y_true.shape != y_score.shape or y_true.ndim != 2:
+        raise ValueError(f"y_true {y_true.shape} and y_score {y_score.shape} must both be [n_samples, n_classes]")
+    known = ~np.isnan(y_true) if mask is None else np.asarray(mask).reshape(y_true.shape) != 0
+    if n_boot < 1:
+        raise ValueError(f"need n_boot >= 1, got {n_boot}")
+    rng = np.random.default_rng(seed)
+    n, k = y_true.shape
+    idx = np.stack([rng.integers(0, n, n) for _ in range(n_boot)])  # [B, n]
+    out = np.full((n_boot, k), np.nan)
+    for j in range(k):
+        kn = known[:, j]
+        t = np.where(kn, np.nan_to_num(y_true[:, j]), 0.0)
+        # unknown entries rank below every known one; their count per resample is subtracted
+        s = np.where(kn, y_score[:, j], -np.inf)
+        tb, sb, kb = t[idx], s[idx], kn[idx]
+        n_unknown = (~kb).sum(1)
+        ranks = stats.rankdata(sb, axis=1)
+        n_pos = tb.sum(1)
+        n_neg = kb.sum(1) - n_pos
+        with np.errstate(divide="ignore", invalid="ignore"):
+            auc = ((ranks * tb).sum(1) - n_pos * n_unknown - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+        out[:, j] = np.where((n_pos > 0) & (n_neg > 0), auc, np.nan)
+    return out
+
+
+def percentile_ci(replicates: np.ndarray, alpha: float = 0.05) -> tuple[float, float] | None:
+    """Percentile interval of bootstrap replicates, NaN replicates left out (None if all are NaN).
+
+    Args:
+        replicates: 1-D replicates.
+        alpha: 1 - confidence level.
+    """
+    r = np.asarray(replicates, dtype=float).ravel()
+    r = r[~np.isnan(r)]
+    if r.size == 0:
+        return None
+    lower, upper = np.quantile(r, [alpha / 2, 1 - alpha / 2])
     return float(lower), float(upper)
 
 

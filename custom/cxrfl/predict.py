@@ -30,16 +30,46 @@ def predict_images(model_path: str | Path, images: Sequence[str | Path], *, devi
     model, classes, config = model_from_checkpoint(model_path)
     dev = select_device(device)
     model.to(dev).eval()
+    fedfew = _fedfew_model(model_path, model)
     transform = build_transforms(config.image_size, train=False, in_channels=config.in_channels)
     rows = []
     for image in images:
         if not Path(image).is_file():
             raise DataError(f"image {image} does not exist")
         x = transform(str(image)).unsqueeze(0).to(dev)
+        if fedfew is not None:
+            rows.append({"image": str(image), **_fedfew_row(fedfew, x)})
+            continue
         with torch.no_grad():
             probs = torch.sigmoid(model(x)).squeeze(0).cpu().tolist()
         rows.append({"image": str(image), "probabilities": dict(zip(classes, probs, strict=True))})
     return rows
+
+
+def _fedfew_model(model_path: str | Path, model: torch.nn.Module) -> Any:
+    """The FedFew view of a checkpoint that carries a ``fedfew`` entry, else None."""
+    from cxrfl.fedfew.model import FEDFEW_KEY, FedFewModel
+    from cxrfl.models import load_checkpoint
+
+    info = load_checkpoint(model_path).get(FEDFEW_KEY)
+    return None if info is None else FedFewModel(model, info, str(model_path))
+
+
+def _fedfew_row(fedfew: Any, x: torch.Tensor) -> dict[str, Any]:
+    """A FedFew model's outputs for one image: CC probabilities (the "no CC" output dropped),
+    the energy and, per UC, the prototype decision (negative when the energy is not above the threshold)."""
+    out = fedfew.predict(x)
+    ucs = {}
+    for uc in fedfew.uc_classes:
+        m = out["uc"][uc]
+        ucs[uc] = {"present": bool(m["positive"][0]), "votes": int(m["votes"][0]), "pairs": int(m["pairs"]),
+                   "margin": float(m["margin"][0])}
+    return {
+        "probabilities": dict(zip(fedfew.cc_classes, out["cc_probabilities"][0].tolist(), strict=True)),
+        "energy": float(out["energy"][0]),
+        "energy_threshold": fedfew.threshold,
+        "underrepresented": ucs,
+    }
 
 
 def format_predictions(rows: list[dict[str, Any]], fmt: str = "table") -> str:
@@ -52,16 +82,28 @@ def format_predictions(rows: list[dict[str, Any]], fmt: str = "table") -> str:
     if fmt == "json":
         return json.dumps(rows, indent=2)
     classes = list(rows[0]["probabilities"]) if rows else []
+    ucs = list(rows[0].get("underrepresented", {})) if rows else []  # FedFew models: rare-class decisions
     if fmt == "csv":
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
-        writer.writerow(["image", *classes])
+        fedfew = bool(rows) and "energy" in rows[0]
+        writer.writerow(["image", *classes, *(["energy"] if fedfew else []), *ucs])
         for r in rows:
-            writer.writerow([r["image"], *(f"{r['probabilities'][c]:.4f}" for c in classes)])
+            extra = [f"{r['energy']:.4f}"] if fedfew else []
+            writer.writerow([r["image"], *(f"{r['probabilities'][c]:.4f}" for c in classes), *extra,
+                             *(int(r["underrepresented"][u]["present"]) for u in ucs)])
         return buf.getvalue().rstrip("\n")
-    width = max((len(c) for c in classes), default=5)
+    width = max((len(c) for c in [*classes, *ucs]), default=5)
     blocks = []
     for r in rows:
         lines = [r["image"]] + [f"  {c:<{width}}  {p:.3f}" for c, p in r["probabilities"].items()]
+        if "energy" in r:
+            flagged = r["energy"] > r["energy_threshold"]
+            lines.append(f"  energy {r['energy']:.3f} (threshold {r['energy_threshold']:.3f}): "
+                         + ("may hold a rare class" if flagged else "no rare class"))
+            for u, d in r["underrepresented"].items():
+                verdict = "present" if d["present"] else "absent"
+                lines.append(f"  {u:<{width}}  {verdict} (rare class; {d['votes']}/{d['pairs']} prototype vote(s), "
+                             f"margin {d['margin']:+.4f})")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)

@@ -3,9 +3,24 @@
 A :class:`SiteLearner` holds one site's data and local model. It receives parameter dicts
 (the feature extractor plus the head rows of its own classes only), warms the head up,
 trains, evaluates, and returns updates in the form :func:`cxrfl.aggregation.surgical_aggregate`
-takes. State that must survive between rounds (optimizer, local BatchNorm for FedBN) lives on
-disk in ``state_dir``, so a process that is rebuilt every round (NVFlare simulator with
-``-t 1``) behaves like one that lives through the job.
+takes. State that must survive between rounds (optimizer, local BatchNorm for FedBN, a local
+head) lives on disk in ``state_dir``, so a process that is rebuilt every round (NVFlare
+simulator with ``-t 1``) behaves like one that lives through the job.
+
+Head modes (:data:`HEAD_MODES`; the baselines of the papers differ from surgical aggregation
+only here and in the label policy for classes a site does not annotate):
+
+- ``surgical`` (default): the head has the site's own classes; it receives and sends only
+  their rows. The site never sees another site's class names.
+- ``union``: the head has every class of the federation (the server sends the class list
+  with the rows); classes the site does not annotate are negatives (``missing="negative"``,
+  vanilla FL) or left out of the loss (``missing="ignore"``, FL with partial loss). This
+  breaks the privacy property above: every site learns every class name.
+- ``local``: personalized FL. The head has the site's own classes, stays at the site (on disk
+  between rounds) and is never sent; only the feature extractor travels.
+
+The head warm-up is the same in every mode (own classes, feature extractor frozen): it is the
+starting point that all methods share.
 """
 
 from __future__ import annotations
@@ -17,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import torch
 
 from cxrfl.data.dataset import make_loader
@@ -34,6 +50,10 @@ from cxrfl.training import EvalResult, TrainConfig, adam, evaluate, train_epochs
 log = logging.getLogger(__name__)
 
 BATCHNORM_MODES = ("fedavg", "fedbn", "fedbn+")
+HEAD_MODES = ("surgical", "union", "local")
+"""``surgical``: own head rows travel; ``union``: the full union head travels; ``local``: no head travels."""
+MISSING_POLICIES = ("negative", "ignore")
+"""What a ``union`` head does with classes the site does not annotate: label them 0, or mask them out."""
 
 
 def to_numpy(params: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -73,6 +93,9 @@ class SiteLearner:
         batchnorm: ``fedavg``, ``fedbn`` (BatchNorm stays local) or ``fedbn+`` (frozen).
         device: torch device.
         num_workers: data-loader worker processes.
+        head_mode: ``surgical`` (default), ``union`` or ``local`` (see the module docstring).
+        missing: ``negative`` (default) or ``ignore``: labels of classes the site does not
+            annotate, for a ``union`` head (ignored in the other modes).
     """
 
     def __init__(
@@ -85,11 +108,20 @@ class SiteLearner:
         batchnorm: str = "fedavg",
         device: torch.device | None = None,
         num_workers: int = 0,
+        head_mode: str = "surgical",
+        missing: str = "negative",
     ) -> None:
         if batchnorm not in BATCHNORM_MODES:
             raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
+        if head_mode not in HEAD_MODES:
+            raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
+        if missing not in MISSING_POLICIES:
+            raise ValueError(f"missing must be one of {MISSING_POLICIES}, got {missing!r}")
+        self.head_mode = head_mode
+        self.missing = missing
         self.data = data
-        self.classes = list(data.classes)
+        self.own_classes = list(data.classes)
+        self.classes = list(data.classes)  # the head's row order (a union head: set_head_classes)
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.model_config = model_config
@@ -117,10 +149,49 @@ class SiteLearner:
             self._loaders[key] = self._make_loader(split, train)
         return self._loaders[key]
 
+    def split_table(self, split: str) -> pd.DataFrame:
+        """One split with a column per head class; classes the site does not annotate (a union
+        head) are 0.0 (``missing="negative"``) or NaN (``missing="ignore"``: masked out).
+
+        Args:
+            split: ``train``, ``val`` or ``test``.
+        """
+        table = self.data.split_table(split)
+        extra = [c for c in self.classes if c not in table.columns]
+        if extra:
+            fill = 0.0 if self.missing == "negative" else np.nan
+            table = table.assign(**{c: fill for c in extra})
+        return table
+
+    def set_head_classes(self, classes: list[str] | None) -> None:
+        """Make the head predict ``classes`` (in this order); rows are filled by the next load.
+
+        Only a ``union`` head may differ from the site's own classes; it must include them.
+
+        Args:
+            classes: the head's class order (None: keep the current one).
+        """
+        if classes is None or list(classes) == self.classes:
+            return
+        classes = list(classes)
+        if self.head_mode != "union":
+            raise ValueError(
+                f"site {self.data.site}: a {self.head_mode} head predicts the site's own classes only; "
+                f"received a head for {len(classes)} classes"
+            )
+        missing = [c for c in self.own_classes if c not in classes]
+        if missing or len(set(classes)) != len(classes):
+            raise ValueError(f"site {self.data.site}: the union head must hold each own class once; lacks {missing}")
+        old = self.model.classifier
+        self.model.classifier = torch.nn.Linear(old.in_features, len(classes)).to(device=old.weight.device, dtype=old.weight.dtype)
+        self.model.num_classes = len(classes)
+        self.classes = classes
+        self._loaders.clear()
+
     def _make_loader(self, split: str, train: bool) -> torch.utils.data.DataLoader:
         tc = self.train_config
         return make_loader(
-            self.data.split_table(split),
+            self.split_table(split),
             self.classes,
             image_size=self.model_config.image_size,
             train=train and tc.augment,
@@ -134,12 +205,18 @@ class SiteLearner:
     def num_train(self) -> int:
         return len(self.data.split_table("train"))
 
+    def _is_head(self, key: str) -> bool:
+        return key.startswith(HEAD_PREFIX)
+
     # --------------------------------------------------------------- params
-    def load_params(self, params: dict[str, Any]) -> None:
-        """Load received parameters; keys the server does not send (local BatchNorm) stay local.
+    def load_params(self, params: dict[str, Any], *, restore_local: bool = True) -> None:
+        """Load received parameters; keys the server does not send (local BatchNorm, a local
+        head) stay local: they come back from ``state_dir`` when stored there.
 
         Args:
-            params: name -> array; head rows must be this site's classes in order.
+            params: name -> array; head rows (if any) must be the head's classes in order.
+            restore_local: bring back the stored local head (``local`` mode) when ``params``
+                has none.
         """
         state = self.model.state_dict()
         missing = set(state) - set(params) - self.bn_keys
@@ -156,14 +233,26 @@ class SiteLearner:
             local_bn = self._load("local_bn.pt")
             if local_bn is not None:
                 state.update(local_bn)
+        if self.head_mode == "local" and restore_local and not any(self._is_head(k) for k in params):
+            local_head = self._load("local_head.pt")
+            if local_head is not None:
+                state.update(local_head)
         self.model.load_state_dict(state)
 
     def outgoing_params(self) -> dict[str, np.ndarray]:
-        """The parameters this site sends: everything but local BatchNorm under FedBN/FedBN+."""
+        """The parameters this site sends: everything but local BatchNorm under FedBN/FedBN+
+        and, in ``local`` head mode, everything but the head (kept in ``state_dir``)."""
         state = self.model.state_dict()
         if self.batchnorm == "fedbn":
             self._save("local_bn.pt", {k: v.clone() for k, v in state.items() if k in self.bn_keys})
-        keep = {k: v for k, v in state.items() if self.batchnorm == "fedavg" or k not in self.bn_keys}
+        local_head = self.head_mode == "local"
+        if local_head:
+            self._save("local_head.pt", {k: v.clone() for k, v in state.items() if self._is_head(k)})
+        keep = {
+            k: v
+            for k, v in state.items()
+            if (self.batchnorm == "fedavg" or k not in self.bn_keys) and not (local_head and self._is_head(k))
+        }
         return to_numpy(keep)
 
     def _save(self, name: str, obj: Any) -> None:
@@ -192,9 +281,11 @@ class SiteLearner:
         """
         tc = self.train_config
         start = time.perf_counter()
+        if self.head_mode == "union":
+            self.set_head_classes(self.own_classes)  # the warm-up trains the own rows in every mode
         torch.manual_seed(tc.seed)
         self.model.classifier.reset_parameters()
-        self.load_params(params)
+        self.load_params(params, restore_local=False)
         freeze_backbone(self.model, True)
         opt = adam(self.model, tc.warmup_lr, tc.weight_decay)
         train_loader = self.loader("train", train=True)
@@ -224,16 +315,19 @@ class SiteLearner:
         }
         return SiteUpdate(self.outgoing_params(), self.classes, self.num_train, metrics)
 
-    def train_round(self, params: dict[str, Any], round_num: int) -> SiteUpdate:
+    def train_round(self, params: dict[str, Any], round_num: int, classes: list[str] | None = None) -> SiteUpdate:
         """One federated round: evaluate the received global model, then train locally.
 
         Args:
-            params: the global feature extractor and this site's head rows.
+            params: the global feature extractor and this site's head rows (``union``: the
+                whole head; ``local``: no head).
             round_num: the round number (for logs and the optimizer state).
+            classes: the row order of the received head (required by a ``union`` head).
         """
         tc = self.train_config
         start = time.perf_counter()
         torch.manual_seed(tc.seed + round_num)
+        self._prepare_head(params, classes)
         self.load_params(params)
         received = self.validate("val")
         opt = adam(self.model, tc.lr, tc.weight_decay)
@@ -260,13 +354,25 @@ class SiteLearner:
         }
         return SiteUpdate(self.outgoing_params(), self.classes, self.num_train, metrics)
 
-    def evaluate_params(self, params: dict[str, Any], split: str) -> dict[str, Any]:
+    def _prepare_head(self, params: dict[str, Any], classes: list[str] | None) -> None:
+        if self.head_mode == "union":
+            if classes is None:
+                raise ValueError(f"site {self.data.site}: a union head needs the class order of the received head")
+            self.set_head_classes(list(classes))
+        elif classes is not None and list(classes) != self.classes:
+            raise ValueError(f"site {self.data.site}: received a head for other classes than its own ({self.head_mode} head)")
+        if self.head_mode == "local" and any(self._is_head(k) for k in params):
+            raise ValueError(f"site {self.data.site}: personalized (local) heads are never received, but head rows arrived")
+
+    def evaluate_params(self, params: dict[str, Any], split: str, classes: list[str] | None = None) -> dict[str, Any]:
         """Evaluate received parameters on one split (cross-site evaluation).
 
         Args:
-            params: the global feature extractor and this site's head rows.
+            params: the global feature extractor and this site's head rows (see :meth:`train_round`).
             split: ``val`` or ``test``.
+            classes: the row order of the received head (required by a ``union`` head).
         """
+        self._prepare_head(params, classes)
         self.load_params(params)
         res = self.validate(split)
         return {"split": split, "loss": res.loss, "auroc": res.aurocs, "mean_auroc": res.mean_auroc, "n": len(res.y_true)}

@@ -146,6 +146,7 @@ def train_epochs(
     amp: bool = True,
     desc: str | None = None,
     train_mode: bool = True,
+    pos_weight: torch.Tensor | None = None,
 ) -> EpochStats:
     """Run local epochs of masked-BCE training.
 
@@ -160,12 +161,15 @@ def train_epochs(
         amp: mixed precision on CUDA.
         desc: progress-bar label (None: no bar).
         train_mode: put the model in train mode (False keeps eval mode, e.g. for a frozen backbone).
+        pos_weight: optional weight of the positive term per class [K] (with ``class_weight``
+            this weighs positives and negatives separately, e.g. a cyclically weighted loss).
     """
     model.train(train_mode)
     scaler = torch.amp.GradScaler("cuda") if amp and device.type == "cuda" else None
     total_loss, steps, images = 0.0, 0, 0
     start = time.perf_counter()
     cw = class_weight.to(device) if class_weight is not None else None
+    pw = pos_weight.to(device) if pos_weight is not None else None
     for _ in range(epochs):
         n = len(loader) if max_steps is None else min(len(loader), max_steps)
         for i, (x, y, m) in enumerate(_progress(loader, desc, n)):
@@ -178,7 +182,7 @@ def train_epochs(
             optimizer.zero_grad(set_to_none=True)
             with _autocast(device, amp):
                 logits = model(x)
-            loss = masked_bce(logits.float(), y, m, class_weight=cw)
+            loss = masked_bce(logits.float(), y, m, class_weight=cw, pos_weight=pw)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"training loss became {loss.item()} at step {steps}")
             if scaler is not None:

@@ -2,7 +2,14 @@
 
 Each site receives the feature extractor and only the head rows of its own classes (one task
 per site), and never a name of another site's classes. Results are validated and stitched by
-:class:`cxrfl.fl.aggregator.SurgicalAggregator`. Training stops on the mean of the sites'
+:class:`cxrfl.fl.aggregator.SurgicalAggregator`.
+
+The same workflow runs the papers' federated baselines through ``head_mode`` (see
+:mod:`cxrfl.head_modes`): ``union`` heads (vanilla FL with ``missing="negative"``, FL with
+partial loss with ``missing="ignore"``; every site then receives the whole head and every class
+name, so the privacy property above no longer holds) and ``local`` heads (personalized FL: only
+the feature extractor travels; there is no global head, ``FL_global_model.pt`` holds the
+feature extractor only and the external test set is not evaluated). Training stops on the mean of the sites'
 validation BCE of the received global model (patience, min delta) or after ``num_rounds``.
 Written to the server's app folder:
 
@@ -28,7 +35,7 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.workflows.model_controller import ModelController
 
 import cxrfl
-from cxrfl.aggregation import site_payload
+from cxrfl.head_modes import PLACEHOLDER_CLASS, check_modes, drop_head, payload_for, with_placeholder_head
 from cxrfl.data.site import load_site
 from cxrfl.errors import CxrflError
 from cxrfl.evaluation import evaluate_on_site, shared_classes
@@ -61,6 +68,10 @@ class SurgicalAggregation(ModelController):
         evaluate_test: evaluate the best model on every site's test split at the end.
         external_test: server-side site config of a fully annotated external test set (optional).
         keep_round_checkpoints: keep every round's global model under ``cxrfl/checkpoints``.
+        head_mode: ``surgical`` (default: own head rows per site), ``union`` (whole head to every
+            site: vanilla FL / partial loss) or ``local`` (heads stay at the sites: personalized FL).
+        missing: for ``union`` heads, classes a site does not annotate are ``negative`` (vanilla
+            FL) or ``ignore``-d in its loss (FL with partial loss).
     """
 
     def __init__(
@@ -81,8 +92,11 @@ class SurgicalAggregation(ModelController):
         evaluate_test: bool = True,
         external_test: str | None = None,
         keep_round_checkpoints: bool = True,
+        head_mode: str = "surgical",
+        missing: str = "negative",
     ) -> None:
         super().__init__(persistor_id="", ignore_result_error=True)
+        check_modes(head_mode, missing)
         if num_rounds < 0 or min_clients < 1 or patience < 1 or task_timeout < 0:
             raise ValueError("num_rounds >= 0, min_clients >= 1, patience >= 1 and task_timeout >= 0 are required")
         if batchnorm not in BATCHNORM_MODES:
@@ -99,11 +113,14 @@ class SurgicalAggregation(ModelController):
         self.evaluate_test = evaluate_test
         self.external_test = external_test
         self.keep_round_checkpoints = keep_round_checkpoints
+        self.head_mode = head_mode
+        self.missing = missing
         self.aggregator = SurgicalAggregator(weighting=weighting, batchnorm=batchnorm, robust=robust, clip_norm=clip_norm)
         self._settings = {
             "num_rounds": num_rounds, "min_clients": min_clients, "batchnorm": batchnorm, "weighting": weighting,
             "robust": robust, "clip_norm": clip_norm, "patience": patience, "min_delta": min_delta, "seed": seed,
             "model_config": self.model_config.to_dict(), "train_config": self.train_config.to_dict(),
+            "head_mode": head_mode, "missing": missing,
         }
 
     # ------------------------------------------------------------- helpers
@@ -117,6 +134,8 @@ class SurgicalAggregation(ModelController):
             "model_config": self.model_config.to_dict(),
             "train_config": self.train_config.to_dict(),
             "batchnorm": self.batchnorm,
+            "head_mode": self.head_mode,
+            "missing": self.missing,
             **extra,
         }
 
@@ -139,7 +158,8 @@ class SurgicalAggregation(ModelController):
     def _save(self, name: str, state: dict[str, np.ndarray], classes: list[str], **extra: Any) -> Path:
         path = self._out(name)
         tensors = {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}
-        save_checkpoint(path, tensors, classes=classes, model_config=self.model_config, extra=extra)
+        save_checkpoint(path, tensors, classes=classes, model_config=self.model_config,
+                        extra={"head_mode": self.head_mode, **extra})
         return path
 
     def _record(self, record: dict[str, Any]) -> None:
@@ -149,6 +169,10 @@ class SurgicalAggregation(ModelController):
     def _accept(self, results: dict[str, FLModel], expected: dict[str, tuple], announced: dict[str, list[str]] | None,
                 classes: list[str] | None = None, reference: dict[str, np.ndarray] | None = None):
         """Validate the results; returns (aggregated FLModel or None when too few are valid, rejections)."""
+        if self.head_mode == "local":  # feature extractor only: a server-side one-row stand-in head
+            results = {s: _with_placeholder(r) for s, r in results.items()}
+            announced = {s: [PLACEHOLDER_CLASS] for s in announced} if announced else None
+            classes, reference = None, None
         self.aggregator.fl_ctx = self.fl_ctx
         self.aggregator.expect(expected, announced, classes, reference)
         for result in results.values():
@@ -161,11 +185,16 @@ class SurgicalAggregation(ModelController):
             )
             self.aggregator.reset_stats()
             return None, rejected
-        return self.aggregator.aggregate_model(), rejected
+        agg = self.aggregator.aggregate_model()
+        if self.head_mode == "local":
+            agg.params = drop_head(agg.params)
+            agg.meta.update(classes=[], contributors={})
+        return agg, rejected
 
     # ----------------------------------------------------------------- run
     def run(self) -> None:
-        self.info(f"surgical aggregation: up to {self.num_rounds} rounds, batchnorm={self.batchnorm}")
+        self.info(f"surgical aggregation: up to {self.num_rounds} rounds, batchnorm={self.batchnorm}, "
+                  f"head_mode={self.head_mode}, missing={self.missing}")
         self._out("cxrfl", "run_config.json").write_text(
             json.dumps({**self._settings, "cxrfl_version": cxrfl.__version__, "python": platform.python_version(),
                         "torch": torch.__version__, "external_test": self.external_test}, indent=2)
@@ -194,6 +223,8 @@ class SurgicalAggregation(ModelController):
         classes = list(agg.meta["classes"])
         global_state.update(agg.params)
         shared = shared_classes(announced)
+        # a union head: every site sends (and is checked against) every class
+        expected_classes = {s: classes for s in announced} if self.head_mode == "union" else announced
         self._record(self._round_record(0, "warmup", warm, agg, rejected))
         self.info(f"global classes after warm-up: {len(classes)} ({len(shared)} shared by 2+ sites)")
         path = self._save(GLOBAL_MODEL, global_state, classes, round=0)
@@ -206,14 +237,14 @@ class SurgicalAggregation(ModelController):
             start = time.perf_counter()
             payloads = {}
             for s, site_classes in announced.items():
-                params = site_payload(global_state, classes, site_classes)
-                if self.batchnorm == "fedbn":
-                    params = {k: v for k, v in params.items() if k not in bn_keys}
+                params, sent_classes = payload_for(global_state, classes, site_classes, head_mode=self.head_mode,
+                                                   exclude=bn_keys if self.batchnorm == "fedbn" else ())
                 payloads[s] = FLModel(params_type=ParamsType.FULL, params=params, current_round=rnd,
-                                      total_rounds=self.num_rounds, meta=self._task_meta(phase="train", round=rnd))
+                                      total_rounds=self.num_rounds,
+                                      meta=self._task_meta(phase="train", round=rnd, classes=sent_classes))
             evaluated_state = dict(global_state)
             results = self._run_tasks("train", payloads)
-            agg, rejected = self._accept(results, expected, announced, classes, evaluated_state)
+            agg, rejected = self._accept(results, expected, expected_classes, classes, evaluated_state)
             if agg is not None:
                 global_state.update(agg.params)
             losses = [r.meta["metrics"]["val_loss"] for r in results.values()
@@ -261,14 +292,17 @@ class SurgicalAggregation(ModelController):
         if self.evaluate_test:
             payloads = {}
             for s, site_classes in announced.items():
-                params = site_payload(state, classes, site_classes)
-                if self.batchnorm == "fedbn":
-                    params = {k: v for k, v in params.items() if k not in bn_keys}
-                payloads[s] = FLModel(params_type=ParamsType.FULL, params=params, meta=self._task_meta(split="test"))
+                params, sent_classes = payload_for(state, classes, site_classes, head_mode=self.head_mode,
+                                                   exclude=bn_keys if self.batchnorm == "fedbn" else ())
+                payloads[s] = FLModel(params_type=ParamsType.FULL, params=params,
+                                      meta=self._task_meta(split="test", classes=sent_classes))
             for s, r in self._run_tasks("validate", payloads).items():
                 m = r.meta.get("metrics", {})
-                report["sites"][s] = {**m, **summarise_auroc(m.get("auroc", {}), shared=shared)}
-        if self.external_test:
+                own = {c: v for c, v in m.get("auroc", {}).items() if c in announced.get(s, ())}  # a union head: own classes
+                report["sites"][s] = {**m, **summarise_auroc(own, shared=shared)}
+        if self.external_test and self.head_mode == "local":
+            self.info("personalized FL (local heads) has no global model: the external test set is not evaluated")
+        elif self.external_test:
             try:
                 model = build_model(self.model_config, len(classes))
                 model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in state.items()})
@@ -282,6 +316,12 @@ class SurgicalAggregation(ModelController):
         path = self._out("cxrfl", "evaluation.json")
         path.write_text(json.dumps(report, indent=2, default=_json_default))
         self.info(f"evaluation written to {path}")
+
+
+def _with_placeholder(result: FLModel) -> FLModel:
+    """A copy of a head-less site result with a one-row stand-in head (aggregated, then dropped)."""
+    meta = {**(result.meta or {}), "classes": [PLACEHOLDER_CLASS]}
+    return FLModel(params_type=result.params_type, params=with_placeholder_head(drop_head(result.params or {})), meta=meta)
 
 
 def _json_default(o: Any) -> Any:

@@ -4,8 +4,10 @@ Nothing about the site's data is in the job: the executor finds the site's own c
 time (see :func:`resolve_site_config`), loads and validates the data when the job starts (a
 bad config fails this site at start with a clear message, never mid-round), and answers
 ``train`` (head warm-up or one federated round, chosen by ``meta["phase"]``) and ``validate``
-(cross-site evaluation on a split) tasks. The model and training settings arrive in the task
-metadata from the server, so there is one source of truth per job.
+(cross-site evaluation on a split) tasks. The model and training settings, and the head mode
+(``surgical``, ``union`` with the class list of the received head, or ``local``; see
+:mod:`cxrfl.head_modes`), arrive in the task metadata from the server, so there is one source
+of truth per job.
 """
 
 from __future__ import annotations
@@ -138,7 +140,9 @@ class SiteExecutor(Executor):
         model_cfg = ModelConfig.from_dict(meta.get("model_config") or {})
         train_cfg = TrainConfig.from_dict(meta.get("train_config") or {})
         batchnorm = str(meta.get("batchnorm", "fedavg"))
-        key = (model_cfg, train_cfg, batchnorm)
+        head_mode = str(meta.get("head_mode", "surgical"))
+        missing = str(meta.get("missing", "negative"))
+        key = (model_cfg, train_cfg, batchnorm, head_mode, missing)
         if self.learner is None or key != self._learner_key:
             self.learner = SiteLearner(
                 self.data,
@@ -148,6 +152,8 @@ class SiteExecutor(Executor):
                 batchnorm=batchnorm,
                 device=select_device(self.device_name),
                 num_workers=self.num_workers,
+                head_mode=head_mode,
+                missing=missing,
             )
             self._learner_key = key
         return self.learner
@@ -168,7 +174,7 @@ class SiteExecutor(Executor):
                 if meta.get("phase") == "warmup":
                     update = learner.warmup(incoming.params or {})
                 else:
-                    update = learner.train_round(incoming.params or {}, round_num)
+                    update = learner.train_round(incoming.params or {}, round_num, classes=meta.get("classes"))
                 self._log_round(fl_ctx, round_num, update.metrics)
                 out = FLModel(
                     params_type=ParamsType.FULL,
@@ -177,7 +183,7 @@ class SiteExecutor(Executor):
                 )
             elif task_name == "validate":
                 split = str(meta.get("split", "test"))
-                metrics = learner.evaluate_params(incoming.params or {}, split)
+                metrics = learner.evaluate_params(incoming.params or {}, split, classes=meta.get("classes"))
                 self.log_info(fl_ctx, f"site {self.site} {split}: loss {metrics['loss']:.4f} mean AUROC {_fmt(metrics['mean_auroc'])}")
                 out = FLModel(params_type=ParamsType.FULL, params={}, meta={"classes": learner.classes, "metrics": metrics})
             else:

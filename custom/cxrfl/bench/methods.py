@@ -1,0 +1,79 @@
+"""The methods the surgical-aggregation papers compare, as head modes of one training loop.
+
+Every federated method is :func:`cxrfl.bench.federated.run_federated` with a head mode, a
+missing-label policy and a BatchNorm strategy; the individually trained and centralized
+baselines are the same loop on one site (each hospital alone, or every image pooled with
+missing labels as negatives). The NVFlare job that runs a federated method is named in ``job``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cxrfl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method of the comparison.
+
+    Args:
+        name: identifier (results keys, ``--methods``).
+        label: the papers' name for it (tables).
+        kind: ``individual`` (one model per site, alone), ``central`` (pooled data) or ``federated``.
+        head_mode: ``surgical``, ``union`` or ``local`` (see :mod:`cxrfl.head_modes`).
+        missing: ``negative`` or ``ignore`` for classes a site (or the pooled data) lacks.
+        batchnorm: ``fedavg``, ``fedbn`` or ``fedbn+``.
+        job: the NVFlare job under ``jobs/`` that runs it, if any.
+    """
+
+    name: str
+    label: str
+    kind: str
+    head_mode: str = "surgical"
+    missing: str = "negative"
+    batchnorm: str = "fedavg"
+    job: str | None = None
+
+    @property
+    def single_global_model(self) -> bool:
+        """One model that predicts every class of the federation."""
+        return self.kind == "central" or (self.kind == "federated" and self.head_mode != "local")
+
+
+METHODS: tuple[Method, ...] = (
+    Method("individual", "Individually trained", "individual"),
+    Method("pfl-fedavg", "PFL (FedAvg)", "federated", "local", batchnorm="fedavg", job="personalized_fl"),
+    Method("pfl-fedbn", "PFL (FedBN)", "federated", "local", batchnorm="fedbn", job="personalized_fl_fedbn"),
+    Method("pfl-fedbn+", "PFL (FedBN+)", "federated", "local", batchnorm="fedbn+"),
+    Method("centralized", "Centralized", "central", "surgical", "negative"),
+    Method("vanilla-fedavg", "FL (FedAvg)", "federated", "union", "negative", job="vanilla_fl"),
+    Method("vanilla-fedbn+", "FL (FedBN+)", "federated", "union", "negative", "fedbn+"),
+    Method("partial-fedavg", "FL + PL (FedAvg)", "federated", "union", "ignore", job="fl_partial_loss"),
+    Method("partial-fedbn+", "FL + PL (FedBN+)", "federated", "union", "ignore", "fedbn+"),
+    Method("surgical-fedavg", "FL + SA (FedAvg)", "federated", "surgical", job="surgical_agg"),
+    Method("surgical-fedbn+", "FL + SA (FedBN+)", "federated", "surgical", batchnorm="fedbn+", job="surgical_agg_fedbn_plus"),
+)
+"""Every method, in the papers' table order."""
+
+BY_NAME = {m.name: m for m in METHODS}
+REFERENCE = "surgical-fedavg"
+"""The method p-values are computed against (surgical aggregation as the default job runs it)."""
+
+
+def select(names: list[str] | None) -> list[Method]:
+    """The methods to run, in table order; the reference is always included.
+
+    Args:
+        names: method names (None: all).
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    if not names:
+        return list(METHODS)
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise ConfigError(f"unknown method(s) {unknown}; available: {', '.join(BY_NAME)}")
+    wanted = set(names) | {REFERENCE}
+    return [m for m in METHODS if m.name in wanted]

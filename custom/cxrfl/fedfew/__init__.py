@@ -1,0 +1,19 @@
+"""FedFew (Dong et al.): learning underrepresented classes from decentralised partially labelled images.
+
+Framework-free core (no NVFlare import):
+
+- :mod:`cxrfl.fedfew.config`: the settings of the three stages;
+- :mod:`cxrfl.fedfew.ssl`: stage 1, SimSiam (projector, predictor, stop-gradient, negative cosine);
+- :mod:`cxrfl.fedfew.energy`: energy scores, hinge terms, margins, threshold choice;
+- :mod:`cxrfl.fedfew.prototypes`: dual prototypes (minimum-count rule), cosine matching, majority vote;
+- :mod:`cxrfl.fedfew.learner`: the site side of every stage over a ``SiteData``;
+- :mod:`cxrfl.fedfew.protocol`: the tasks as messages and the site dispatcher;
+- :mod:`cxrfl.fedfew.server`: the three-stage workflow over any transport (NVFlare or in-process);
+- :mod:`cxrfl.fedfew.model`: the final self-describing model file and inference.
+
+The NVFlare glue is :mod:`cxrfl.fl.fedfew`; the benchmark :mod:`cxrfl.bench_fedfew`.
+"""
+
+from cxrfl.fedfew.config import FedFewConfig
+
+__all__ = ["FedFewConfig"]

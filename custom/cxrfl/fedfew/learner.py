@@ -1,0 +1,507 @@
+"""The site side of FedFew over a :class:`cxrfl.data.site.SiteData`, in plain PyTorch.
+
+One :class:`FedFewSite` answers every FedFew task of one site; the NVFlare executor
+(:mod:`cxrfl.fl.fedfew`) and the in-process benchmark (:mod:`cxrfl.bench_fedfew`) call the very
+same methods. The site is stateless between tasks (every task brings the global weights and a
+fresh Adam optimiser, as the paper's fixed-learning-rate Adam allows), so executors rebuilt per
+task (NVFlare simulator with ``-t`` < ``-n``) lose nothing.
+
+What leaves the site: model weights and the number of labelled images (FedAvg), its class
+names with per-class label counts (to tell CCs from UCs), energy sums/ranges and per-threshold
+error counts (never an energy per image), and for each of its UCs the two mean features, only
+when each is averaged over at least ``min_prototype_images`` images.
+
+Roles of the site's training images (``split == "train"``):
+
+* CC-labelled: any CC label known. BCE over the CCs plus the extra "no CC" output; the hinge
+  pushing E below ``m_in`` (unless the image is positive for a UC the site labels);
+* UC positive: positive for a UC the site labels. The hinge pushing E above ``m_out``; an
+  "out" example for the threshold, a positive for the prototypes;
+* UC negative: negative for the site's UCs. No loss (``uc_energy_on="all"``: the ``m_out``
+  hinge too, when it has no CC label); an "in" example for the threshold, a negative for the
+  prototypes;
+* unlabelled: no known label at all. Self-supervised stage only.
+
+A local epoch of stage 2 passes over every labelled training image; a batch without any loss
+term is skipped (no optimiser step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score
+
+from cxrfl.data.dataset import make_loader
+from cxrfl.data.site import SiteData
+from cxrfl.errors import DataError
+from cxrfl.fedfew.config import FedFewConfig
+from cxrfl.fedfew.energy import hinge_in, hinge_out, joint_energy, no_cc_targets, threshold_counts
+from cxrfl.fedfew.prototypes import DualPrototype, PrototypeRefused, dual_prototype, predict_ucs
+from cxrfl.fedfew.ssl import SimSiam, TwoViewDataset, simsiam_loss
+from cxrfl.losses import masked_bce
+from cxrfl.metrics import per_class_auroc, summarise_auroc
+from cxrfl.models import CXRNet, ModelConfig, build_model
+from cxrfl.training import _autocast
+
+NO_CC = "No common class"
+"""Name of the extra output (1 when the image holds none of the CCs)."""
+_IN, _OUT = "__fedfew_in__", "__fedfew_out__"
+
+
+def to_numpy(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """A state dict as CPU numpy arrays (what travels)."""
+    return {k: (v.detach().cpu().numpy() if torch.is_tensor(v) else np.asarray(v)) for k, v in params.items()}
+
+
+def load_state(module: torch.nn.Module, params: Mapping[str, Any], what: str) -> None:
+    """Load received weights strictly, with a clear message when they do not fit.
+
+    Args:
+        module: the model.
+        params: name -> array or tensor.
+        what: what the weights are, for the message.
+    """
+    own = module.state_dict()
+    missing = sorted(set(own) - set(params))
+    extra = sorted(set(params) - set(own))
+    if missing or extra:
+        raise ValueError(f"{what}: received weights do not fit the model (missing {missing[:3]}, unexpected {extra[:3]})")
+    state = {}
+    for k, v in params.items():
+        t = torch.as_tensor(np.asarray(v))
+        if tuple(t.shape) != tuple(own[k].shape):
+            raise ValueError(f"{what}: {k} has shape {tuple(t.shape)}, the model needs {tuple(own[k].shape)}")
+        state[k] = t.to(own[k].dtype)
+    module.load_state_dict(state)
+
+
+def params_digest(params: Mapping[str, Any]) -> str:
+    """SHA-256 over the names and bytes of a state dict (order independent)."""
+    h = hashlib.sha256()
+    for k in sorted(params):
+        h.update(k.encode())
+        h.update(np.ascontiguousarray(np.asarray(params[k].detach().cpu() if torch.is_tensor(params[k]) else params[k])).tobytes())
+    return h.hexdigest()
+
+
+def stage2_classes(cc_classes: Sequence[str]) -> list[str]:
+    """Output order of the stage-2 network: the CCs, then the extra "no CC" output."""
+    return [*cc_classes, NO_CC]
+
+
+def ssl_model(model_config: ModelConfig, config: FedFewConfig) -> SimSiam:
+    """The SimSiam network of stage 1 (its encoder is a CXRNet feature extractor)."""
+    return SimSiam(CXRNet(model_config, 1), config.ssl_proj_dim, config.ssl_pred_dim)
+
+
+@dataclass
+class StageUpdate:
+    """A site's answer to a training task.
+
+    Args:
+        params: the locally trained weights (numpy).
+        num_samples: FedAvg weight: images used for SSL, labelled images for stage 2.
+        metrics: loss, steps, seconds ...
+    """
+
+    params: dict[str, np.ndarray]
+    num_samples: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class FedFewSite:
+    """One site's FedFew computations.
+
+    Args:
+        data: the site's data (its classes, images and splits).
+        model_config: network settings (``pretrained`` is not read at sites: weights arrive).
+        config: FedFew settings.
+        device: torch device.
+        num_workers: data-loader workers.
+    """
+
+    def __init__(self, data: SiteData, *, model_config: ModelConfig, config: FedFewConfig,
+                 device: torch.device | None = None, num_workers: int = 0) -> None:
+        self.data = data
+        self.model_config = ModelConfig.from_dict({**model_config.to_dict(), "pretrained": None})
+        self.config = config
+        self.device = device or torch.device("cpu")
+        self.num_workers = num_workers
+        self.cc_classes: list[str] = []
+        self.uc_classes: list[str] = []
+        self._net: CXRNet | None = None
+        self._ssl_images: tuple[tuple, list[np.ndarray]] | None = None
+        self._embed_cache: dict[tuple[str, str], tuple[np.ndarray, np.ndarray, pd.DataFrame]] = {}
+
+    @property
+    def site(self) -> str:
+        return self.data.site
+
+    # ------------------------------------------------------------------ info
+    def info(self) -> dict[str, Any]:
+        """What the server needs to plan the stages: counts only.
+
+        Returns:
+            ``classes`` (the site's class names), ``n_ssl`` (images for stage 1, labelled or
+            not), ``n_labelled`` (training images with at least one known label),
+            ``positives`` / ``negatives`` per class in the training split.
+        """
+        train = self.data.split_table("train")
+        labels = train[self.data.classes] if self.data.classes else pd.DataFrame(index=train.index)
+        return {
+            "classes": list(self.data.classes),
+            "n_ssl": int(self.data.table["split"].isin(self.config.ssl_splits).sum()),
+            "n_labelled": int(labels.notna().any(axis=1).sum()) if len(labels.columns) else 0,
+            "positives": {c: int((train[c] == 1.0).sum()) for c in self.data.classes},
+            "negatives": {c: int((train[c] == 0.0).sum()) for c in self.data.classes},
+        }
+
+    def set_roles(self, cc_classes: Sequence[str], uc_classes: Sequence[str]) -> None:
+        """The global CC order and which of this site's classes are UCs (sent by the server).
+
+        Args:
+            cc_classes: every CC, in the network's output order.
+            uc_classes: the UCs this site labels (a subset of its classes).
+        """
+        foreign = [c for c in uc_classes if c not in self.data.classes]
+        if foreign:
+            raise ValueError(f"site {self.site}: told to hold UC(s) {foreign} that it does not label")
+        if list(cc_classes) != self.cc_classes or list(uc_classes) != self.uc_classes:
+            self.cc_classes, self.uc_classes = list(cc_classes), list(uc_classes)
+            self._net = None
+            self._embed_cache.clear()
+
+    # --------------------------------------------------------------- tables
+    def role_table(self, split: str) -> pd.DataFrame:
+        """One split with the CC columns (NaN where the site does not label a CC), the site's
+        UC columns and two role flags: ``in`` and ``out`` (see the module docstring).
+
+        Args:
+            split: ``train``, ``val`` or ``test``.
+        """
+        table = self.data.split_table(split)
+        out = pd.DataFrame({"path": table["path"]})
+        for c in self.cc_classes:
+            out[c] = table[c] if c in table.columns else np.nan
+        cc_known = out[self.cc_classes].notna().any(axis=1) if self.cc_classes else pd.Series(False, index=out.index)
+        if self.uc_classes:
+            ucs = table[self.uc_classes]
+            uc_pos = (ucs == 1.0).any(axis=1)
+            uc_neg = (ucs == 0.0).all(axis=1) & ~uc_pos
+        else:
+            uc_pos = uc_neg = pd.Series(False, index=out.index)
+        for c in self.uc_classes:
+            out[c] = table[c]
+        out[_IN] = (cc_known & ~uc_pos).astype(np.float32)
+        out_flag = uc_pos | (uc_neg & ~cc_known) if self.config.uc_energy_on == "all" else uc_pos
+        out[_OUT] = out_flag.astype(np.float32)
+        out["_uc_neg"] = uc_neg.astype(np.float32)
+        return out
+
+    def stage2_table(self) -> pd.DataFrame:
+        """The labelled training rows (any CC or own-UC label known): a local epoch of stage 2
+        passes over them; the UC negatives carry no loss (unless ``uc_energy_on="all"``) but
+        keep the BatchNorm statistics of a UC site representative."""
+        t = self.role_table("train")
+        cols = [*self.cc_classes, *self.uc_classes]
+        known = t[cols].notna().any(axis=1) if cols else pd.Series(False, index=t.index)
+        return t[known].reset_index(drop=True)
+
+    @property
+    def n_labelled(self) -> int:
+        """Training images with at least one known label (the stage-2 FedAvg weight)."""
+        return int(self.info()["n_labelled"])
+
+    # --------------------------------------------------------------- stage 1
+    def ssl_round(self, params: Mapping[str, Any], round_num: int = 0) -> StageUpdate:
+        """One round of local SimSiam training from the received SimSiam weights.
+
+        Args:
+            params: encoder, projector and predictor weights.
+            round_num: the round (seeds shuffling and views).
+        """
+        cfg = self.config
+        start = time.perf_counter()
+        rows = self.data.table[self.data.table["split"].isin(cfg.ssl_splits)]
+        if len(rows) < 2:
+            raise DataError(f"site {self.site}: {len(rows)} image(s) in splits {list(cfg.ssl_splits)}; "
+                            "self-supervised training needs at least 2")
+        torch.manual_seed(cfg.seed + 1000 * round_num)
+        model = ssl_model(self.model_config, cfg).to(self.device)
+        load_state(model, params, f"site {self.site} stage 1")
+        paths = rows["path"].tolist()
+        key = (tuple(paths), self.model_config.image_size)
+        if self._ssl_images is None or self._ssl_images[0] != key:
+            self._ssl_images = (key, TwoViewDataset.load_images(paths, self.model_config.image_size))
+        dataset = TwoViewDataset(paths, self.model_config.image_size, self.model_config.in_channels,
+                                 seed=cfg.seed + 7919 * round_num, images=self._ssl_images[1])
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=cfg.ssl_batch_size, shuffle=True, drop_last=len(dataset) > cfg.ssl_batch_size,
+            num_workers=self.num_workers, generator=torch.Generator().manual_seed(cfg.seed + round_num),
+        )
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.ssl_lr)
+        model.train()
+        total, steps = 0.0, 0
+        for _ in range(cfg.ssl_local_epochs):
+            for i, (x1, x2) in enumerate(loader):
+                if cfg.ssl_max_steps is not None and i >= cfg.ssl_max_steps:
+                    break
+                if x1.shape[0] < 2:  # BatchNorm needs two samples
+                    continue
+                x1, x2 = x1.to(self.device), x2.to(self.device)
+                opt.zero_grad(set_to_none=True)
+                with _autocast(self.device, cfg.amp):
+                    p1, p2, z1, z2 = model(x1, x2)
+                loss = simsiam_loss(p1.float(), p2.float(), z1.float(), z2.float())
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"site {self.site}: SimSiam loss became {loss.item()} at step {steps}")
+                loss.backward()
+                opt.step()
+                total += float(loss.detach())
+                steps += 1
+        metrics = {"stage": 1, "round": round_num, "ssl_loss": total / steps if steps else None, "steps": steps,
+                   "images": len(dataset), "seconds": time.perf_counter() - start}
+        return StageUpdate(to_numpy(model.state_dict()), len(dataset), metrics)
+
+    # --------------------------------------------------------------- stage 2
+    def network(self, params: Mapping[str, Any] | None = None) -> CXRNet:
+        """The stage-2 network (CCs + "no CC" outputs), with ``params`` loaded when given."""
+        if not self.cc_classes:
+            raise ValueError(f"site {self.site}: the CC classes are not set (set_roles)")
+        if self._net is None:
+            self._net = build_model(self.model_config, len(self.cc_classes) + 1).to(self.device)
+        if params is not None:
+            load_state(self._net, params, f"site {self.site} stage 2")
+        return self._net
+
+    def _energy(self, logits: torch.Tensor) -> torch.Tensor:
+        k = len(self.cc_classes)
+        outputs = logits if self.config.energy_outputs == "all" else logits[:, :k]
+        return joint_energy(outputs, self.config.temperature)
+
+    def train_round(self, params: Mapping[str, Any], round_num: int, *, energy_weight: float,
+                    m_in: float | None, m_out: float | None) -> StageUpdate:
+        """One round of energy-based multi-label training (Eqs. 3-7).
+
+        CC-labelled images: masked BCE over the CC and "no CC" outputs + ``energy_weight`` *
+        ``relu(E - m_in)^2``; UC images: ``energy_weight`` * ``relu(m_out - E)^2`` only.
+        A batch with no loss term is skipped (no optimiser step).
+
+        Args:
+            params: the global stage-2 weights.
+            round_num: the round (seeds shuffling and augmentation).
+            energy_weight: lambda (0 in warm-up rounds: BCE only).
+            m_in: the in margin (needed when ``energy_weight > 0``).
+            m_out: the out margin (needed when ``energy_weight > 0``).
+        """
+        cfg = self.config
+        if energy_weight > 0 and (m_in is None or m_out is None):
+            raise ValueError("the energy term needs both margins")
+        start = time.perf_counter()
+        table = self.stage2_table()
+        n = len(table)
+        if table.empty:
+            raise DataError(f"site {self.site}: no labelled training image; it cannot take part in stage 2")
+        torch.manual_seed(cfg.seed + 1000 * round_num + 1)
+        model = self.network(params)
+        k = len(self.cc_classes)
+        loader = make_loader(table, [*self.cc_classes, _IN, _OUT], image_size=self.model_config.image_size,
+                             train=cfg.augment, batch_size=cfg.batch_size, num_workers=self.num_workers,
+                             seed=cfg.seed + round_num, in_channels=self.model_config.in_channels)
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        model.train()
+        sums = {"loss": 0.0, "bce": 0.0, "hinge_in": 0.0, "hinge_out": 0.0}
+        steps = skipped = 0
+        for _ in range(cfg.local_epochs):
+            for i, (x, y, m) in enumerate(loader):
+                if cfg.max_steps_per_epoch is not None and i >= cfg.max_steps_per_epoch:
+                    break
+                y_cc, m_cc = y[:, :k], m[:, :k]
+                is_in, is_out = y[:, k] == 1, y[:, k + 1] == 1
+                target, mask = no_cc_targets(y_cc, m_cc)
+                has_bce = bool(mask.sum() > 0)
+                has_energy = energy_weight > 0 and bool(is_in.any() or is_out.any())
+                if not (has_bce or has_energy) or x.shape[0] < 2:
+                    skipped += 1
+                    continue
+                x, target, mask = x.to(self.device), target.to(self.device), mask.to(self.device)
+                opt.zero_grad(set_to_none=True)
+                with _autocast(self.device, cfg.amp):
+                    logits = model(x)
+                logits = logits.float()
+                bce = masked_bce(logits, target, mask)
+                loss = bce
+                h_in = h_out = torch.zeros((), device=self.device)
+                if energy_weight > 0:
+                    energy = self._energy(logits)
+                    h_in = hinge_in(energy[is_in.to(self.device)], m_in)
+                    h_out = hinge_out(energy[is_out.to(self.device)], m_out)
+                    loss = loss + energy_weight * (h_in + h_out)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"site {self.site}: stage-2 loss became {loss.item()} at step {steps}")
+                loss.backward()
+                opt.step()
+                for name, v in (("loss", loss), ("bce", bce), ("hinge_in", h_in), ("hinge_out", h_out)):
+                    sums[name] += float(v.detach())
+                steps += 1
+        metrics = {"stage": 2, "round": round_num, "energy_weight": energy_weight, "steps": steps, "skipped_batches": skipped,
+                   "images": len(table), "seconds": time.perf_counter() - start,
+                   **{f"train_{name}": (v / steps if steps else None) for name, v in sums.items()}}
+        return StageUpdate(to_numpy(model.state_dict()), n, metrics)
+
+    # ---------------------------------------------------- energies, features
+    @torch.no_grad()
+    def embed(self, params: Mapping[str, Any], split: str = "train") -> tuple[np.ndarray, np.ndarray, pd.DataFrame]:
+        """Pooled features, joint energies and the role table of one split (cached per weights).
+
+        Args:
+            params: stage-2 weights.
+            split: the split.
+
+        Returns:
+            (features [n, D], energies [n], role table [n rows]).
+        """
+        key = (params_digest(params), split)
+        if key in self._embed_cache:
+            return self._embed_cache[key]
+        model = self.network(params)
+        model.eval()
+        table = self.role_table(split)
+        feats, energies = [], []
+        if len(table):
+            loader = make_loader(table, [*self.cc_classes], image_size=self.model_config.image_size, train=False,
+                                 batch_size=self.config.eval_batch_size, num_workers=self.num_workers,
+                                 in_channels=self.model_config.in_channels)
+            for x, _, _ in loader:
+                x = x.to(self.device)
+                with _autocast(self.device, self.config.amp):
+                    f = model.features(x)
+                    logits = model.classifier(model.dropout(model.hidden(f)))
+                feats.append(f.float().cpu().numpy())
+                energies.append(self._energy(logits.float()).cpu().numpy())
+        d = model.backbone.norm5.num_features
+        out = (np.concatenate(feats) if feats else np.zeros((0, d), np.float32),
+               np.concatenate(energies) if energies else np.zeros((0,), np.float32), table)
+        self._embed_cache = {key: out}
+        return out
+
+    def _in_out_energies(self, params: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """Energies of the threshold's training examples: without a UC (the UC negatives, and
+        with ``threshold_examples="all"`` the CC-labelled images) and with one (UC positives)."""
+        _, energies, table = self.embed(params, "train")
+        uc_pos = table[self.uc_classes].eq(1.0).any(axis=1).to_numpy() if self.uc_classes else np.zeros(len(table), bool)
+        is_in = table["_uc_neg"].to_numpy() == 1.0
+        if self.config.threshold_examples == "all":
+            is_in = is_in | (table[_IN].to_numpy() == 1.0)
+        return energies[is_in], energies[uc_pos]
+
+    def energy_means(self, params: Mapping[str, Any]) -> dict[str, float | int]:
+        """Sums and counts of the warm-up model's energies over the two hinge populations
+        (to choose the margins).
+
+        Returns:
+            ``sum_in``/``n_in``: CC-labelled images without a UC; ``sum_out``/``n_out``: UC positives.
+        """
+        _, energies, table = self.embed(params, "train")
+        e_in = energies[table[_IN].to_numpy() == 1.0]
+        e_out = energies[table[_OUT].to_numpy() == 1.0]
+        return {"sum_in": float(e_in.sum()), "n_in": int(len(e_in)), "sum_out": float(e_out.sum()), "n_out": int(len(e_out))}
+
+    def energy_range(self, params: Mapping[str, Any]) -> dict[str, float | int | None]:
+        """Lowest and highest energy over the site's in and out training images (for the grid)."""
+        e_in, e_out = self._in_out_energies(params)
+        both = np.concatenate([e_in, e_out])
+        return {"min": float(both.min()) if len(both) else None, "max": float(both.max()) if len(both) else None,
+                "n_in": int(len(e_in)), "n_out": int(len(e_out))}
+
+    def threshold_counts(self, params: Mapping[str, Any], grid: Sequence[float]) -> dict[str, Any]:
+        """Errors per candidate threshold (see :func:`cxrfl.fedfew.energy.threshold_counts`)."""
+        e_in, e_out = self._in_out_energies(params)
+        return threshold_counts(e_in, e_out, grid)
+
+    # --------------------------------------------------------------- stage 3
+    def prototypes(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The dual prototypes of the site's UCs, refused below ``min_prototype_images``.
+
+        Returns:
+            ``prototypes``: payload dicts of the UCs that pass the minimum; ``refused``: UC ->
+            the reason (nothing about those classes' features leaves the site).
+        """
+        feats, _, table = self.embed(params, "train")
+        sent, refused = [], {}
+        for uc in self.uc_classes:
+            try:
+                proto = dual_prototype(uc, feats, table[uc].to_numpy(dtype=np.float64), self.config.min_prototype_images)
+            except PrototypeRefused as exc:
+                refused[uc] = f"site {self.site}: {exc}"
+                continue
+            sent.append(proto.to_payload())
+        return {"prototypes": sent, "refused": refused}
+
+    # ------------------------------------------------------------ evaluation
+    def evaluate(self, params: Mapping[str, Any], *, threshold: float,
+                 prototypes: Mapping[str, Sequence[DualPrototype]], split: str = "test") -> dict[str, Any]:
+        """The final model on one split: AUROC of the CCs the site labels, and accuracy,
+        precision, recall and F1 of each UC it labels (with the prototypes given).
+
+        Args:
+            params: stage-2 weights.
+            threshold: the energy threshold.
+            prototypes: UC -> prototype pairs (only the site's own UCs are evaluated).
+            split: the split.
+        """
+        feats, energies, table = self.embed(params, split)
+        model = self.network(params)
+        k = len(self.cc_classes)
+        result: dict[str, Any] = {"split": split, "n": int(len(table))}
+        own_cc = [c for c in self.cc_classes if c in self.data.classes]
+        if own_cc and len(table):
+            pooled = torch.as_tensor(feats).to(self.device)
+            with torch.no_grad():
+                scores = torch.sigmoid(model.classifier(model.hidden(pooled)).float()).cpu().numpy()[:, :k]
+            cols = [self.cc_classes.index(c) for c in own_cc]
+            y = table[own_cc].to_numpy(dtype=np.float64)
+            aurocs = per_class_auroc(y, scores[:, cols], own_cc)
+            result["cc_auroc"] = aurocs
+            result["cc_mean_auroc"] = summarise_auroc(aurocs)["mean"]
+        ucs = {u: p for u, p in prototypes.items() if u in self.uc_classes and p}
+        if ucs and len(table):
+            preds = predict_ucs(feats, energies, threshold, ucs)
+            result["uc"] = {}
+            for uc, pred in preds.items():
+                y = table[uc].to_numpy(dtype=np.float64)
+                known = ~np.isnan(y)
+                result["uc"][uc] = uc_metrics(y[known], pred["positive"][known])
+        return result
+
+
+def uc_metrics(y_true: np.ndarray, y_pred: np.ndarray) -> dict[str, float | int]:
+    """Accuracy, precision, recall and F1 of binary predictions (scikit-learn; 0 where undefined).
+
+    Args:
+        y_true: [n] labels in {0, 1}.
+        y_pred: [n] predictions (bool or {0, 1}).
+    """
+    y_true = np.asarray(y_true).astype(int)
+    y_pred = np.asarray(y_pred).astype(int)
+    if len(y_true) == 0:
+        return {"accuracy": math.nan, "precision": math.nan, "recall": math.nan, "f1": math.nan, "n": 0,
+                "n_positive": 0, "n_predicted": 0}
+    return {
+        "accuracy": float(accuracy_score(y_true, y_pred)),
+        "precision": float(precision_score(y_true, y_pred, zero_division=0)),
+        "recall": float(recall_score(y_true, y_pred, zero_division=0)),
+        "f1": float(f1_score(y_true, y_pred, zero_division=0)),
+        "n": int(len(y_true)),
+        "n_positive": int(y_true.sum()),
+        "n_predicted": int(y_pred.sum()),
+    }

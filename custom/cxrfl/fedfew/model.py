@@ -1,0 +1,139 @@
+"""The final FedFew model file and inference with it.
+
+The file is an ordinary cxrfl checkpoint (:func:`cxrfl.models.save_checkpoint`): ``model`` is
+the stage-2 network (encoder + head over the CCs and the extra "no CC" output), ``classes``
+names its outputs, ``model_config`` its architecture; so :func:`cxrfl.models.model_from_checkpoint`
+and every tool that reads checkpoints work unchanged. The extra key ``fedfew`` holds the rest::
+
+    {"version": 1,
+     "cc_classes": [...], "no_cc_class": "No common class", "uc_classes": [...],
+     "temperature": 1.0, "energy_outputs": "all", "threshold": -2.31,
+     "prototypes": {uc: [{"positive": Tensor[D], "negative": Tensor[D],
+                          "n_positive": 14, "n_negative": 140, "source": 0}, ...]},
+     "margins": {"m_in": ..., "m_out": ..., "chosen": "config" | "warm-up"},
+     "threshold_stats": {...}, "min_prototype_images": 10}
+
+Prototypes carry an anonymous ``source`` index, not a site name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cxrfl.errors import ConfigError
+from cxrfl.fedfew.energy import joint_energy
+from cxrfl.fedfew.learner import NO_CC
+from cxrfl.fedfew.prototypes import DualPrototype, predict_ucs
+from cxrfl.models import CXRNet, load_checkpoint, model_from_checkpoint
+
+FEDFEW_KEY = "fedfew"
+ARTIFACT_VERSION = 1
+
+
+def fedfew_extra(*, cc_classes: list[str], threshold: float, temperature: float, energy_outputs: str,
+                 prototypes: Mapping[str, list[DualPrototype]], margins: Mapping[str, Any] | None = None,
+                 threshold_stats: Mapping[str, Any] | None = None, min_prototype_images: int | None = None) -> dict[str, Any]:
+    """The ``fedfew`` entry of the final checkpoint (pass as ``extra`` to ``save_checkpoint``).
+
+    Args:
+        cc_classes: the CCs in output order (the last output is "no CC").
+        threshold: the energy threshold.
+        temperature: T of the energy.
+        energy_outputs: ``all`` or ``cc`` (see :data:`cxrfl.fedfew.config.ENERGY_OUTPUTS`).
+        prototypes: UC -> its prototype pairs (UCs without any pair are left out).
+        margins: the stage-2 margins and how they were chosen.
+        threshold_stats: accuracy etc. of the threshold on the training examples.
+        min_prototype_images: the minimum the prototypes were computed under.
+    """
+    protos = {
+        uc: [{"positive": torch.as_tensor(np.asarray(p.positive, np.float32)), "negative": torch.as_tensor(np.asarray(p.negative, np.float32)),
+              "n_positive": int(p.n_positive), "n_negative": int(p.n_negative), "source": int(p.source)} for p in pairs]
+        for uc, pairs in prototypes.items() if pairs
+    }
+    return {FEDFEW_KEY: {
+        "version": ARTIFACT_VERSION,
+        "cc_classes": list(cc_classes),
+        "no_cc_class": NO_CC,
+        "uc_classes": sorted(protos),
+        "temperature": float(temperature),
+        "energy_outputs": energy_outputs,
+        "threshold": float(threshold),
+        "prototypes": protos,
+        "margins": dict(margins or {}),
+        "threshold_stats": dict(threshold_stats or {}),
+        "min_prototype_images": min_prototype_images,
+    }}
+
+
+class FedFewModel:
+    """A FedFew model ready for inference.
+
+    Args:
+        net: the stage-2 network (outputs: the CCs, then "no CC").
+        info: the checkpoint's ``fedfew`` entry.
+        where: the file, for messages.
+    """
+
+    def __init__(self, net: CXRNet, info: Mapping[str, Any], where: str = "the checkpoint") -> None:
+        self.net = net
+        try:
+            self.cc_classes = [str(c) for c in info["cc_classes"]]
+            self.threshold = float(info["threshold"])
+            self.temperature = float(info.get("temperature", 1.0))
+            self.energy_outputs = str(info.get("energy_outputs", "all"))
+            self.prototypes = {
+                str(uc): [DualPrototype.from_payload({**p, "uc": uc}) for p in pairs]
+                for uc, pairs in dict(info.get("prototypes") or {}).items() if pairs
+            }
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: malformed FedFew entry ({type(exc).__name__}: {exc})") from exc
+        if net.num_classes != len(self.cc_classes) + 1:
+            raise ConfigError(f"{where}: the network has {net.num_classes} outputs, the FedFew entry names "
+                              f"{len(self.cc_classes)} CCs + 'no CC'")
+        if self.energy_outputs not in ("all", "cc"):
+            raise ConfigError(f"{where}: unknown energy_outputs {self.energy_outputs!r}")
+        self.uc_classes = sorted(self.prototypes)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, map_location: str | torch.device = "cpu") -> FedFewModel | None:
+        """The FedFew model of a checkpoint, or None when the checkpoint holds no FedFew entry.
+
+        Args:
+            path: a checkpoint file.
+            map_location: where tensors are loaded.
+        """
+        ckpt = load_checkpoint(path, map_location)
+        info = ckpt.get(FEDFEW_KEY)
+        if info is None:
+            return None
+        if not isinstance(info, Mapping):
+            raise ConfigError(f"{path}: the '{FEDFEW_KEY}' entry is not a mapping")
+        net, _, _ = model_from_checkpoint(path, map_location)
+        return cls(net, info, str(path))
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> dict[str, Any]:
+        """CC probabilities, energies and UC decisions for a batch of preprocessed images.
+
+        Args:
+            x: [B, C, H, W] images (``build_transforms(..., train=False)``).
+
+        Returns:
+            ``cc_probabilities`` [B, K], ``energy`` [B], ``flagged`` [B] (energy above the
+            threshold), ``uc``: UC -> ``positive`` [B] bool, ``votes`` [B], ``pairs``, ``margin`` [B].
+        """
+        self.net.eval()
+        feats = self.net.features(x)
+        logits = self.net.classifier(self.net.dropout(self.net.hidden(feats))).float()
+        k = len(self.cc_classes)
+        outputs = logits if self.energy_outputs == "all" else logits[:, :k]
+        energy = joint_energy(outputs, self.temperature).cpu().numpy()
+        f = feats.float().cpu().numpy()
+        uc = predict_ucs(f, energy, self.threshold, self.prototypes) if self.prototypes else {}
+        return {"cc_probabilities": torch.sigmoid(logits[:, :k]).cpu().numpy(), "energy": energy,
+                "flagged": energy > self.threshold, "uc": uc}

@@ -1,0 +1,174 @@
+"""`cxrfl bench compare` end to end on a tiny profile, and the pieces of its statistics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cxrfl.bench.compare import evaluate_targets
+from cxrfl.bench.profiles import partition_classes, pooled_site
+from cxrfl.bench.report import format_report, stars
+from cxrfl.labels import NIH_CLASSES
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def compare_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [str(Path(sys.executable).with_name("cxrfl")), "bench", "compare", "--profile", "two-hospitals",
+           "--out", str(out / "res"), "--data-dir", str(out / "data"), "--seeds", "1", "--rounds", "1", "--steps", "1",
+           "--batch-size", "8", "--image-size", "32", "--data-image-size", "32", "--n-per-site", "30",
+           "--n-external", "30", "--n-boot", "20", "--methods", "individual,vanilla-fedavg,pfl-fedavg"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "surgical-fedavg round 1/1" in proc.stdout  # progress lines while it runs
+    return out / "res"
+
+
+def test_results_json_structure(compare_run):
+    res = json.loads((compare_run / "results.json").read_text())
+    assert res["profile"] == "two-hospitals" and res["reference"] == "surgical-fedavg"
+    assert set(res["methods"]) == {"individual:hospital-a", "individual:hospital-b", "pfl-fedavg", "vanilla-fedavg",
+                                   "surgical-fedavg"}
+    assert set(res["views"]) == {"hospital-a", "hospital-b", "external", "external@hospital-a", "external@hospital-b"}
+    assert len(res["data"]["shared_classes"]) == 7 and len(res["data"]["union"]) == 20
+    for name, m in res["methods"].items():
+        assert len(m["runs"]) == 1 and m["runs"][0]["val_loss"]
+        for view, cell in m["test"].items():
+            assert set(cell["auroc"]) == set(res["views"][view]["classes"])
+            for key in ("mean", "sd", "n", "ci", "mean_ci", "mean_by_seed", "p_vs_reference", "model_knows"):
+                assert key in cell, (name, view, key)
+            for c, v in cell["auroc"].items():
+                assert v is None or 0.0 <= v <= 1.0
+                assert (cell["ci"][c] is None) == (v is None)
+            if name != "surgical-fedavg":
+                assert {"t", "p", "n", "shapiro_p"} <= set(cell["p_vs_reference"])
+    a = res["methods"]["individual:hospital-a"]["test"]
+    # a model that does not know a class: not defined (None), never 0.5, and no mean over a set containing it
+    b_only = [c for c in res["views"]["hospital-b"]["classes"] if c not in res["views"]["hospital-a"]["classes"]]
+    assert all(a["hospital-b"]["auroc"][c] is None for c in b_only)
+    assert a["hospital-b"]["mean"] is None and a["external"]["mean"] is None
+    assert a["hospital-b"]["unique"]["mean"] is None and a["hospital-b"]["unique"]["unknown"] == sorted(b_only)
+    assert res["methods"]["pfl-fedavg"]["test"]["external"]["mean"] is None  # no single model
+    assert res["methods"]["pfl-fedavg"]["test"]["external@hospital-a"]["model_knows"]
+    for view in ("hospital-a", "hospital-b"):
+        cell = res["methods"]["surgical-fedavg"]["test"][view]
+        assert {"shared", "unique"} <= set(cell)
+    assert isinstance(res["targets"], list) and res["targets"]
+    for t in res["targets"]:
+        assert {"target", "view", "met", "difference", "p"} <= set(t)
+
+
+def test_report_has_the_papers_tables(compare_run):
+    text = (compare_run / "report.md").read_text()
+    for heading in ("## Mean AUROC, all classes", "## Shared vs unique classes", "## External set by each site's classes",
+                    "## Per-class AUROC", "## Targets", "## Plots"):
+        assert heading in text
+    assert "| FL + SA (FedAvg) |" in text and "| hospital-a (individual) |" in text
+    assert "hospital-a shared | hospital-a unique" in text
+    assert "external, hospital-b classes" in text
+
+
+def test_plots_are_non_empty_pngs(compare_run):
+    res = json.loads((compare_run / "results.json").read_text())
+    names = set(res["plots"])
+    assert {"auroc_hospital-a.png", "auroc_hospital-b.png", "auroc_external.png", "roc_external.png", "val_loss.png"} <= names
+    for name in names:
+        data = (compare_run / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
+
+
+def test_cwt_method_dispatch_or_clear_error(tmp_path, monkeypatch):
+    from cxrfl.bench import cli as bench_cli
+    from cxrfl.cli import build_parser
+    from cxrfl.errors import ConfigError
+
+    args = build_parser().parse_args(["bench", "compare", "--method", "cwt", "--out", str(tmp_path), "--seeds", "2"])
+    calls = {}
+    fake = type(sys)("cxrfl.bench_cwt")
+    fake.run_cwt_benchmark = lambda out, seeds: calls.update(out=out, seeds=seeds)
+    monkeypatch.setitem(sys.modules, "cxrfl.bench_cwt", fake)
+    monkeypatch.setattr(bench_cli.importlib.util, "find_spec", lambda name: object())
+    assert args.func(args) == 0 and calls == {"out": tmp_path, "seeds": 2}
+    monkeypatch.setattr(bench_cli.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="cxrfl.bench_cwt"):
+        args.func(args)
+
+
+# ------------------------------------------------------------------ pieces
+def test_partition_classes_for_the_ablations():
+    classes = list(NIH_CLASSES)
+    midl = partition_classes(classes, 2, 4, seed=0, unique_sizes=(7, 3))
+    assert [len(s) for s in midl] == [11, 7] and len(set(midl[0]) & set(midl[1])) == 4
+    for k in (2, 3, 4, 5, 6, 8, 10):
+        sets = partition_classes(classes, k, 4, seed=1)
+        assert set().union(*map(set, sets)) == set(classes)  # every class annotated somewhere
+        assert len(set.intersection(*map(set, sets))) == 4
+    for shared in (0, 1, 2, 4, 8, 12, 14):
+        sets = partition_classes(classes, 4, shared, seed=2)
+        assert len(set.intersection(*map(set, sets))) == shared and set().union(*map(set, sets)) == set(classes)
+
+
+def test_pooled_site_marks_missing_labels_negative():
+    import pandas as pd
+
+    from cxrfl.data.site import SiteData
+
+    a = SiteData("a", ["x", "y"], pd.DataFrame({"path": ["1", "2"], "patient": ["p", "q"], "split": ["train", "val"],
+                                                 "x": [1.0, np.nan], "y": [0.0, 1.0]}))
+    b = SiteData("b", ["y", "z"], pd.DataFrame({"path": ["3"], "patient": ["p"], "split": ["train"], "y": [1.0], "z": [1.0]}))
+    pooled = pooled_site([a, b])
+    assert pooled.classes == ["x", "y", "z"]
+    t = pooled.table
+    assert t["z"].tolist()[:2] == [0.0, 0.0] and t["x"].tolist()[2] == 0.0  # missing = negative
+    assert np.isnan(t["x"].tolist()[1])  # a label the site itself left unknown stays unknown
+    assert t["patient"].nunique() == 3  # the same id at two sites is two patients
+
+
+def test_targets_and_marks_on_a_hand_made_result():
+    def cell(mean, unique=None):
+        auroc = {"c1": None, "c2": None, "c3": None} if mean is None else {"c1": mean, "c2": mean + 0.01, "c3": mean - 0.02}
+        return {"mean": mean, "sd": 0.1, "unique": {"mean": unique}, "shared": {"mean": mean}, "auroc": auroc,
+                "p_vs_reference": None}
+
+    views = {"h": {"kind": "site", "classes": ["c1", "c2", "c3"], "shared": ["c1"]},
+             "ext": {"kind": "external", "classes": ["c1", "c2", "c3"], "shared": None}}
+    methods = {"surgical-fedavg": {"test": {"h": cell(0.80, 0.78), "ext": cell(0.75)}},
+               "individual:h": {"test": {"h": cell(0.81, 0.79), "ext": cell(None)}},
+               "vanilla-fedavg": {"test": {"h": cell(0.70, 0.60), "ext": cell(0.70)}},
+               "partial-fedavg": {"test": {"h": cell(0.79, 0.80), "ext": cell(0.76)}}}
+    res = {"profile": "two-hospitals", "reference": "surgical-fedavg", "views": views, "methods": methods}
+    by = {(t["target"][:12], t["against"]): t for t in evaluate_targets(res)}
+    assert by[("site test sp", "individual:h")]["met"] is True  # -0.01 is within 0.02
+    assert by[("unique class", "vanilla-fedavg")]["met"] is True and by[("unique class", "partial-fedavg")]["met"] is False
+    assert by[("external set", "partial-fedavg")]["met"] is False
+    assert by[("site test sp", "individual:h")]["difference"] == pytest.approx(-0.01)
+    assert stars(0.0005) == "***" and stars(0.004) == "**" and stars(0.04) == "*" and stars(0.2) == "ns"
+
+
+def test_report_renders_from_results_alone(compare_run):
+    res = json.loads((compare_run / "results.json").read_text())
+    assert format_report(res) == (compare_run / "report.md").read_text()
+
+
+def test_pretrained_stand_in_loads_into_the_feature_extractor(tmp_path):
+    import torch
+
+    from cxrfl.bench.pretrain import pretrain_backbone
+    from cxrfl.models import ModelConfig, build_model, load_checkpoint
+
+    ckpt = tmp_path / "pre.pt"
+    summary = pretrain_backbone(ckpt, data_dir=tmp_path / "data", n_images=30, image_size=32, data_image_size=32, steps=2,
+                                batch_size=8, log=lambda _m: None)
+    assert summary["steps"] == 2 and ckpt.is_file()
+    saved = load_checkpoint(ckpt)
+    assert len(saved["classes"]) == 20
+    model = build_model(ModelConfig(image_size=32, pretrained=str(ckpt)), 3)
+    for k, v in model.backbone.state_dict().items():
+        torch.testing.assert_close(v, saved["model"]["backbone." + k], msg=k)

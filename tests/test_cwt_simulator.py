@@ -1,0 +1,155 @@
+"""End to end: `nvflare simulator jobs/cwt` on three small sites of the real NIH images.
+
+Checks from the controller's records that the model really moves from site to site (the
+weights a site starts from are, byte for byte, the weights the previous site returned, as
+both the server and the sites hash them) and that a site that is down on its turn is skipped
+with a log line while the relay goes on. The third site runs a test-only executor (its own
+app in the job, see ``FLAKY``) whose ``train`` task fails in cycle 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cxrfl.cwt import BINARY_CLASS
+
+pytestmark = pytest.mark.slow
+
+SITES = ("site-1", "site-2", "site-3")
+FLAKY = '''
+from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.shareable import make_reply
+
+from cxrfl.fl.cwt import CWTExecutor
+
+
+class FlakyCWTExecutor(CWTExecutor):
+    """A site that is down on its cycle-1 turn (its train task fails) and healthy otherwise."""
+
+    def execute(self, task_name, shareable, fl_ctx, abort_signal):
+        if task_name == "train" and shareable.get_header("current_round") == 1:
+            self.log_error(fl_ctx, "simulated outage: site down in cycle 1")
+            return make_reply(ReturnCode.EXECUTION_EXCEPTION)
+        return super().execute(task_name, shareable, fl_ctx, abort_signal)
+'''
+
+
+def nih_site_configs(shared: Path, out: Path) -> None:
+    """Three sites of about 30 real NIH images each (whole patients), NIH format, 60/20/20 patient split."""
+    source = shared / "nih1000" / "Data_Entry_2017_v2020.csv"
+    lines = source.read_text().splitlines()
+    header, rows = lines[0], lines[1:]
+    patients: dict[str, list[str]] = {}
+    for row in rows:
+        patients.setdefault(row.split(",")[3], []).append(row)
+    small = [p for p, r in sorted(patients.items()) if len(r) <= 3]
+    out.mkdir(parents=True, exist_ok=True)
+    for i, site in enumerate(SITES):
+        chosen = [r for p in small[i * 15:(i + 1) * 15] for r in patients[p]]
+        (out / f"{site}.csv").write_text("\n".join([header, *chosen]) + "\n")
+        (out / f"{site}.yaml").write_text(
+            f"site: {site}\n"
+            f"dataset: {{format: nih, labels: {out / f'{site}.csv'}, images: {shared / 'nih1000' / 'images'}}}\n"
+            "split: {train: 0.6, val: 0.2, test: 0.2, seed: 0}\n"
+        )
+
+
+def small_job(repo_root: Path, out: Path) -> Path:
+    """jobs/cwt with 2 cycles of 1 step per site at 32x32, and a flaky third site."""
+    job = out / "cwt"
+    shutil.copytree(repo_root / "jobs" / "cwt", job)
+    cfg_path = job / "app" / "config" / "config_fed_server.json"
+    cfg = json.loads(cfg_path.read_text())
+    args = cfg["workflows"][0]["args"]
+    args["cwt_config"].update(num_cycles=2, local_steps=1, batch_size=8, augment=False, patience=5, plti=False)
+    args["model_config"]["image_size"] = 32
+    args["task_timeout"] = 600
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    flaky = job / "app_flaky"
+    (flaky / "config").mkdir(parents=True)
+    (flaky / "custom").mkdir()
+    (flaky / "custom" / "flaky_cwt.py").write_text(FLAKY)
+    client_path = job / "app" / "config" / "config_fed_client.json"
+    client = json.loads(client_path.read_text())
+    client["executors"][0]["executor"]["args"]["num_threads"] = 1  # a shared 2-core machine
+    client_path.write_text(json.dumps(client, indent=2))
+    client["executors"][0]["executor"]["path"] = "flaky_cwt.FlakyCWTExecutor"
+    (flaky / "config" / "config_fed_client.json").write_text(json.dumps(client, indent=2))
+    meta = json.loads((job / "meta.json").read_text())
+    meta["deploy_map"] = {"app": ["server", "site-1", "site-2"], "app_flaky": ["site-3"]}
+    (job / "meta.json").write_text(json.dumps(meta, indent=2))
+    return job
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory, repo_root, shared_data):
+    tmp = tmp_path_factory.mktemp("cwt_sim")
+    nih_site_configs(shared_data, tmp / "configs")
+    job = small_job(repo_root, tmp)
+    ws = tmp / "ws"
+    env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(tmp / "configs"), "HOME": str(tmp / "home")}
+    env.pop("CXRFL_SITE_CONFIG", None)
+    nvflare = str(Path(sys.executable).with_name("nvflare"))
+    proc = subprocess.run([nvflare, "simulator", str(job), "-w", str(ws), "-c", ",".join(SITES), "-t", "3"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    app = ws / "server" / "simulate_job" / "app_server"
+    if not (app / "cxrfl" / "evaluation.json").is_file():
+        pytest.fail(f"simulator did not finish (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    visits = [json.loads(x) for x in (app / "cxrfl" / "visits.jsonl").read_text().splitlines()]
+    return {"ws": ws, "app": app, "proc": proc, "visits": visits}
+
+
+def test_relay_order_and_the_skipped_site(simulated):
+    visits = simulated["visits"]
+    assert [(v["cycle"], v["site"], v["status"]) for v in visits] == [
+        (1, "site-1", "trained"), (1, "site-2", "trained"), (1, "site-3", "skipped"),
+        (2, "site-1", "trained"), (2, "site-2", "trained"), (2, "site-3", "trained"),
+    ]
+    assert "failed or timed out" in visits[2]["reason"]
+    server_log = (simulated["ws"] / "server" / "log.txt").read_text()
+    assert "cycle 1: site site-3 skipped (its task failed or timed out); the model goes on to the next site unchanged" in server_log
+    cycles = [json.loads(x) for x in (simulated["app"] / "cxrfl" / "cycles.jsonl").read_text().splitlines()]
+    assert [c["cycle"] for c in cycles] == [1, 2]
+    assert cycles[0]["trained"] == ["site-1", "site-2"] and set(cycles[0]["skipped"]) == {"site-3"}
+    assert cycles[1]["trained"] == list(SITES)
+
+
+def test_weights_after_site_k_are_the_starting_weights_of_site_k_plus_1(simulated):
+    trained = [v for v in simulated["visits"] if v["status"] == "trained"]
+    assert trained[0]["site_received_digest"] == trained[0]["sent_digest"]  # the initial model arrived intact
+    for v in trained:
+        assert v["site_returned_digest"] == v["received_digest"]  # what the site sent is what the server got
+        assert v["site_returned_digest"] != v["site_received_digest"]  # and the site really trained it
+        assert v["metrics"]["steps"] == 1
+    for prev, nxt in zip(trained, trained[1:]):
+        assert nxt["sent_digest"] == prev["received_digest"]
+        assert nxt["site_received_digest"] == prev["site_returned_digest"], (prev["site"], nxt["site"])
+    skipped = next(v for v in simulated["visits"] if v["status"] == "skipped")
+    assert skipped["sent_digest"] == trained[1]["received_digest"]  # site-3 was offered site-2's weights ...
+    assert trained[2]["sent_digest"] == trained[1]["received_digest"]  # ... and site-1 got them unchanged
+
+
+def test_outputs_are_self_describing(simulated):
+    app = simulated["app"]
+    ckpt = torch.load(app / "FL_global_model.pt", map_location="cpu", weights_only=False)
+    assert ckpt["classes"] == [BINARY_CLASS] and ckpt["cycle"] == 2 and ckpt["method"] == "CWT"
+    assert ckpt["model"]["classifier.weight"].shape[0] == 1
+    assert not any(k.startswith("__optimizer__") for k in ckpt["model"])
+    best = torch.load(app / "best_FL_global_model.pt", map_location="cpu", weights_only=False)
+    assert best["classes"] == [BINARY_CLASS] and best["cycle"] in (1, 2)
+    plan = json.loads((app / "cxrfl" / "plan.json").read_text())
+    assert set(plan["sites"]) == set(SITES) and all(p["steps"] == 1 for p in plan["sites"].values())
+    ev = json.loads((app / "cxrfl" / "evaluation.json").read_text())
+    assert set(ev["sites"]) == set(SITES)
+    for m in ev["sites"].values():
+        assert 0.0 <= m["accuracy"] <= 1.0 and m["n"] > 0
+    site_log = (simulated["ws"] / "site-1" / "log.txt").read_text()
+    assert "site site-1 cycle 2 visit 1: 1 steps" in site_log

@@ -1,0 +1,191 @@
+"""Head modes (the papers' federated baselines): payloads, aggregation, site learners, and the
+in-process federated loop the benchmark uses (small synthetic sites, 32x32)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from cxrfl.aggregation import surgical_aggregate
+from cxrfl.bench.federated import initial_state, run_federated
+from cxrfl.data.site import SiteData, load_site
+from cxrfl.head_modes import PLACEHOLDER_CLASS, aggregate, payload_for
+from cxrfl.models import HEAD_PREFIX, ModelConfig
+from cxrfl.site_learner import SiteLearner
+from cxrfl.synth import write_profile
+from cxrfl.training import TrainConfig
+
+MODEL = ModelConfig(image_size=32)
+TRAIN = TrainConfig(lr=1e-3, warmup_lr=5e-3, warmup_epochs=1, batch_size=8, max_steps_per_epoch=1, augment=False, seed=0)
+W, B = HEAD_PREFIX + "weight", HEAD_PREFIX + "bias"
+
+
+def fake(site: str, classes: list[str], body: float, rows: list[float] | None = None) -> dict:
+    rows = rows if rows is not None else [float(i) for i in range(len(classes))]
+    return {"site": site, "classes": classes, "num_samples": 10,
+            "params": {"body.w": np.full(3, body, np.float32), W: np.array([[r, r] for r in rows], np.float32),
+                       B: np.array(rows, np.float32)}}
+
+
+# ------------------------------------------------------------------ server side, pure functions
+def test_payloads_per_head_mode():
+    global_params = {"body.w": np.ones(3, np.float32), W: np.arange(6, dtype=np.float32).reshape(3, 2),
+                     B: np.arange(3, dtype=np.float32)}
+    classes = ["x", "y", "z"]
+    p, sent = payload_for(global_params, classes, ["z", "x"], head_mode="surgical")
+    assert sent is None and p[W].tolist() == [[4, 5], [0, 1]]  # own rows, in the site's order
+    p, sent = payload_for(global_params, classes, ["z", "x"], head_mode="union")
+    assert sent == classes and p[W].shape == (3, 2)  # every row and every class name
+    p, sent = payload_for(global_params, classes, ["z", "x"], head_mode="local", exclude={"body.w"})
+    assert sent is None and p == {}  # no head, no excluded key
+    p, _ = payload_for(global_params, classes, ["x"], head_mode="local")
+    assert set(p) == {"body.w"}
+
+
+def test_local_aggregation_averages_the_feature_extractor_only():
+    updates = [fake("a", ["x"], 1.0), fake("b", ["y", "z"], 3.0)]
+    for u in updates:
+        del u["params"][W], u["params"][B]
+    params, classes = aggregate(updates, head_mode="local")
+    assert classes == [] and set(params) == {"body.w"}
+    np.testing.assert_allclose(params["body.w"], 2.0)
+    assert PLACEHOLDER_CLASS not in str(params)
+
+
+def test_union_aggregation_is_fedavg_and_needs_equal_class_sets():
+    a, b = fake("a", ["x", "y"], 1.0, [1.0, 2.0]), fake("b", ["x", "y"], 3.0, [3.0, 6.0])
+    params, classes = aggregate([a, b], head_mode="union")
+    assert classes == ["x", "y"]
+    np.testing.assert_allclose(params[B], [2.0, 4.0])
+    ref, _ = surgical_aggregate([a, b])
+    for k in ref:
+        np.testing.assert_array_equal(params[k], ref[k])
+    with pytest.raises(ValueError, match="same classes"):
+        aggregate([a, fake("c", ["x"], 0.0)], head_mode="union")
+
+
+# ------------------------------------------------------------------ sites
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory) -> list[SiteData]:
+    root = tmp_path_factory.mktemp("heads")
+    cfgs = write_profile("two-hospitals", root, n_per_site=40, image_size=32, sites=["hospital-a", "hospital-b"])
+    return [load_site(p, check_images=False) for p in cfgs]
+
+
+def restricted(site: SiteData, classes: list[str], name: str | None = None) -> SiteData:
+    table = site.table[["path", "patient", "split", *classes]].copy()
+    return SiteData(site=name or site.site, classes=list(classes), table=table)
+
+
+def test_union_head_labels_missing_classes_as_told(sites, tmp_path):
+    a = sites[0]
+    union = sorted(set(sites[0].classes) | set(sites[1].classes))
+    foreign = [c for c in union if c not in a.classes]
+    for missing, fill in (("negative", 0.0), ("ignore", None)):
+        learner = SiteLearner(a, tmp_path / missing, model_config=MODEL, train_config=TRAIN, head_mode="union", missing=missing)
+        learner.set_head_classes(union)
+        table = learner.split_table("train")
+        assert list(learner.model.classifier.weight.shape) == [len(union), 1024]
+        for c in foreign:
+            assert table[c].isna().all() if fill is None else (table[c] == fill).all()
+        pd.testing.assert_series_equal(table[a.classes[0]], a.split_table("train")[a.classes[0]])
+
+
+def test_union_site_trains_and_sends_every_row(sites, tmp_path):
+    a = sites[0]
+    union = sorted(set(sites[0].classes) | set(sites[1].classes))
+    learner = SiteLearner(a, tmp_path, model_config=MODEL, train_config=TRAIN, head_mode="union", missing="ignore")
+    warm = learner.warmup(initial_state(MODEL, 0))
+    assert warm.classes == a.classes  # the warm-up is the same in every mode: own rows
+    params, _ = payload_for({**warm.params, W: np.zeros((len(union), 1024), np.float32), B: np.zeros(len(union), np.float32)},
+                            union, a.classes, head_mode="union")
+    with pytest.raises(ValueError, match="needs the class order"):
+        learner.train_round(params, 1)
+    upd = learner.train_round(params, 1, classes=union)
+    assert upd.classes == union and upd.params[W].shape == (len(union), 1024)
+    foreign = [union.index(c) for c in union if c not in a.classes]
+    # partial loss: rows of classes the site does not annotate get no gradient (Adam from zero state: no step)
+    np.testing.assert_array_equal(upd.params[W][foreign], 0.0)
+    own = [union.index(c) for c in a.classes]
+    assert np.abs(upd.params[W][own]).sum() > 0
+
+
+def test_personalized_site_never_sends_or_accepts_head_rows(sites, tmp_path):
+    a = sites[0]
+    init = initial_state(MODEL, 0)
+    learner = SiteLearner(a, tmp_path, model_config=MODEL, train_config=TRAIN, head_mode="local")
+    warm = learner.warmup(init)
+    assert not any(k.startswith(HEAD_PREFIX) for k in warm.params)
+    head = {k: v.clone() for k, v in learner.model.state_dict().items() if k.startswith(HEAD_PREFIX)}
+    upd = learner.train_round(warm.params, 1)
+    assert not any(k.startswith(HEAD_PREFIX) for k in upd.params)
+    trained_head = {k: v.clone() for k, v in learner.model.state_dict().items() if k.startswith(HEAD_PREFIX)}
+    assert not torch.equal(trained_head[W], head[W])  # the head did train, at the site
+    rebuilt = SiteLearner(a, tmp_path, model_config=MODEL, train_config=TRAIN, head_mode="local")  # simulator -t 1
+    rebuilt.load_params(upd.params)
+    for k, v in trained_head.items():
+        torch.testing.assert_close(rebuilt.model.state_dict()[k], v)
+    with pytest.raises(ValueError, match="never received"):
+        rebuilt.train_round({**upd.params, W: trained_head[W].numpy(), B: trained_head[B].numpy()}, 2)
+
+
+def test_surgical_site_refuses_a_head_for_other_classes(sites, tmp_path):
+    learner = SiteLearner(sites[0], tmp_path, model_config=MODEL, train_config=TRAIN)
+    params = learner.outgoing_params()
+    with pytest.raises(ValueError, match="other classes"):
+        learner.train_round(params, 1, classes=["Hernia"])
+
+
+# ------------------------------------------------------------------ the federated loop
+def _run(sites, tmp_path, **kw):
+    defaults = {"head_mode": "surgical", "missing": "negative", "batchnorm": "fedavg", "train_config": TRAIN, "rounds": 1}
+    return run_federated(sites, model_config=MODEL, init=initial_state(MODEL, 0), workdir=tmp_path, **{**defaults, **kw})
+
+
+def test_vanilla_fl_with_identical_label_sets_equals_surgical_aggregation(sites, tmp_path):
+    shared = sorted(set(sites[0].classes) & set(sites[1].classes))  # sorted: own order = union order
+    same = [restricted(s, shared) for s in sites]
+    surgical = _run(same, tmp_path / "s")
+    for missing in ("negative", "ignore"):  # vanilla FL and FL with partial loss
+        union = _run(same, tmp_path / missing, head_mode="union", missing=missing)
+        assert union.classes == surgical.classes == shared
+        assert union.val_loss == pytest.approx(surgical.val_loss, abs=1e-6)
+        for k, v in surgical.global_state.items():
+            np.testing.assert_allclose(union.global_state[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_personalized_fl_sends_only_the_feature_extractor(sites, tmp_path):
+    res = _run(sites, tmp_path / "pfl", head_mode="local", batchnorm="fedbn")
+    assert res.classes == [] and not any(k.startswith(HEAD_PREFIX) for k in res.global_state)
+    assert set(res.site_states) == {s.site for s in sites}
+    for s in sites:
+        assert res.site_states[s.site][W].shape[0] == len(s.classes)
+    surgical = _run(sites, tmp_path / "sa")
+    head_bytes = {s.site: len(s.classes) * 1025 * 4 for s in sites}
+    for s in sites:  # surgical sends the same feature extractor plus its own rows; personalized FL without them
+        bn = surgical.comm[s.site]["down"] - res.comm[s.site]["down"] - head_bytes[s.site]
+        assert bn > 0  # FedBN keeps BatchNorm at the site as well
+        assert res.comm[s.site]["up"] == res.comm[s.site]["down"]
+
+
+def test_one_site_run_is_local_training(sites, tmp_path):
+    res = _run(sites[:1], tmp_path, rounds=2)
+    assert res.classes == sorted(sites[0].classes) and len(res.val_loss) == 3  # models of rounds 0, 1, 2
+    assert 0 <= res.best_round <= 2
+
+
+def test_fedbn_plus_global_model_keeps_the_initial_statistics(sites, tmp_path):
+    from cxrfl.bench.federated import global_model
+    from cxrfl.models import batchnorm_keys
+
+    init = initial_state(MODEL, 0)
+    res = _run(sites, tmp_path, batchnorm="fedbn+", train_config=replace(TRAIN, augment=False))
+    model = global_model(res, MODEL, init)
+    state = model.state_dict()
+    for k in batchnorm_keys(model):
+        if k in init:
+            np.testing.assert_array_equal(state[k].numpy(), init[k], err_msg=k)
