@@ -40,6 +40,10 @@ def evaluate_on_site(
         splits: which splits to use (None: all images, e.g. an external test site).
         batch_size: evaluation batch size.
         device: torch device (default CPU).
+
+    Returns:
+        ``images`` evaluated, ``loss``, ``auroc`` (class -> AUROC or None) and the
+        :func:`cxrfl.metrics.summarise_auroc` fields (``n`` = classes with a defined AUROC).
     """
     device = device or torch.device("cpu")
     table = data.table if splits is None else data.table[data.table["split"].isin(list(splits))]
@@ -51,7 +55,7 @@ def evaluate_on_site(
     aurocs: dict[str, float | None] = dict(result.aurocs)
     for c in data.classes:
         aurocs.setdefault(c, None)
-    return {"n": int(len(frame)), "loss": result.loss, "auroc": aurocs, **summarise_auroc(aurocs)}
+    return {**summarise_auroc(aurocs), "images": int(len(frame)), "loss": result.loss, "auroc": aurocs}
 
 
 def shared_classes(site_classes: Mapping[str, Sequence[str]]) -> list[str]:

@@ -70,7 +70,7 @@ def format_report(run: dict[str, Any], external: dict[str, Any] | None = None) -
             e = ev["external"]
             lines.append(f"  external {e['site']:<5} mean {_f(e.get('mean'))} +- {_f(e.get('sd'))}")
     if external:
-        lines.append(f"  external {external['site']}: mean {_f(external.get('mean'))} +- {_f(external.get('sd'))} over {external['n']} images")
+        lines.append(f"  external {external['site']}: mean {_f(external.get('mean'))} +- {_f(external.get('sd'))} over {external['images']} images")
         for c, v in sorted(external["auroc"].items()):
             lines.append(f"    {c:<28} {_f(v)}")
     return "\n".join(lines)
