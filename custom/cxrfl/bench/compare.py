@@ -422,13 +422,35 @@ def _mean(results: dict[str, Any], entry: str, view: str, part: str | None = Non
     return (cell[part] if part else cell)["mean"]
 
 
-def _pair_p(results: dict[str, Any], a: str, b: str, view: str) -> float | None:
-    """Paired t-test p of two entries' per-class AUROCs on a view."""
+def _pair_p(results: dict[str, Any], a: str, b: str, view: str, part: str | None = None) -> float | None:
+    """Paired t-test p of two entries' per-class AUROCs on a view (only its shared or unique
+    classes with ``part``)."""
     ca = results["methods"].get(a, {}).get("test", {}).get(view)
     cb = results["methods"].get(b, {}).get("test", {}).get(view)
     if ca is None or cb is None:
         return None
-    return paired_ttest(ca["auroc"], cb["auroc"])["p"]
+    keep = set(ca["auroc"])
+    if part is not None:
+        shared = set(results["views"][view].get("shared") or [])
+        keep = {c for c in keep if (c in shared) == (part == "shared")}
+    return paired_ttest({c: v for c, v in ca["auroc"].items() if c in keep}, cb["auroc"])["p"]
+
+
+def refresh(out: Path) -> dict[str, Any]:
+    """Recompute the targets of a finished comparison and rewrite ``results.json`` and ``report.md``
+    (the plots stay as they are).
+
+    Args:
+        out: the comparison's output folder.
+    """
+    from cxrfl.bench.report import format_report
+
+    out = Path(out)
+    results = json.loads((out / "results.json").read_text())
+    results["targets"] = evaluate_targets(results)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=_json_default))
+    (out / "report.md").write_text(format_report(results))
+    return results
 
 
 TARGET_PROFILES = ("two-hospitals", "two-hospitals-shared")
@@ -464,7 +486,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         diff = None if va is None or vb is None else va - vb
         targets.append({"target": name, "view": view, "method": a, "against": b, "part": part, "rule": rule,
                         "value": va, "other": vb, "difference": diff, "met": None if diff is None else bool(ok(diff)),
-                        "p": _pair_p(results, a, b, view), "binding": binding})
+                        "p": _pair_p(results, a, b, view, part), "binding": binding})
 
     heterogeneous = any(len(views[v]["shared"] or []) < len(views[v]["classes"]) for v in site_views)
     if heterogeneous:

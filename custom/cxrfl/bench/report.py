@@ -196,7 +196,7 @@ def target_sentence(t: dict[str, Any], methods: dict[str, Any]) -> str:
     if t["met"] is None:
         return f"{t['target']} {where}: not measurable ({a} {_num(t['value'])}, {b} {_num(t['other'])})."
     verdict = "MET" if t["met"] else "NOT MET"
-    p = "" if t.get("p") is None else f", paired t-test p = {t['p']:.3g}"
+    p = "" if t.get("p") is None else f", paired t-test over the {t['part'] + ' ' if t.get('part') else ''}classes p = {t['p']:.3g}"
     return (f"{t['target']} {where}: **{verdict}** — {a} {t['value']:.3f} vs {b} {t['other']:.3f}, "
             f"difference {t['difference']:+.3f} (rule {t['rule']}{p}).")
 
