@@ -9,8 +9,10 @@ The same workflow runs the papers' federated baselines through ``head_mode`` (se
 partial loss with ``missing="ignore"``; every site then receives the whole head and every class
 name, so the privacy property above no longer holds) and ``local`` heads (personalized FL: only
 the feature extractor travels; there is no global head, ``FL_global_model.pt`` holds the
-feature extractor only and the external test set is not evaluated). Training stops on the mean of the sites'
-validation BCE of the received global model (patience, min delta) or after ``num_rounds``.
+feature extractor only and the external test set is not evaluated).
+
+Training stops on the mean of the sites' validation BCE of the received global model (patience,
+min delta) or after ``num_rounds``.
 Written to the server's app folder:
 
 - ``FL_global_model.pt``: the latest global model (a self-describing cxrfl checkpoint);
@@ -47,6 +49,33 @@ from cxrfl.training import TrainConfig
 
 GLOBAL_MODEL = "FL_global_model.pt"
 BEST_MODEL = "best_FL_global_model.pt"
+
+
+def run_site_tasks(ctl: ModelController, task_name: str, payloads: dict[str, FLModel], timeout: int) -> dict[str, FLModel]:
+    """Send one non-blocking task per site (each its own payload) and wait until all have ended.
+
+    Args:
+        ctl: the running controller.
+        task_name: the task to send.
+        payloads: site -> what that site receives.
+        timeout: seconds a site may take (0: no limit).
+
+    Returns:
+        the sites that answered, by name (failed or timed-out sites are absent).
+    """
+    results: dict[str, FLModel] = {}
+
+    def collect(result: FLModel) -> bool:
+        results[result.meta["client_name"]] = result
+        return True
+
+    for site, data in payloads.items():
+        ctl.send_model(task_name=task_name, data=data, targets=[site], callback=collect, timeout=timeout)
+    while ctl.get_num_standing_tasks() > 0:
+        if ctl.abort_signal.triggered:
+            break
+        time.sleep(0.2)
+    return results
 
 
 class SurgicalAggregation(ModelController):
@@ -141,19 +170,7 @@ class SurgicalAggregation(ModelController):
 
     def _run_tasks(self, task_name: str, payloads: dict[str, FLModel]) -> dict[str, FLModel]:
         """Send one task per site (each its own payload) and wait for all of them to end."""
-        results: dict[str, FLModel] = {}
-
-        def collect(result: FLModel) -> bool:
-            results[result.meta["client_name"]] = result
-            return True
-
-        for site, data in payloads.items():
-            self.send_model(task_name=task_name, data=data, targets=[site], callback=collect, timeout=self.task_timeout)
-        while self.get_num_standing_tasks() > 0:
-            if self.abort_signal.triggered:
-                break
-            time.sleep(0.2)
-        return results
+        return run_site_tasks(self, task_name, payloads, self.task_timeout)
 
     def _save(self, name: str, state: dict[str, np.ndarray], classes: list[str], **extra: Any) -> Path:
         path = self._out(name)

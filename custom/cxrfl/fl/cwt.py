@@ -67,6 +67,7 @@ from cxrfl.cwt import (
     split_params,
 )
 from cxrfl.errors import UpdateRejected
+from cxrfl.fl.controller import run_site_tasks
 from cxrfl.fl.executor import SiteExecutor, _fmt
 from cxrfl.metrics import summarise_auroc
 from cxrfl.models import ModelConfig, build_model, save_checkpoint, select_device
@@ -146,19 +147,7 @@ class CyclicWeightTransfer(ModelController):
 
     def _all_sites(self, task_name: str, payloads: dict[str, FLModel]) -> dict[str, FLModel]:
         """One task per site in parallel; the sites that answered, by name."""
-        results: dict[str, FLModel] = {}
-
-        def collect(result: FLModel) -> bool:
-            results[result.meta["client_name"]] = result
-            return True
-
-        for site, data in payloads.items():
-            self.send_model(task_name=task_name, data=data, targets=[site], callback=collect, timeout=self.task_timeout)
-        while self.get_num_standing_tasks() > 0:
-            if self.abort_signal.triggered:
-                break
-            time.sleep(0.2)
-        return results
+        return run_site_tasks(self, task_name, payloads, self.task_timeout)
 
     def _connected(self) -> set[str]:
         return {c.name for c in self.engine.get_clients()}
