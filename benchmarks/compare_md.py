@@ -16,7 +16,7 @@ from pathlib import Path
 from cxrfl.bench.report import format_report
 from cxrfl.bench.speed import format_speed
 
-ORDER = ("two-hospitals", "two-hospitals-shared", "nih1000")
+ORDER = ("two-hospitals", "two-hospitals-shared", "nih1000", "two-hospitals-pretrained")
 
 
 def main() -> None:
@@ -34,7 +34,10 @@ def main() -> None:
     for name in [*ORDER, *sorted(set(found) - set(ORDER))]:
         if name in found:
             res = json.loads(found[name].read_text())
-            parts += [format_report(res, summary=True, heading="##"), "",
+            text = format_report(res, summary=True, heading="##")
+            if name != res["profile"]:  # e.g. the same profile from a pretrained feature extractor
+                text = text.replace(f"`{res['profile']}`", f"`{res['profile']}` ({name})", 1)
+            parts += [text, "",
                       f"Full report with per-class AUROCs, intervals and plots: `{found[name].parent / 'report.md'}`.", ""]
     speed = root / "speed" / "speed.json"
     if speed.is_file():

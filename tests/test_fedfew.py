@@ -453,3 +453,46 @@ def test_job_tasks_match_the_protocol():
     spec = next(j for j in JOBS if j.name == "fedfew")
     assert spec.tasks == P.TASKS and spec.controller == "cxrfl.fl.fedfew.FedFew"
     FedFewConfig.from_dict(spec.controller_args["fedfew_config"])
+
+
+# ------------------------------------------------------------------- the workflow's stops
+def _server(tmp_path, send, **kw):
+    from cxrfl.fedfew.server import FedFewServer
+
+    msgs = []
+    server = FedFewServer(send, sites=["a", "b"], config=FedFewConfig(), model_config=ModelConfig(image_size=32),
+                          out_dir=tmp_path, info=msgs.append, warning=msgs.append, **kw)
+    return server, msgs
+
+
+def test_workflow_stops_with_a_reason_when_no_site_answers(tmp_path):
+    from cxrfl.fedfew.server import FedFewStop
+
+    server, msgs = _server(tmp_path, lambda task, payloads: {})
+    with pytest.raises(FedFewStop, match="no site answered the info task"):
+        server.run()
+    assert any("site a gave no result" in m for m in msgs)
+
+
+def test_workflow_stops_when_there_is_no_common_class(tmp_path):
+    from cxrfl.fedfew.server import FedFewStop
+
+    def send(task, payloads):
+        return {"a": ({}, {"info": _info(["Hernia"], [12], [120])}),
+                "b": ({}, {"info": _info(["Mass"], [0], [0], n_labelled=0)})}
+
+    server, msgs = _server(tmp_path, send)
+    with pytest.raises(FedFewStop, match="no common class"):
+        server.run()
+    assert any("site b has no labelled training image" in m for m in msgs)
+
+
+def test_resume_from_a_missing_folder_is_a_clear_stop(tmp_path):
+    from cxrfl.fedfew.server import FedFewStop
+
+    def send(task, payloads):
+        return {s: ({}, {"info": _info(["Atelectasis"], [30], [70])}) for s in payloads}
+
+    server, _ = _server(tmp_path, send, resume=tmp_path / "nowhere")
+    with pytest.raises(FedFewStop, match="resume folder .*nowhere does not exist"):
+        server.run()

@@ -227,7 +227,10 @@ def train_mlc(data: SeedData, settings: BenchSettings, seed: int, ssl_state: dic
         for c in classes:
             if c not in t.columns:
                 t[c] = np.nan
-        tables[s] = t[t[classes].notna().any(axis=1)].reset_index(drop=True)
+        t = t[t[classes].notna().any(axis=1)].reset_index(drop=True)
+        if len(t) % settings.mlc_batch_size == 1:  # a last batch of one image breaks BatchNorm in training mode
+            t = t.iloc[:-1]
+        tables[s] = t
     for rnd in range(1, settings.mlc_rounds + 1):
         updates = []
         for s, t in tables.items():
@@ -480,11 +483,13 @@ def run_fedfew_benchmark(out: str | Path = REPO / "benchmarks" / "results", seed
     torch.set_num_threads(settings.threads)
     start = time.perf_counter()
     runs: list[dict[str, Any]] = []
+    previous_wall = 0.0
     if resume and json_path.is_file():
         old = json.loads(json_path.read_text())
         if old.get("settings") == json.loads(json.dumps(settings.to_dict())):
             runs = [r for r in old.get("runs", []) if r["seed"] in seeds]
             if runs:
+                previous_wall = float(old.get("wall_seconds_total", old.get("wall_seconds", 0.0)))
                 log(f"resuming: seed(s) {[r['seed'] for r in runs]} already in {json_path}")
     machine = _machine()
 
@@ -494,6 +499,7 @@ def run_fedfew_benchmark(out: str | Path = REPO / "benchmarks" / "results", seed
             "command": f"cxrfl bench-fedfew --seeds {len(seeds)} --out {out}",
             "runs": sorted(runs, key=lambda r: r["seed"]), "complete": final,
             "wall_seconds": round(time.perf_counter() - start, 1),
+            "wall_seconds_total": round(previous_wall + time.perf_counter() - start, 1),
         }
         if runs:
             result["summary"] = summarise(runs)
@@ -545,8 +551,10 @@ def format_markdown(result: dict[str, Any], commit: str = "COMMIT") -> str:
         f"Command: `{result['command']}` (also `python benchmarks/fedfew_bench.py`). Commit: {commit}. "
         f"Machine: {result['machine']['cpus']} CPU cores shared with other jobs, {s['threads']} torch thread(s), no GPU; "
         f"{len(result['runs'])} seed(s) ({', '.join(str(r['seed']) for r in result['runs'])}), {s.get('jobs', 1)} in parallel: "
-        f"{result.get('wall_seconds', 0) / 60:.1f} min wall ({sum(r['total_seconds'] for r in result['runs']) / 60:.1f} min of "
-        f"seed time); load average at start {result['machine'].get('load_average_at_start')}.",
+        f"{result.get('wall_seconds_total', result.get('wall_seconds', 0)) / 60:.0f} min wall "
+        f"({sum(r['total_seconds'] for r in result['runs']) / 60:.0f} min of seed time); "
+        f"load average {result['machine'].get('load_average_at_start', 0):.1f} at the start (other jobs on the same cores)."
+        + (f" {result['note']}" if result.get("note") else ""),
         "",
         f"Settings: DenseNet121 from scratch at {s['image_size']}x{s['image_size']} (images written at {s['data_image_size']}); "
         f"3 CC sites of {s['n_cc']} images ({s['cc_label_fraction']:.0%} of training images labelled), 3 UC sites of ~220 images "
