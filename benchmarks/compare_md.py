@@ -1,49 +1,171 @@
-"""Write benchmarks/COMPARE.md from the comparison and speed results.
+"""Regenerate the generated blocks of BENCHMARKS.md from the benchmark results.
 
-    python benchmarks/compare_md.py [--results benchmarks/results] [--out benchmarks/COMPARE.md] [--commit COMMIT]
+    python benchmarks/compare_md.py [--results benchmarks/results] [--out BENCHMARKS.md]
+                                    [--intro benchmarks/compare_intro.md]
 
-Reads ``RESULTS/compare/<profile>/results.json`` (``cxrfl bench compare``) and
-``RESULTS/speed/speed.json`` (``cxrfl bench speed``); ``--intro FILE`` puts a hand-written
-preamble (settings, caveats) first.
+Rewrites two blocks of ``--out``, each between its ``<!-- BEGIN name ... -->`` and
+``<!-- END name -->`` lines; everything outside them is hand-written and left alone:
+
+* ``compare`` (issue 4): ``--intro`` (settings, caveats, the verdicts table, whose
+  framework-overhead rows are filled in from ``speed.json`` at ``<!-- speed verdict rows -->``),
+  the summary tables of every ``RESULTS/compare/<profile>/results.json`` (``cxrfl bench
+  compare``), then the framework overhead from ``RESULTS/speed/speed.json`` (``cxrfl bench speed``);
+* ``fedfew`` (issue 5): the table and targets of ``RESULTS/fedfew.json`` (``cxrfl bench-fedfew``).
+
+The commit named for each results file comes from git: the commit that added the file (the run
+used that commit's working tree) and, when the file changed later, the last commit that changed
+it; a file with uncommitted changes is credited to the commit that adds them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
 from pathlib import Path
+from typing import Any
 
 from cxrfl.bench.report import format_report
 from cxrfl.bench.speed import format_speed
+from cxrfl.bench_fedfew import format_markdown
 
 ORDER = ("two-hospitals", "two-hospitals-shared", "nih1000", "two-hospitals-pretrained")
+SPEED_ROWS = "<!-- speed verdict rows -->"
+
+
+def _git(*args: str) -> str:
+    proc = subprocess.run(["git", *args], capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def commits(path: Path) -> dict[str, str]:
+    """``added``: the commit that added ``path``; ``current``: the one that holds its present content."""
+    log = _git("log", "--format=%h", "--", str(path)).split()
+    pending = f"the commit that adds them (on top of `{_git('rev-parse', '--short', 'HEAD')}`)"
+    dirty = bool(_git("status", "--porcelain", "--", str(path)))
+    added = f"`{log[-1]}`" if log else pending
+    return {"added": added, "current": pending if dirty or not log else f"`{log[0]}`"}
+
+
+def provenance(path: Path) -> str:
+    """One sentence: which commit's working tree produced the results in ``path``."""
+    c = commits(path)
+    text = f"Commit: {c['added']} (the run used the working tree committed there)"
+    if c["current"] != c["added"]:
+        text += f"; `{path.name}` last changed in {c['current']}"
+    return text + "."
+
+
+def demote(markdown: str, levels: int = 1) -> str:
+    """Every heading one level deeper (code blocks left alone)."""
+    out, fenced = [], False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        out.append("#" * levels + line if not fenced and re.match(r"#+ ", line) else line)
+    return "\n".join(out)
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def speed_verdict_rows(res: dict[str, Any]) -> list[str]:
+    """The framework-overhead rows of the verdicts table."""
+    rows = []
+    sim = res.get("simulator")
+    if sim:
+        rows.append(f"| simulator >= 0.9x plain loop | {_met(sim['ratio'] >= 0.9)}: {sim['ratio']:.2f}x "
+                    f"({sim['simulator_mean']:.1f} vs {sim['plain_mean']:.1f} images/s) | |")
+    row = (res.get("aggregation") or {}).get("sites", {}).get("10")
+    if row:
+        core, comp, nv = row["surgical"], row["surgical_nvflare"], row["nvflare_fedavg"]
+        r, rn = core["ratio_to_nvflare_fedavg"], comp["ratio_to_nvflare_fedavg"]
+        rows.append(f"| surgical aggregation of 10 updates <= 1.5x NVFlare FedAvg | `surgical_aggregate` {_met(r <= 1.5)}: "
+                    f"{r:.2f}x ({core['median_seconds']:.3f} s vs {nv['median_seconds']:.3f} s); the job's NVFlare component "
+                    f"`SurgicalAggregator`, which also validates every update, {_met(rn <= 1.5)}: {rn:.2f}x "
+                    f"({comp['median_seconds']:.3f} s) | |")
+        if core["extra_model_sizes"] is not None:
+            rows.append(f"| peak extra memory < 3 model sizes | {_met(core['extra_model_sizes'] < 3)}: "
+                        f"{core['extra_model_sizes']:.2f} (`surgical_aggregate`), {comp['extra_model_sizes']:.2f} "
+                        f"(`SurgicalAggregator`); NVFlare's FedAvg {nv['extra_model_sizes']:.2f} | |")
+    pay = res.get("payload")
+    if pay:
+        ok = all(r["surgical"]["equals_feature_extractor_plus_own_rows"] for r in pay["sites"].values())
+        sizes = ", ".join(f"{r['surgical']['raw_bytes'] / 1e6:.3f} MB for {r['surgical']['head_rows']} rows"
+                          for r in pay["sites"].values())
+        share = 100 * pay["feature_extractor_bytes"] / pay["full_model_bytes"]
+        rows.append(f"| payload = feature extractor + own head rows | {'met exactly' if ok else '**not met**'} ({sizes}, full "
+                    f"model {pay['full_model_bytes'] / 1e6:.3f} MB): the DenseNet feature extractor is {share:.1f} % of the "
+                    "model, so surgical aggregation saves almost no traffic; its point is privacy, not bandwidth | |")
+    return rows
+
+
+def compare_block(root: Path, intro: Path | None) -> str:
+    """The ``compare`` block: intro, one summary per comparison, the framework overhead."""
+    speed_path = root / "speed" / "speed.json"
+    speed = json.loads(speed_path.read_text()) if speed_path.is_file() else None
+    parts = ["## Method comparison (issue 4)", ""]
+    if intro:
+        text = demote(intro.read_text().rstrip())
+        parts += [text.replace(SPEED_ROWS, "\n".join(speed_verdict_rows(speed) if speed else [])), ""]
+    found = {d.name: d / "results.json" for d in sorted((root / "compare").glob("*")) if (d / "results.json").is_file()}
+    for name in [*ORDER, *sorted(set(found) - set(ORDER))]:
+        if name not in found:
+            continue
+        res = json.loads(found[name].read_text())
+        text = format_report(res, summary=True, heading="###")
+        if name != res["profile"]:  # e.g. the same profile from a pretrained feature extractor
+            text = text.replace(f"`{res['profile']}`", f"`{res['profile']}` ({name})", 1)
+        title, _, rest = text.partition("\n")
+        parts += [title, "", provenance(found[name]), rest, "",
+                  f"Full report with per-class AUROCs, intervals and plots: `{found[name].parent / 'report.md'}`.", ""]
+    if speed:
+        c = commits(speed_path)
+        ran = [p for p in ("simulator", "aggregation", "payload") if p in speed and p not in speed.get("carried_over", {})]
+        kept = list(speed.get("carried_over", {}))
+        def names(parts: list[str]) -> str:
+            return " and ".join(parts) + (" parts were" if len(parts) > 1 else " part was")
+
+        note = f"Commits: the {names(ran)} measured with the working tree of {c['current']}"
+        note += f"; the {names(kept)} measured with that of {c['added']}." if kept else "."
+        title, _, rest = format_speed(speed).partition("\n")
+        parts += [title, "", note, rest, ""]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def fedfew_block(root: Path) -> str:
+    """The ``fedfew`` block: FedFew's table and targets."""
+    path = root / "fedfew.json"
+    if not path.is_file():
+        return ("(no `fedfew.json` yet: run `cxrfl bench compare --method fedfew --profile fedfew --seeds 3 "
+                "--out benchmarks/results`)\n")
+    commit = commits(path)["added"] + " (results; see the note above)"
+    return demote(format_markdown(json.loads(path.read_text()), commit=commit).rstrip()) + "\n"
+
+
+def fill(document: str, blocks: dict[str, str]) -> str:
+    """``document`` with the text between each block's BEGIN and END markers replaced."""
+    for name, body in blocks.items():
+        pattern = re.compile(rf"(<!-- BEGIN {name}\b[^\n]*-->\n)(.*?)(<!-- END {name} -->)", re.S)
+        if not pattern.search(document):
+            raise SystemExit(f"no '<!-- BEGIN {name} ... -->' ... '<!-- END {name} -->' markers in the document")
+        document = pattern.sub(lambda m: m.group(1) + body + m.group(3), document, count=1)
+    return document
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", default="benchmarks/results")
-    p.add_argument("--out", default="benchmarks/COMPARE.md")
-    p.add_argument("--commit", default="COMMIT")
-    p.add_argument("--intro", default=None, help="Markdown file to put first")
+    p.add_argument("--out", default="BENCHMARKS.md")
+    p.add_argument("--intro", default="benchmarks/compare_intro.md", help="hand-written start of the comparison block")
     args = p.parse_args()
     root = Path(args.results)
-    parts = ["# Method comparison and framework overhead", "", f"Commit: `{args.commit}`.", ""]
-    if args.intro:
-        parts += [Path(args.intro).read_text().rstrip(), ""]
-    found = {d.name: d / "results.json" for d in sorted((root / "compare").glob("*")) if (d / "results.json").is_file()}
-    for name in [*ORDER, *sorted(set(found) - set(ORDER))]:
-        if name in found:
-            res = json.loads(found[name].read_text())
-            text = format_report(res, summary=True, heading="##")
-            if name != res["profile"]:  # e.g. the same profile from a pretrained feature extractor
-                text = text.replace(f"`{res['profile']}`", f"`{res['profile']}` ({name})", 1)
-            parts += [text, "",
-                      f"Full report with per-class AUROCs, intervals and plots: `{found[name].parent / 'report.md'}`.", ""]
-    speed = root / "speed" / "speed.json"
-    if speed.is_file():
-        parts += [format_speed(json.loads(speed.read_text())), ""]
-    Path(args.out).write_text("\n".join(parts))
-    print(f"wrote {args.out}")
+    out = Path(args.out)
+    blocks = {"compare": compare_block(root, Path(args.intro) if args.intro else None), "fedfew": fedfew_block(root)}
+    out.write_text(fill(out.read_text(), blocks))
+    print(f"wrote the generated blocks of {out}")
 
 
 if __name__ == "__main__":

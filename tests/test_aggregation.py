@@ -211,6 +211,60 @@ def test_validate_update_torch_nan():
         validate_update(u)
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_finiteness_check_is_exact_behind_the_cheap_sums(kind):
+    """Small arrays are summed together and large ones one by one; an overflowing sum of finite
+    values is not a rejection, and the key named is the first bad one in the update's order."""
+    big = np.full((64, 128), 3e38, np.float32)  # large (summed alone): finite, its sum overflows
+    small = {f"f.s{i}": np.full((4,), 3e38, np.float32) for i in range(3)}  # small: their joint sum overflows
+    params = {"f.big": big, **small, "f.n": np.zeros(3, np.int64), W: np.ones((1, 2), np.float32), B: np.ones(1, np.float32)}
+    u = {"site": "h1", "classes": ["x"], "params": params, "num_samples": 1}
+    conv = (lambda u: to_torch(u)) if kind == "torch" else (lambda u: u)
+    validate_update(conv(u))  # finite everywhere: accepted
+    for key in ("f.big", "f.s1", B):
+        bad = {**params, **{k: v.copy() for k, v in params.items()}}
+        bad[key].reshape(-1)[-1] = np.nan
+        bad["f.s2"].reshape(-1)[0] = -np.inf  # a later key is bad too: the first one is named
+        if key == B:
+            bad["f.s2"].reshape(-1)[0] = 3e38
+        with pytest.raises(UpdateRejected, match=rf"^site h1: non-finite values \(NaN or Inf\) in '{key}'$"):
+            validate_update(conv({**u, "params": bad}))
+
+
+def test_mean_of_large_small_and_mixed_dtype_arrays_matches_the_plain_mean():
+    """Large arrays are added one by one, small ones as one flat array per dtype: same means."""
+    rng = np.random.default_rng(0)
+    shapes = {"big": (80, 64), "s16": (3,), "s32": (2, 2), "s64": (5,), "n": ()}
+    dtypes = {"big": np.float32, "s16": np.float16, "s32": np.float32, "s64": np.float64, "n": np.int64}
+    ups = []
+    for i, site in enumerate("abc"):
+        body = {k: np.asarray((rng.normal(size=shapes[k]) * 10 + 20).astype(dtypes[k])) for k in shapes}
+        if site == "b":
+            body["s32"] = body["s32"].astype(np.float64)  # one site sends another float dtype
+        params = {**body, W: np.ones((1, 2), np.float32), B: np.ones(1, np.float32)}
+        ups.append({"site": site, "classes": ["x"], "params": params, "num_samples": i + 1})
+    for kind in ("numpy", "torch"):
+        out, _ = surgical_aggregate([to_torch(u) for u in ups] if kind == "torch" else ups, weighting="samples")
+        for k in shapes:
+            got = np.asarray(out[k])
+            assert got.dtype == dtypes[k] and got.shape == shapes[k], (kind, k)
+            want = sum(w * np.asarray(u["params"][k], np.float64) for w, u in zip((1 / 6, 2 / 6, 3 / 6), ups))
+            want = np.round(want) if k == "n" else want
+            np.testing.assert_allclose(got, want, rtol=2e-3 if k == "s16" else 1e-5, err_msg=f"{kind} {k}")
+
+
+def test_normalize_shapes_once_for_many_updates():
+    from cxrfl.aggregation import normalize_shapes
+
+    shapes = normalize_shapes({"f": [np.int64(3)], W: torch.Size([1, 2])})
+    assert dict(shapes) == {"f": (3,), W: (1, 2)} and all(type(d) is int for s in shapes.values() for d in s)
+    assert normalize_shapes(shapes) is shapes
+    u = good()
+    u["params"]["f"] = np.zeros(4, np.float32)
+    with pytest.raises(UpdateRejected, match=r"'f' has shape \(4,\), expected \(3,\)"):
+        validate_update(u, expected_shapes=shapes)
+
+
 def test_aggregate_rejects_and_names_the_bad_site():
     ups = three_sites()
     ups[1]["params"]["f.w"][0, 1] = np.inf

@@ -101,6 +101,28 @@ def test_cwt_method_dispatch_or_clear_error(tmp_path, monkeypatch):
         args.func(args)
 
 
+def test_fedfew_method_dispatches_to_the_fedfew_benchmark(tmp_path, monkeypatch):
+    import cxrfl.bench_fedfew as bench_fedfew
+    from cxrfl.cli import build_parser
+    from cxrfl.errors import ConfigError
+
+    calls = []
+    monkeypatch.setattr(bench_fedfew, "run_fedfew_benchmark", lambda out, seeds: calls.append((out, seeds)))
+    for extra in ([], ["--profile", "fedfew"]):
+        args = build_parser().parse_args(
+            ["bench", "compare", "--method", "fedfew", *extra, "--out", str(tmp_path), "--seeds", "2"])
+        assert args.func(args) == 0
+    assert calls == [(tmp_path, 2), (tmp_path, 2)]
+    args = build_parser().parse_args(
+        ["bench", "compare", "--method", "fedfew", "--profile", "two-hospitals", "--out", str(tmp_path)])
+    with pytest.raises(ConfigError, match="fedfew profile only"):
+        args.func(args)
+    args = build_parser().parse_args(["bench", "compare", "--method", "fedavg", "--out", str(tmp_path)])
+    with pytest.raises(ConfigError, match="--method must be 'cwt' or 'fedfew'"):
+        args.func(args)
+    assert len(calls) == 2
+
+
 # ------------------------------------------------------------------ pieces
 def test_partition_classes_for_the_ablations():
     classes = list(NIH_CLASSES)

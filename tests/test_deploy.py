@@ -314,7 +314,7 @@ def test_update_privacy_filters_the_difference_not_the_weights():
 
 def test_deploy_cli_is_wired(tmp_path):
     proc = cxrfl(tmp_path, "deploy", "--help")
-    for command in ("provision", "prepare-kit", "site-config", "job", "start", "status", "submit", "stop"):
+    for command in ("provision", "prepare-kit", "site-config", "job", "start", "status", "submit", "abort", "stop"):
         assert command in proc.stdout
 
 

@@ -104,3 +104,44 @@ def test_clip_limits_a_scaled_update_against_the_previous_global():
     big, small = plain.aggregate_model(), clipped.aggregate_model()
     assert np.abs(big.params["body.w"]).max() > 1e5
     assert np.abs(small.params["body.w"]).max() < 1.0
+
+
+def test_aggregator_checks_while_summing_and_falls_back_after_a_partly_added_update():
+    """The plain mean is summed at accept time; a NaN found part-way through an update rejects it
+    (naming the first bad key) and the aggregation then recomputes from the accepted results."""
+    from cxrfl.aggregation import surgical_aggregate
+
+    rng = np.random.default_rng(0)
+
+    def big_result(site: str, n: int) -> FLModel:
+        params = {"body.big": rng.normal(size=(80, 64)).astype(np.float32), "body.w": rng.normal(size=2).astype(np.float32),
+                  "body.n": np.array(n, np.int64), "classifier.weight": np.ones((1, 2), np.float32),
+                  "classifier.bias": np.ones(1, np.float32)}
+        return FLModel(params_type=ParamsType.FULL, params=params, meta={"client_name": site, "classes": ["x"], "num_samples": n})
+
+    shapes = {"body.big": (80, 64), "body.w": (2,), "body.n": ()}
+    results = [big_result(s, n) for s, n in (("a", 3), ("b", 5), ("c", 7))]
+    bad = big_result("b", 5)
+    bad.params["body.w"][1] = np.nan  # a small array: checked after body.big was already added
+    for weighting in ("uniform", "samples"):
+        agg = SurgicalAggregator(weighting=weighting)
+        agg.expect(shapes, {"a": ["x"], "b": ["x"], "c": ["x"]})
+        assert agg.accept_model(results[0]) and not agg.accept_model(bad)
+        assert agg.rejected["b"] == "site b: non-finite values (NaN or Inf) in 'body.w'"
+        assert agg._running is not None and not agg._running.usable
+        assert agg.accept_model(results[2])
+        out = agg.aggregate_model()
+        ups = [{"site": r.meta["client_name"], "classes": ["x"], "params": r.params, "num_samples": r.meta["num_samples"]}
+               for r in (results[0], results[2])]
+        want, _ = surgical_aggregate(ups, weighting=weighting)
+        for k in want:
+            np.testing.assert_array_equal(out.params[k], want[k], err_msg=k)
+        clean = SurgicalAggregator(weighting=weighting)  # all valid: the sum fed at accept time is used
+        clean.expect(shapes, {"a": ["x"], "b": ["x"], "c": ["x"]})
+        assert all(clean.accept_model(r) for r in results) and clean._running.usable
+        out = clean.aggregate_model()
+        ups = [{"site": r.meta["client_name"], "classes": ["x"], "params": r.params, "num_samples": r.meta["num_samples"]}
+               for r in results]
+        want, _ = surgical_aggregate(ups, weighting=weighting)
+        for k in want:
+            np.testing.assert_array_equal(out.params[k], want[k], err_msg=k)

@@ -40,3 +40,41 @@ def test_payload_is_the_feature_extractor_plus_own_rows():
         "nvflare_fedavg": {"median_seconds": 0.1, "extra_model_sizes": 2.9}}}}, "payload": pay}
     text = " ".join(speed_verdicts(fake))
     assert "**MET** (0.120 s vs 0.100 s = 1.20x)" in text and "**NOT MET** (0.200 s = 2.00x)" in text
+
+
+def test_only_some_parts_carries_the_others_over(tmp_path, monkeypatch):
+    """`cxrfl bench speed --only aggregation,payload` reruns those and keeps the earlier simulator numbers."""
+    import json
+
+    import pytest
+
+    from cxrfl.bench import speed
+    from cxrfl.cli import build_parser
+    from cxrfl.errors import ConfigError
+
+    sim = {"simulator_images_per_second": [29.0], "simulator_mean": 29.0, "simulator_wall_seconds": 70.0,
+           "plain_before": {"images_per_second": [30.0], "mean": 30.0},
+           "plain_after": {"images_per_second": [28.0], "mean": 28.0},
+           "plain_mean": 29.3, "ratio": 0.99, "command": "nvflare simulator ..."}
+    earlier_settings = {**speed.asdict(speed.SpeedSettings()), "rounds": 5}
+    (tmp_path / "speed.json").write_text(json.dumps({"settings": earlier_settings, "command": "cxrfl bench speed --rounds 5",
+                                                     "machine": {"load_average_at_start": [1.0, 2.0, 3.0]}, "simulator": sim}))
+    ran = []
+    monkeypatch.setattr(speed, "simulator_vs_plain", lambda *a, **k: ran.append("simulator"))
+    monkeypatch.setattr(speed, "aggregation_benchmark",
+                        lambda *a, **k: ran.append("aggregation") or {"model_bytes": 1, "sites": {}})
+    monkeypatch.setattr(speed, "payload_benchmark", lambda: ran.append("payload") or {})
+    args = build_parser().parse_args(
+        ["bench", "speed", "--out", str(tmp_path), "--threads", "1", "--only", "aggregation,payload"])
+    assert args.func(args) == 0
+    assert ran == ["aggregation", "payload"]
+    res = json.loads((tmp_path / "speed.json").read_text())
+    assert res["simulator"] == sim and res["carried_over"]["simulator"]["command"] == "cxrfl bench speed --rounds 5"
+    md = (tmp_path / "speed.md").read_text()
+    assert "carried over from an earlier run: `cxrfl bench speed --rounds 5`" in md
+    assert "5 rounds" in md and "**0.99x**" in md  # the earlier run's settings, not this one's
+    speed.run_speed(speed.SpeedSettings(parts=("aggregation",)), tmp_path, log=lambda m: None)  # carried twice: same source
+    res = json.loads((tmp_path / "speed.json").read_text())
+    assert res["carried_over"]["simulator"]["command"] == "cxrfl bench speed --rounds 5" and "payload" in res["carried_over"]
+    with pytest.raises(ConfigError, match="--only must name some of"):
+        speed.run_speed(speed.SpeedSettings(parts=("throughput",)), tmp_path)

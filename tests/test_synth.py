@@ -266,3 +266,19 @@ def test_demo_site_config_is_safe_from_two_processes(tmp_path: Path) -> None:
     assert len(table) == 30 and len(list((tmp_path / "hospital-a" / "images").glob("*.png"))) == 30
     assert json.loads((tmp_path / "hospital-a" / MARKER).read_text())["n"] == 30
     assert not [p for p in tmp_path.iterdir() if re.search(r"\.tmp-", p.name)]
+
+
+def test_fedfew_profile_is_the_paper_setting_however_it_is_reached(tmp_path: Path) -> None:
+    """One `fedfew` profile: 3 CC sites (11 classes), 3 UC sites (Edema, Pneumonia, Hernia), 3 test sites."""
+    sites = {s.name: s for s in PROFILES["fedfew"].sites}
+    assert list(sites) == ["cc-1", "cc-2", "cc-3", "uc-edema", "uc-pneumonia", "uc-hernia",
+                           "test-edema", "test-pneumonia", "test-hernia"]
+    ucs = [tuple(sites[f"uc-{u}"].classes) for u in ("edema", "pneumonia", "hernia")]
+    assert ucs == [("Edema",), ("Pneumonia",), ("Hernia",)]
+    assert len(sites["cc-1"].classes) == 11 and "Edema" not in sites["cc-1"].classes
+    code = ("from cxrfl.synth.profiles import get_profile; "  # a fresh process importing only the profiles module
+            "print(','.join(s.name for s in get_profile('fedfew').sites))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == ",".join(sites), proc.stderr[-2000:]
+    (cfg,) = write_profile("fedfew", tmp_path, n_per_site=6, image_size=SIZE, seed=0, sites=["uc-hernia"])
+    assert load_site_config(cfg).site == "uc-hernia"

@@ -10,11 +10,17 @@ Each update is a mapping::
      "params": {name: array},               # incl. classifier.weight [K, N], classifier.bias [K]
      "num_samples": 1234}                   # positive int (weights with weighting="samples")
 
-Numerics of the default (mean) path: one pass per key over the sites, adding each site's tensor
-with its normalised weight into a single running sum (float32, float64 for float64 inputs), so
-the extra memory is about one model; non-finite inputs are detected on that sum (NaN/Inf
-propagate) and only then traced back to the site. Integer buffers (BatchNorm's
+Numerics of the default (mean) path: one pass over the sites, adding each site's tensors times
+its weight into one running sum per key (float32, float64 for float64 inputs; small arrays are
+added as one flat array per dtype), then dividing by the total weight, as NVFlare's FedAvg
+does; the extra memory is about one model; non-finite inputs are detected on those sums
+(NaN/Inf propagate) and only then traced back to the site. Integer buffers (BatchNorm's
 ``num_batches_tracked``) get the weighted mean rounded to the nearest integer, in their dtype.
+
+Finiteness checks (:func:`validate_update`, the sums above) are one cheap pass: small arrays are
+concatenated and summed together, large ones summed one by one; only a sum that is not finite
+(a NaN/Inf, or finite values whose sum overflows) leads to the exact element-wise check, so the
+verdict and the key named are those of checking every array on its own.
 """
 
 from __future__ import annotations
@@ -79,6 +85,57 @@ def _all_finite(t: torch.Tensor) -> bool:
     if not t.is_floating_point() or t.numel() == 0:
         return True
     return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
+
+
+_SMALL = 4096  # elements: arrays below this are concatenated and checked with one sum
+
+
+def first_nonfinite(named: Iterable[tuple[str, Array]]) -> str | None:
+    """The first name (in order) whose array holds a NaN/Inf, else None.
+
+    One cheap pass: one sum per large floating array and one per group of small ones (grouped
+    by kind, device and dtype, concatenated); when any of those sums is not finite, every array
+    is checked on its own, in order, exactly (a sum of large finite values can overflow).
+    """
+    named = list(named)
+    small_np: dict[np.dtype, list[np.ndarray]] = {}
+    small_torch: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    suspect = False
+    for _, v in named:
+        if isinstance(v, np.ndarray):
+            if v.dtype.kind != "f":
+                continue
+            if v.size < _SMALL:
+                small_np.setdefault(v.dtype, []).append(v)
+                continue
+        elif isinstance(v, torch.Tensor):
+            if not v.is_floating_point():
+                continue
+            if v.numel() < _SMALL:
+                small_torch.setdefault((v.device, v.dtype), []).append(v.detach().reshape(-1))
+                continue
+        if not math.isfinite(float(_tensor(v).sum())):
+            suspect = True
+            break
+    if not suspect:
+        sums = [np.concatenate(parts, axis=None).sum() for parts in small_np.values()]  # axis=None: flattened
+        sums += [torch.cat(parts).sum() for parts in small_torch.values()]
+        suspect = not all(math.isfinite(float(x)) for x in sums)
+    if not suspect:
+        return None
+    return next((k for k, v in named if not _all_finite(_tensor(v))), None)
+
+
+class _Shapes(dict):
+    """name -> shape as a tuple of Python ints (what :func:`normalize_shapes` returns)."""
+
+
+def normalize_shapes(shapes: Mapping[str, Sequence[int]]) -> Mapping[str, tuple[int, ...]]:
+    """``shapes`` with every shape as a tuple of ints; pass the result to :func:`validate_update`
+    for many updates to skip this conversion on each call."""
+    if isinstance(shapes, _Shapes):
+        return shapes
+    return _Shapes((k, tuple(map(int, s))) for k, s in shapes.items())
 
 
 def _unique_names(names: Iterable[str], what: str) -> list[str]:
@@ -170,9 +227,9 @@ def _check_update(
     if w_shape[1:] != n_in:
         raise reject(f"head weight {wkey!r} has {w_shape[1]} inputs, expected {n_in[0]}")
     if check_finite:
-        for k, v in params.items():
-            if not _all_finite(_tensor(v)):
-                raise reject(f"non-finite values (NaN or Inf) in {k!r}")
+        bad = first_nonfinite(params.items())
+        if bad is not None:
+            raise reject(f"non-finite values (NaN or Inf) in {bad!r}")
     return _Update(site, classes, params, int(n))
 
 
@@ -182,6 +239,7 @@ def validate_update(
     expected_shapes: Mapping[str, tuple[int, ...]] | None = None,
     head_prefix: str = HEAD_PREFIX,
     announced_classes: Sequence[str] | None = None,
+    check_finite: bool = True,
 ) -> None:
     """Check one site's update before it is aggregated.
 
@@ -193,21 +251,24 @@ def validate_update(
 
     Args:
         update: the mapping described in the module docstring.
-        expected_shapes: name -> shape of the global model; head entries only fix N.
+        expected_shapes: name -> shape of the global model; head entries only fix N (validating
+            many updates against the same shapes: pass :func:`normalize_shapes` of them once).
         head_prefix: state-dict prefix of the head.
         announced_classes: the classes this site announced (it may not send rows for others).
+        check_finite: False leaves the NaN/Inf check to the caller (:meth:`RunningSum.add`
+            with ``check_finite=True`` does it while summing, or :func:`first_nonfinite`).
 
     Raises:
         UpdateRejected: ``"site <site>: <reason>"``.
     """
     if expected_shapes is not None:
-        expected_shapes = {k: tuple(int(d) for d in s) for k, s in expected_shapes.items()}
+        expected_shapes = normalize_shapes(expected_shapes)
     _check_update(
         update,
         expected_shapes=expected_shapes,
         head_prefix=head_prefix,
         announced_classes=announced_classes,
-        check_finite=True,
+        check_finite=check_finite,
     )
 
 
@@ -258,36 +319,133 @@ def _raise_for_bad_key(key: str, parsed: Sequence[_Update]) -> None:
     raise UpdateRejected(f"site {bad[0]}: non-finite values (NaN or Inf) in {key!r}{also}")
 
 
+def _flat(values: Sequence[Array]) -> torch.Tensor:
+    """The arrays back to back as one 1-d CPU tensor (one copy of small arrays)."""
+    if all(isinstance(v, np.ndarray) for v in values):
+        return torch.from_numpy(np.concatenate(values, axis=None))  # axis=None: flattened
+    return torch.cat([_tensor(v).reshape(-1) for v in values])
+
+
+class RunningSum:
+    """Weighted sum of the non-head parameters, fed one update at a time (streaming FedAvg).
+
+    Large arrays are added one by one; small ones (BatchNorm vectors and counters, biases) as one
+    flat array per dtype, so a DenseNet update is about 130 additions instead of 730. Floating
+    keys are summed in float32 (float64 for float64 inputs), integer keys in float64.
+
+    Args:
+        keys: the parameter names to sum, in output order.
+        head_prefix: state-dict prefix of the head (its arrays are checked, never summed).
+    """
+
+    def __init__(self, keys: Sequence[str], head_prefix: str = HEAD_PREFIX) -> None:
+        self.keys = list(keys)
+        self.head_prefix = head_prefix
+        self.added: list[tuple[str, float]] = []  # (site, weight of its floating keys)
+        self.usable = True  # False after an update was only partly added
+        self._items: list[tuple[list[str], bool, bool]] | None = None  # (keys, flat, floating)
+        self._shapes: dict[str, tuple[torch.Size, int]] = {}
+        self._accs: list[torch.Tensor] = []
+
+    def _plan(self, params: Mapping[str, Array]) -> None:
+        firsts = {k: _tensor(params[k]) for k in self.keys}
+        self._shapes = {k: (t.shape, t.numel()) for k, t in firsts.items()}
+        items: list[tuple[list[str], bool, bool]] = []
+        small: dict[torch.dtype, list[str]] = {}
+        for k, t in firsts.items():
+            if t.numel() < _SMALL:
+                small.setdefault(t.dtype, []).append(k)
+            else:
+                items.append(([k], False, t.is_floating_point()))
+        items += [(ks, True, dtype.is_floating_point) for dtype, ks in small.items()]
+        self._items = items
+        self._dtypes = {k: t.dtype for k, t in firsts.items()}
+
+    def add(self, site: str, params: Mapping[str, Array], weight: float, *, int_weight: float | None = None,
+            check_finite: bool = False) -> str | None:
+        """Add ``weight`` x the update's arrays (``int_weight`` for integer buffers, default ``weight``).
+
+        With ``check_finite``, every array of ``params`` (head and keys not summed included) is
+        checked, each summed array just before it is added, while it is in the cache.
+
+        Returns:
+            None, or the first key in ``params`` order holding a NaN/Inf; the update is then
+            not (or only partly) added and this sum is no longer :attr:`usable`.
+        """
+        if self._items is None:
+            self._plan(params)
+        assert self._items is not None
+        if check_finite:
+            rest = [(k, v) for k, v in params.items() if k not in self._shapes]
+            if first_nonfinite(rest) is not None:  # nothing added yet
+                return first_nonfinite(params.items())
+        iw = weight if int_weight is None else int_weight
+        first = not self._accs
+        for i, (ks, flat, is_float) in enumerate(self._items):
+            x = _flat([params[k] for k in ks]) if flat else _tensor(params[ks[0]])
+            if check_finite and is_float and not math.isfinite(float(x.sum())):
+                bad = first_nonfinite(params.items())  # exact, in order (the sum may just overflow)
+                if bad is not None:
+                    self.usable = False
+                    return bad
+            w = weight if is_float else iw
+            if first:
+                acc_dtype = torch.float64 if x.dtype == torch.float64 or not is_float else torch.float32
+                self._accs.append(x.to(acc_dtype) * w)
+            else:
+                self._accs[i].add_(x, alpha=w)
+        self.added.append((site, weight))
+        return None
+
+    def sums(self) -> dict[str, torch.Tensor]:
+        """key -> the running sum (views into the flat sums for small keys)."""
+        out: dict[str, torch.Tensor] = {}
+        for (ks, flat, _), acc in zip(self._items or [], self._accs):
+            if not flat:
+                out[ks[0]] = acc
+                continue
+            parts = torch.split(acc, [self._shapes[k][1] for k in ks])
+            out.update((k, part.view(self._shapes[k][0])) for k, part in zip(ks, parts))
+        return out
+
+    def dtype(self, key: str) -> torch.dtype:
+        """The dtype of ``key`` in the first update added."""
+        return self._dtypes[key]
+
+
 def _mean_body(
     parsed: Sequence[_Update],
     keys: Sequence[str],
     weights: Sequence[float],
     ref: Mapping[str, torch.Tensor] | None,
     clip_norm: float | None,
+    running: RunningSum | None = None,
 ) -> dict[str, torch.Tensor]:
-    """(Weighted) mean of the non-head keys, streaming; with clip_norm, of clipped deltas."""
+    """(Weighted) mean of the non-head keys, streaming; with clip_norm, of clipped deltas.
+
+    ``running``: these updates' sum, already accumulated (with these weights, no clipping).
+    """
     total = sum(weights)
-    plain = [w / total for w in weights]
     clipping = clip_norm is not None and ref is not None
-    clipped = [c * _clip_scale(p, keys, ref, clip_norm) for c, p in zip(plain, parsed)] if clipping else plain
-    out: dict[str, torch.Tensor] = {}
+    if running is None:
+        running = RunningSum(keys)
+        for w, p in zip(weights, parsed):
+            scale = _clip_scale(p, keys, ref, clip_norm) if clipping else 1.0
+            running.add(p.site, p.params, w * scale, int_weight=w)
+    out = running.sums()
+    running.usable = False  # its sums become the mean, in place
+    floats = [k for k in keys if running.dtype(k).is_floating_point]
     for k in keys:
-        first = _tensor(parsed[0].params[k])
-        is_float = first.is_floating_point()
-        cs = clipped if is_float else plain
-        acc_dtype = torch.float64 if (first.dtype == torch.float64 or not is_float) else torch.float32
-        acc = first.to(acc_dtype) * cs[0]
-        for c, p in zip(cs[1:], parsed[1:]):
-            acc.add_(_tensor(p.params[k]), alpha=c)
-        if not is_float:
-            out[k] = torch.round(acc).to(first.dtype)
-            continue
-        if clipping:
-            acc.add_(ref[k], alpha=1.0 - sum(cs))  # = ref + sum_i c_i (x_i - ref)
-        if not _all_finite(acc):
-            _raise_for_bad_key(k, parsed)
-        out[k] = acc.to(first.dtype)
-    return out
+        out[k].div_(total)
+    if clipping:
+        kept = 1.0 - sum(w for _, w in running.added) / total
+        for k in floats:
+            out[k].add_(ref[k], alpha=kept)  # = ref + sum_i c_i (x_i - ref), c_i = w_i scale_i / total
+    bad = first_nonfinite((k, out[k]) for k in floats)
+    if bad is not None:
+        _raise_for_bad_key(bad, parsed)
+    return {k: (out[k] if running.dtype(k).is_floating_point else torch.round(out[k])).to(running.dtype(k))
+            for k in keys}
 
 
 def _median_body(parsed: Sequence[_Update], keys: Sequence[str]) -> dict[str, np.ndarray]:
@@ -394,6 +552,7 @@ def surgical_aggregate(
     robust: str | None = None,
     clip_norm: float | None = None,
     reference: Mapping[str, Array] | None = None,
+    running: RunningSum | None = None,
 ) -> tuple[dict[str, Array], list[str]]:
     """Aggregate site updates whose heads cover different classes.
 
@@ -418,6 +577,10 @@ def surgical_aggregate(
         reference: the previous global params, head rows in ``classes`` order (without
             ``classes``: in the order of the returned sorted union). Needed by robust='clip';
             with ``classes``, a class no site sent this round keeps its reference row.
+        running: the non-head sum of exactly these updates, fed as they arrived (what
+            :class:`cxrfl.fl.aggregator.SurgicalAggregator` does at accept time, so each update
+            is read once); used only for the plain mean (``robust=None``) and when its sites,
+            weights and keys match, else the mean is computed from the updates.
 
     Returns:
         (global params of the input kind, CPU for torch; global class names in head row order).
@@ -476,7 +639,9 @@ def surgical_aggregate(
     if robust == "median":
         body = _median_body(parsed, keys)
     else:
-        body = _mean_body(parsed, keys, weights, ref_body or None, clip_norm)
+        fits = (running is not None and running.usable and robust is None and running.keys == keys
+                and running.added == [(p.site, w) for p, w in zip(parsed, weights)])
+        body = _mean_body(parsed, keys, weights, ref_body or None, clip_norm, running if fits else None)
     head_w, head_b = _aggregate_head(
         parsed,
         global_classes,

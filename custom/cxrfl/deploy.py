@@ -825,6 +825,48 @@ def submit(
     return out
 
 
+def abort(
+    job_id: str,
+    *,
+    workspace: str | Path,
+    admin: str | None = None,
+    timeout: float = 300,
+    download: str | Path | None = None,
+) -> dict[str, Any]:
+    """Abort a running job from an admin kit, wait until it has ended, optionally download its result.
+
+    The server keeps every completed round (``cxrfl/checkpoints/round_NNN.pt`` in the result,
+    usable by ``cxrfl predict``) and what a later job needs to continue the run
+    (``resume_from=<job id>``).
+
+    Args:
+        job_id: the job to abort.
+        workspace: the deployment workspace.
+        admin: the admin's name (default: the project admin).
+        timeout: seconds to wait for the job to end.
+        download: folder to download the job's result into.
+
+    Returns:
+        ``job_id``, ``status`` and ``result`` (the downloaded folder, if any).
+    """
+    dep = Deployment.load(workspace)
+    sess = admin_session(dep, admin)
+    out: dict[str, Any] = {"job_id": job_id}
+    try:
+        sess.abort_job(job_id)
+        try:
+            meta = sess.wait_for_job(job_id, timeout=timeout, poll_interval=2)
+            out["status"] = meta.get("status")
+        except Exception as exc:  # JobTimeout, lost connection
+            out.update(status="WAIT_FAILED", error=f"{type(exc).__name__}: {exc}")
+            return out
+        if download:
+            out["result"] = sess.download_job_result(job_id, destination=str(Path(download).resolve()))
+    finally:
+        sess.close()
+    return out
+
+
 # ---------------------------------------------------------------------------------------- CLI
 def _kv(items: list[str] | None) -> dict[str, Any]:
     out = {}
@@ -930,6 +972,12 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     return 0 if result.get("status") in (COMPLETED, "SUBMITTED") else 1
 
 
+def _cmd_abort(args: argparse.Namespace) -> int:
+    result = abort(args.job_id, workspace=args.workspace, admin=args.admin, timeout=args.timeout, download=args.download)
+    _print(result)
+    return 0 if str(result.get("status", "")).startswith("FINISHED") else 1
+
+
 def _cmd_stop(args: argparse.Namespace) -> int:
     result = stop(args.workspace, timeout=args.timeout)
     _print(result)
@@ -996,6 +1044,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--download", help="download the result into this folder")
     p.set_defaults(func=_quiet(_cmd_submit))
+
+    p = ds.add_parser("abort", help="abort a running job (its completed rounds stay usable), optionally download it")
+    p.add_argument("job_id")
+    p.add_argument("--workspace", required=True)
+    p.add_argument("--admin", help="admin name (default: the project admin)")
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--download", help="download the result into this folder")
+    p.set_defaults(func=_quiet(_cmd_abort))
 
     p = ds.add_parser("stop", help="stop everything a workspace runs and check that nothing is left")
     p.add_argument("--workspace", required=True)

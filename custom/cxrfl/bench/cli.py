@@ -22,10 +22,19 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
         run_cwt_benchmark(out=Path(args.out), seeds=args.seeds)
         return 0
+    if args.method == "fedfew":
+        if args.profile not in (None, "fedfew"):
+            raise ConfigError(f"--method fedfew runs on the fedfew profile only, got --profile {args.profile}")
+        from cxrfl.bench_fedfew import run_fedfew_benchmark
+
+        run_fedfew_benchmark(out=Path(args.out), seeds=args.seeds)
+        return 0
+    if args.method is not None:
+        raise ConfigError(f"--method must be 'cwt' or 'fedfew' (or left out for the method comparison), got {args.method!r}")
     from cxrfl.bench.compare import CompareSettings, run_ablation, run_compare
 
     settings = CompareSettings(
-        profile=args.profile,
+        profile=args.profile or "two-hospitals",
         seeds=args.seeds,
         rounds=args.rounds,
         image_size=args.image_size,
@@ -67,6 +76,7 @@ def _cmd_speed(args: argparse.Namespace) -> int:
             site_counts=tuple(int(x) for x in args.sites.split(",")),
             repeats=args.repeats,
             skip_simulator=args.skip_simulator,
+            parts=tuple(x.strip() for x in args.only.split(",") if x.strip()) if args.only else SpeedSettings.parts,
         ),
         Path(args.out),
     )
@@ -92,8 +102,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks: the papers' method comparison and framework overhead")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     c = bsub.add_parser("compare", help="run every method on a profile; write results.json, report.md and plots")
-    c.add_argument("--profile", default="two-hospitals",
-                   help="two-hospitals, two-hospitals-shared, nih1000 or synth-nih (with --site-config: the name in the results)")
+    c.add_argument("--profile", default=None,
+                   help="two-hospitals (default), two-hospitals-shared, nih1000 or synth-nih (with --site-config: the name "
+                        "in the results); fedfew with --method fedfew")
     c.add_argument("--out", required=True, help="output folder")
     c.add_argument("--seeds", type=int, default=3, help="training seeds (default 3)")
     c.add_argument("--rounds", type=int, default=8, help="federated rounds = local epochs of the baselines (default 8)")
@@ -120,7 +131,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="your own fully annotated external test set (site config YAML; repeatable)")
     c.add_argument("--pretrained", default=None, help="local feature-extractor checkpoint (e.g. ImageNet DenseNet121); default: from scratch")
     c.add_argument("--data-dir", default=None, help="where profile data is written (default OUT/data)")
-    c.add_argument("--method", default=None, help="'cwt': run the cyclical weight transfer benchmark instead")
+    c.add_argument("--method", default=None,
+                   help="'cwt': run the cyclical weight transfer benchmark instead; 'fedfew': the FedFew benchmark "
+                        "(rare classes at few sites, profile fedfew; writes OUT/fedfew.json)")
     c.set_defaults(func=_cmd_compare)
 
     pt = bsub.add_parser("pretrain", help="train a stand-in for ImageNet weights on a disjoint synthetic cohort")
@@ -144,4 +157,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--sites", default="2,4,10,20", help="site counts of the aggregation benchmark")
     s.add_argument("--repeats", type=int, default=5, help="timing repeats of each aggregation")
     s.add_argument("--skip-simulator", action="store_true", help="leave out the simulator-vs-plain measurement")
+    s.add_argument("--only", default=None, metavar="PARTS",
+                   help="comma-separated parts to run: simulator, aggregation, payload (default: all); the others are "
+                        "carried over from OUT/speed.json when it has them")
     s.set_defaults(func=_cmd_speed)

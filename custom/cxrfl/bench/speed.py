@@ -6,7 +6,8 @@
    before and after the simulator run.
 2. Aggregation of K full DenseNet121 updates (K = 2, 4, 10, 20): wall time of
    :func:`cxrfl.aggregation.surgical_aggregate` (and of the NVFlare-level
-   :class:`cxrfl.fl.aggregator.SurgicalAggregator`, which also validates every update) against
+   :class:`cxrfl.fl.aggregator.SurgicalAggregator`, which also validates every update, summing
+   it while checking it for NaN/Inf at accept time) against
    NVFlare's ``InTimeAccumulateWeightedAggregator`` doing plain FedAvg of the same updates (its
    ``accept`` calls plus ``aggregate``); peak extra resident memory of each, measured in a fresh
    process (``MALLOC_MMAP_THRESHOLD_`` fixed so freed buffers leave the process) by sampling
@@ -14,6 +15,9 @@
 3. Bytes a site receives and sends per round for each head mode, from the payloads
    (:func:`cxrfl.head_modes.payload_for`) of the two-hospitals label sets, as raw array bytes and
    as NVFlare's FOBS-serialised task data, against the full model.
+
+``--only PARTS`` runs some of the three; the others are carried over from an earlier
+``speed.json`` in the output folder (``carried_over`` says from which run).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from cxrfl.errors import ConfigError
 from cxrfl.labels import CHEXPERT_CLASSES, NIH_CLASSES
 
 
@@ -49,8 +54,10 @@ class SpeedSettings:
         threads: torch CPU threads in both loops.
         site_counts: K of the aggregation benchmark.
         repeats: timing repeats per aggregation (median reported).
-        skip_simulator: leave out part 1.
+        skip_simulator: leave out part 1 (same as ``parts`` without ``simulator``).
         n_images: images of the synthetic site used in part 1.
+        parts: the parts to run (``simulator``, ``aggregation``, ``payload``); the others are
+            carried over from an earlier ``speed.json`` in the output folder when it has them.
     """
 
     image_size: int = 64
@@ -62,6 +69,7 @@ class SpeedSettings:
     repeats: int = 5
     skip_simulator: bool = False
     n_images: int = 300
+    parts: tuple[str, ...] = ("simulator", "aggregation", "payload")
 
 
 def _print(msg: str) -> None:
@@ -271,10 +279,12 @@ def aggregate_with(method: str, updates: list[dict[str, Any]], shapes: dict[str,
 
 
 AGG_METHODS = ("surgical", "surgical_nvflare", "nvflare_fedavg")
+PARTS = ("simulator", "aggregation", "payload")
 
 
 def aggregation_benchmark(s: SpeedSettings, log=_print) -> dict[str, Any]:
-    """Part 2: time (median of repeats, in this process) and peak extra memory (fresh process);
+    """Part 2: time (median of repeats, in this process; the methods take turns within each
+    repeat, so a change of machine load hits them alike) and peak extra memory (fresh process);
     one torch thread (NVFlare's aggregator runs single-threaded numpy).
 
     Args:
@@ -290,22 +300,27 @@ def aggregation_benchmark(s: SpeedSettings, log=_print) -> dict[str, Any]:
     for k in s.site_counts:
         updates, shapes = make_updates(k)
         row: dict[str, Any] = {}
-        for method in AGG_METHODS:
-            times = []
-            for _ in range(s.repeats):
+        seconds: dict[str, list[float]] = {method: [] for method in AGG_METHODS}
+        for method in AGG_METHODS:  # warm-up (imports, first allocations)
+            aggregate_with(method, updates, shapes)
+        for _ in range(s.repeats):
+            for method in AGG_METHODS:
                 t0 = time.perf_counter()
                 aggregate_with(method, updates, shapes)
-                times.append(time.perf_counter() - t0)
+                seconds[method].append(time.perf_counter() - t0)
+        for method in AGG_METHODS:
+            times = seconds[method]
             proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(k), method], env=env, capture_output=True,
                                   text=True, timeout=1800)
             mem = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-2000:]}
-            row[method] = {"seconds": times, "median_seconds": statistics.median(times), "memory": mem,
+            row[method] = {"seconds": times, "median_seconds": statistics.median(times), "min_seconds": min(times), "memory": mem,
                            "extra_model_sizes": (mem.get("extra", 0) / model_bytes) if "extra" in mem else None}
             log(f"aggregation K={k} {method}: {statistics.median(times):.3f}s, "
                 f"peak extra {mem.get('extra', float('nan')) / 1e6:.0f} MB")
-        fedavg = row["nvflare_fedavg"]["median_seconds"]
+        fedavg, fastest = row["nvflare_fedavg"]["median_seconds"], row["nvflare_fedavg"]["min_seconds"]
         for method in ("surgical", "surgical_nvflare"):
             row[method]["ratio_to_nvflare_fedavg"] = row[method]["median_seconds"] / fedavg if fedavg else None
+            row[method]["ratio_of_minima"] = row[method]["min_seconds"] / fastest if fastest else None
         out["sites"][str(k)] = row
         del updates
     return out
@@ -359,9 +374,13 @@ def format_speed(res: dict[str, Any]) -> str:
     m = res["machine"]
     lines += [f"Machine: {m['cpus']} CPU cores, CPU only, {res['settings']['threads']} torch thread(s); load average at start "
               f"{', '.join(f'{x:.1f}' for x in m['load_average_at_start'])} (other jobs were running: timings are noisy).", ""]
+    for part, source in res.get("carried_over", {}).items():
+        load = ", ".join(f"{x:.1f}" for x in (source.get("machine") or {}).get("load_average_at_start", []))
+        lines += [f"The {part} part is carried over from an earlier run: `{source.get('command')}` (load average at its "
+                  f"start {load or 'unknown'}).", ""]
     sim = res.get("simulator")
     if sim:
-        s = res["settings"]
+        s = (res.get("carried_over", {}).get("simulator") or {}).get("settings") or res["settings"]
         lines += ["### Local training inside the simulator vs a plain PyTorch loop", "",
                   f"DenseNet121, {s['image_size']}x{s['image_size']} px, batch {s['batch_size']}, {s['steps']} steps per round, "
                   f"{s['rounds']} rounds, one synthetic site; `{sim['command']}`.", "",
@@ -371,32 +390,39 @@ def format_speed(res: dict[str, Any]) -> str:
                   f"| plain, after | {', '.join(f'{x:.1f}' for x in sim['plain_after']['images_per_second'])} | {sim['plain_after']['mean']:.1f} |",
                   "", f"Ratio simulator / plain: **{sim['ratio']:.2f}x** (simulator run took {sim['simulator_wall_seconds']:.0f} s "
                   "wall time, mostly start-up).", ""]
-    agg = res["aggregation"]
-    mb = agg["model_bytes"] / 1e6
-    lines += ["### Aggregation of K full DenseNet121 updates", "",
-              f"One update = {mb:.1f} MB (float32 feature extractor, BatchNorm buffers and a 20-class head; FedAvg sites send all "
-              "20 rows, surgical sites the 7 shared classes plus a random third of the others). Median of "
-              f"{res['settings']['repeats']} repeats; peak extra memory in a fresh process.", "",
-              "| K | NVFlare FedAvg (s) | surgical_aggregate (s) | ratio | SurgicalAggregator incl. validation (s) | ratio | "
-              "peak extra: NVFlare | surgical_aggregate | SurgicalAggregator |", "|---|---|---|---|---|---|---|---|---|"]
-    for k, row in agg["sites"].items():
-        def extra(method: str) -> str:
-            v = row[method]["extra_model_sizes"]
-            return "-" if v is None else f"{row[method]['memory']['extra'] / 1e6:.0f} MB ({v:.2f} models)"
-        lines.append(f"| {k} | {row['nvflare_fedavg']['median_seconds']:.3f} | {row['surgical']['median_seconds']:.3f} | "
-                     f"{row['surgical']['ratio_to_nvflare_fedavg']:.2f} | {row['surgical_nvflare']['median_seconds']:.3f} | "
-                     f"{row['surgical_nvflare']['ratio_to_nvflare_fedavg']:.2f} | {extra('nvflare_fedavg')} | {extra('surgical')} | "
-                     f"{extra('surgical_nvflare')} |")
-    pay = res["payload"]
-    lines += ["", "### Bytes per site per round", "",
-              f"Full model: {pay['full_model_bytes'] / 1e6:.2f} MB raw ({pay['full_model_wire_bytes'] / 1e6:.2f} MB as FOBS task data); "
-              f"feature extractor {pay['feature_extractor_bytes'] / 1e6:.2f} MB; one head row {pay['head_row_bytes']} bytes. "
-              "Down = up for every mode (a site sends back what it received, trained).", "",
-              "| site | head mode | head rows | raw MB | FOBS MB | of the full model |", "|---|---|---|---|---|---|"]
-    for site, rows in pay["sites"].items():
-        for mode, r in rows.items():
-            lines.append(f"| {site} | {mode} | {r['head_rows']} | {r['raw_bytes'] / 1e6:.3f} | {r['wire_bytes'] / 1e6:.3f} | "
-                         f"{r['fraction_of_full_model']:.4f} |")
+    agg = res.get("aggregation")
+    if agg:
+        agg_settings = (res.get("carried_over", {}).get("aggregation") or {}).get("settings") or res["settings"]
+        mb = agg["model_bytes"] / 1e6
+        lines += ["### Aggregation of K full DenseNet121 updates", "",
+                  f"One update = {mb:.1f} MB (float32 feature extractor, BatchNorm buffers and a 20-class head; FedAvg sites send all "
+                  "20 rows, surgical sites the 7 shared classes plus a random third of the others). Median of "
+                  f"{agg_settings['repeats']} repeats, the methods taking turns within each repeat (in brackets: the ratio of the "
+                  "fastest repeats, less affected by other jobs); peak extra memory in a fresh process.", "",
+                  "| K | NVFlare FedAvg (s) | surgical_aggregate (s) | ratio | SurgicalAggregator incl. validation (s) | ratio | "
+                  "peak extra: NVFlare | surgical_aggregate | SurgicalAggregator |", "|---|---|---|---|---|---|---|---|---|"]
+        for k, row in agg["sites"].items():
+            def extra(method: str) -> str:
+                v = row[method]["extra_model_sizes"]
+                return "-" if v is None else f"{row[method]['memory']['extra'] / 1e6:.0f} MB ({v:.2f} models)"
+            def ratio(method: str) -> str:
+                r, q = row[method]["ratio_to_nvflare_fedavg"], row[method].get("ratio_of_minima")
+                return f"{r:.2f}" + (f" ({q:.2f})" if q is not None else "")
+            lines.append(f"| {k} | {row['nvflare_fedavg']['median_seconds']:.3f} | {row['surgical']['median_seconds']:.3f} | "
+                         f"{ratio('surgical')} | {row['surgical_nvflare']['median_seconds']:.3f} | "
+                         f"{ratio('surgical_nvflare')} | {extra('nvflare_fedavg')} | {extra('surgical')} | "
+                         f"{extra('surgical_nvflare')} |")
+    pay = res.get("payload")
+    if pay:
+        lines += ["", "### Bytes per site per round", "",
+                  f"Full model: {pay['full_model_bytes'] / 1e6:.2f} MB raw ({pay['full_model_wire_bytes'] / 1e6:.2f} MB as FOBS task data); "
+                  f"feature extractor {pay['feature_extractor_bytes'] / 1e6:.2f} MB; one head row {pay['head_row_bytes']} bytes. "
+                  "Down = up for every mode (a site sends back what it received, trained).", "",
+                  "| site | head mode | head rows | raw MB | FOBS MB | of the full model |", "|---|---|---|---|---|---|"]
+        for site, rows in pay["sites"].items():
+            for mode, r in rows.items():
+                lines.append(f"| {site} | {mode} | {r['head_rows']} | {r['raw_bytes'] / 1e6:.3f} | {r['wire_bytes'] / 1e6:.3f} | "
+                             f"{r['fraction_of_full_model']:.4f} |")
     lines += ["", "### Targets", ""] + [f"- {t}" for t in speed_verdicts(res)] + [""]
     return "\n".join(lines)
 
@@ -409,22 +435,26 @@ def speed_verdicts(res: dict[str, Any]) -> list[str]:
         ok = sim["ratio"] >= 0.9
         out.append(f"Training inside the simulator at least 0.9x the plain loop's images/s: **{'MET' if ok else 'NOT MET'}** "
                    f"({sim['ratio']:.2f}x: {sim['simulator_mean']:.1f} vs {sim['plain_mean']:.1f} images/s).")
-    row = res["aggregation"]["sites"].get("10")
+    row = (res.get("aggregation") or {}).get("sites", {}).get("10")
     if row:
         r = row["surgical"]["ratio_to_nvflare_fedavg"]
         rn = row["surgical_nvflare"]["ratio_to_nvflare_fedavg"]
         out.append(f"Surgical aggregation (`surgical_aggregate`) of 10 updates within 1.5x NVFlare's "
                    f"InTimeAccumulateWeightedAggregator FedAvg: **{'MET' if r <= 1.5 else 'NOT MET'}** "
                    f"({row['surgical']['median_seconds']:.3f} s vs {row['nvflare_fedavg']['median_seconds']:.3f} s = {r:.2f}x).")
+        fastest = row["surgical_nvflare"].get("ratio_of_minima")
         out.append(f"The same through the job's NVFlare component (`SurgicalAggregator`: every update validated, then "
                    f"aggregated) within 1.5x: **{'MET' if rn <= 1.5 else 'NOT MET'}** "
-                   f"({row['surgical_nvflare']['median_seconds']:.3f} s = {rn:.2f}x).")
+                   f"({row['surgical_nvflare']['median_seconds']:.3f} s = {rn:.2f}x"
+                   + (f"; fastest repeats {fastest:.2f}x" if fastest is not None else "") + ").")
         ex = row["surgical"]["extra_model_sizes"]
         if ex is not None:
             out.append(f"Peak extra memory of aggregating 10 updates under 3 model sizes: **{'MET' if ex < 3 else 'NOT MET'}** "
                        f"({ex:.2f} model sizes for surgical_aggregate; SurgicalAggregator "
                        f"{row['surgical_nvflare']['extra_model_sizes']:.2f}; NVFlare FedAvg {row['nvflare_fedavg']['extra_model_sizes']:.2f}).")
-    pay = res["payload"]
+    pay = res.get("payload")
+    if not pay:
+        return out
     ok = all(rows["surgical"]["equals_feature_extractor_plus_own_rows"] for rows in pay["sites"].values())
     detail = "; ".join(f"{site}: {rows['surgical']['raw_bytes'] / 1e6:.3f} MB = feature extractor + {rows['surgical']['head_rows']} rows "
                        f"({rows['surgical']['fraction_of_full_model']:.4f} of the full model)" for site, rows in pay["sites"].items())
@@ -432,8 +462,26 @@ def speed_verdicts(res: dict[str, Any]) -> list[str]:
     return out
 
 
+def _earlier_results(path: Path, wanted: list[str]) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """The ``wanted`` parts of an earlier ``speed.json``: part -> (results, where they came from)."""
+    if not wanted or not path.is_file():
+        return {}
+    prev = json.loads(path.read_text())
+    found = {}
+    for part in wanted:
+        if part not in prev:
+            continue
+        source = prev.get("carried_over", {}).get(part) or {
+            "command": prev.get("command"), "settings": prev.get("settings"), "machine": prev.get("machine")}
+        found[part] = (prev[part], source)
+    return found
+
+
 def run_speed(s: SpeedSettings, out: Path, log=_print) -> dict[str, Any]:
-    """Run the three parts; write ``speed.json`` and ``speed.md`` under ``out``.
+    """Run the selected parts (``s.parts``); write ``speed.json`` and ``speed.md`` under ``out``.
+
+    Parts not run this time are copied from an earlier ``speed.json`` there (with the command,
+    settings and machine of the run that measured them, under ``carried_over``).
 
     Args:
         s: settings.
@@ -444,6 +492,11 @@ def run_speed(s: SpeedSettings, out: Path, log=_print) -> dict[str, Any]:
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    parts = [p for p in PARTS if p in s.parts and not (p == "simulator" and s.skip_simulator)]
+    unknown = sorted(set(s.parts) - set(PARTS))
+    if unknown or not parts:
+        raise ConfigError(f"--only must name some of {', '.join(PARTS)}, got {','.join(s.parts)!r}")
+    earlier = _earlier_results(out / "speed.json", [p for p in PARTS if p not in parts])
     torch.set_num_threads(s.threads)
     res: dict[str, Any] = {
         "settings": asdict(s),
@@ -451,12 +504,18 @@ def run_speed(s: SpeedSettings, out: Path, log=_print) -> dict[str, Any]:
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
                     "cpus": os.cpu_count(), "load_average_at_start": list(os.getloadavg())},
     }
-    if not s.skip_simulator:
+    if "simulator" in parts:
         with tempfile.TemporaryDirectory(prefix="cxrfl-speed-") as tmp:
             res["simulator"] = simulator_vs_plain(s, Path(tmp), log)
         log(f"simulator/plain = {res['simulator']['ratio']:.2f}")
-    res["aggregation"] = aggregation_benchmark(s, log)
-    res["payload"] = payload_benchmark()
+    if "aggregation" in parts:
+        res["aggregation"] = aggregation_benchmark(s, log)
+    if "payload" in parts:
+        res["payload"] = payload_benchmark()
+    for part, (value, source) in earlier.items():
+        res[part] = value
+        res.setdefault("carried_over", {})[part] = source
+        log(f"{part}: carried over from the earlier run ({source['command']})")
     res["verdicts"] = speed_verdicts(res)
     (out / "speed.json").write_text(json.dumps(res, indent=1))
     (out / "speed.md").write_text(format_speed(res))

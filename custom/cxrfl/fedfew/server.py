@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 import cxrfl
+from cxrfl.records import append_record, json_default
 from cxrfl.aggregation import surgical_aggregate, validate_update
 from cxrfl.errors import CxrflError, UpdateRejected
 from cxrfl.fedfew import protocol as P
@@ -172,13 +173,6 @@ def _atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") ->
         raise
 
 
-def _json_default(o: Any) -> Any:
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)
-
 
 @dataclass
 class FedFewOutcome:
@@ -240,8 +234,7 @@ class FedFewServer:
         return path
 
     def _record(self, record: dict[str, Any]) -> None:
-        with self._path("cxrfl", "rounds.jsonl").open("a") as f:
-            f.write(json.dumps(record, default=_json_default) + "\n")
+        append_record(self._path("cxrfl", "rounds.jsonl"), record)
 
     def _meta(self, **extra: Any) -> dict[str, Any]:
         return {"fedfew_config": self.config.to_dict(), "model_config": self._site_config.to_dict(), **extra}
@@ -601,7 +594,7 @@ class FedFewServer:
         self._record({"stage": 3, "threshold": chosen, "prototype_counts": result["prototype_counts"], "refused": refused,
                       "seconds": time.perf_counter() - start})
         path = self._path(STAGE_DIR, STAGE_FILES[3])
-        _atomic_write(path, lambda f: f.write(json.dumps(result, default=_json_default)), mode="w")
+        _atomic_write(path, lambda f: f.write(json.dumps(result, default=json_default)), mode="w")
         self.info(f"stage 3 done: {path}")
         return result
 
@@ -658,7 +651,7 @@ class FedFewServer:
                 parts.append(f"{uc} F1 {um['f1']:.3f} (P {um['precision']:.3f} R {um['recall']:.3f})")
             self.info(f"test split of site {s}: {'; '.join(parts) or 'nothing to evaluate'}")
         path = self._path("cxrfl", "evaluation.json")
-        path.write_text(json.dumps(report, indent=2, default=_json_default))
+        path.write_text(json.dumps(report, indent=2, default=json_default))
         self.info(f"evaluation written to {path}")
         return report
 

@@ -4,7 +4,9 @@ Works inside our :class:`cxrfl.fl.controller.SurgicalAggregation` and, on its ow
 NVFlare's standard ``FedAvg`` (``aggregator=``) or ``ScatterAndGather`` workflows. Each site
 result must carry ``meta["classes"]`` (its head's row order) and ``meta["num_samples"]``.
 Invalid results are rejected with one log line naming the site and the reason; the others
-are aggregated.
+are aggregated. For the plain mean (``robust`` off) each accepted result's feature extractor is
+added to a running sum while it is checked for NaN/Inf (:class:`cxrfl.aggregation.RunningSum`),
+so every update is read once; the head rows are stitched at :meth:`aggregate_model`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
 
-from cxrfl.aggregation import surgical_aggregate, validate_update
+from cxrfl.aggregation import RunningSum, first_nonfinite, normalize_shapes, surgical_aggregate, validate_update
 from cxrfl.errors import UpdateRejected
 from cxrfl.models import HEAD_PREFIX
 
@@ -60,6 +62,7 @@ class SurgicalAggregator(ModelAggregator):
         self.reference: dict | None = None
         self.rejected: dict[str, str] = {}
         self._updates: list[dict] = []
+        self._running: RunningSum | None = None  # the plain mean's sum, fed at accept time
 
     def expect(
         self,
@@ -76,10 +79,11 @@ class SurgicalAggregator(ModelAggregator):
             classes: the global class order; a class no valid site sent keeps its ``reference`` row.
             reference: the previous global parameters (needed with ``classes`` and for ``clip``).
         """
-        self.expected_shapes = shapes
+        self.expected_shapes = normalize_shapes(shapes) if shapes is not None else None  # once, not per result
         self.announced = dict(announced or {})
         self.classes = list(classes) if classes is not None else None
         self.reference = reference
+        self._running = None
 
     def accept_model(self, model: FLModel) -> bool:
         """Validate one site's result and keep it for aggregation.
@@ -98,19 +102,38 @@ class SurgicalAggregator(ModelAggregator):
             "params": model.params or {},
             "num_samples": meta.get("num_samples"),
         }
+        streaming = self.robust is None  # the plain mean: sum while checking, each array read once
         try:
             validate_update(
                 update,
                 expected_shapes=self.expected_shapes,
                 head_prefix=self.head_prefix,
                 announced_classes=self.announced.get(site) if self.announced else None,
+                check_finite=not streaming,
             )
+            if streaming:
+                self._add_checked(update)
         except UpdateRejected as exc:
             self.rejected[site] = str(exc)
             self.warning(f"rejected result: {exc}")
             return False
         self._updates.append(update)
         return True
+
+    def _add_checked(self, update: dict) -> None:
+        """NaN/Inf check of a structurally valid update, adding it to the running sum on the way."""
+        params = update["params"]
+        drop = set(self.bn_keys) if self.batchnorm != "fedavg" else set()
+        keys = [k for k in params if not k.startswith(self.head_prefix) and k not in drop]
+        if self._running is None:
+            self._running = RunningSum(keys, self.head_prefix)
+        running = self._running
+        if running.usable and running.keys != keys:  # no expected shapes given: aggregation will say why
+            running.usable = False
+        weight = float(update["num_samples"]) if self.weighting == "samples" else 1.0
+        bad = running.add(update["site"], params, weight, check_finite=True) if running.usable else first_nonfinite(params.items())
+        if bad is not None:
+            raise UpdateRejected(f"site {update['site']}: non-finite values (NaN or Inf) in {bad!r}")
 
     @property
     def accepted_sites(self) -> list[str]:
@@ -138,6 +161,7 @@ class SurgicalAggregator(ModelAggregator):
             robust=None if self.robust == "clip" and self.reference is None else self.robust,
             clip_norm=self.clip_norm if self.reference is not None else None,
             reference=self.reference,
+            running=self._running,
         )
         meta = {"classes": classes, "contributors": self.contributors(), "sites": sorted(self.accepted_sites)}
         self.reset_stats()
@@ -147,3 +171,4 @@ class SurgicalAggregator(ModelAggregator):
         """Forget the accepted results and rejections of the current round."""
         self._updates = []
         self.rejected = {}
+        self._running = None

@@ -51,6 +51,7 @@ from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 from nvflare.app_common.workflows.model_controller import ModelController
 
 import cxrfl
+from cxrfl.records import append_record, json_default
 from cxrfl.aggregation import validate_update
 from cxrfl.cwt import (
     CWTConfig,
@@ -133,8 +134,7 @@ class CyclicWeightTransfer(ModelController):
         return path
 
     def _append(self, name: str, record: dict[str, Any]) -> None:
-        with self._out("cxrfl", name).open("a") as f:
-            f.write(json.dumps(record, default=_json_default) + "\n")
+        append_record(self._out("cxrfl", name), record)
 
     def _meta(self, classes: list[str] | None = None, **extra: Any) -> dict[str, Any]:
         return {"cwt_config": self.config.to_dict(), "model_config": self.model_config.to_dict(), "classes": classes, **extra}
@@ -284,7 +284,7 @@ class CyclicWeightTransfer(ModelController):
                 report["sites"][s] = {**m, "auroc_summary": summarise_auroc(m.get("auroc") or {})}
             report["pooled_loss"] = pooled_loss([(m.get("loss", math.nan), m.get("n_known", 0)) for m in report["sites"].values()])
         path = self._out("cxrfl", "evaluation.json")
-        path.write_text(json.dumps(report, indent=2, default=_json_default))
+        path.write_text(json.dumps(report, indent=2, default=json_default))
         self.info(f"evaluation written to {path}")
 
 
@@ -376,10 +376,3 @@ class CWTExecutor(SiteExecutor):
             self.writer.add_scalar("train_loss", float(metrics["train_loss"]), global_step=cycle)
         return FLModel(params_type=ParamsType.FULL, params=out, meta={"metrics": metrics})
 
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)

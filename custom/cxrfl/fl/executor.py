@@ -4,7 +4,10 @@ Nothing about the site's data is in the job: the executor finds the site's own c
 time (see :func:`resolve_site_config`), loads and validates the data when the job starts (a
 bad config fails this site at start with a clear message, never mid-round), and answers
 ``train`` (head warm-up or one federated round, chosen by ``meta["phase"]``) and ``validate``
-(cross-site evaluation on a split) tasks. The model and training settings, and the head mode
+(cross-site evaluation on a split) tasks. What a site keeps between rounds (optimizer state,
+local BatchNorm or head) lives in ``<site workspace>/cxrfl_state/<run key>``, so a run resumed
+by a new job (see :class:`cxrfl.fl.controller.SurgicalAggregation`) finds it again; the state
+of the last few runs is kept. The model and training settings, and the head mode
 (``surgical``, ``union`` with the class list of the received head, or ``local``; see
 :mod:`cxrfl.head_modes`), arrive in the task metadata from the server, so there is one source
 of truth per job.
@@ -13,6 +16,7 @@ of truth per job.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,8 @@ from cxrfl.training import TrainConfig
 SITE_CONFIG_ENV = "CXRFL_SITE_CONFIG"
 SITE_CONFIG_DIR_ENV = "CXRFL_SITE_CONFIG_DIR"
 LOCAL_CONFIG_NAME = "cxrfl_site.yaml"
+STATE_ROOT = "cxrfl_state"
+KEEP_STATES = 3  # runs whose site state (optimizer, local BatchNorm or head) stays on disk
 
 
 def resolve_site_config(site: str, local_dir: str | Path | None = None) -> tuple[Path, str]:
@@ -98,7 +104,8 @@ class SiteExecutor(Executor):
         self.error: str | None = None
         self.learner: SiteLearner | None = None
         self._learner_key: tuple | None = None
-        self.state_dir: Path | None = None
+        self.job_id = ""
+        self.state_root: Path | None = None
         self.writer = None
 
     # ------------------------------------------------------------- lifecycle
@@ -110,7 +117,8 @@ class SiteExecutor(Executor):
         self.site = fl_ctx.get_identity_name()
         engine = fl_ctx.get_engine()
         workspace = engine.get_workspace()
-        self.state_dir = Path(workspace.get_run_dir(fl_ctx.get_job_id())) / "cxrfl_state"
+        self.job_id = fl_ctx.get_job_id()
+        self.state_root = Path(workspace.get_root_dir()) / STATE_ROOT
         if self.num_threads > 0:
             torch.set_num_threads(self.num_threads)
         if self.analytic_sender_id:
@@ -126,6 +134,8 @@ class SiteExecutor(Executor):
             return
         for problem in self.data.problems:
             self.log_warning(fl_ctx, f"site {self.site}: {problem}")
+        for path, reason in self.data.skipped[:10]:
+            self.log_warning(fl_ctx, f"site {self.site}: skipped image {path}: {reason}")
         splits = {s: len(self.data.split_table(s)) for s in ("train", "val", "test")}
         self.log_info(
             fl_ctx,
@@ -142,11 +152,15 @@ class SiteExecutor(Executor):
         batchnorm = str(meta.get("batchnorm", "fedavg"))
         head_mode = str(meta.get("head_mode", "surgical"))
         missing = str(meta.get("missing", "negative"))
-        key = (model_cfg, train_cfg, batchnorm, head_mode, missing)
+        run_key = str(meta.get("run_key") or self.job_id)
+        key = (model_cfg, train_cfg, batchnorm, head_mode, missing, run_key)
         if self.learner is None or key != self._learner_key:
+            state_dir = self.state_root / run_key
+            if not state_dir.is_dir():
+                _prune_states(self.state_root, KEEP_STATES - 1)
             self.learner = SiteLearner(
                 self.data,
-                self.state_dir,
+                state_dir,
                 model_config=model_cfg,
                 train_config=train_cfg,
                 batchnorm=batchnorm,
@@ -204,6 +218,15 @@ class SiteExecutor(Executor):
             for key in ("train_loss", "val_loss", "val_mean_auroc"):
                 if m.get(key) is not None:
                     self.writer.add_scalar(key, float(m[key]), global_step=round_num)
+
+
+def _prune_states(root: Path, keep: int) -> None:
+    """Remove all but the ``keep`` most recently used run states under ``root``."""
+    if not root.is_dir():
+        return
+    runs = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in runs[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _fmt(v: float | None) -> str:

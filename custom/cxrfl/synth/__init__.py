@@ -11,6 +11,7 @@ from cxrfl.synth.profiles import PROFILES, SHARED_CLASSES, Profile, SiteSpec, ge
 from cxrfl.synth.render import render_cxr
 from cxrfl.synth.styles import STYLES, AcquisitionStyle
 from cxrfl.synth.writer import demo_site_config, write_profile
+from cxrfl.synth import fedfew_profile as _fedfew_profile  # noqa: F401  registers the `fedfew` profile
 
 __all__ = [
     "PROFILES",

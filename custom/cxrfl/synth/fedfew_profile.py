@@ -1,5 +1,6 @@
-"""The FedFew paper's setting as a synthetic demo profile (registered into
-:data:`cxrfl.synth.profiles.PROFILES` on import, as ``fedfew`` and ``fedfew-paper``).
+"""The FedFew paper's setting as the synthetic demo profile ``fedfew`` (registered into
+:data:`cxrfl.synth.profiles.PROFILES` by :mod:`cxrfl.synth`'s ``__init__``, so
+``cxrfl data synth --profile fedfew`` and ``write_profile("fedfew", ...)`` always give it).
 
 Dong et al. (FedFew) simulate six clients with batches 2-7 of NIH ChestX-ray14: three clients
 annotate the 11 common classes (CCs), and each of the other three annotates one
@@ -18,9 +19,6 @@ test set holds 100 positives and 100 negatives per UC. Here:
 All sites share the NIH acquisition style: the paper's clients are batches of one dataset, so
 the only heterogeneity is in the labels (a style per site would let the energy score learn the
 hospital rather than the finding).
-
-This profile supersedes the earlier two-UC draft called ``fedfew`` in :mod:`cxrfl.synth.profiles`
-(Hernia and Fracture, Edema as a CC): importing this module replaces that entry.
 """
 
 from __future__ import annotations
@@ -84,5 +82,4 @@ def fedfew_profile(n_cc: int = 400, name: str = "fedfew") -> Profile:
 
 
 FEDFEW = fedfew_profile()
-PROFILES["fedfew"] = FEDFEW
-PROFILES["fedfew-paper"] = fedfew_profile(name="fedfew-paper")
+PROFILES[FEDFEW.name] = FEDFEW

@@ -14,7 +14,9 @@ Profiles:
 * ``two-hospitals-shared``: the same sites and images, both hospitals restricted to their 7
   shared classes (the no-class-heterogeneity control).
 * ``sites-4``: four generic-CSV hospitals sharing 4 classes and splitting the other 16.
-* ``fedfew``: three common-class sites and two sites with one rare class each (FedFew).
+* ``fedfew``: the FedFew paper's setting, three common-class sites and three sites with one
+  rare class each (defined in :mod:`cxrfl.synth.fedfew_profile`, registered here when
+  :mod:`cxrfl.synth` is imported, which any import of this module does first).
 * ``load-10``: ten small sites alternating NIH and CheXpert formats (load test).
 
 New profiles are a few lines with :func:`nih_site`, :func:`chexpert_site`, :func:`csv_site`
@@ -232,21 +234,6 @@ def _shared(base: Profile) -> Profile:
     return Profile("two-hospitals-shared", "two-hospitals with both hospitals restricted to their 7 shared classes", sites)
 
 
-def _fedfew() -> Profile:
-    cc = ("Atelectasis", "Cardiomegaly", "Consolidation", "Edema", "Pleural Effusion", "Pneumothorax")
-    rare_hernia = CaseMix.make(0.4, {"Hernia": 0.1})
-    rare_fracture = CaseMix.make(0.5, own_rates={"Fracture": 0.1})
-    sites = (
-        csv_site("cc-1", cc, 400, "nih", NIH_MIX),
-        csv_site("cc-2", cc, 400, "chexpert", CHEXPERT_MIX),
-        csv_site("cc-3", cc, 400, "community", EXTERNAL_MIX),
-        csv_site("uc-hernia", ("Hernia",), 150, "mimic", rare_hernia),
-        csv_site("uc-fracture", ("Fracture",), 150, "community", rare_fracture),
-        csv_site("external", role="test"),
-    )
-    return Profile("fedfew", "3 common-class sites, 2 sites with one rare class each (Hernia, Fracture)", sites)
-
-
 def _load(n_sites: int) -> Profile:
     sites = tuple(
         nih_site(f"clinic-{k + 1:02d}", 60) if k % 2 == 0 else chexpert_site(f"clinic-{k + 1:02d}", 60) for k in range(n_sites)
@@ -257,9 +244,9 @@ def _load(n_sites: int) -> Profile:
 _TWO = _two_hospitals()
 PROFILES: dict[str, Profile] = {
     p.name: p
-    for p in (_TWO, _shared(_TWO), partition_profile("sites-4", 4, 4), _fedfew(), _load(10))
+    for p in (_TWO, _shared(_TWO), partition_profile("sites-4", 4, 4), _load(10))
 }
-"""The registered demo profiles by name."""
+"""The registered demo profiles by name (``fedfew`` is added by :mod:`cxrfl.synth.fedfew_profile`)."""
 
 
 def get_profile(name: str) -> Profile:

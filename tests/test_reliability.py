@@ -1,0 +1,265 @@
+"""Faults injected for real in `nvflare simulator` runs of jobs/surgical_agg (issue 8).
+
+- ``faulty``: six sites. hospital-a and hospital-b train; bad-1..3 send a differently malformed
+  result in each round (NaN, Inf, wrong shape, missing / extra keys, a class never announced,
+  duplicated class names, zero / negative sample counts); in round 2 every site's first answer
+  is malformed, so the round has no valid result and is run again; hospital-b has corrupt,
+  truncated and missing images within its ``max_bad_fraction``; bad-4 reads the same data with
+  a lower ``max_bad_fraction`` and stops at start with a clear error.
+- ``interrupted`` / ``resumed``: the simulator (server included) is killed after round 1; a
+  second job with ``resume_from`` finishes rounds 2 and 3 without redoing round 1.
+- ``starved``: a round never gets ``min_clients`` valid results: the job stops with the reason
+  and keeps the warm-up model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cxrfl.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
+from cxrfl.models import load_checkpoint
+from cxrfl.records import read_records
+from cxrfl.synth import write_profile
+
+pytestmark = pytest.mark.slow
+
+FAULTS = {
+    "bad-1": {"1": "nan", "2": "inf", "3": "duplicate"},
+    "bad-2": {"1": "shape", "2": "missing_key", "3": "zero_samples"},
+    "bad-3": {"1": "extra_key", "2": "unannounced", "3": "negative_samples"},
+    "hospital-a": {"2": "nan"},
+    "hospital-b": {"2": "shape"},
+}
+REASONS = {  # words of the rejection each fault must produce
+    "nan": "non-finite", "inf": "non-finite", "shape": "has shape", "missing_key": "missing parameter",
+    "extra_key": "unexpected parameter", "unannounced": "never announced", "duplicate": "duplicate class names",
+    "zero_samples": "num_samples", "negative_samples": "num_samples",
+}
+SMALL_TRAIN = {"warmup_epochs": 1, "batch_size": 8, "max_steps_per_epoch": 2}
+FAULTY_EXECUTOR = Path(__file__).parent / "faults" / "faulty_executor.py"
+
+
+def nvflare_bin() -> str:
+    return str(Path(sys.executable).with_name("nvflare"))
+
+
+def make_job(repo_root: Path, out: Path, *, faults: dict | None = None, echo: list | None = None,
+             **server_args) -> Path:
+    """jobs/surgical_agg with small settings; with ``faults``, every site runs the FaultyExecutor."""
+    job = out / "surgical_agg"
+    shutil.copytree(repo_root / "jobs" / "surgical_agg", job)
+    cfg_path = job / "app" / "config" / "config_fed_server.json"
+    cfg = json.loads(cfg_path.read_text())
+    args = cfg["workflows"][0]["args"]
+    args["model_config"]["image_size"] = 32
+    args["train_config"].update(SMALL_TRAIN)
+    args.update(server_args)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    if faults is not None:
+        shutil.copy(FAULTY_EXECUTOR, job / "app" / "custom" / FAULTY_EXECUTOR.name)
+        client_path = job / "app" / "config" / "config_fed_client.json"
+        client = json.loads(client_path.read_text())
+        executor = client["executors"][0]["executor"]
+        executor["path"] = "faulty_executor.FaultyExecutor"
+        executor["args"].update(faults=faults, echo=echo or [])
+        client_path.write_text(json.dumps(client, indent=2))
+    return job
+
+
+def simulate(job: Path, ws: Path, sites: list[str], data: Path, *, kill_after_round: int | None = None,
+             timeout: float = 900) -> subprocess.CompletedProcess | None:
+    """Run the simulator; with ``kill_after_round``, kill its whole process group once that round is recorded."""
+    env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(data), "HOME": str(ws.parent / "home")}
+    cmd = [nvflare_bin(), "simulator", str(job), "-w", str(ws), "-c", ",".join(sites), "-t", "2"]
+    if kill_after_round is None:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    log = open(ws.parent / f"{ws.name}.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    rounds = ws / "server" / "simulate_job" / "app_server" / "cxrfl" / "rounds.jsonl"
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any(r.get("round") == kill_after_round and r.get("aggregated") for r in read_records(rounds)):
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.5)
+        proc.wait(timeout=60)
+    finally:
+        log.close()
+    return None
+
+
+def app_dir(ws: Path) -> Path:
+    return ws / "server" / "simulate_job" / "app_server"
+
+
+def site_log(ws: Path, site: str) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in (ws / site).rglob("log.txt"))
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("reliability_data")
+    configs = {p.stem: p for p in write_profile("two-hospitals", root, n_per_site=60, image_size=64,
+                                                 sites=["hospital-a", "hospital-b"])}
+    for name in ("bad-1", "bad-2", "bad-3"):
+        text = configs["hospital-a"].read_text().replace("site: hospital-a", f"site: {name}")
+        (root / f"{name}.yaml").write_text(text)
+    # hospital-b: one truncated, one garbage and one missing image (within its max_bad_fraction of 10%)
+    images = sorted((root / "hospital-b").rglob("*.png")) + sorted((root / "hospital-b").rglob("*.jpg"))
+    images[0].write_bytes(images[0].read_bytes()[:40])
+    images[1].write_bytes(b"this is not an image")
+    images[2].unlink()
+    text = configs["hospital-b"].read_text()
+    configs["hospital-b"].write_text(text + "max_bad_fraction: 0.1\n")
+    (root / "bad-4.yaml").write_text(text.replace("site: hospital-b", "site: bad-4") + "max_bad_fraction: 0.01\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory, repo_root, data):
+    tmp = tmp_path_factory.mktemp("faulty")
+    job = make_job(repo_root, tmp, faults=FAULTS, echo=["bad-1", "bad-2", "bad-3"], num_rounds=3, patience=10,
+                   min_clients=2, evaluate_test=False)
+    ws = tmp / "ws"
+    proc = simulate(job, ws, ["hospital-a", "hospital-b", "bad-1", "bad-2", "bad-3", "bad-4"], data)
+    app = app_dir(ws)
+    if not (app / "cxrfl" / "rounds.jsonl").is_file():
+        pytest.fail(f"simulator wrote no round record (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return {"ws": ws, "app": app, "proc": proc, "records": read_records(app / "cxrfl" / "rounds.jsonl")}
+
+
+# ------------------------------------------------------------------ malformed results
+def test_every_malformed_result_is_rejected_with_its_site_and_reason(faulty):
+    train = [r for r in faulty["records"] if r["phase"] == "train"]
+    first = {}
+    for r in train:
+        first.setdefault(r["round"], r)  # the first attempt of each round
+    for site, rounds in FAULTS.items():
+        for rnd, fault in rounds.items():
+            rejected = first[int(rnd)]["rejected"]
+            assert site in rejected, (site, rnd, fault, rejected)
+            assert rejected[site].startswith(f"site {site}:") and REASONS[fault] in rejected[site], rejected[site]
+    log = (faulty["ws"] / "server").rglob("log.txt")
+    server_log = "\n".join(p.read_text(errors="replace") for p in log)
+    for site in ("bad-1", "bad-2", "bad-3"):
+        assert server_log.count(f"rejected result: site {site}:") == 3, site
+
+
+def test_valid_results_are_aggregated_beside_the_rejected_ones(faulty):
+    by_round = [(r["round"], r["aggregated"], r["sites_aggregated"]) for r in faulty["records"] if r["phase"] == "train"]
+    assert by_round[0] == (1, True, ["hospital-a", "hospital-b"])
+    assert by_round[-1] == (3, True, ["hospital-a", "hospital-b"])
+    for r in faulty["records"]:
+        if r["aggregated"]:
+            for c in NIH_CLASSES:
+                assert set(r["contributors"][c]) <= set(r["sites_aggregated"])
+            assert set(r["contributors"]["Fracture"]) <= {"hospital-b"}  # bad-3's unannounced row never counts
+
+
+def test_a_round_without_valid_results_keeps_the_model_and_runs_again(faulty):
+    round2 = [r for r in faulty["records"] if r["round"] == 2 and r["phase"] == "train"]
+    assert [r["aggregated"] for r in round2] == [False, True]
+    assert round2[0]["sites_aggregated"] == [] and len(round2[0]["rejected"]) == 5
+    assert round2[1]["sites_aggregated"] == ["bad-1", "bad-2", "bad-3", "hospital-a", "hospital-b"]
+    checkpoints = sorted(p.name for p in (faulty["app"] / "cxrfl" / "checkpoints").iterdir())
+    assert checkpoints == ["round_001.pt", "round_002.pt", "round_003.pt"]
+
+
+def test_every_checkpoint_is_complete_and_finite(faulty):
+    for path in sorted((faulty["app"] / "cxrfl" / "checkpoints").iterdir()) + [faulty["app"] / "FL_global_model.pt"]:
+        ckpt = load_checkpoint(path)
+        assert ckpt["classes"] == list(KNOWN_CLASSES)
+        assert all(torch.isfinite(t).all() for t in ckpt["model"].values() if t.is_floating_point()), path
+    assert load_checkpoint(faulty["app"] / "FL_global_model.pt")["round"] == 3
+
+
+# --------------------------------------------------------------------------- bad data
+def test_bad_images_are_skipped_and_counted_within_the_threshold(faulty):
+    log = site_log(faulty["ws"], "hospital-b")
+    assert "3 skipped" in log
+    records = faulty["records"]
+    assert all("hospital-b" in r["sites_answered"] for r in records if r["phase"] in ("warmup", "train"))
+
+
+def test_a_site_over_the_bad_image_threshold_stops_at_start_and_the_others_go_on(faulty):
+    log = site_log(faulty["ws"], "bad-4")
+    assert "cannot take part" in log and "max_bad_fraction" in log
+    assert re.search(r"3 of \d+ images of site 'bad-4' are missing or unreadable", log), log[-2000:]
+    assert faulty["records"][0]["phase"] == "warmup" and faulty["records"][0]["sites_failed"] == ["bad-4"]
+    for r in faulty["records"]:  # a site without a warm-up announced no class: it is not asked again
+        assert "bad-4" not in r["sites_answered"]
+    assert load_checkpoint(faulty["app"] / "FL_global_model.pt")["round"] == 3
+
+
+# ---------------------------------------------------------------- server interrupted
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, repo_root, data):
+    tmp = tmp_path_factory.mktemp("resume")
+    sites = ["hospital-a", "hospital-b"]
+    first = make_job(repo_root, tmp / "first", num_rounds=3, patience=10, evaluate_test=False)
+    ws1 = tmp / "ws1"
+    simulate(first, ws1, sites, data, kill_after_round=1)
+    state = ws1 / "server" / "cxrfl_resume" / "simulate_job"
+    second = make_job(repo_root, tmp / "second", num_rounds=3, patience=10, evaluate_test=False,
+                      resume_from=str(state))
+    ws2 = tmp / "ws2"
+    proc = simulate(second, ws2, sites, data)
+    return {"ws1": ws1, "ws2": ws2, "state": state, "proc": proc,
+            "first": read_records(app_dir(ws1) / "cxrfl" / "rounds.jsonl"),
+            "second": read_records(app_dir(ws2) / "cxrfl" / "rounds.jsonl")}
+
+
+def test_the_killed_run_stopped_after_round_1_and_left_its_state(resumed):
+    assert [r["round"] for r in resumed["first"]][:2] == [0, 1]
+    assert (resumed["state"] / "state.pt").is_file()
+    assert not (app_dir(resumed["ws1"]) / "cxrfl" / "evaluation.json").exists()
+
+
+def test_the_resumed_run_goes_on_from_the_last_completed_round(resumed):
+    second = resumed["second"]
+    assert second, resumed["proc"].stdout[-3000:] + resumed["proc"].stderr[-3000:]
+    done = max(r["round"] for r in resumed["first"] if r.get("aggregated"))
+    assert second[0]["phase"] == "resumed" and second[0]["round"] == done
+    assert [r["round"] for r in second[1:]] == list(range(done + 1, 4))  # completed rounds are not redone
+    assert not any(r["phase"] == "warmup" for r in second)
+    ckpt = load_checkpoint(app_dir(resumed["ws2"]) / "FL_global_model.pt")
+    assert ckpt["round"] == 3 and ckpt["classes"] == list(KNOWN_CLASSES)
+    assert not (resumed["ws2"] / "server" / "cxrfl_resume" / "simulate_job").exists()  # finished: state removed
+
+
+def test_the_resumed_run_starts_from_the_interrupted_model(resumed):
+    state = torch.load(resumed["state"] / "state.pt", map_location="cpu", weights_only=False)
+    first_round = load_checkpoint(app_dir(resumed["ws1"]) / "cxrfl" / "checkpoints" / f"round_{state['round']:03d}.pt")
+    key = "classifier.weight"
+    assert np.array_equal(np.asarray(state["params"][key]), first_round["model"][key].numpy())
+
+
+# ------------------------------------------------------------ too few sites: clear stop
+def test_a_round_that_never_reaches_min_clients_stops_the_job_with_the_reason(tmp_path, repo_root, data):
+    job = make_job(repo_root, tmp_path, faults={"hospital-b": {"1": "nan"}}, num_rounds=2, min_clients=2,
+                   min_clients_timeout=0, evaluate_test=False)
+    ws = tmp_path / "ws"
+    proc = simulate(job, ws, ["hospital-a", "hospital-b"], data)
+    records = read_records(app_dir(ws) / "cxrfl" / "rounds.jsonl")
+    assert [(r["round"], r["phase"]) for r in records] == [(0, "warmup"), (1, "train"), (1, "stopped")], proc.stdout[-3000:]
+    reason = records[-1]["reason"]
+    assert "min_clients=2" in reason and "hospital-b" in reason and "resume_from" in reason
+    assert load_checkpoint(app_dir(ws) / "FL_global_model.pt")["round"] == 0  # the warm-up model, never half-aggregated
+    assert not (app_dir(ws) / "cxrfl" / "checkpoints").exists()
+    assert (ws / "server" / "cxrfl_resume" / "simulate_job" / "state.pt").is_file()
+    server_log = "\n".join(p.read_text(errors="replace") for p in (ws / "server").rglob("log.txt"))
+    assert "stopping: round 1 had fewer than min_clients=2" in server_log
