@@ -40,13 +40,14 @@ FAULTS = {
     "bad-2": {"1": "shape", "2": "missing_key", "3": "zero_samples"},
     "bad-3": {"1": "extra_key", "2": "unannounced", "3": "negative_samples"},
     "hospital-a": {"2": "nan"},
-    "hospital-b": {"2": "shape"},
+    "hospital-b": {"2": "shape", "4": "raise"},
 }
 REASONS = {  # words of the rejection each fault must produce
     "nan": "non-finite", "inf": "non-finite", "shape": "has shape", "missing_key": "missing parameter",
     "extra_key": "unexpected parameter", "unannounced": "never announced", "duplicate": "duplicate class names",
     "zero_samples": "num_samples", "negative_samples": "num_samples",
 }
+REJECTED = {site: {r: f for r, f in rounds.items() if f != "raise"} for site, rounds in FAULTS.items()}
 SMALL_TRAIN = {"warmup_epochs": 1, "batch_size": 8, "max_steps_per_epoch": 2}
 FAULTY_EXECUTOR = Path(__file__).parent / "faults" / "faulty_executor.py"
 
@@ -132,7 +133,7 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory, repo_root, data):
     tmp = tmp_path_factory.mktemp("faulty")
-    job = make_job(repo_root, tmp, faults=FAULTS, echo=["bad-1", "bad-2", "bad-3"], num_rounds=3, patience=10,
+    job = make_job(repo_root, tmp, faults=FAULTS, echo=["bad-1", "bad-2", "bad-3"], num_rounds=4, patience=10,
                    min_clients=2, evaluate_test=False)
     ws = tmp / "ws"
     proc = simulate(job, ws, ["hospital-a", "hospital-b", "bad-1", "bad-2", "bad-3", "bad-4"], data)
@@ -148,7 +149,7 @@ def test_every_malformed_result_is_rejected_with_its_site_and_reason(faulty):
     first = {}
     for r in train:
         first.setdefault(r["round"], r)  # the first attempt of each round
-    for site, rounds in FAULTS.items():
+    for site, rounds in REJECTED.items():
         for rnd, fault in rounds.items():
             rejected = first[int(rnd)]["rejected"]
             assert site in rejected, (site, rnd, fault, rejected)
@@ -162,12 +163,12 @@ def test_every_malformed_result_is_rejected_with_its_site_and_reason(faulty):
 def test_valid_results_are_aggregated_beside_the_rejected_ones(faulty):
     by_round = [(r["round"], r["aggregated"], r["sites_aggregated"]) for r in faulty["records"] if r["phase"] == "train"]
     assert by_round[0] == (1, True, ["hospital-a", "hospital-b"])
-    assert by_round[-1] == (3, True, ["hospital-a", "hospital-b"])
+    assert by_round[-2] == (3, True, ["hospital-a", "hospital-b"])
     for r in faulty["records"]:
         if r["aggregated"]:
             for c in NIH_CLASSES:
                 assert set(r["contributors"][c]) <= set(r["sites_aggregated"])
-            assert set(r["contributors"]["Fracture"]) <= {"hospital-b"}  # bad-3's unannounced row never counts
+            assert set(r["contributors"].get("Fracture", [])) <= {"hospital-b"}  # bad-3's unannounced row never counts
 
 
 def test_a_round_without_valid_results_keeps_the_model_and_runs_again(faulty):
@@ -176,7 +177,7 @@ def test_a_round_without_valid_results_keeps_the_model_and_runs_again(faulty):
     assert round2[0]["sites_aggregated"] == [] and len(round2[0]["rejected"]) == 5
     assert round2[1]["sites_aggregated"] == ["bad-1", "bad-2", "bad-3", "hospital-a", "hospital-b"]
     checkpoints = sorted(p.name for p in (faulty["app"] / "cxrfl" / "checkpoints").iterdir())
-    assert checkpoints == ["round_001.pt", "round_002.pt", "round_003.pt"]
+    assert checkpoints == ["round_001.pt", "round_002.pt", "round_003.pt", "round_004.pt"]
 
 
 def test_every_checkpoint_is_complete_and_finite(faulty):
@@ -184,7 +185,15 @@ def test_every_checkpoint_is_complete_and_finite(faulty):
         ckpt = load_checkpoint(path)
         assert ckpt["classes"] == list(KNOWN_CLASSES)
         assert all(torch.isfinite(t).all() for t in ckpt["model"].values() if t.is_floating_point()), path
-    assert load_checkpoint(faulty["app"] / "FL_global_model.pt")["round"] == 3
+    assert load_checkpoint(faulty["app"] / "FL_global_model.pt")["round"] == 4
+
+
+def test_an_exception_in_a_site_task_leaves_that_site_out_of_the_round(faulty):
+    round4 = [r for r in faulty["records"] if r["round"] == 4 and r["phase"] == "train"]
+    assert len(round4) == 1 and round4[0]["aggregated"]
+    assert round4[0]["sites_failed"] == ["hospital-b"]
+    assert round4[0]["sites_aggregated"] == ["bad-1", "bad-2", "bad-3", "hospital-a"]
+    assert "site hospital-b: task train failed: injected failure in round 4" in site_log(faulty["ws"], "hospital-b")
 
 
 # --------------------------------------------------------------------------- bad data
@@ -192,7 +201,14 @@ def test_bad_images_are_skipped_and_counted_within_the_threshold(faulty):
     log = site_log(faulty["ws"], "hospital-b")
     assert "3 skipped" in log
     records = faulty["records"]
-    assert all("hospital-b" in r["sites_answered"] for r in records if r["phase"] in ("warmup", "train"))
+    assert all("hospital-b" in r["sites_answered"] for r in records if r["phase"] in ("warmup", "train") and r["round"] < 4)
+
+
+def test_classes_without_validation_positives_are_reported_before_training(faulty):
+    lines = site_log(faulty["ws"], "hospital-b").splitlines()
+    reported = [i for i, line in enumerate(lines) if "has no positive image in split(s) val" in line]
+    first_task = next(i for i, line in enumerate(lines) if "task_name=train" in line)
+    assert reported and min(reported) < first_task  # at start (the simulator restarts sites: again later)
 
 
 def test_a_site_over_the_bad_image_threshold_stops_at_start_and_the_others_go_on(faulty):
@@ -202,7 +218,7 @@ def test_a_site_over_the_bad_image_threshold_stops_at_start_and_the_others_go_on
     assert faulty["records"][0]["phase"] == "warmup" and faulty["records"][0]["sites_failed"] == ["bad-4"]
     for r in faulty["records"]:  # a site without a warm-up announced no class: it is not asked again
         assert "bad-4" not in r["sites_answered"]
-    assert load_checkpoint(faulty["app"] / "FL_global_model.pt")["round"] == 3
+    assert load_checkpoint(faulty["app"] / "FL_global_model.pt")["round"] == 4
 
 
 # ---------------------------------------------------------------- server interrupted

@@ -853,7 +853,15 @@ def abort(
     sess = admin_session(dep, admin)
     out: dict[str, Any] = {"job_id": job_id}
     try:
-        sess.abort_job(job_id)
+        try:
+            sess.abort_job(job_id)
+        except Exception as exc:  # e.g. a job a server restart interrupted: NVFlare still lists it
+            if "not running" not in str(exc):
+                raise
+            out.update(status=str(sess.get_job_meta(job_id).get("status")),
+                       note=f"the server runs no such job ({exc}); nothing to abort. A job interrupted by a server "
+                            f"restart stays listed as running in NVFlare 2.9; resume it with resume_from={job_id!r}")
+            return out
         try:
             meta = sess.wait_for_job(job_id, timeout=timeout, poll_interval=2)
             out["status"] = meta.get("status")

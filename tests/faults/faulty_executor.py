@@ -60,7 +60,8 @@ class FaultyExecutor(SiteExecutor):
 
     Args:
         faults: site -> {round (as a string): fault}; faults: nan, inf, shape, missing_key,
-            extra_key, unannounced, duplicate, zero_samples, negative_samples, scale.
+            extra_key, unannounced, duplicate, zero_samples, negative_samples, scale, raise (an
+            exception in the site's training).
         echo: sites that send back what they received instead of training.
         kwargs: :class:`cxrfl.fl.executor.SiteExecutor` arguments.
     """
@@ -82,6 +83,17 @@ class FaultyExecutor(SiteExecutor):
         marker = Path(fl_ctx.get_engine().get_workspace().get_root_dir()) / f"fault_injected_round_{rnd}"
         if marker.exists():
             fault = None
+        if fault == "raise":  # the site's own training fails: SiteExecutor must answer with an error
+            marker.touch()
+
+            def broken(meta: dict):
+                raise RuntimeError(f"injected failure in round {rnd}")
+
+            self._get_learner = broken
+            try:
+                return super().execute(task_name, shareable, fl_ctx, abort_signal)
+            finally:
+                del self._get_learner
         if site in self.echo:
             out = FLModel(params_type=ParamsType.FULL, params=dict(incoming.params or {}),
                           meta={"classes": list(meta.get("classes") or self.data.classes), "num_samples": 10, "metrics": {"phase": "train"}})

@@ -345,6 +345,8 @@ class SurgicalAggregation(ModelController):
                                       meta=self._task_meta(phase="train", round=rnd, classes=sent_classes))
             evaluated_state = dict(global_state)
             results = self._run_tasks("train", payloads)
+            if self.abort_signal.triggered:  # aborted mid-round: the round is not recorded, nothing is written
+                return
             agg, rejected = self._accept(results, expected, expected_classes, classes, evaluated_state)
             losses = [r.meta["metrics"]["val_loss"] for r in results.values()
                       if r.meta.get("metrics", {}).get("val_loss") is not None and np.isfinite(r.meta["metrics"]["val_loss"])]
@@ -355,8 +357,6 @@ class SurgicalAggregation(ModelController):
                 self._record(record)
                 waiting_since = waiting_since if waiting_since is not None else time.monotonic()
                 waited = time.monotonic() - waiting_since
-                if self.abort_signal.triggered:
-                    return
                 if waited >= self.min_clients_timeout:
                     reason = (f"stopping: round {rnd} had fewer than min_clients={self.min_clients} valid site results "
                               f"for {waited:.0f}s (min_clients_timeout={self.min_clients_timeout:g}); answered "
