@@ -5,8 +5,9 @@ jobs/surgical_agg in the NVFlare simulator; peak server memory and round times a
 
 Each site of the synthetic ``load-10`` profile (NIH or CheXpert format, 60 patients) also drops
 two of its classes, a different pair per site, so no two sites annotate the same label set.
-Peak memory is sampled every 0.2 s: the simulator's main process (the server and its
-aggregation) and the whole process tree (server plus site workers).
+Peak memory is sampled every 0.2 s: the server side of the simulator (its main process and the
+forked server process, which aggregates and holds the global model) and the whole process tree
+(server plus site workers).
 """
 
 from __future__ import annotations
@@ -56,29 +57,42 @@ def label_sets(contributors: dict[str, list[str]]) -> dict[str, list[str]]:
 
 
 class PeakMemory(threading.Thread):
-    """Sample RSS of a process and of its process tree until stopped."""
+    """Sample RSS of the simulator's server side and of its whole process tree until stopped.
+
+    The simulator's main process forks one process that runs the server (aggregation, global
+    model) and starts the site workers (``simulator_worker``); the server side is every process
+    of the tree that is not a site worker.
+    """
 
     def __init__(self, pid: int, every: float = 0.2) -> None:
         super().__init__(daemon=True)
         self.proc = psutil.Process(pid)
         self.every = every
-        self.root_peak = 0
+        self.server_peak = 0
         self.tree_peak = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
+            server = tree = 0
             try:
-                root = self.proc.memory_info().rss
-                tree = root + sum(c.memory_info().rss for c in self.proc.children(recursive=True))
+                procs = [self.proc, *self.proc.children(recursive=True)]
             except psutil.Error:
                 break
-            self.root_peak = max(self.root_peak, root)
+            for p in procs:
+                try:
+                    rss = p.memory_info().rss
+                    worker = "simulator_worker" in " ".join(p.cmdline())
+                except psutil.Error:
+                    continue
+                tree += rss
+                server += 0 if worker else rss
+            self.server_peak = max(self.server_peak, server)
             self.tree_peak = max(self.tree_peak, tree)
-            self._stop.wait(self.every)
+            self._halt.wait(self.every)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join()
 
 
@@ -135,7 +149,7 @@ def main() -> int:
         "round_seconds": [round(r["seconds"], 1) for r in train],
         "sites_per_round": [len(r["sites_aggregated"]) for r in train],
         "classes": len(records[0]["contributors"]) if records else 0,
-        "peak_server_rss_mb": round(peak.root_peak / 2**20, 1),
+        "peak_server_rss_mb": round(peak.server_peak / 2**20, 1),
         "peak_tree_rss_mb": round(peak.tree_peak / 2**20, 1),
         "wall_seconds": round(wall, 1),
         "machine": f"{psutil.cpu_count()} CPU cores, {round(psutil.virtual_memory().total / 2**30)} GiB, "

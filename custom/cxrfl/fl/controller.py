@@ -230,7 +230,12 @@ class SurgicalAggregation(ModelController):
             )
             self.aggregator.reset_stats()
             return None, rejected
-        agg = self.aggregator.aggregate_model()
+        try:
+            agg = self.aggregator.aggregate_model()
+        except (ValueError, CxrflError) as exc:  # e.g. finite values whose sum overflows: never a crash
+            self.error(f"aggregation failed, keeping the previous global model: {exc}")
+            self.aggregator.reset_stats()
+            return None, {**rejected, "aggregation": str(exc)}
         if self.head_mode == "local":
             agg.params = drop_head(agg.params)
             agg.meta.update(classes=[], contributors={})
