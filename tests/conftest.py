@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -21,3 +22,14 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
+
+
+def names_in(path: Path, names: list[str]) -> list[str]:
+    """Class names (or their NIH underscore spellings) a file mentions as whole words."""
+    data = path.read_bytes()
+    found = []
+    for name in names:
+        for spelling in {name, name.replace(" ", "_")}:
+            if re.search(rb"(?<![A-Za-z])" + re.escape(spelling.encode()) + rb"(?![A-Za-z])", data):
+                found.append(spelling)
+    return found

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 import time
@@ -47,6 +45,7 @@ from cxrfl.deploy import (
 from cxrfl.errors import CxrflError
 from cxrfl.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.synth import write_profile
+from conftest import names_in
 
 NIH_ONLY = sorted(set(NIH_CLASSES) - set(CHEXPERT_CLASSES))
 NIH_ONLY_SPELLINGS = NIH_ONLY + [k for k, v in NIH_COLUMN_NAMES.items() if v in NIH_ONLY]
@@ -76,16 +75,6 @@ def cxrfl(tmp: Path, *args: str, timeout: float = 600, check: bool = True, home:
         pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
 
-
-def names_in(path: Path, names: list[str]) -> list[str]:
-    """Class names (or their NIH underscore spellings) a file mentions as whole words."""
-    data = path.read_bytes()
-    found = []
-    for name in names:
-        for spelling in {name, name.replace(" ", "_")}:
-            if re.search(rb"(?<![A-Za-z])" + re.escape(spelling.encode()) + rb"(?![A-Za-z])", data):
-                found.append(spelling)
-    return found
 
 
 def leaks(roots: list[Path], names: list[str]) -> dict[str, list[str]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import torch
 
 from cxrfl.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.synth import write_profile
+from conftest import names_in
 
 pytestmark = pytest.mark.slow
 
@@ -91,15 +91,6 @@ def test_evaluation_written_for_both_sites(simulated):
     assert set(ev["sites"]["hospital-b"]["auroc"]) == set(CHEXPERT_CLASSES)
 
 
-def _names_in(path: Path, names: list[str]) -> list[str]:
-    data = path.read_bytes()
-    found = []
-    for name in names:
-        for spelling in {name, name.replace(" ", "_")}:
-            if re.search(rb"(?<![A-Za-z])" + re.escape(spelling.encode()) + rb"(?![A-Za-z])", data):
-                found.append(spelling)
-    return found
-
 
 @pytest.mark.parametrize("site,foreign", [("hospital-b", NIH_ONLY), ("hospital-a", CHEXPERT_ONLY)])
 def test_no_site_file_names_the_other_sites_classes(simulated, site, foreign):
@@ -107,5 +98,5 @@ def test_no_site_file_names_the_other_sites_classes(simulated, site, foreign):
     files = [p for p in root.rglob("*") if p.is_file()]
     assert any(p.name == "log.txt" for p in files)
     foreign_names = foreign + [k for k, v in NIH_COLUMN_NAMES.items() if v in foreign]
-    leaks = {str(p.relative_to(root)): _names_in(p, foreign_names) for p in files}
+    leaks = {str(p.relative_to(root)): names_in(p, foreign_names) for p in files}
     assert {p: n for p, n in leaks.items() if n} == {}

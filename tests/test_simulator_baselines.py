@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import torch
 
 from cxrfl.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.synth import write_profile
+from conftest import names_in
 
 pytestmark = pytest.mark.slow
 
@@ -67,12 +67,6 @@ def test_vanilla_fl_job_trains_one_union_head(data, repo_root):
     assert set(ev["sites"]["hospital-a"]["auroc"]) >= set(NIH_CLASSES)
 
 
-def _names_in(path: Path, names: list[str]) -> list[str]:
-    data = path.read_bytes()
-    return [n for n in names for spelling in {n, n.replace(" ", "_")}
-            if re.search(rb"(?<![A-Za-z])" + re.escape(spelling.encode()) + rb"(?![A-Za-z])", data)]
-
-
 def test_personalized_fl_job_keeps_heads_at_the_sites(data, repo_root):
     ws = run_job(repo_root, data, "personalized_fl")
     app = ws / "server" / "simulate_job" / "app_server"
@@ -86,5 +80,5 @@ def test_personalized_fl_job_keeps_heads_at_the_sites(data, repo_root):
     assert heads, "hospital-a keeps its head on its own disk"
     root = ws / "hospital-b"  # and no file of hospital-b names a class only hospital-a has
     foreign = NIH_ONLY + [k for k, v in NIH_COLUMN_NAMES.items() if v in NIH_ONLY]
-    leaks = {str(p.relative_to(root)): _names_in(p, foreign) for p in root.rglob("*") if p.is_file()}
+    leaks = {str(p.relative_to(root)): names_in(p, foreign) for p in root.rglob("*") if p.is_file()}
     assert {p: n for p, n in leaks.items() if n} == {}

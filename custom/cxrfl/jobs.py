@@ -167,6 +167,14 @@ def batchnorm_state_keys(model: ModelConfig) -> list[str]:
     return batchnorm_keys(build_model(ModelConfig.from_dict({**model.to_dict(), "pretrained": None}), 1))
 
 
+def _with_overrides(args: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``args`` updated with ``overrides``; an override that is not an argument is a ValueError."""
+    unknown = set(overrides) - set(args)
+    if unknown:
+        raise ValueError(f"unknown controller argument(s): {sorted(unknown)}")
+    return {**args, **overrides}
+
+
 def surgical_args(model: ModelConfig, train: TrainConfig, **overrides: Any) -> dict[str, Any]:
     """Full argument dict of :class:`cxrfl.fl.controller.SurgicalAggregation`.
 
@@ -196,11 +204,7 @@ def surgical_args(model: ModelConfig, train: TrainConfig, **overrides: Any) -> d
         "head_mode": "surgical",
         "missing": "negative",
     }
-    unknown = set(overrides) - set(args)
-    if unknown:
-        raise ValueError(f"unknown controller argument(s): {sorted(unknown)}")
-    args.update(overrides)
-    return args
+    return _with_overrides(args, overrides)
 
 
 def cwt_args(model: ModelConfig, cwt: dict[str, Any], **overrides: Any) -> dict[str, Any]:
@@ -221,11 +225,7 @@ def cwt_args(model: ModelConfig, cwt: dict[str, Any], **overrides: Any) -> dict[
         "task_timeout": 3600,
         "evaluate_test": True,
     }
-    unknown = set(overrides) - set(args)
-    if unknown:
-        raise ValueError(f"unknown controller argument(s): {sorted(unknown)}")
-    args.update(overrides)
-    return args
+    return _with_overrides(args, overrides)
 
 
 def fedfew_args(model: ModelConfig, fedfew: dict[str, Any], **overrides: Any) -> dict[str, Any]:
@@ -246,11 +246,7 @@ def fedfew_args(model: ModelConfig, fedfew: dict[str, Any], **overrides: Any) ->
         "resume": None,
         "evaluate_test": True,
     }
-    unknown = set(overrides) - set(args)
-    if unknown:
-        raise ValueError(f"unknown controller argument(s): {sorted(unknown)}")
-    args.update(overrides)
-    return args
+    return _with_overrides(args, overrides)
 
 
 DEMO_MODEL = ModelConfig(image_size=64)

@@ -253,7 +253,7 @@ class SurgicalAggregation(ModelController):
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{RESUME_STATE}.tmp"
         torch.save({"round": rnd, "params": state, "classes": classes, "announced": announced, "best": best,
-                    "best_params": best_state if best["round"] < rnd else None, "run_key": self._run_key, "settings": self._settings}, tmp)
+                    "best_params": best_state, "run_key": self._run_key, "settings": self._settings}, tmp)
         tmp.replace(folder / RESUME_STATE)
 
     def _load_resume(self) -> dict[str, Any]:
