@@ -28,7 +28,7 @@ from typing import Any
 
 from cxrfl.bench.report import format_report
 from cxrfl.bench.speed import format_speed
-from cxrfl.bench_fedfew import format_markdown
+from cxrfl.bench.fedfew import format_markdown
 
 ORDER = ("two-hospitals", "two-hospitals-shared", "nih1000", "two-hospitals-pretrained")
 SPEED_ROWS = "<!-- speed verdict rows -->"

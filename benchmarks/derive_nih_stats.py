@@ -17,7 +17,7 @@ import textwrap
 import numpy as np
 import pandas as pd
 
-from cxrfl.labels import NIH_CLASSES, NIH_COLUMN_NAMES
+from cxrfl.data.labels import NIH_CLASSES, NIH_COLUMN_NAMES
 
 MIN_COUNT = 3
 

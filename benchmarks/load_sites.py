@@ -25,9 +25,9 @@ from pathlib import Path
 
 import psutil
 
-from cxrfl.config import load_site_config
+from cxrfl.data.site_config import load_site_config
 from cxrfl.data.site import load_site
-from cxrfl.records import read_records
+from cxrfl.common.io import read_records
 from cxrfl.synth import write_profile
 
 REPO = Path(__file__).resolve().parents[1]

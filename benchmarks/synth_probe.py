@@ -25,7 +25,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 from sklearn.preprocessing import StandardScaler
 
-from cxrfl.labels import KNOWN_CLASSES
+from cxrfl.data.labels import KNOWN_CLASSES
 from cxrfl.synth.anatomy import jitter_position, sample_anatomy
 from cxrfl.synth.cohort import sample_cohort
 from cxrfl.synth.profiles import EXTERNAL_MIX

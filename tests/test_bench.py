@@ -13,7 +13,7 @@ import pytest
 from cxrfl.bench.compare import evaluate_targets
 from cxrfl.bench.profiles import partition_classes, pooled_site
 from cxrfl.bench.report import format_report, stars
-from cxrfl.labels import NIH_CLASSES
+from cxrfl.data.labels import NIH_CLASSES
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -91,18 +91,18 @@ def test_cwt_method_dispatch_or_clear_error(tmp_path, monkeypatch):
 
     args = build_parser().parse_args(["bench", "compare", "--method", "cwt", "--out", str(tmp_path), "--seeds", "2"])
     calls = {}
-    fake = type(sys)("cxrfl.bench_cwt")
+    fake = type(sys)("cxrfl.bench.cwt")
     fake.run_cwt_benchmark = lambda out, seeds: calls.update(out=out, seeds=seeds)
-    monkeypatch.setitem(sys.modules, "cxrfl.bench_cwt", fake)
+    monkeypatch.setitem(sys.modules, "cxrfl.bench.cwt", fake)
     monkeypatch.setattr(bench_cli.importlib.util, "find_spec", lambda name: object())
     assert args.func(args) == 0 and calls == {"out": tmp_path, "seeds": 2}
     monkeypatch.setattr(bench_cli.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ConfigError, match="cxrfl.bench_cwt"):
+    with pytest.raises(ConfigError, match="cxrfl.bench.cwt"):
         args.func(args)
 
 
 def test_fedfew_method_dispatches_to_the_fedfew_benchmark(tmp_path, monkeypatch):
-    import cxrfl.bench_fedfew as bench_fedfew
+    import cxrfl.bench.fedfew as bench_fedfew
     from cxrfl.cli import build_parser
     from cxrfl.errors import ConfigError
 
@@ -183,7 +183,7 @@ def test_pretrained_stand_in_loads_into_the_feature_extractor(tmp_path):
     import torch
 
     from cxrfl.bench.pretrain import pretrain_backbone
-    from cxrfl.models import ModelConfig, build_model, load_checkpoint
+    from cxrfl.nn.models import ModelConfig, build_model, load_checkpoint
 
     ckpt = tmp_path / "pre.pt"
     summary = pretrain_backbone(ckpt, data_dir=tmp_path / "data", n_images=30, image_size=32, data_image_size=32, steps=2,

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cxrfl.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
+from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
 
 
 def cxrfl(*args: str) -> subprocess.CompletedProcess:

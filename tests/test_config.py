@@ -1,4 +1,4 @@
-"""Site config loading and validation (cxrfl.config), and the shipped example configs."""
+"""Site config loading and validation (cxrfl.data.site_config), and the shipped example configs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cxrfl.config import load_site_config, site_config_from_dict
+from cxrfl.data.site_config import load_site_config, site_config_from_dict
 from cxrfl.errors import ConfigError
 
 MINIMAL = {"site": "a", "dataset": {"format": "nih", "labels": "labels.csv", "images": "img"}}

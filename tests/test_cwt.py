@@ -11,37 +11,17 @@ import pytest
 import torch
 from PIL import Image
 
-from cxrfl.cwt import (
-    BINARY_CLASS,
-    CWTConfig,
-    CWTSite,
-    Visit,
-    binary_labels,
-    clr_rates,
-    cwl_class_weights,
-    cwl_loss_weights,
-    default_local_steps,
-    global_classes,
-    label_groups,
-    label_warnings,
-    load_optimizer_arrays,
-    lwms_sample_weights,
-    make_sites,
-    optimizer_arrays,
-    params_digest,
-    plti_steps,
-    pooled_loss,
-    relay_order,
-    relay_plan,
-    run_cwt,
-    split_params,
-    VisitSampler,
-)
+from cxrfl.common.io import params_digest
+from cxrfl.cwt.config import BINARY_CLASS, CWTConfig
+from cxrfl.cwt.inprocess import run_cwt
+from cxrfl.cwt.optimizations import clr_rates, cwl_class_weights, cwl_loss_weights, default_local_steps, label_groups, label_warnings, lwms_sample_weights, plti_steps
+from cxrfl.cwt.relay import load_optimizer_arrays, optimizer_arrays, relay_order, relay_plan, split_params, Visit
+from cxrfl.cwt.site import binary_labels, CWTSite, global_classes, make_sites, pooled_loss, VisitSampler
 from cxrfl.data.site import SiteData
 from cxrfl.errors import ConfigError
-from cxrfl.losses import masked_bce
-from cxrfl.models import ModelConfig, build_model
-from cxrfl.training import adam
+from cxrfl.nn.losses import masked_bce
+from cxrfl.nn.models import ModelConfig, build_model
+from cxrfl.nn.training import adam
 
 
 @pytest.fixture(autouse=True)
@@ -301,7 +281,7 @@ def test_run_cwt_relays_one_model_and_skips_a_site_that_is_down(two_sites, monke
 
 def test_run_cwt_stops_early_and_keeps_the_best_cycle(two_sites, monkeypatch):
     losses = iter([0.9, 0.7, 0.75, 0.71, 0.5, 0.4])
-    monkeypatch.setattr("cxrfl.cwt.pooled_loss", lambda parts: next(losses))
+    monkeypatch.setattr("cxrfl.cwt.inprocess.pooled_loss", lambda parts: next(losses))
     cfg = CWTConfig(num_cycles=6, batch_size=4, local_steps=1, augment=False, patience=2)
     sites = make_sites(two_sites, cfg, ModelConfig(image_size=32))
     result = run_cwt(sites, ModelConfig(image_size=32), cfg)

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cxrfl.bench_cwt import (
+from cxrfl.bench.cwt import (
     CENTRAL,
     TABLE_1,
     TABLE_3,

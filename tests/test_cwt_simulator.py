@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cxrfl.cwt import BINARY_CLASS
+from cxrfl.cwt.config import BINARY_CLASS
 
 pytestmark = pytest.mark.slow
 

@@ -31,7 +31,7 @@ import pytest
 import torch
 import yaml
 
-from cxrfl.deploy import (
+from cxrfl.deploy.cli import (
     COMPLETED,
     Deployment,
     build_job,
@@ -43,7 +43,7 @@ from cxrfl.deploy import (
     terminate,
 )
 from cxrfl.errors import CxrflError
-from cxrfl.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
+from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.synth import write_profile
 from conftest import names_in
 
@@ -241,7 +241,7 @@ def test_privacy_options_are_off_by_default_and_written_explicitly(tmp_path, rep
         "path": "cxrfl.fl.privacy.UpdatePrivacy",
         "args": {"method": "svt", "args": {"fraction": 0.1, "epsilon": 0.5, "noise_var": 0.1, "gamma": 1e-5, "tau": 1e-6}},
     }
-    from cxrfl.models import ModelConfig, batchnorm_keys, build_model
+    from cxrfl.nn.models import ModelConfig, batchnorm_keys, build_model
 
     model = build_model(ModelConfig(image_size=64), 3)
     assert exclude["args"]["exclude_vars"] == batchnorm_keys(model)
@@ -259,7 +259,7 @@ def test_exclude_vars_filter_keeps_every_batchnorm_entry_on_the_site():
     from nvflare.app_common.filters.exclude_vars import ExcludeVars
 
     from cxrfl.jobs import batchnorm_state_keys
-    from cxrfl.models import ModelConfig, build_model
+    from cxrfl.nn.models import ModelConfig, build_model
 
     cfg = ModelConfig(image_size=64)
     state = {k: v.numpy() for k, v in build_model(cfg, 2).state_dict().items()}

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from cxrfl.cli import main
-from cxrfl.config import SplitConfig, site_config_from_dict
+from cxrfl.data.site_config import SplitConfig, site_config_from_dict
 from cxrfl.data.site import SiteData, load_site
 from cxrfl.errors import ConfigError, DataError
 from cxrfl.fedfew import protocol as P
@@ -42,7 +42,7 @@ from cxrfl.fedfew.prototypes import (
 )
 from cxrfl.fedfew.server import split_classes
 from cxrfl.fedfew.ssl import SimSiam, negative_cosine, simsiam_loss
-from cxrfl.models import CXRNet, ModelConfig, build_model, model_from_checkpoint, save_checkpoint
+from cxrfl.nn.models import CXRNet, ModelConfig, build_model, model_from_checkpoint, save_checkpoint
 
 
 # ----------------------------------------------------------------------------- energy score

@@ -109,7 +109,7 @@ def test_clip_limits_a_scaled_update_against_the_previous_global():
 def test_aggregator_checks_while_summing_and_falls_back_after_a_partly_added_update():
     """The plain mean is summed at accept time; a NaN found part-way through an update rejects it
     (naming the first bad key) and the aggregation then recomputes from the accepted results."""
-    from cxrfl.aggregation import surgical_aggregate
+    from cxrfl.surgical.aggregation import surgical_aggregate
 
     rng = np.random.default_rng(0)
 

@@ -10,14 +10,14 @@ import pandas as pd
 import pytest
 import torch
 
-from cxrfl.aggregation import surgical_aggregate
+from cxrfl.surgical.aggregation import surgical_aggregate
 from cxrfl.bench.federated import initial_state, run_federated
 from cxrfl.data.site import SiteData, load_site
-from cxrfl.head_modes import PLACEHOLDER_CLASS, aggregate, payload_for
-from cxrfl.models import HEAD_PREFIX, ModelConfig
-from cxrfl.site_learner import SiteLearner
+from cxrfl.surgical.head_modes import PLACEHOLDER_CLASS, aggregate, payload_for
+from cxrfl.nn.models import HEAD_PREFIX, ModelConfig
+from cxrfl.surgical.learner import SiteLearner
 from cxrfl.synth import write_profile
-from cxrfl.training import TrainConfig
+from cxrfl.nn.training import TrainConfig
 
 MODEL = ModelConfig(image_size=32)
 TRAIN = TrainConfig(lr=1e-3, warmup_lr=5e-3, warmup_epochs=1, batch_size=8, max_steps_per_epoch=1, augment=False, seed=0)
@@ -180,7 +180,7 @@ def test_one_site_run_is_local_training(sites, tmp_path):
 
 def test_fedbn_plus_global_model_keeps_the_initial_statistics(sites, tmp_path):
     from cxrfl.bench.federated import global_model
-    from cxrfl.models import batchnorm_keys
+    from cxrfl.nn.models import batchnorm_keys
 
     init = initial_state(MODEL, 0)
     res = _run(sites, tmp_path, batchnorm="fedbn+", train_config=replace(TRAIN, augment=False))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from cxrfl.jobs import JOBS, export_all
-from cxrfl.labels import KNOWN_CLASSES
+from cxrfl.data.labels import KNOWN_CLASSES
 
 
 def test_committed_jobs_match_their_python_definition(tmp_path, repo_root):

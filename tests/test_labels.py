@@ -1,10 +1,10 @@
-"""Canonical label names, synonyms and harmonisation (cxrfl.labels)."""
+"""Canonical label names, synonyms and harmonisation (cxrfl.data.labels)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cxrfl.labels import (
+from cxrfl.data.labels import (
     CHEXPERT_CLASSES,
     KNOWN_CLASSES,
     NIH_CLASSES,

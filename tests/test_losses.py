@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cxrfl.losses import masked_bce
+from cxrfl.nn.losses import masked_bce
 
 
 def data():

@@ -10,10 +10,10 @@ import torch
 import torchvision
 from torch import nn
 
-import cxrfl.models as models
+import cxrfl.nn.models as models
 from cxrfl.errors import ConfigError
-from cxrfl.losses import masked_bce
-from cxrfl.models import (
+from cxrfl.nn.losses import masked_bce
+from cxrfl.nn.models import (
     CXRNet,
     ModelConfig,
     batchnorm_keys,
@@ -73,7 +73,7 @@ def test_model_config_validation_and_round_trip():
     ]:
         with pytest.raises(ConfigError, match=match):
             ModelConfig(**bad)
-    with pytest.raises(ConfigError, match=r"unknown model config key\(s\) \['hiden'\]"):
+    with pytest.raises(ConfigError, match=r"unknown model setting\(s\) \['hiden'\]"):
         ModelConfig.from_dict({"hiden": 3})
 
 

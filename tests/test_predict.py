@@ -12,7 +12,7 @@ import torch
 
 from cxrfl.cli import main
 from cxrfl.data.transforms import build_transforms
-from cxrfl.models import ModelConfig, build_model, save_checkpoint
+from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
 
 CLASSES = ["Cardiomegaly", "Pleural Effusion", "Support Devices"]
 

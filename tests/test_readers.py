@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from cxrfl.config import SiteConfig, site_config_from_dict
+from cxrfl.data.site_config import SiteConfig, site_config_from_dict
 from cxrfl.data.readers import read_labels
 from cxrfl.data.site import load_site
 from cxrfl.errors import ConfigError, DataError
-from cxrfl.labels import CHEXPERT_CLASSES, NIH_CLASSES
+from cxrfl.data.labels import CHEXPERT_CLASSES, NIH_CLASSES
 
 CHEXPERT_HEADER = [
     "Path", "Sex", "Age", "Frontal/Lateral", "AP/PA", "No Finding", "Enlarged Cardiomediastinum", "Cardiomegaly",

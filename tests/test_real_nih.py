@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from cxrfl.config import SplitConfig, load_site_config, site_config_from_dict
+from cxrfl.data.site_config import SplitConfig, load_site_config, site_config_from_dict
 from cxrfl.data.images import read_image
 from cxrfl.data.readers import read_labels
 from cxrfl.data.site import SiteData, load_site

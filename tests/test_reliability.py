@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 import torch
 
-from cxrfl.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
-from cxrfl.models import load_checkpoint
-from cxrfl.records import read_records
+from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
+from cxrfl.nn.models import load_checkpoint
+from cxrfl.common.io import read_records
 from cxrfl.synth import write_profile
 
 pytestmark = pytest.mark.slow

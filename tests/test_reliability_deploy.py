@@ -33,7 +33,7 @@ import psutil
 import pytest
 import torch
 
-from cxrfl.deploy import (
+from cxrfl.deploy.cli import (
     COMPLETED,
     Deployment,
     abort,
@@ -48,9 +48,9 @@ from cxrfl.deploy import (
     terminate,
     wait_ready,
 )
-from cxrfl.labels import KNOWN_CLASSES
-from cxrfl.models import load_checkpoint
-from cxrfl.records import read_records
+from cxrfl.data.labels import KNOWN_CLASSES
+from cxrfl.nn.models import load_checkpoint
+from cxrfl.common.io import read_records
 from cxrfl.synth import write_profile
 
 pytestmark = pytest.mark.slow

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from cxrfl.data.site import SiteData, load_site
-from cxrfl.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model
-from cxrfl.site_learner import SiteLearner, to_numpy
-from cxrfl.training import TrainConfig
+from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model
+from cxrfl.common.io import to_numpy
+from cxrfl.surgical.learner import SiteLearner
+from cxrfl.nn.training import TrainConfig
 
 MODEL = ModelConfig(image_size=32)
 TRAIN = TrainConfig(lr=1e-3, warmup_lr=5e-3, warmup_epochs=1, batch_size=8, max_steps_per_epoch=2, augment=False)

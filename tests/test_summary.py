@@ -12,7 +12,7 @@ import yaml
 from PIL import Image
 
 from cxrfl.cli import main
-from cxrfl.config import SplitConfig
+from cxrfl.data.site_config import SplitConfig
 from cxrfl.data.site import load_site
 from cxrfl.data.splits import patient_split
 from cxrfl.data.summary import format_summary, summarise

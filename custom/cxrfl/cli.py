@@ -48,8 +48,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
     external = None
     if args.external:
         from cxrfl.data.site import load_site
-        from cxrfl.evaluation import evaluate_on_site
-        from cxrfl.models import model_from_checkpoint
+        from cxrfl.nn.evaluation import evaluate_on_site
+        from cxrfl.nn.models import model_from_checkpoint
 
         if args.external == "demo":
             from cxrfl.synth import demo_site_config
@@ -73,7 +73,7 @@ def _cmd_jobs_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_cwt(args: argparse.Namespace) -> int:
-    from cxrfl.bench_cwt import BenchSettings, run_cwt_benchmark
+    from cxrfl.bench.cwt import BenchSettings, run_cwt_benchmark
 
     settings = BenchSettings(
         seeds=args.seeds, image_size=args.image_size, per_class=args.per_class, cycles=args.cycles,
@@ -87,7 +87,7 @@ def _cmd_bench_cwt(args: argparse.Namespace) -> int:
 def _cmd_bench_fedfew(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from cxrfl.bench_fedfew import QUICK, BenchSettings, format_markdown, run_fedfew_benchmark
+    from cxrfl.bench.fedfew import QUICK, BenchSettings, format_markdown, run_fedfew_benchmark
 
     base = QUICK if args.quick else BenchSettings()
     fedfew = dict(base.fedfew)
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--no-resume", action="store_true", help="do not reuse finished seeds in OUT/fedfew.json")
     bf.set_defaults(func=_cmd_bench_fedfew)
 
-    from cxrfl.deploy import add_parser as add_deploy_parser  # stdlib + yaml only; NVFlare loads per command
+    from cxrfl.deploy.cli import add_parser as add_deploy_parser  # stdlib + yaml only; NVFlare loads per command
 
     add_deploy_parser(sub)
 

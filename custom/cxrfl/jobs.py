@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cxrfl.models import ModelConfig
-from cxrfl.training import TrainConfig
+from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.training import TrainConfig
 
 ANALYTICS_EVENT = "analytix_log_stats"
 
@@ -162,7 +162,7 @@ def batchnorm_state_keys(model: ModelConfig) -> list[str]:
     Args:
         model: the network settings (``pretrained`` is ignored: names do not depend on weights).
     """
-    from cxrfl.models import batchnorm_keys, build_model
+    from cxrfl.nn.models import batchnorm_keys, build_model
 
     return batchnorm_keys(build_model(ModelConfig.from_dict({**model.to_dict(), "pretrained": None}), 1))
 
@@ -215,7 +215,7 @@ def cwt_args(model: ModelConfig, cwt: dict[str, Any], **overrides: Any) -> dict[
         cwt: :class:`cxrfl.cwt.CWTConfig` fields that differ from its defaults.
         overrides: other controller arguments.
     """
-    from cxrfl.cwt import CWTConfig
+    from cxrfl.cwt.config import CWTConfig
 
     args: dict[str, Any] = {
         "cwt_config": CWTConfig.from_dict(cwt).to_dict(),
@@ -291,7 +291,7 @@ JOBS: tuple[JobSpec, ...] = (
         resource_spec={"@ALL": {"num_of_gpus": 1, "mem_per_gpu_in_GiB": 16}},
         description="Surgical aggregation, the papers' clinical settings (224x224, 150 rounds), one GPU per site",
     ),
-    # ---- the papers' federated baselines: the same workflow, another head mode (cxrfl.head_modes)
+    # ---- the papers' federated baselines: the same workflow, another head mode (cxrfl.surgical.head_modes)
     JobSpec(
         name="vanilla_fl",
         controller=SURGICAL,

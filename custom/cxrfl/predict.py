@@ -13,7 +13,7 @@ import torch
 
 from cxrfl.data.transforms import build_transforms
 from cxrfl.errors import DataError
-from cxrfl.models import model_from_checkpoint, select_device
+from cxrfl.nn.models import model_from_checkpoint, select_device
 
 
 def predict_images(model_path: str | Path, images: Sequence[str | Path], *, device: str = "auto") -> list[dict[str, Any]]:
@@ -49,7 +49,7 @@ def predict_images(model_path: str | Path, images: Sequence[str | Path], *, devi
 def _fedfew_model(model_path: str | Path, model: torch.nn.Module) -> Any:
     """The FedFew view of a checkpoint that carries a ``fedfew`` entry, else None."""
     from cxrfl.fedfew.model import FEDFEW_KEY, FedFewModel
-    from cxrfl.models import load_checkpoint
+    from cxrfl.nn.models import load_checkpoint
 
     info = load_checkpoint(model_path).get(FEDFEW_KEY)
     return None if info is None else FedFewModel(model, info, str(model_path))

@@ -44,7 +44,7 @@ def format_report(run: dict[str, Any], external: dict[str, Any] | None = None) -
 
     Args:
         run: output of :func:`load_run`.
-        external: optional evaluation on an external set (from :func:`cxrfl.evaluation.evaluate_on_site`).
+        external: optional evaluation on an external set (from :func:`cxrfl.nn.evaluation.evaluate_on_site`).
     """
     app = run["app"]
     lines = [

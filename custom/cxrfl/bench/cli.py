@@ -15,17 +15,17 @@ def _methods(text: str | None) -> list[str] | None:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     if args.method == "cwt":
-        if importlib.util.find_spec("cxrfl.bench_cwt") is None:
-            raise ConfigError("--method cwt needs cxrfl.bench_cwt (the cyclical weight transfer benchmark), "
+        if importlib.util.find_spec("cxrfl.bench.cwt") is None:
+            raise ConfigError("--method cwt needs cxrfl.bench.cwt (the cyclical weight transfer benchmark), "
                               "which this installation does not have")
-        from cxrfl.bench_cwt import run_cwt_benchmark
+        from cxrfl.bench.cwt import run_cwt_benchmark
 
         run_cwt_benchmark(out=Path(args.out), seeds=args.seeds)
         return 0
     if args.method == "fedfew":
         if args.profile not in (None, "fedfew"):
             raise ConfigError(f"--method fedfew runs on the fedfew profile only, got --profile {args.profile}")
-        from cxrfl.bench_fedfew import run_fedfew_benchmark
+        from cxrfl.bench.fedfew import run_fedfew_benchmark
 
         run_fedfew_benchmark(out=Path(args.out), seeds=args.seeds)
         return 0

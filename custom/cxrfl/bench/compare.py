@@ -4,7 +4,7 @@ For each seed: one initial feature extractor and one head warm-up per site share
 methods (the warm-up does not depend on the method), then every method trains with the same
 hyperparameters (:func:`cxrfl.bench.federated.run_federated`) and its selected model(s) are
 scored on every site's test split and on the external test set(s). Statistics over seeds and
-classes follow the papers (:mod:`cxrfl.metrics`): per-class AUROC (mean over seeds), mean +- SD
+classes follow the papers (:mod:`cxrfl.nn.metrics`): per-class AUROC (mean over seeds), mean +- SD
 over classes, shared vs unique classes, bootstrap 95 % intervals (test images resampled,
 replicates pooled over seeds), paired t-tests of per-class AUROCs against surgical aggregation
 with a Shapiro-Wilk test of the differences. Writes ``results.json``, ``report.md`` and PNG plots.
@@ -33,10 +33,10 @@ from cxrfl.bench.federated import FedResult, WarmStart, global_model, initial_st
 from cxrfl.bench.methods import REFERENCE, Method, select
 from cxrfl.bench.profiles import ABLATION_SHARED, ABLATION_SITES, BenchData, from_site_configs, pooled_site, prepare
 from cxrfl.errors import ConfigError
-from cxrfl.evaluation import shared_classes
-from cxrfl.metrics import bootstrap_aurocs, paired_ttest, per_class_auroc, percentile_ci, summarise_auroc
-from cxrfl.models import ModelConfig
-from cxrfl.training import TrainConfig
+from cxrfl.nn.evaluation import shared_classes
+from cxrfl.nn.metrics import bootstrap_aurocs, paired_ttest, per_class_auroc, percentile_ci, summarise_auroc
+from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.training import TrainConfig
 
 Log = Callable[[str], None]
 

@@ -2,7 +2,7 @@
 
 A model that does not predict a class of a test set gets no score for it: the class is "not
 defined" for that model (never 0.5), and so is any mean over a set of classes that contains it
-(:func:`cxrfl.metrics.summarise_auroc` with ``model_classes``).
+(:func:`cxrfl.nn.metrics.summarise_auroc` with ``model_classes``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :func:`run_federated` does what :class:`cxrfl.fl.controller.SurgicalAggregation` and the site
 executors do in a job (head warm-up, rounds, the sites' own training code, aggregation by
-:mod:`cxrfl.head_modes`, model selection on the mean of the sites' validation BCE with
+:mod:`cxrfl.surgical.head_modes`, model selection on the mean of the sites' validation BCE with
 patience), in one process. With one site it is local training (the individually trained and
 centralized baselines): aggregating a single update returns it unchanged.
 """
@@ -19,10 +19,11 @@ import numpy as np
 import torch
 
 from cxrfl.data.site import SiteData
-from cxrfl.head_modes import aggregate, payload_for
-from cxrfl.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model
-from cxrfl.site_learner import SiteLearner, to_numpy
-from cxrfl.training import TrainConfig
+from cxrfl.surgical.head_modes import aggregate, payload_for
+from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model
+from cxrfl.common.io import to_numpy
+from cxrfl.surgical.learner import SiteLearner
+from cxrfl.nn.training import TrainConfig
 
 Log = Callable[[str], None]
 

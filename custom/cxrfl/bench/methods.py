@@ -21,7 +21,7 @@ class Method:
         name: identifier (results keys, ``--methods``).
         label: the papers' name for it (tables).
         kind: ``individual`` (one model per site, alone), ``central`` (pooled data) or ``federated``.
-        head_mode: ``surgical``, ``union`` or ``local`` (see :mod:`cxrfl.head_modes`).
+        head_mode: ``surgical``, ``union`` or ``local`` (see :mod:`cxrfl.surgical.head_modes`).
         missing: ``negative`` or ``ignore`` for classes a site (or the pooled data) lacks.
         batchnorm: ``fedavg``, ``fedbn`` or ``fedbn+``.
         job: the NVFlare job under ``jobs/`` that runs it, if any.

@@ -21,8 +21,8 @@ import torch
 
 from cxrfl.data.dataset import make_loader
 from cxrfl.data.site import load_site
-from cxrfl.models import ModelConfig, build_model, save_checkpoint
-from cxrfl.training import adam, evaluate, train_epochs
+from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
+from cxrfl.nn.training import adam, evaluate, train_epochs
 
 
 def pretrain_backbone(

@@ -30,7 +30,7 @@ import yaml
 
 from cxrfl.data.site import SiteData, load_site
 from cxrfl.errors import ConfigError
-from cxrfl.labels import NIH_CLASSES
+from cxrfl.data.labels import NIH_CLASSES
 
 PROFILE_NAMES = ("two-hospitals", "two-hospitals-shared", "nih1000", "synth-nih")
 ABLATION_SITES = (2, 3, 4, 5, 6, 8, 10)

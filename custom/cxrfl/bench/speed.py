@@ -2,10 +2,10 @@
 
 1. Local training throughput inside ``nvflare simulator`` (one site, ``-n 1 -t 1``, the site's
    own ``images_per_second`` from the job's round records) against a plain PyTorch loop
-   (:func:`cxrfl.training.train_epochs`, same data, model, settings and thread count), measured
+   (:func:`cxrfl.nn.training.train_epochs`, same data, model, settings and thread count), measured
    before and after the simulator run.
 2. Aggregation of K full DenseNet121 updates (K = 2, 4, 10, 20): wall time of
-   :func:`cxrfl.aggregation.surgical_aggregate` (and of the NVFlare-level
+   :func:`cxrfl.surgical.aggregation.surgical_aggregate` (and of the NVFlare-level
    :class:`cxrfl.fl.aggregator.SurgicalAggregator`, which also validates every update, summing
    it while checking it for NaN/Inf at accept time) against
    NVFlare's ``InTimeAccumulateWeightedAggregator`` doing plain FedAvg of the same updates (its
@@ -13,7 +13,7 @@
    process (``MALLOC_MMAP_THRESHOLD_`` fixed so freed buffers leave the process) by sampling
    ``/proc/self/statm`` during the aggregation.
 3. Bytes a site receives and sends per round for each head mode, from the payloads
-   (:func:`cxrfl.head_modes.payload_for`) of the two-hospitals label sets, as raw array bytes and
+   (:func:`cxrfl.surgical.head_modes.payload_for`) of the two-hospitals label sets, as raw array bytes and
    as NVFlare's FOBS-serialised task data, against the full model.
 
 ``--only PARTS`` runs some of the three; the others are carried over from an earlier
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from cxrfl.errors import ConfigError
-from cxrfl.labels import CHEXPERT_CLASSES, NIH_CLASSES
+from cxrfl.data.labels import CHEXPERT_CLASSES, NIH_CLASSES
 
 
 @dataclass
@@ -82,8 +82,8 @@ def _plain_throughput(config: Path, s: SpeedSettings) -> dict[str, Any]:
 
     from cxrfl.data.dataset import make_loader
     from cxrfl.data.site import load_site
-    from cxrfl.models import ModelConfig, build_model
-    from cxrfl.training import TrainConfig, adam, train_epochs
+    from cxrfl.nn.models import ModelConfig, build_model
+    from cxrfl.nn.training import TrainConfig, adam, train_epochs
 
     torch.set_num_threads(s.threads)
     data = load_site(config, check_images=False)
@@ -110,7 +110,7 @@ def simulator_vs_plain(s: SpeedSettings, work: Path, log=_print) -> dict[str, An
         log: progress callback.
     """
     from cxrfl.jobs import DEMO_TRAIN, JOBS, write_job
-    from cxrfl.models import ModelConfig
+    from cxrfl.nn.models import ModelConfig
     from cxrfl.synth import write_profile
 
     (config,) = write_profile("two-hospitals", work / "data", n_per_site=s.n_images, image_size=s.image_size,
@@ -186,8 +186,8 @@ _MEMORY_SCRIPT = textwrap.dedent(
 
 def model_state() -> dict[str, np.ndarray]:
     """A full DenseNet121 state (feature extractor, BatchNorm buffers, a 20-class head) as numpy."""
-    from cxrfl.models import ModelConfig, build_model
-    from cxrfl.site_learner import to_numpy
+    from cxrfl.nn.models import ModelConfig, build_model
+    from cxrfl.common.io import to_numpy
 
     return to_numpy(build_model(ModelConfig(image_size=224), 20).state_dict())
 
@@ -200,10 +200,10 @@ def make_updates(k: int, seed: int = 0) -> tuple[list[dict[str, Any]], dict[str,
         seed: random seed.
 
     Returns:
-        (updates in :func:`cxrfl.aggregation.surgical_aggregate` form, each also carrying
+        (updates in :func:`cxrfl.surgical.aggregation.surgical_aggregate` form, each also carrying
         ``"full_head"``: the 20-row head a FedAvg site would send), non-head shapes.
     """
-    from cxrfl.aggregation import HEAD_PREFIX
+    from cxrfl.surgical.aggregation import HEAD_PREFIX
 
     base = model_state()
     union = sorted(set(NIH_CLASSES) | set(CHEXPERT_CLASSES))
@@ -238,7 +238,7 @@ def aggregate_with(method: str, updates: list[dict[str, Any]], shapes: dict[str,
         shapes: non-head shapes.
     """
     if method == "surgical":
-        from cxrfl.aggregation import surgical_aggregate
+        from cxrfl.surgical.aggregation import surgical_aggregate
 
         return surgical_aggregate([{k: u[k] for k in ("site", "classes", "params", "num_samples")} for u in updates])
     if method == "surgical_nvflare":
@@ -334,8 +334,8 @@ def payload_benchmark() -> dict[str, Any]:
     from nvflare.app_common.utils.fl_model_utils import FLModelUtils
     from nvflare.fuel.utils import fobs
 
-    from cxrfl.head_modes import payload_for
-    from cxrfl.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model
+    from cxrfl.surgical.head_modes import payload_for
+    from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model
 
     common_decomposers.register()
     state = model_state()

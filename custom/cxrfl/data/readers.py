@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from cxrfl.config import SiteConfig
+from cxrfl.data.site_config import SiteConfig
 from cxrfl.errors import ConfigError, DataError
-from cxrfl.labels import NIH_COLUMN_NAMES, NO_FINDING, UnknownLabelError, canonical_name, harmonise, normalise_key
+from cxrfl.data.labels import NIH_COLUMN_NAMES, NO_FINDING, UnknownLabelError, canonical_name, harmonise, normalise_key
 
 _SPLIT_NAMES = {
     "train": "train",

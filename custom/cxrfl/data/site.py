@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from cxrfl.config import SiteConfig, load_site_config
+from cxrfl.data.site_config import SiteConfig, load_site_config
 from cxrfl.data.images import ImageError, read_image
 from cxrfl.data.readers import read_labels
 from cxrfl.data.splits import SPLITS, check_split, patient_split

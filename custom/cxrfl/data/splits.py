@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from cxrfl.config import SplitConfig
+from cxrfl.data.site_config import SplitConfig
 from cxrfl.errors import DataError
 
 SPLITS = ("train", "val", "test")

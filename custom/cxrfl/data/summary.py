@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cxrfl.config import SiteConfig, load_site_config
+from cxrfl.data.site_config import SiteConfig, load_site_config
 from cxrfl.data.site import load_site
 from cxrfl.data.splits import SPLITS
 

@@ -11,7 +11,7 @@ Framework-free core (no NVFlare import):
 - :mod:`cxrfl.fedfew.server`: the three-stage workflow over any transport (NVFlare or in-process);
 - :mod:`cxrfl.fedfew.model`: the final self-describing model file and inference.
 
-The NVFlare glue is :mod:`cxrfl.fl.fedfew`; the benchmark :mod:`cxrfl.bench_fedfew`.
+The NVFlare glue is :mod:`cxrfl.fl.fedfew`; the benchmark :mod:`cxrfl.bench.fedfew`.
 """
 
 from cxrfl.fedfew.config import FedFewConfig

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import dataclass, field
+from typing import ClassVar
 
-from cxrfl.errors import ConfigError
+from cxrfl.common.config import Config
 
 ENERGY_OUTPUTS = ("all", "cc")
 """Which outputs the joint energy sums over: ``all`` (the CCs and the extra "no CC" output, so
@@ -24,7 +24,7 @@ THRESHOLD_WEIGHTINGS = ("count", "balanced")
 
 
 @dataclass(frozen=True)
-class FedFewConfig:
+class FedFewConfig(Config):
     """Settings of the three FedFew stages (paper values where it gives them).
 
     Stage 1 (federated SimSiam):
@@ -85,109 +85,50 @@ class FedFewConfig:
         eval_batch_size: images per batch for energies, features and evaluation.
     """
 
-    ssl_rounds: int = 2
-    ssl_local_epochs: int = 1
-    ssl_lr: float = 1e-3
-    ssl_batch_size: int = 32
-    ssl_max_steps: int | None = None
-    ssl_proj_dim: int = 2048
-    ssl_pred_dim: int = 512
+    SECTION: ClassVar[str] = "fedfew"
+    ssl_rounds: int = field(default=2, metadata={"ge": 0})
+    ssl_local_epochs: int = field(default=1, metadata={"ge": 1})
+    ssl_lr: float = field(default=1e-3, metadata={"gt": 0})
+    ssl_batch_size: int = field(default=32, metadata={"ge": 2})
+    ssl_max_steps: int | None = field(default=None, metadata={"ge": 1})
+    ssl_proj_dim: int = field(default=2048, metadata={"ge": 1})
+    ssl_pred_dim: int = field(default=512, metadata={"ge": 1})
     ssl_splits: tuple[str, ...] = ("train", "val")
-    rounds: int = 5
-    warmup_rounds: int = 1
-    local_epochs: int = 1
-    lr: float = 1e-3
-    batch_size: int = 32
-    max_steps_per_epoch: int | None = None
-    temperature: float = 1.0
+    rounds: int = field(default=5, metadata={"ge": 0})
+    warmup_rounds: int = field(default=1, metadata={"ge": 0})
+    local_epochs: int = field(default=1, metadata={"ge": 1})
+    lr: float = field(default=1e-3, metadata={"gt": 0})
+    batch_size: int = field(default=32, metadata={"ge": 1})
+    max_steps_per_epoch: int | None = field(default=None, metadata={"ge": 1})
+    temperature: float = field(default=1.0, metadata={"gt": 0})
     m_in: float | None = None
     m_out: float | None = None
-    margin_widen: float = 1.0
-    energy_weight: float = 0.1
-    energy_outputs: str = "all"
-    uc_energy_on: str = "positives"
+    margin_widen: float = field(default=1.0, metadata={"ge": 0})
+    energy_weight: float = field(default=0.1, metadata={"ge": 0})
+    energy_outputs: str = field(default="all", metadata={"choices": ENERGY_OUTPUTS})
+    uc_energy_on: str = field(default="positives", metadata={"choices": UC_ENERGY_ON})
     augment: bool = True
     uc_classes: tuple[str, ...] | None = None
-    cc_min_sites: int = 2
-    uc_max_positives: int = 100
-    min_prototype_images: int = 10
-    threshold_bins: int = 512
-    threshold_weighting: str = "count"
-    threshold_examples: str = "uc_labelled"
+    cc_min_sites: int = field(default=2, metadata={"ge": 1})
+    uc_max_positives: int = field(default=100, metadata={"ge": 0})
+    min_prototype_images: int = field(default=10, metadata={"ge": 1})
+    threshold_bins: int = field(default=512, metadata={"ge": 2})
+    threshold_weighting: str = field(default="count", metadata={"choices": THRESHOLD_WEIGHTINGS})
+    threshold_examples: str = field(default="uc_labelled", metadata={"choices": THRESHOLD_EXAMPLES})
     seed: int = 0
     amp: bool = True
-    eval_batch_size: int = 64
+    eval_batch_size: int = field(default=64, metadata={"ge": 1})
 
     def __post_init__(self) -> None:
-        ints = {
-            "ssl_rounds": 0, "ssl_local_epochs": 1, "ssl_batch_size": 2, "ssl_proj_dim": 1, "ssl_pred_dim": 1,
-            "rounds": 0, "warmup_rounds": 0, "local_epochs": 1, "batch_size": 1, "cc_min_sites": 1,
-            "uc_max_positives": 0, "min_prototype_images": 1, "threshold_bins": 2, "eval_batch_size": 1,
-        }
-        for name, low in ints.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"fedfew.{name} must be an integer >= {low}, got {value!r}")
-        for name in ("ssl_max_steps", "max_steps_per_epoch"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"fedfew.{name} must be an integer >= 1 or null, got {value!r}")
-        for name in ("ssl_lr", "lr", "temperature"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"fedfew.{name} must be a number > 0, got {value!r}")
-        for name in ("margin_widen", "energy_weight"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"fedfew.{name} must be a number >= 0, got {value!r}")
-        for name in ("m_in", "m_out"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ConfigError(f"fedfew.{name} must be a number or null, got {value!r}")
+        super().__post_init__()
         if self.m_in is not None and self.m_out is not None and self.m_in >= self.m_out:
-            raise ConfigError(f"fedfew.m_in ({self.m_in}) must be below fedfew.m_out ({self.m_out})")
-        for name, allowed in (("energy_outputs", ENERGY_OUTPUTS), ("uc_energy_on", UC_ENERGY_ON),
-                              ("threshold_weighting", THRESHOLD_WEIGHTINGS), ("threshold_examples", THRESHOLD_EXAMPLES)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"fedfew.{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
-        splits = tuple(self.ssl_splits)
-        if not splits or any(s not in ("train", "val", "test") for s in splits):
-            raise ConfigError(f"fedfew.ssl_splits must name train/val/test splits, got {list(self.ssl_splits)!r}")
-        object.__setattr__(self, "ssl_splits", splits)
-        if self.uc_classes is not None:
-            ucs = tuple(str(c) for c in self.uc_classes)
-            if not ucs or len(set(ucs)) != len(ucs):
-                raise ConfigError(f"fedfew.uc_classes must be a non-empty list of distinct names or null, got {self.uc_classes!r}")
-            object.__setattr__(self, "uc_classes", ucs)
+            self.fail("m_in", f"({self.m_in}) must be below fedfew.m_out ({self.m_out})")
+        if not self.ssl_splits or any(s not in ("train", "val", "test") for s in self.ssl_splits):
+            self.fail("ssl_splits", f"must name train/val/test splits, got {list(self.ssl_splits)!r}")
+        if self.uc_classes is not None and (not self.uc_classes or len(set(self.uc_classes)) != len(self.uc_classes)):
+            self.fail("uc_classes", f"must be a non-empty list of distinct names or null, got {list(self.uc_classes)!r}")
 
     @property
     def margins_given(self) -> bool:
         """Both margins are set in the config (no warm-up is needed to choose them)."""
         return self.m_in is not None and self.m_out is not None
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict (JSON friendly; tuples as lists)."""
-        d = asdict(self)
-        d["ssl_splits"] = list(self.ssl_splits)
-        d["uc_classes"] = list(self.uc_classes) if self.uc_classes is not None else None
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> FedFewConfig:
-        """Build from a mapping, rejecting unknown keys.
-
-        Args:
-            data: the settings (None or missing keys: defaults).
-        """
-        data = dict(data or {})
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown fedfew setting(s): {', '.join(sorted(unknown))}")
-        for key in ("ssl_splits", "uc_classes"):
-            if isinstance(data.get(key), list):
-                data[key] = tuple(data[key])
-        return cls(**data)
-
-    def replace(self, **changes: Any) -> FedFewConfig:
-        """A copy with some settings changed (validated)."""
-        return FedFewConfig.from_dict({**self.to_dict(), **changes})

@@ -15,7 +15,7 @@ from cxrfl.data.site import SiteData
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.protocol import Message, SiteHost
 from cxrfl.fedfew.server import FedFewOutcome, FedFewServer, Send
-from cxrfl.models import ModelConfig
+from cxrfl.nn.models import ModelConfig
 
 
 def inprocess_transport(hosts: Mapping[str, SiteHost], warning: Callable[[str], None] = print) -> Send:

@@ -1,7 +1,7 @@
 """The site side of FedFew over a :class:`cxrfl.data.site.SiteData`, in plain PyTorch.
 
 One :class:`FedFewSite` answers every FedFew task of one site; the NVFlare executor
-(:mod:`cxrfl.fl.fedfew`) and the in-process benchmark (:mod:`cxrfl.bench_fedfew`) call the very
+(:mod:`cxrfl.fl.fedfew`) and the in-process benchmark (:mod:`cxrfl.bench.fedfew`) call the very
 same methods. The site is stateless between tasks (every task brings the global weights and a
 fresh Adam optimiser, as the paper's fixed-learning-rate Adam allows), so executors rebuilt per
 task (NVFlare simulator with ``-t`` < ``-n``) lose nothing.
@@ -28,7 +28,6 @@ term is skipped (no optimiser step).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -40,6 +39,7 @@ import pandas as pd
 import torch
 from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score
 
+from cxrfl.common.io import params_digest, to_numpy
 from cxrfl.data.dataset import make_loader
 from cxrfl.data.site import SiteData
 from cxrfl.errors import DataError
@@ -47,19 +47,15 @@ from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.energy import hinge_in, hinge_out, joint_energy, no_cc_targets, threshold_counts
 from cxrfl.fedfew.prototypes import DualPrototype, PrototypeRefused, dual_prototype, predict_ucs
 from cxrfl.fedfew.ssl import SimSiam, TwoViewDataset, simsiam_loss
-from cxrfl.losses import masked_bce
-from cxrfl.metrics import per_class_auroc, summarise_auroc
-from cxrfl.models import CXRNet, ModelConfig, build_model
-from cxrfl.training import _autocast
+from cxrfl.nn.losses import masked_bce
+from cxrfl.nn.metrics import per_class_auroc, summarise_auroc
+from cxrfl.nn.models import CXRNet, ModelConfig, build_model
+from cxrfl.nn.training import _autocast
 
 NO_CC = "No common class"
 """Name of the extra output (1 when the image holds none of the CCs)."""
 _IN, _OUT = "__fedfew_in__", "__fedfew_out__"
 
-
-def to_numpy(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """A state dict as CPU numpy arrays (what travels)."""
-    return {k: (v.detach().cpu().numpy() if torch.is_tensor(v) else np.asarray(v)) for k, v in params.items()}
 
 
 def load_state(module: torch.nn.Module, params: Mapping[str, Any], what: str) -> None:
@@ -83,14 +79,6 @@ def load_state(module: torch.nn.Module, params: Mapping[str, Any], what: str) ->
         state[k] = t.to(own[k].dtype)
     module.load_state_dict(state)
 
-
-def params_digest(params: Mapping[str, Any]) -> str:
-    """SHA-256 over the names and bytes of a state dict (order independent)."""
-    h = hashlib.sha256()
-    for k in sorted(params):
-        h.update(k.encode())
-        h.update(np.ascontiguousarray(np.asarray(params[k].detach().cpu() if torch.is_tensor(params[k]) else params[k])).tobytes())
-    return h.hexdigest()
 
 
 def stage2_classes(cc_classes: Sequence[str]) -> list[str]:

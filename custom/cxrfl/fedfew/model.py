@@ -1,8 +1,8 @@
 """The final FedFew model file and inference with it.
 
-The file is an ordinary cxrfl checkpoint (:func:`cxrfl.models.save_checkpoint`): ``model`` is
+The file is an ordinary cxrfl checkpoint (:func:`cxrfl.nn.models.save_checkpoint`): ``model`` is
 the stage-2 network (encoder + head over the CCs and the extra "no CC" output), ``classes``
-names its outputs, ``model_config`` its architecture; so :func:`cxrfl.models.model_from_checkpoint`
+names its outputs, ``model_config`` its architecture; so :func:`cxrfl.nn.models.model_from_checkpoint`
 and every tool that reads checkpoints work unchanged. The extra key ``fedfew`` holds the rest::
 
     {"version": 1,
@@ -29,7 +29,7 @@ from cxrfl.errors import ConfigError
 from cxrfl.fedfew.energy import joint_energy
 from cxrfl.fedfew.learner import NO_CC
 from cxrfl.fedfew.prototypes import DualPrototype, predict_ucs
-from cxrfl.models import CXRNet, load_checkpoint, model_from_checkpoint
+from cxrfl.nn.models import CXRNet, load_checkpoint, model_from_checkpoint
 
 FEDFEW_KEY = "fedfew"
 ARTIFACT_VERSION = 1

@@ -34,7 +34,7 @@ from cxrfl.data.site import SiteData
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.learner import FedFewSite
 from cxrfl.fedfew.prototypes import DualPrototype
-from cxrfl.models import ModelConfig
+from cxrfl.nn.models import ModelConfig
 
 INFO, SSL, TRAIN, ENERGY, PROTOTYPES, VALIDATE = (
     "fedfew_info", "fedfew_ssl", "fedfew_train", "fedfew_energy", "fedfew_prototypes", "fedfew_validate",

@@ -38,10 +38,8 @@ match, otherwise the run stops and says why.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,18 +50,18 @@ import numpy as np
 import torch
 
 import cxrfl
-from cxrfl.records import append_record, json_default
-from cxrfl.aggregation import surgical_aggregate, validate_update
+from cxrfl.common.io import append_record, atomic_write, json_default, to_numpy
+from cxrfl.surgical.aggregation import surgical_aggregate, validate_update
 from cxrfl.errors import CxrflError, UpdateRejected
 from cxrfl.fedfew import protocol as P
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.energy import choose_threshold, margins_from_means, threshold_grid
-from cxrfl.fedfew.learner import ssl_model, stage2_classes, to_numpy
+from cxrfl.fedfew.learner import ssl_model, stage2_classes
 from cxrfl.fedfew.model import fedfew_extra
 from cxrfl.fedfew.prototypes import DualPrototype
 from cxrfl.fedfew.ssl import ENCODER_PREFIX
-from cxrfl.head_modes import PLACEHOLDER_CLASS, aggregate, with_placeholder_head
-from cxrfl.models import ModelConfig, build_model, load_checkpoint, save_checkpoint
+from cxrfl.surgical.head_modes import PLACEHOLDER_CLASS, aggregate, with_placeholder_head
+from cxrfl.nn.models import ModelConfig, build_model, load_checkpoint, save_checkpoint
 
 STAGE_DIR = "fedfew"
 STAGE_FILES = {1: "stage1_ssl.pt", 2: "stage2_model.pt", 3: "stage3.json"}
@@ -159,19 +157,6 @@ def split_classes(infos: Mapping[str, Mapping[str, Any]], config: FedFewConfig) 
                 )
     cc_sites = sorted({s for c in ccs for s in sites_of[c]})
     return ClassPlan(ccs, ucs, {c: sorted(sites_of[c]) for c in ucs}, site_ucs, labelled, cc_sites, ssl_sites, notes)
-
-
-def _atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
 
 
 @dataclass
@@ -444,7 +429,7 @@ class FedFewServer:
             self.warning("stage 1 (self-supervised): no round had enough valid results; stage 2 starts from the initial weights")
         obj = {"format": STAGE1_FORMAT, "ssl_state": {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()},
                "model_config": self._site_config.to_dict(), "fedfew_config": cfg.to_dict(), "contributed": contributed}
-        _atomic_write(self._path(STAGE_DIR, STAGE_FILES[1]), lambda f: torch.save(obj, f))
+        atomic_write(self._path(STAGE_DIR, STAGE_FILES[1]), lambda f: torch.save(obj, f))
         self.info(f"stage 1 done: {self._path(STAGE_DIR, STAGE_FILES[1])}")
         return state
 
@@ -594,7 +579,7 @@ class FedFewServer:
         self._record({"stage": 3, "threshold": chosen, "prototype_counts": result["prototype_counts"], "refused": refused,
                       "seconds": time.perf_counter() - start})
         path = self._path(STAGE_DIR, STAGE_FILES[3])
-        _atomic_write(path, lambda f: f.write(json.dumps(result, default=json_default)), mode="w")
+        atomic_write(path, lambda f: f.write(json.dumps(result, default=json_default)), mode="w")
         self.info(f"stage 3 done: {path}")
         return result
 

@@ -1,4 +1,4 @@
-"""Stage 1: SimSiam (Chen & He 2021) on the DenseNet121 feature extractor of :class:`cxrfl.models.CXRNet`.
+"""Stage 1: SimSiam (Chen & He 2021) on the DenseNet121 feature extractor of :class:`cxrfl.nn.models.CXRNet`.
 
 Two randomly augmented views of an image go through the encoder ``f`` (the pooled DenseNet
 features), a projector ``g`` (three linear layers with BatchNorm) and a predictor ``h`` (a
@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from cxrfl.data.transforms import GRAY_MEAN, GRAY_STD, IMAGENET_MEAN, IMAGENET_STD, LoadGrayscale
-from cxrfl.models import CXRNet
+from cxrfl.nn.models import CXRNet
 
 ENCODER_PREFIX = "backbone."
 """State-dict prefix of the encoder (the DenseNet121 feature extractor) in both SimSiam and CXRNet."""

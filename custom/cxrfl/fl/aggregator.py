@@ -1,11 +1,11 @@
-"""NVFlare aggregator around :func:`cxrfl.aggregation.surgical_aggregate`.
+"""NVFlare aggregator around :func:`cxrfl.surgical.aggregation.surgical_aggregate`.
 
 Works inside our :class:`cxrfl.fl.controller.SurgicalAggregation` and, on its own, inside
 NVFlare's standard ``FedAvg`` (``aggregator=``) or ``ScatterAndGather`` workflows. Each site
 result must carry ``meta["classes"]`` (its head's row order) and ``meta["num_samples"]``.
 Invalid results are rejected with one log line naming the site and the reason; the others
 are aggregated. For the plain mean (``robust`` off) each accepted result's feature extractor is
-added to a running sum while it is checked for NaN/Inf (:class:`cxrfl.aggregation.RunningSum`),
+added to a running sum while it is checked for NaN/Inf (:class:`cxrfl.surgical.aggregation.RunningSum`),
 so every update is read once; the head rows are stitched at :meth:`aggregate_model`.
 """
 
@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
 
-from cxrfl.aggregation import RunningSum, first_nonfinite, normalize_shapes, surgical_aggregate, validate_update
+from cxrfl.surgical.aggregation import RunningSum, first_nonfinite, normalize_shapes, surgical_aggregate, validate_update
 from cxrfl.errors import UpdateRejected
-from cxrfl.models import HEAD_PREFIX
+from cxrfl.nn.models import HEAD_PREFIX
 
 
 class SurgicalAggregator(ModelAggregator):
@@ -27,7 +27,7 @@ class SurgicalAggregator(ModelAggregator):
     Args:
         weighting: ``uniform`` (the papers) or ``samples`` (weighted by ``num_samples``).
         batchnorm: ``fedavg``, ``fedbn`` or ``fedbn+`` (see the core function).
-        bn_keys: BatchNorm parameter and buffer names (from :func:`cxrfl.models.batchnorm_keys`).
+        bn_keys: BatchNorm parameter and buffer names (from :func:`cxrfl.nn.models.batchnorm_keys`).
         robust: None, ``median`` or ``clip`` (off by default). ``clip`` bounds each update relative
             to the previous global model, so the first aggregation (no reference yet) is a plain mean.
         clip_norm: update norm bound for ``clip``.

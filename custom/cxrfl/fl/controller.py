@@ -5,7 +5,7 @@ per site), and never a name of another site's classes. Results are validated and
 :class:`cxrfl.fl.aggregator.SurgicalAggregator`.
 
 The same workflow runs the papers' federated baselines through ``head_mode`` (see
-:mod:`cxrfl.head_modes`): ``union`` heads (vanilla FL with ``missing="negative"``, FL with
+:mod:`cxrfl.surgical.head_modes`): ``union`` heads (vanilla FL with ``missing="negative"``, FL with
 partial loss with ``missing="ignore"``; every site then receives the whole head and every class
 name, so the privacy property above no longer holds) and ``local`` heads (personalized FL: only
 the feature extractor travels; there is no global head, ``FL_global_model.pt`` holds the
@@ -47,16 +47,17 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.workflows.model_controller import ModelController
 
 import cxrfl
-from cxrfl.head_modes import PLACEHOLDER_CLASS, check_modes, drop_head, payload_for, with_placeholder_head
+from cxrfl.surgical.head_modes import PLACEHOLDER_CLASS, check_modes, drop_head, payload_for, with_placeholder_head
 from cxrfl.data.site import load_site
 from cxrfl.errors import ConfigError, CxrflError
-from cxrfl.evaluation import evaluate_on_site, shared_classes
+from cxrfl.nn.evaluation import evaluate_on_site, shared_classes
 from cxrfl.fl.aggregator import SurgicalAggregator
-from cxrfl.metrics import summarise_auroc
-from cxrfl.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, save_checkpoint
-from cxrfl.records import append_record, json_default
-from cxrfl.site_learner import BATCHNORM_MODES, to_numpy
-from cxrfl.training import TrainConfig
+from cxrfl.nn.metrics import summarise_auroc
+from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, save_checkpoint
+from cxrfl.common.io import append_record, json_default
+from cxrfl.common.io import to_numpy
+from cxrfl.surgical.learner import BATCHNORM_MODES
+from cxrfl.nn.training import TrainConfig
 
 GLOBAL_MODEL = "FL_global_model.pt"
 BEST_MODEL = "best_FL_global_model.pt"
@@ -100,8 +101,8 @@ class SurgicalAggregation(ModelController):
     Args:
         num_rounds: maximum number of federated rounds after the warm-up.
         min_clients: fewest valid site results that make a round; fewer keep the previous model.
-        model_config: :class:`cxrfl.models.ModelConfig` fields.
-        train_config: :class:`cxrfl.training.TrainConfig` fields (sent to the sites).
+        model_config: :class:`cxrfl.nn.models.ModelConfig` fields.
+        train_config: :class:`cxrfl.nn.training.TrainConfig` fields (sent to the sites).
         batchnorm: ``fedavg``, ``fedbn`` (BatchNorm local) or ``fedbn+`` (frozen at initial statistics).
         weighting: ``uniform`` (the papers) or ``samples``.
         robust: None, ``median`` or ``clip`` robust aggregation (off by default).

@@ -51,29 +51,19 @@ from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 from nvflare.app_common.workflows.model_controller import ModelController
 
 import cxrfl
-from cxrfl.records import append_record, json_default
-from cxrfl.aggregation import validate_update
-from cxrfl.cwt import (
-    CWTConfig,
-    CWTSite,
-    Visit,
-    eval_summary,
-    global_classes,
-    load_optimizer_arrays,
-    optimizer_arrays,
-    params_digest,
-    pooled_loss,
-    relay_order,
-    relay_plan,
-    split_params,
-)
+from cxrfl.common.io import append_record, json_default
+from cxrfl.surgical.aggregation import validate_update
+from cxrfl.common.io import params_digest
+from cxrfl.cwt.config import CWTConfig
+from cxrfl.cwt.relay import load_optimizer_arrays, optimizer_arrays, relay_order, relay_plan, split_params, Visit
+from cxrfl.cwt.site import CWTSite, eval_summary, global_classes, pooled_loss
 from cxrfl.errors import UpdateRejected
 from cxrfl.fl.controller import run_site_tasks
 from cxrfl.fl.executor import SiteExecutor, _fmt
-from cxrfl.metrics import summarise_auroc
-from cxrfl.models import ModelConfig, build_model, save_checkpoint, select_device
-from cxrfl.site_learner import to_numpy
-from cxrfl.training import adam
+from cxrfl.nn.metrics import summarise_auroc
+from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint, select_device
+from cxrfl.common.io import to_numpy
+from cxrfl.nn.training import adam
 
 GLOBAL_MODEL = "FL_global_model.pt"
 BEST_MODEL = "best_FL_global_model.pt"
@@ -93,7 +83,7 @@ class CyclicWeightTransfer(ModelController):
     Args:
         cwt_config: :class:`cxrfl.cwt.CWTConfig` fields (task, cycles, order, PLTI, CLR, LWMS,
             CWL, learning rate, batch size, patience ...; sent to the sites).
-        model_config: :class:`cxrfl.models.ModelConfig` fields (``pretrained`` is read here,
+        model_config: :class:`cxrfl.nn.models.ModelConfig` fields (``pretrained`` is read here,
             on the server, for the initial weights only).
         site_order: the fixed relay order (sites not listed follow in name order); None: by name.
             With ``order: shuffled`` it only fixes the list the permutations are drawn from.

@@ -1,4 +1,4 @@
-"""Site executor: runs a :class:`cxrfl.site_learner.SiteLearner` for NVFlare tasks.
+"""Site executor: runs a :class:`cxrfl.surgical.learner.SiteLearner` for NVFlare tasks.
 
 Nothing about the site's data is in the job: the executor finds the site's own config at run
 time (see :func:`resolve_site_config`), loads and validates the data when the job starts (a
@@ -9,13 +9,12 @@ local BatchNorm or head) lives in ``<site workspace>/cxrfl_state/<run key>``, so
 by a new job (see :class:`cxrfl.fl.controller.SurgicalAggregation`) finds it again; the state
 of the last few runs is kept. The model and training settings, and the head mode
 (``surgical``, ``union`` with the class list of the received head, or ``local``; see
-:mod:`cxrfl.head_modes`), arrive in the task metadata from the server, so there is one source
+:mod:`cxrfl.surgical.head_modes`), arrive in the task metadata from the server, so there is one source
 of truth per job.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -32,49 +31,14 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 
 from cxrfl.data.site import SiteData, load_site
-from cxrfl.errors import ConfigError, CxrflError
-from cxrfl.models import ModelConfig, select_device
-from cxrfl.site_learner import SiteLearner
-from cxrfl.training import TrainConfig
+from cxrfl.errors import CxrflError
+from cxrfl.fl.site_config import LOCAL_CONFIG_NAME, resolve_site_config  # noqa: F401 (LOCAL_CONFIG_NAME: old import path)
+from cxrfl.nn.models import ModelConfig, select_device
+from cxrfl.surgical.learner import SiteLearner
+from cxrfl.nn.training import TrainConfig
 
-SITE_CONFIG_ENV = "CXRFL_SITE_CONFIG"
-SITE_CONFIG_DIR_ENV = "CXRFL_SITE_CONFIG_DIR"
-LOCAL_CONFIG_NAME = "cxrfl_site.yaml"
 STATE_ROOT = "cxrfl_state"
 KEEP_STATES = 3  # runs whose site state (optimizer, local BatchNorm or head) stays on disk
-
-
-def resolve_site_config(site: str, local_dir: str | Path | None = None) -> tuple[Path, str]:
-    """Find a site's config file.
-
-    Order: ``$CXRFL_SITE_CONFIG`` (a file); ``<workspace>/local/cxrfl_site.yaml`` (a deployed
-    kit); ``$CXRFL_SITE_CONFIG_DIR/<site>.yaml``; ``./site_configs/<site>.yaml``; else the
-    embedded demo data for simulator names (``site-1`` -> hospital-a, ...).
-
-    Args:
-        site: the site name as NVFlare knows it.
-        local_dir: the site's ``local/`` folder, if any.
-
-    Returns:
-        (path, how it was found).
-    """
-    env = os.environ.get(SITE_CONFIG_ENV)
-    if env:
-        return Path(env), f"${SITE_CONFIG_ENV}"
-    if local_dir and (Path(local_dir) / LOCAL_CONFIG_NAME).is_file():
-        return Path(local_dir) / LOCAL_CONFIG_NAME, "the site's local/ folder"
-    for folder, how in ((os.environ.get(SITE_CONFIG_DIR_ENV), f"${SITE_CONFIG_DIR_ENV}"), ("site_configs", "site_configs/")):
-        if folder and (Path(folder) / f"{site}.yaml").is_file():
-            return (Path(folder) / f"{site}.yaml").resolve(), how
-    from cxrfl.synth import demo_site_config
-
-    try:
-        return demo_site_config(site), "the embedded demo data"
-    except ConfigError as exc:
-        raise ConfigError(
-            f"no site config for {site!r}: set ${SITE_CONFIG_ENV}, put {LOCAL_CONFIG_NAME} in the site's "
-            f"local/ folder, or site_configs/{site}.yaml ({exc})"
-        ) from exc
 
 
 class SiteExecutor(Executor):

@@ -33,7 +33,7 @@ from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.protocol import Message, SiteHost
 from cxrfl.fedfew.server import FedFewAborted, FedFewServer, FedFewStop
 from cxrfl.fl.executor import SiteExecutor, _fmt
-from cxrfl.models import ModelConfig, select_device
+from cxrfl.nn.models import ModelConfig, select_device
 
 
 class FedFew(ModelController):
@@ -41,7 +41,7 @@ class FedFew(ModelController):
 
     Args:
         fedfew_config: :class:`cxrfl.fedfew.config.FedFewConfig` fields (sent to the sites).
-        model_config: :class:`cxrfl.models.ModelConfig` fields (``pretrained`` is read here, on
+        model_config: :class:`cxrfl.nn.models.ModelConfig` fields (``pretrained`` is read here, on
             the server, for the initial encoder only).
         min_clients: fewest valid site results that make a round; fewer keep the previous weights.
         task_timeout: seconds a site may take per task (0: no limit).

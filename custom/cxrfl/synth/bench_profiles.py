@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from cxrfl.labels import KNOWN_CLASSES
+from cxrfl.data.labels import KNOWN_CLASSES
 from cxrfl.synth.profiles import EXTERNAL_MIX, PROFILES, Profile, csv_site, nih_site
 
 NIH_POOL = Profile(

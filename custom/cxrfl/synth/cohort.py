@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from cxrfl.labels import KNOWN_CLASSES, NIH_CLASSES
+from cxrfl.data.labels import KNOWN_CLASSES, NIH_CLASSES
 from cxrfl.synth import _nih_stats
 
 EXTRA_CLASSES = ("Enlarged Cardiomediastinum", "Fracture", "Lung Lesion", "Lung Opacity", "Pleural Other", "Support Devices")

@@ -23,7 +23,7 @@ hospital rather than the finding).
 
 from __future__ import annotations
 
-from cxrfl.labels import NIH_CLASSES
+from cxrfl.data.labels import NIH_CLASSES
 from cxrfl.synth.cohort import CaseMix
 from cxrfl.synth.profiles import PROFILES, Profile, csv_site
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cxrfl.labels import KNOWN_CLASSES
+from cxrfl.data.labels import KNOWN_CLASSES
 from cxrfl.synth.anatomy import Anatomy, RibBreak, Scene, rib_point, side_index
 from cxrfl.synth.devices import draw_device
 from cxrfl.synth.draw import Array, blur, disc, dome, segment_distance, smooth_noise, soft, stroke

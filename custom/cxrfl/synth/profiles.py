@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, replace
 
 from cxrfl.errors import ConfigError
-from cxrfl.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
+from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
 from cxrfl.synth.cohort import CaseMix
 from cxrfl.synth.styles import STYLES
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from cxrfl.labels import KNOWN_CLASSES
+from cxrfl.data.labels import KNOWN_CLASSES
 from cxrfl.synth.anatomy import Anatomy, build_scene, sample_anatomy
 from cxrfl.synth.draw import Array, Grid, blur, disc, segment_distance, smooth_noise, soft, stroke
 from cxrfl.synth.findings import OPACITIES, adjust_anatomy, draw_findings, plan_findings
@@ -27,7 +27,7 @@ def _check(findings: Mapping[str, float], view: str) -> dict[str, float]:
     out = {}
     for name, sev in findings.items():
         if name not in KNOWN_CLASSES:
-            raise ValueError(f"unknown finding {name!r}; use the canonical names of cxrfl.labels.KNOWN_CLASSES")
+            raise ValueError(f"unknown finding {name!r}; use the canonical names of cxrfl.data.labels.KNOWN_CLASSES")
         if not 0.0 < float(sev) <= 1.0:
             raise ValueError(f"severity of {name!r} must be in (0, 1], got {sev}")
         out[name] = float(sev)

@@ -49,18 +49,18 @@ from typing import Any
 import yaml
 
 from cxrfl.errors import ConfigError, CxrflError
+from cxrfl.fl.site_config import LOCAL_CONFIG_NAME, SITE_CONFIG_DIR_ENV, SITE_CONFIG_ENV
 
 STATE_FILE = "cxrfl_deploy.json"
 PROCESS_FILE = "cxrfl_processes.json"
-SITE_CONFIG_NAME = "cxrfl_site.yaml"  # the name cxrfl.fl.executor looks for in a kit's local/
 CONSOLE_LOG = "cxrfl_console.log"
 ALLOW_PREFIXES = ("cxrfl.",)
 ORG_ADMIN_RIGHTS = {"submit_job": "any", "byoc": "none"}
 """Changes to NVFlare's default policy for ``org_admin``: a hospital's org admin may submit jobs
 (which then can only use code pre-installed on the sites) but never bring-your-own-code jobs."""
 COMPLETED = "FINISHED:COMPLETED"
-# site processes read their data config from local/; these would override it (see cxrfl.fl.executor)
-_SITE_ENV_OVERRIDES = ("CXRFL_SITE_CONFIG", "CXRFL_SITE_CONFIG_DIR")
+# site processes read their data config from local/; these would override it (see cxrfl.fl.site_config)
+_SITE_ENV_OVERRIDES = (SITE_CONFIG_ENV, SITE_CONFIG_DIR_ENV)
 
 
 class DeployError(CxrflError):
@@ -380,7 +380,7 @@ def install_site_config(kit: str | Path, config: str | Path) -> Path:
         kit: the site's kit folder.
         config: the site config YAML (see ``site_configs/README.md``).
     """
-    from cxrfl.config import load_site_config
+    from cxrfl.data.site_config import load_site_config
 
     kit = Path(kit).resolve()
     if kit_kind(kit) != "client":
@@ -389,7 +389,7 @@ def install_site_config(kit: str | Path, config: str | Path) -> Path:
     name = kit_participant(kit)
     if cfg.site != name:
         raise DeployError(f"{config} describes site {cfg.site!r} but the kit {kit} is {name!r}")
-    target = kit / "local" / SITE_CONFIG_NAME
+    target = kit / "local" / LOCAL_CONFIG_NAME
     header = f"# {name}'s data, read by cxrfl at job start (written by `cxrfl deploy site-config` from {Path(config).resolve()})\n"
     target.write_text(header + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return target

@@ -16,8 +16,8 @@ import torch
 
 from cxrfl.data.dataset import make_loader
 from cxrfl.data.site import SiteData
-from cxrfl.metrics import summarise_auroc
-from cxrfl.training import evaluate
+from cxrfl.nn.metrics import summarise_auroc
+from cxrfl.nn.training import evaluate
 
 
 def evaluate_on_site(
@@ -43,7 +43,7 @@ def evaluate_on_site(
 
     Returns:
         ``images`` evaluated, ``loss``, ``auroc`` (class -> AUROC or None) and the
-        :func:`cxrfl.metrics.summarise_auroc` fields (``n`` = classes with a defined AUROC).
+        :func:`cxrfl.nn.metrics.summarise_auroc` fields (``n`` = classes with a defined AUROC).
     """
     device = device or torch.device("cpu")
     table = data.table if splits is None else data.table[data.table["split"].isin(list(splits))]

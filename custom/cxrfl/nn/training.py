@@ -11,20 +11,21 @@ import math
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from cxrfl.errors import ConfigError
-from cxrfl.losses import masked_bce
-from cxrfl.metrics import per_class_auroc, summarise_auroc
+from cxrfl.common.config import Config
+from cxrfl.nn.losses import masked_bce
+from cxrfl.nn.metrics import per_class_auroc, summarise_auroc
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Config):
     """Local optimisation settings; defaults are the surgical-aggregation papers' values.
 
     Args:
@@ -40,41 +41,17 @@ class TrainConfig:
         amp: mixed precision on CUDA (ignored on CPU).
     """
 
-    lr: float = 5e-5
-    warmup_lr: float = 5e-3
-    warmup_epochs: int = 15
-    local_epochs: int = 1
-    batch_size: int = 64
-    weight_decay: float = 0.0
-    max_steps_per_epoch: int | None = None
+    SECTION: ClassVar[str] = "train"
+    lr: float = field(default=5e-5, metadata={"gt": 0})
+    warmup_lr: float = field(default=5e-3, metadata={"gt": 0})
+    warmup_epochs: int = field(default=15, metadata={"ge": 0})
+    local_epochs: int = field(default=1, metadata={"ge": 1})
+    batch_size: int = field(default=64, metadata={"ge": 1})
+    weight_decay: float = field(default=0.0, metadata={"ge": 0})
+    max_steps_per_epoch: int | None = field(default=None, metadata={"ge": 1})
     augment: bool = True
     seed: int = 0
     amp: bool = True
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or self.warmup_lr <= 0:
-            raise ConfigError("train: lr and warmup_lr must be > 0")
-        if self.warmup_epochs < 0 or self.local_epochs < 1 or self.batch_size < 1:
-            raise ConfigError("train: warmup_epochs >= 0, local_epochs >= 1 and batch_size >= 1 are required")
-        if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
-            raise ConfigError("train: max_steps_per_epoch must be >= 1 or null")
-
-    def to_dict(self) -> dict:
-        """Plain dict (for job configs and task metadata)."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict | None) -> TrainConfig:
-        """Build from a dict, rejecting unknown keys with a clear message.
-
-        Args:
-            data: the mapping (None gives the defaults).
-        """
-        data = dict(data or {})
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown train setting(s): {', '.join(sorted(unknown))}")
-        return cls(**data)
 
 
 @dataclass

@@ -40,21 +40,22 @@ import numpy as np
 import pandas as pd
 import torch
 
-from cxrfl.aggregation import surgical_aggregate
-from cxrfl.config import SplitConfig, load_site_config
+from cxrfl.surgical.aggregation import surgical_aggregate
+from cxrfl.data.site_config import SplitConfig, load_site_config
 from cxrfl.data.dataset import make_loader
 from cxrfl.data.site import SiteData, load_site
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.inprocess import run_fedfew
-from cxrfl.fedfew.learner import to_numpy, uc_metrics
+from cxrfl.common.io import to_numpy
+from cxrfl.fedfew.learner import uc_metrics
 from cxrfl.fedfew.model import FedFewModel
 from cxrfl.fedfew.prototypes import cosine_distance
 from cxrfl.fedfew.server import STAGE_DIR, STAGE_FILES
 from cxrfl.fedfew.ssl import ENCODER_PREFIX
-from cxrfl.metrics import per_class_auroc
-from cxrfl.models import CXRNet, ModelConfig, build_model
+from cxrfl.nn.metrics import per_class_auroc
+from cxrfl.nn.models import CXRNet, ModelConfig, build_model
 from cxrfl.synth.fedfew_profile import FEDFEW_CCS, FEDFEW_UCS
-from cxrfl.training import adam, train_epochs
+from cxrfl.nn.training import adam, train_epochs
 
 REPO = Path(__file__).resolve().parents[2]
 METHODS = ("mlc", "mlc-ssl", "nn-ssl", "nn-mlc-ssl", "fedfew-no-ebm", "fedfew", "fedfew-balanced")
@@ -198,7 +199,7 @@ def _encoder_into(model: CXRNet, ssl_state: dict[str, np.ndarray]) -> None:
 
 def _chexnet_weights(table: pd.DataFrame, classes: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """CheXNet's weighted BCE: w+ = N/(P+N), w- = P/(P+N) per class over the known labels, as
-    ``(class_weight = w-, pos_weight = w+/w-)`` for :func:`cxrfl.losses.masked_bce` (1, 1 where undefined)."""
+    ``(class_weight = w-, pos_weight = w+/w-)`` for :func:`cxrfl.nn.losses.masked_bce` (1, 1 where undefined)."""
     cw, pw = [], []
     for c in classes:
         p, n = float((table[c] == 1.0).sum()), float((table[c] == 0.0).sum())

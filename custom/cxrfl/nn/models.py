@@ -12,14 +12,12 @@ names a local file.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
-import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -27,6 +25,8 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
+from cxrfl.common.config import Config
+from cxrfl.common.io import torch_save
 from cxrfl.errors import ConfigError
 
 ARCHS: tuple[str, ...] = ("densenet121",)
@@ -49,7 +49,7 @@ _FROZEN_REASONS = "_cxrfl_bn_frozen_reasons"
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Config):
     """Architecture settings, stored in every checkpoint.
 
     Args:
@@ -62,49 +62,25 @@ class ModelConfig:
             ``densenet121`` state_dict (old ``norm.1`` key names accepted) or a cxrfl checkpoint.
     """
 
-    arch: str = "densenet121"
-    in_channels: int = 3
-    image_size: int = 224
-    hidden: int = 0
-    dropout: float = 0.0
+    SECTION: ClassVar[str] = "model"
+    arch: str = field(default="densenet121", metadata={"choices": ARCHS})
+    in_channels: int = field(default=3, metadata={"ge": 1})
+    image_size: int = field(default=224, metadata={"ge": 32})
+    hidden: int = field(default=0, metadata={"ge": 0})
+    dropout: float = field(default=0.0, metadata={"ge": 0.0, "lt": 1.0})
     pretrained: str | None = None
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ConfigError(f"model.arch {self.arch!r} is not supported; use one of {list(ARCHS)}")
-        for name, low in (("in_channels", 1), ("image_size", 32), ("hidden", 0)):
+        for name in ("in_channels", "image_size", "hidden"):  # numpy integers from arrays are fine
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ConfigError(f"model.{name} must be an integer >= {low}, got {value!r}")
-            object.__setattr__(self, name, int(value))
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
-            raise ConfigError(f"model.dropout must be a number in [0, 1), got {self.dropout!r}")
-        if not 0.0 <= float(self.dropout) < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
-        object.__setattr__(self, "dropout", float(self.dropout))
-        if self.pretrained is not None:
-            if not isinstance(self.pretrained, (str, os.PathLike)) or not str(self.pretrained):
-                raise ConfigError(f"model.pretrained must be a file path or null, got {self.pretrained!r}")
+            if isinstance(value, np.integer):
+                object.__setattr__(self, name, int(value))
+        if isinstance(self.pretrained, os.PathLike):
             object.__setattr__(self, "pretrained", str(self.pretrained))
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict of the settings (JSON/YAML friendly)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        """Build from a mapping, rejecting unknown keys.
-
-        Args:
-            d: settings as written by :meth:`to_dict` or a config file (missing keys: defaults).
-        """
-        if not isinstance(d, Mapping):
-            raise ConfigError(f"model config must be a mapping, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"unknown model config key(s) {unknown}; known keys: {sorted(known)}")
-        return cls(**dict(d))
+        if self.pretrained == "":
+            self.fail("pretrained", "must be a file path or null, got ''")
+        super().__post_init__()
+        object.__setattr__(self, "dropout", float(self.dropout))
 
 
 class CXRNet(nn.Module):
@@ -388,17 +364,7 @@ def save_checkpoint(
         "format": CHECKPOINT_FORMAT,
         **extra,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    torch_save(path, payload)
 
 
 def _infer_model_config(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:

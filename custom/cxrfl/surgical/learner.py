@@ -2,7 +2,7 @@
 
 A :class:`SiteLearner` holds one site's data and local model. It receives parameter dicts
 (the feature extractor plus the head rows of its own classes only), warms the head up,
-trains, evaluates, and returns updates in the form :func:`cxrfl.aggregation.surgical_aggregate`
+trains, evaluates, and returns updates in the form :func:`cxrfl.surgical.aggregation.surgical_aggregate`
 takes. State that must survive between rounds (optimizer, local BatchNorm for FedBN, a local
 head) lives on disk in ``state_dir``, so a process that is rebuilt every round (NVFlare
 simulator with ``-t 1``) behaves like one that lives through the job.
@@ -35,9 +35,10 @@ import numpy as np
 import pandas as pd
 import torch
 
+from cxrfl.common.io import to_numpy
 from cxrfl.data.dataset import make_loader
 from cxrfl.data.site import SiteData
-from cxrfl.models import (
+from cxrfl.nn.models import (
     HEAD_PREFIX,
     ModelConfig,
     batchnorm_keys,
@@ -45,7 +46,7 @@ from cxrfl.models import (
     freeze_backbone,
     set_batchnorm_frozen,
 )
-from cxrfl.training import EvalResult, TrainConfig, adam, evaluate, train_epochs
+from cxrfl.nn.training import EvalResult, TrainConfig, adam, evaluate, train_epochs
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +56,6 @@ HEAD_MODES = ("surgical", "union", "local")
 MISSING_POLICIES = ("negative", "ignore")
 """What a ``union`` head does with classes the site does not annotate: label them 0, or mask them out."""
 
-
-def to_numpy(params: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Detach a state dict into CPU numpy arrays (what travels over the wire).
-
-    Args:
-        params: name -> tensor or array.
-    """
-    return {k: (v.detach().cpu().numpy() if torch.is_tensor(v) else np.asarray(v)) for k, v in params.items()}
 
 
 @dataclass

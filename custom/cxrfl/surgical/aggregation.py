@@ -567,7 +567,7 @@ def surgical_aggregate(
         batchnorm: ``fedavg`` (bn_keys averaged like the rest), ``fedbn`` (bn_keys left out of
             the result: sites keep their own) or ``fedbn+`` (left out too: sites keep them
             frozen at pretrained statistics). In both fedbn modes sites may omit bn_keys.
-        bn_keys: state-dict names of BatchNorm entries (:func:`cxrfl.models.batchnorm_keys`).
+        bn_keys: state-dict names of BatchNorm entries (:func:`cxrfl.nn.models.batchnorm_keys`).
         classes: global class order; every site class must be in it. Default: sorted union.
         robust: None (mean), ``median`` (coordinate-wise, unweighted; head rows over the sites
             having the class) or ``clip`` (each site's ``params - reference`` clipped to L2 norm

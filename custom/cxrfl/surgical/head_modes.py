@@ -2,11 +2,11 @@
 
 Framework-free, shared by the NVFlare controller (:mod:`cxrfl.fl.controller`) and the
 in-process benchmark (:mod:`cxrfl.bench.federated`), so both run the same arithmetic. The site
-side is :class:`cxrfl.site_learner.SiteLearner` with the same ``head_mode``:
+side is :class:`cxrfl.surgical.learner.SiteLearner` with the same ``head_mode``:
 
 - ``surgical``: a site receives the feature extractor and the rows of its own classes; head
   rows are averaged per class over the sites that have the class
-  (:func:`cxrfl.aggregation.surgical_aggregate`).
+  (:func:`cxrfl.surgical.aggregation.surgical_aggregate`).
 - ``union`` (vanilla FL, FL with partial loss): a site receives the whole union head and the
   class list; every site sends every row, so the head is plain FedAvg. Every site learns every
   class name (no longer private).
@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from cxrfl.aggregation import HEAD_PREFIX, site_payload, surgical_aggregate
-from cxrfl.site_learner import HEAD_MODES, MISSING_POLICIES
+from cxrfl.surgical.aggregation import HEAD_PREFIX, site_payload, surgical_aggregate
+from cxrfl.surgical.learner import HEAD_MODES, MISSING_POLICIES
 
 PLACEHOLDER_CLASS = "__no_head__"
 """Class name of the one-row stand-in head that lets :func:`surgical_aggregate` average a
@@ -119,13 +119,13 @@ def aggregate(
 ) -> tuple[dict[str, Any], list[str]]:
     """Combine one round's site updates for a head mode.
 
-    ``surgical`` and ``union`` are :func:`cxrfl.aggregation.surgical_aggregate` (with every
+    ``surgical`` and ``union`` are :func:`cxrfl.surgical.aggregation.surgical_aggregate` (with every
     site holding every class, a union head is plain FedAvg); ``local`` averages the feature
     extractor only (updates carry no head) and returns no classes.
 
     Args:
         updates: ``{"site", "classes", "params", "num_samples"}`` mappings (see
-            :mod:`cxrfl.aggregation`); ``local`` updates have no head entries.
+            :mod:`cxrfl.surgical.aggregation`); ``local`` updates have no head entries.
         head_mode: ``surgical``, ``union`` or ``local``.
         head_prefix: state-dict prefix of the head.
         kwargs: further :func:`surgical_aggregate` arguments (weighting, batchnorm, bn_keys,

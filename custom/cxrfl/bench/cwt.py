@@ -41,10 +41,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from cxrfl.cwt import BINARY_CLASS, CWTConfig, CWTSite, binary_labels, eval_summary, relay_plan, run_cwt
+from cxrfl.cwt.config import BINARY_CLASS, CWTConfig
+from cxrfl.cwt.inprocess import run_cwt
+from cxrfl.cwt.relay import relay_plan
+from cxrfl.cwt.site import binary_labels, CWTSite, eval_summary
 from cxrfl.data.site import SiteData, load_site
 from cxrfl.errors import DataError
-from cxrfl.models import ModelConfig
+from cxrfl.nn.models import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SITE_CONFIG = REPO / "site_configs" / "nih1000.yaml"
@@ -588,7 +591,7 @@ def mechanism_table(settings: BenchSettings | None = None) -> str:
     Args:
         settings: sizes and batch (default :class:`BenchSettings`).
     """
-    from cxrfl.cwt import cwl_class_weights
+    from cxrfl.cwt.optimizations import cwl_class_weights
 
     settings = settings or BenchSettings()
     b = settings.batch_size

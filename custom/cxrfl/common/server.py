@@ -1,0 +1,187 @@
+"""What every transport-free server loop shares: output files, sending, aborting, retrying.
+
+A method's server (:class:`cxrfl.surgical.server.SurgicalServer`, :class:`cxrfl.cwt.server.CWTServer`,
+:class:`cxrfl.fedfew.server.FedFewServer`) derives from :class:`ServerLoop`. It talks to the
+sites only through ``send`` (:mod:`cxrfl.common.transport`), writes under ``out_dir`` (the
+server's app folder in an NVFlare job), logs through ``info``/``warning`` and checks
+``aborted``. It raises :class:`RunStopped` when it cannot go on (NVFlare: the job panics with the
+reason) and :class:`RunAborted` when told to stop (nothing more is written).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import cxrfl
+from cxrfl.common.io import append_record, json_default, write_json
+from cxrfl.common.resume import RESUME_ROOT, ResumeStore
+from cxrfl.common.transport import Message, Send
+from cxrfl.errors import CxrflError
+
+log = logging.getLogger(__name__)
+
+RECORDS_DIR = "cxrfl"
+"""Sub-folder of the output folder with run records (``rounds.jsonl`` ...), ``run_config.json``, ``evaluation.json``."""
+
+
+class RunStopped(CxrflError):
+    """The run cannot go on; the message says why and what to do."""
+
+
+class RunAborted(Exception):
+    """The run was told to stop from outside (NVFlare's abort signal)."""
+
+
+class RetryClock:
+    """How long a step (round, visit, stage) has been retried, and whether to give up.
+
+    Args:
+        timeout: seconds of failed attempts before giving up (0: give up at the first failure).
+        pause: seconds between two attempts.
+    """
+
+    def __init__(self, timeout: float, pause: float) -> None:
+        self.timeout = float(timeout)
+        self.pause = float(pause)
+        self.since: float | None = None
+
+    def failed(self) -> float:
+        """Note a failed attempt; returns the seconds since the first failure in a row."""
+        if self.since is None:
+            self.since = time.monotonic()
+        return time.monotonic() - self.since
+
+    def succeeded(self) -> None:
+        """Note a completed step (the next failure starts a new clock)."""
+        self.since = None
+
+    @property
+    def expired(self) -> bool:
+        """The failures have lasted ``timeout`` seconds."""
+        return self.since is not None and time.monotonic() - self.since >= self.timeout
+
+    def wait(self, aborted: Callable[[], bool]) -> None:
+        """Sleep ``pause`` seconds before the next attempt, waking early on an abort.
+
+        Args:
+            aborted: returns True when the run must stop.
+        """
+        end = time.monotonic() + self.pause
+        while time.monotonic() < end and not aborted():
+            time.sleep(min(0.2, max(end - time.monotonic(), 0)))
+
+
+class ServerLoop:
+    """Base of the methods' server loops.
+
+    Args:
+        send: the transport.
+        sites: the sites taking part.
+        out_dir: where results go.
+        run_id: this run's id (NVFlare: the job id); names its resume state.
+        resume_root: folder of resume states (default ``out_dir/cxrfl_resume``; NVFlare: the
+            server workspace's ``cxrfl_resume``).
+        resume_from: an interrupted run's id (or its resume folder) to go on from.
+        info: progress logger.
+        warning: problem logger.
+        aborted: returns True when the run must stop.
+    """
+
+    def __init__(self, send: Send, *, sites: Sequence[str], out_dir: str | Path, run_id: str = "run",
+                 resume_root: str | Path | None = None, resume_from: str | None = None,
+                 info: Callable[[str], None] = log.info, warning: Callable[[str], None] = log.warning,
+                 aborted: Callable[[], bool] = lambda: False) -> None:
+        self.send = send
+        self.sites = list(sites)
+        self.out = Path(out_dir)
+        self.run_id = str(run_id)
+        self.resume = ResumeStore(resume_root if resume_root is not None else self.out / RESUME_ROOT, self.run_id)
+        self.resume_from = resume_from
+        self.info = info
+        self.warning = warning
+        self.aborted = aborted
+
+    # ----------------------------------------------------------------- files
+    def path(self, *parts: str) -> Path:
+        """A path under the output folder (its folder created).
+
+        Args:
+            parts: path components.
+        """
+        path = self.out.joinpath(*parts)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def record(self, record: Mapping[str, Any], name: str = "rounds.jsonl") -> None:
+        """Append one record to ``cxrfl/<name>``.
+
+        Args:
+            record: the record.
+            name: the ``.jsonl`` file.
+        """
+        append_record(self.path(RECORDS_DIR, name), dict(record))
+
+    def write_run_config(self, settings: Mapping[str, Any]) -> Path:
+        """``cxrfl/run_config.json``: the settings and the versions that ran them.
+
+        Args:
+            settings: the run's settings.
+        """
+        return write_json(self.path(RECORDS_DIR, "run_config.json"), {
+            **settings, "cxrfl_version": cxrfl.__version__, "python": platform.python_version(),
+            "torch": torch.__version__})
+
+    def write_evaluation(self, report: Mapping[str, Any]) -> Path:
+        """``cxrfl/evaluation.json``.
+
+        Args:
+            report: the evaluation.
+        """
+        path = self.path(RECORDS_DIR, "evaluation.json")
+        path.write_text(json.dumps(report, indent=2, default=json_default))
+        self.info(f"evaluation written to {path}")
+        return path
+
+    # --------------------------------------------------------------- sending
+    def check_abort(self) -> None:
+        """Raise :class:`RunAborted` when the run must stop."""
+        if self.aborted():
+            raise RunAborted()
+
+    def exchange(self, task: str, payloads: dict[str, Message]) -> dict[str, Message]:
+        """Send one message per site; warn about each site without an answer.
+
+        Args:
+            task: the task name.
+            payloads: site -> its message.
+
+        Returns:
+            the answers of the sites that succeeded.
+        """
+        self.check_abort()
+        answers = self.send(task, payloads)
+        for site in payloads:
+            if site not in answers:
+                self.warning(f"{task}: site {site} gave no result (failed, timed out or down; see its log); "
+                             "going on without it")
+        return {s: a for s, a in answers.items() if s in payloads}
+
+    def broadcast(self, task: str, sites: Sequence[str], params: Mapping[str, Any],
+                  meta_for: Callable[[str], dict[str, Any]]) -> dict[str, Message]:
+        """The same parameters to several sites, each with its own settings.
+
+        Args:
+            task: the task name.
+            sites: the receivers.
+            params: the parameters every site gets.
+            meta_for: site -> its meta.
+        """
+        return self.exchange(task, {s: (dict(params), meta_for(s)) for s in sites})

@@ -1,0 +1,1 @@
+"""Deploying across hospitals with NVFlare's own tools: provisioning, kits, processes, admin."""

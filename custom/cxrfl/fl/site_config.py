@@ -1,0 +1,46 @@
+"""Where a site finds its own data config at run time (no job carries site data)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cxrfl.errors import ConfigError
+
+SITE_CONFIG_ENV = "CXRFL_SITE_CONFIG"
+SITE_CONFIG_DIR_ENV = "CXRFL_SITE_CONFIG_DIR"
+LOCAL_CONFIG_NAME = "cxrfl_site.yaml"
+"""The file a deployed kit keeps its data config in, under ``local/`` (``cxrfl deploy site-config``)."""
+
+
+def resolve_site_config(site: str, local_dir: str | Path | None = None) -> tuple[Path, str]:
+    """Find a site's config file.
+
+    Order: ``$CXRFL_SITE_CONFIG`` (a file); ``<workspace>/local/cxrfl_site.yaml`` (a deployed
+    kit); ``$CXRFL_SITE_CONFIG_DIR/<site>.yaml``; ``./site_configs/<site>.yaml``; else the
+    embedded demo data for simulator names (``site-1`` -> hospital-a, ...).
+
+    Args:
+        site: the site name as NVFlare knows it.
+        local_dir: the site's ``local/`` folder, if any.
+
+    Returns:
+        (path, how it was found).
+    """
+    env = os.environ.get(SITE_CONFIG_ENV)
+    if env:
+        return Path(env), f"${SITE_CONFIG_ENV}"
+    if local_dir and (Path(local_dir) / LOCAL_CONFIG_NAME).is_file():
+        return Path(local_dir) / LOCAL_CONFIG_NAME, "the site's local/ folder"
+    for folder, how in ((os.environ.get(SITE_CONFIG_DIR_ENV), f"${SITE_CONFIG_DIR_ENV}"), ("site_configs", "site_configs/")):
+        if folder and (Path(folder) / f"{site}.yaml").is_file():
+            return (Path(folder) / f"{site}.yaml").resolve(), how
+    from cxrfl.synth import demo_site_config
+
+    try:
+        return demo_site_config(site), "the embedded demo data"
+    except ConfigError as exc:
+        raise ConfigError(
+            f"no site config for {site!r}: set ${SITE_CONFIG_ENV}, put {LOCAL_CONFIG_NAME} in the site's "
+            f"local/ folder, or site_configs/{site}.yaml ({exc})"
+        ) from exc
