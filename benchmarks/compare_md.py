@@ -10,7 +10,7 @@ Rewrites two blocks of ``--out``, each between its ``<!-- BEGIN name ... -->`` a
   framework-overhead rows are filled in from ``speed.json`` at ``<!-- speed verdict rows -->``),
   the summary tables of every ``RESULTS/compare/<profile>/results.json`` (``cxrfl bench
   compare``), then the framework overhead from ``RESULTS/speed/speed.json`` (``cxrfl bench speed``);
-* ``fedfew`` (issue 5): the table and targets of ``RESULTS/fedfew.json`` (``cxrfl bench-fedfew``).
+* ``fedfew`` (issue 5): the table and targets of ``RESULTS/fedfew/results.json`` (``cxrfl bench fedfew``).
 
 The commit named for each results file comes from git: the commit that added the file (the run
 used that commit's working tree) and, when the file changed later, the last commit that changed
@@ -137,12 +137,12 @@ def compare_block(root: Path, intro: Path | None) -> str:
 
 def fedfew_block(root: Path) -> str:
     """The ``fedfew`` block: FedFew's table and targets."""
-    path = root / "fedfew.json"
+    path = root / "fedfew" / "results.json"
     if not path.is_file():
-        return ("(no `fedfew.json` yet: run `cxrfl bench compare --method fedfew --profile fedfew --seeds 3 "
-                "--out benchmarks/results`)\n")
-    commit = commits(path)["added"] + " (results; see the note above)"
-    return demote(format_markdown(json.loads(path.read_text()), commit=commit).rstrip()) + "\n"
+        return "(no `fedfew/results.json` yet: run `cxrfl bench fedfew --seeds 3 --out benchmarks/results/fedfew`)\n"
+    res = json.loads(path.read_text())
+    commit = (res.get("commit") or commits(path)["added"]) + " (results; see the note above)"
+    return demote(format_markdown(res, commit=commit).rstrip()) + "\n"
 
 
 def fill(document: str, blocks: dict[str, str]) -> str:

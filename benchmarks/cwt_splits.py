@@ -1,9 +1,11 @@
 """Cyclical weight transfer on the real NIH images: the paper's splits 1-10 (see benchmarks/CWT.md).
 
-    python benchmarks/cwt_splits.py --seeds 3 --out benchmarks/results
+    python benchmarks/cwt_splits.py --seeds 5 --out benchmarks/results/cwt
 
-is ``cxrfl bench-cwt`` (= ``cxrfl bench compare --method cwt --profile cwt-splits``); every
-option is ``cxrfl bench-cwt --help``. Writes ``cwt.json`` and ``cwt.png`` to ``--out``.
+is ``cxrfl bench cwt`` (:func:`cxrfl.bench.cwt.run_cwt_benchmark`); every option is
+``cxrfl bench cwt --help``. Writes ``results.json``, ``report.md``, ``cwt.png``,
+``cwt_curves.png`` and one file per finished run (``runs/``) to ``--out``; run it again to go
+on from the runs already there.
 """
 
 from __future__ import annotations
@@ -13,4 +15,4 @@ import sys
 from cxrfl.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["bench-cwt", *sys.argv[1:]]))
+    sys.exit(main(["bench", "cwt", *sys.argv[1:]]))

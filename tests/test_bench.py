@@ -27,7 +27,7 @@ def compare_run(tmp_path_factory) -> Path:
            "--n-external", "30", "--n-boot", "20", "--methods", "individual,vanilla-fedavg,pfl-fedavg"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "surgical-fedavg round 1/1" in proc.stdout  # progress lines while it runs
+    assert "surgical-fedavg: round 1: 2 of 2 site(s) aggregated" in proc.stdout  # progress lines while it runs
     return out / "res"
 
 
@@ -39,7 +39,16 @@ def test_results_json_structure(compare_run):
     assert set(res["views"]) == {"hospital-a", "hospital-b", "external", "external@hospital-a", "external@hospital-b"}
     assert len(res["data"]["shared_classes"]) == 7 and len(res["data"]["union"]) == 20
     for name, m in res["methods"].items():
-        assert len(m["runs"]) == 1 and m["runs"][0]["val_loss"]
+        run = m["runs"][0]
+        assert len(m["runs"]) == 1 and run["rounds"] == 1
+        # learning curves: the warmed-up model and the model of round 1 (scored by a final validation task)
+        assert len(run["val_loss"]) == len(run["val_auroc"]) == 2
+        assert run["best_round"] == (1 if run["val_loss"][1] < run["val_loss"][0] - 1e-4 else 0)  # min_delta 1e-4
+        sites = ["hospital-a", "hospital-b"] if name.startswith(("pfl", "vanilla", "surgical")) else [m["site"]]
+        assert set(run["site_val_loss"]) == set(run["site_val_auroc"]) == set(sites)
+        for site in sites:
+            assert len(run["site_val_loss"][site]) == 2
+        assert run["val_loss"][0] == pytest.approx(np.mean([run["site_val_loss"][s][0] for s in sites]))
         for view, cell in m["test"].items():
             assert set(cell["auroc"]) == set(res["views"][view]["classes"])
             for key in ("mean", "sd", "n", "ci", "mean_ci", "mean_by_seed", "p_vs_reference", "model_knows"):
@@ -82,45 +91,6 @@ def test_plots_are_non_empty_pngs(compare_run):
     for name in names:
         data = (compare_run / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
-
-
-def test_cwt_method_dispatch_or_clear_error(tmp_path, monkeypatch):
-    from cxrfl.bench import cli as bench_cli
-    from cxrfl.cli import build_parser
-    from cxrfl.errors import ConfigError
-
-    args = build_parser().parse_args(["bench", "compare", "--method", "cwt", "--out", str(tmp_path), "--seeds", "2"])
-    calls = {}
-    fake = type(sys)("cxrfl.bench.cwt")
-    fake.run_cwt_benchmark = lambda out, seeds: calls.update(out=out, seeds=seeds)
-    monkeypatch.setitem(sys.modules, "cxrfl.bench.cwt", fake)
-    monkeypatch.setattr(bench_cli.importlib.util, "find_spec", lambda name: object())
-    assert args.func(args) == 0 and calls == {"out": tmp_path, "seeds": 2}
-    monkeypatch.setattr(bench_cli.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ConfigError, match="cxrfl.bench.cwt"):
-        args.func(args)
-
-
-def test_fedfew_method_dispatches_to_the_fedfew_benchmark(tmp_path, monkeypatch):
-    import cxrfl.bench.fedfew as bench_fedfew
-    from cxrfl.cli import build_parser
-    from cxrfl.errors import ConfigError
-
-    calls = []
-    monkeypatch.setattr(bench_fedfew, "run_fedfew_benchmark", lambda out, seeds: calls.append((out, seeds)))
-    for extra in ([], ["--profile", "fedfew"]):
-        args = build_parser().parse_args(
-            ["bench", "compare", "--method", "fedfew", *extra, "--out", str(tmp_path), "--seeds", "2"])
-        assert args.func(args) == 0
-    assert calls == [(tmp_path, 2), (tmp_path, 2)]
-    args = build_parser().parse_args(
-        ["bench", "compare", "--method", "fedfew", "--profile", "two-hospitals", "--out", str(tmp_path)])
-    with pytest.raises(ConfigError, match="fedfew profile only"):
-        args.func(args)
-    args = build_parser().parse_args(["bench", "compare", "--method", "fedavg", "--out", str(tmp_path)])
-    with pytest.raises(ConfigError, match="--method must be 'cwt' or 'fedfew'"):
-        args.func(args)
-    assert len(calls) == 2
 
 
 # ------------------------------------------------------------------ pieces

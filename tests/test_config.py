@@ -48,24 +48,50 @@ def test_full_config_round_trips_through_to_dict(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"colour": "red"}, "unknown key(s) colour in the top level"),
-        ({"dataset": {**MINIMAL["dataset"], "imgs": "x"}}, "unknown key(s) imgs in 'dataset'"),
-        ({"split": {"train": 0.7, "valid": 0.3}}, "unknown key(s) valid in 'split'"),
-        ({"split": {"train": 0.7, "val": 0.2, "test": 0.2}}, "sum to 1"),
-        ({"split": {"train": 0.0, "val": 0.5, "test": 0.5}}, "train > 0"),
-        ({"split": {"train": 1.2, "val": -0.2, "test": 0.0}}, "non-negative"),
-        ({"dataset": {**MINIMAL["dataset"], "format": "dicomdir"}}, "dataset.format 'dicomdir'"),
-        ({"dataset": {**MINIMAL["dataset"], "uncertain": "maybe"}}, "dataset.uncertain 'maybe'"),
-        ({"bad_images": "ignore"}, "bad_images 'ignore'"),
-        ({"max_bad_fraction": 1.5}, "max_bad_fraction must be between 0 and 1"),
+        ({"colour": "red"}, "unknown site config setting(s) ['colour']"),
+        ({"dataset": {**MINIMAL["dataset"], "imgs": "x"}}, "unknown dataset setting(s) ['imgs']"),
+        ({"split": {"train": 0.7, "valid": 0.3}}, "unknown split setting(s) ['valid']"),
+        ({"split": {"train": 0.7, "val": 0.2, "test": 0.2}}, "split fractions must sum to 1"),
+        ({"split": {"train": 0.0, "val": 0.5, "test": 0.5}}, "split.train must be > 0.0, got 0.0"),
+        ({"split": {"train": 1.2, "val": -0.2, "test": 0.0}}, "split.train must be <= 1.0, got 1.2"),
+        ({"split": {"seed": "abc"}}, "split.seed must be an integer, got 'abc'"),
+        ({"split": {"seed": -1}}, "split.seed must be >= 0, got -1"),
+        ({"split": 0.7}, "split settings must be a mapping, got float"),
+        ({"dataset": {**MINIMAL["dataset"], "format": "dicomdir"}}, "dataset.format must be one of"),
+        ({"dataset": {**MINIMAL["dataset"], "uncertain": "maybe"}}, "dataset.uncertain must be one of"),
+        ({"dataset": {**MINIMAL["dataset"], "views": "PA"}}, "dataset.views must be a list of texts or null, got 'PA'"),
+        ({"dataset": {**MINIMAL["dataset"], "labels": 5}}, "dataset.labels must be a path, got 5"),
+        ({"dataset": {**MINIMAL["dataset"], "path_column": ["a"]}}, "dataset.path_column must be a text"),
+        ({"dataset": "labels.csv"}, "dataset settings must be a mapping, got str"),
         ({"dataset": {"format": "nih", "images": "x"}}, "dataset.labels is missing"),
+        ({"bad_images": "ignore"}, "bad_images must be one of ['skip', 'error'], got 'ignore'"),
+        ({"max_bad_fraction": 1.5}, "max_bad_fraction must be <= 1.0, got 1.5"),
+        ({"max_bad_fraction": "5%"}, "max_bad_fraction must be a number, got '5%'"),
+        ({"max_bad_fraction": True}, "max_bad_fraction must be a number, got True"),
+        ({"classes": "Cardiomegaly"}, "classes must be a list of texts or null, got 'Cardiomegaly'"),
+        ({"drop": "Fracture"}, "drop must be a list of texts, got 'Fracture'"),
+        ({"label_map": {"Effusion": 1}}, "label_map must be a mapping"),
+        ({"label_map": ["Effusion"]}, "label_map must be a mapping"),
+        ({"site": 12}, "site must be a text, got 12"),
+        ({"site": " "}, "site must be a non-empty name"),
     ],
 )
 def test_invalid_configs_name_the_file_and_the_key(tmp_path: Path, change: dict, message: str) -> None:
     path = write(tmp_path, {**MINIMAL, **change})
     with pytest.raises(ConfigError) as info:
         load_site_config(path)
-    assert message in str(info.value) and str(path) in str(info.value)
+    text = str(info.value)
+    assert text.startswith(message) and f"(in {path})" in text and "\n" not in text
+
+
+def test_yaml_lists_views_and_empty_keys_read_as_meant(tmp_path: Path) -> None:
+    path = tmp_path / "site.yaml"
+    path.write_text("site: a\ndataset:\n  format: nih\n  labels: labels.csv\n  images: img\n  views: [pa, ' Ap']\n"
+                    "classes: [Cardiomegaly]\nlabel_map:\ndrop:\nsplit: {seed: 7}\nmax_bad_fraction: 0.1\n")
+    cfg = load_site_config(path)
+    assert cfg.dataset.views == ("PA", "AP") and cfg.classes == ("Cardiomegaly",) and cfg.split.seed == 7
+    assert cfg.label_map == {} and cfg.drop == ()  # a key without a value is its default
+    assert (cfg.split.train, cfg.max_bad_fraction) == (0.7, 0.1)
 
 
 def test_missing_or_broken_config_file(tmp_path: Path) -> None:

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import logging
 import math
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from PIL import Image
+from cwt_helpers import tiny_site
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from cxrfl.common.io import params_digest
-from cxrfl.cwt.config import BINARY_CLASS, CWTConfig
-from cxrfl.cwt.inprocess import run_cwt
+from cxrfl.cwt.config import BINARY_CLASS, CWTConfig, RelayConfig
 from cxrfl.cwt.optimizations import clr_rates, cwl_class_weights, cwl_loss_weights, default_local_steps, label_groups, label_warnings, lwms_sample_weights, plti_steps
-from cxrfl.cwt.relay import load_optimizer_arrays, optimizer_arrays, relay_order, relay_plan, split_params, Visit
+from cxrfl.cwt.relay import load_optimizer_arrays, lr_factor, optimizer_arrays, relay_order, relay_plan, relay_sites, split_params, Visit
 from cxrfl.cwt.site import binary_labels, CWTSite, global_classes, make_sites, pooled_loss, VisitSampler
-from cxrfl.data.site import SiteData
 from cxrfl.errors import ConfigError
 from cxrfl.nn.losses import masked_bce
 from cxrfl.nn.models import ModelConfig, build_model
@@ -170,11 +168,55 @@ def test_config_is_validated():
     assert CWTConfig(plti=True, cwl=True).method == "CWT+PLTI+CWL"
     assert CWTConfig.from_dict(CWTConfig(lwms=True).to_dict()) == CWTConfig(lwms=True)
     for bad in ({"task": "triage"}, {"order": "random"}, {"num_cycles": 0}, {"lr": 0}, {"plti": "yes"},
-                {"local_steps": 0}, {"optimizer_state": "keep"}):
+                {"local_steps": 0}, {"optimizer_state": "keep"}, {"lr_decay": 1.5}, {"lr_decay": 0},
+                {"lr_decay_every": 0}, {"weight_decay": -1e-4}):
         with pytest.raises(ConfigError):
             CWTConfig.from_dict(bad)
     with pytest.raises(ConfigError, match="unknown cwt setting"):
         CWTConfig.from_dict({"cycles": 3})
+    with pytest.raises(ConfigError, match="cwt_relay.site_order must list distinct"):
+        RelayConfig(site_order=("a", "b", "a"))
+    with pytest.raises(ConfigError, match="cwt_relay.min_sites"):
+        RelayConfig(min_sites=0)
+
+
+def test_relay_sites_follow_site_order_then_names():
+    assert relay_sites(["c", "a", "b"], None) == ["a", "b", "c"]
+    assert relay_sites(["c", "a", "b", "d"], ["d", "b"]) == ["d", "b", "a", "c"]
+    assert relay_sites(["a", "b"], ["x", "b"]) == ["b", "a"]  # a listed site that is absent is ignored
+
+
+# ----------------------------------------------------- the paper's base recipe
+def test_base_recipe_defaults_are_the_papers():
+    # "an exponential learning rate decay with a decay rate of 0.99 every 200 training iterations",
+    # "cross-entropy loss with an L2 regularization coefficient of 0.0001"
+    cfg = CWTConfig()
+    assert (cfg.lr_decay, cfg.lr_decay_every, cfg.weight_decay) == (0.99, 200, 1e-4)
+    assert [lr_factor(t, cfg) for t in (0, 199, 200, 399, 400, 1000)] == pytest.approx(
+        [1.0, 1.0, 0.99, 0.99, 0.99**2, 0.99**5])
+    assert lr_factor(10_000, CWTConfig(lr_decay=1.0)) == 1.0
+
+
+def test_decay_goes_on_across_visits_and_multiplies_the_clr_rate(tmp_path):
+    cfg = CWTConfig(lr=1e-2, lr_decay=0.5, lr_decay_every=2, clr=True, batch_size=2, augment=False)
+    splits = ["train"] * 4 + ["val"] * 2
+    site = CWTSite(tiny_site(tmp_path, "s", {"Mass": [1, 0, 1, 0, 1, 0]}, splits), cfg, ModelConfig(image_size=32))
+    model = build_model(ModelConfig(image_size=32), 1)
+    seen = []
+    handle = register_optimizer_step_pre_hook(
+        lambda opt, *_: seen.append((opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])))
+    try:
+        # first visit: CLR rate 1.5e-2 from iteration 0; second: CLR rate 0.5e-2 from iteration 3 (3 steps done)
+        first = site.train_visit(model, adam(model, 1.0, cfg.weight_decay), Visit(3, 1.5e-2, iteration=0), cycle=1)
+        second = site.train_visit(model, adam(model, 1.0, cfg.weight_decay), Visit(3, 0.5e-2, iteration=3), cycle=1)
+    finally:
+        handle.remove()
+    # rate of iteration t: site rate * 0.5 ** (t // 2)
+    expected = [1.5e-2, 1.5e-2, 1.5e-2 * 0.5] + [0.5e-2 * 0.5, 0.5e-2 * 0.25, 0.5e-2 * 0.25]
+    assert [lr for lr, _ in seen] == pytest.approx(expected)
+    assert {wd for _, wd in seen} == {1e-4}  # the L2 coefficient reaches Adam
+    assert (first["lr"], second["lr"]) == pytest.approx((1.5e-2, 0.25e-2))  # the rate of each visit's first step
+    assert (first["iteration"], second["iteration"]) == (0, 3)
 
 
 def test_binary_label_is_any_finding_vs_no_finding():
@@ -208,21 +250,11 @@ def test_optimizer_state_travels_exactly():
 
 
 # -------------------------------------------------------------- sites (tiny images)
-def _site(tmp_path, name: str, labels: dict[str, list[float]], splits: list[str]) -> SiteData:
-    rng = np.random.default_rng(abs(hash(name)) % 2**32)
-    rows = []
-    for i, split in enumerate(splits):
-        path = tmp_path / f"{name}-{i}.png"
-        Image.fromarray(rng.integers(0, 255, (32, 32), dtype=np.uint8)).save(path)
-        rows.append({"path": str(path), "patient": f"{name}-p{i}", "split": split, **{c: v[i] for c, v in labels.items()}})
-    return SiteData(site=name, classes=list(labels), table=pd.DataFrame(rows))
-
-
 @pytest.fixture
 def two_sites(tmp_path):
     splits = ["train"] * 6 + ["val"] * 2 + ["test"] * 2
-    a = _site(tmp_path, "site-a", {"Effusion": [1, 0, 0, 1, 0, 0, 1, 0, 1, 0], "Mass": [0, 0, 1, 0, 0, 1, 0, 1, 0, 1]}, splits)
-    b = _site(tmp_path, "site-b", {"Mass": [1, 1, 0, 0, 0, 0, 1, 0, 0, 1], "Nodule": [0, 1, 0, 0, 1, 0, 0, 1, 1, 0]}, splits)
+    a = tiny_site(tmp_path, "site-a", {"Effusion": [1, 0, 0, 1, 0, 0, 1, 0, 1, 0], "Mass": [0, 0, 1, 0, 0, 1, 0, 1, 0, 1]}, splits)
+    b = tiny_site(tmp_path, "site-b", {"Mass": [1, 1, 0, 0, 0, 0, 1, 0, 0, 1], "Nodule": [0, 1, 0, 0, 1, 0, 0, 1, 1, 0]}, splits)
     return a, b
 
 
@@ -245,7 +277,7 @@ def test_multilabel_sites_share_a_masked_union_head(two_sites):
 
 def test_single_label_site_warns_and_still_trains(tmp_path):
     splits = ["train"] * 4 + ["val"] * 2
-    only_normal = _site(tmp_path, "only-normal", {"Mass": [0, 0, 0, 0, 1, 0]}, splits)
+    only_normal = tiny_site(tmp_path, "only-normal", {"Mass": [0, 0, 0, 0, 1, 0]}, splits)
     site = CWTSite(only_normal, CWTConfig(lwms=True, cwl=True, batch_size=2, augment=False), ModelConfig(image_size=32))
     assert len(site.warnings) == 1 and "only negative" in site.warnings[0]
     assert np.allclose(site.sample_weights, 0.25)  # one label present: every image equally
@@ -255,49 +287,37 @@ def test_single_label_site_warns_and_still_trains(tmp_path):
     assert out["steps"] == 1 and math.isfinite(out["train_loss"])
 
 
-def test_run_cwt_relays_one_model_and_skips_a_site_that_is_down(two_sites, monkeypatch, caplog):
-    cfg = CWTConfig(num_cycles=2, batch_size=4, local_steps=1, augment=False, patience=5)
-    sites = make_sites(two_sites, cfg, ModelConfig(image_size=32))
-    visits = []
-    original = CWTSite.train_visit
-
-    def spy(self, model, optimizer, visit, cycle):
-        start = params_digest(model.state_dict())
-        out = original(self, model, optimizer, visit, cycle)
-        visits.append((cycle, self.name, start, params_digest(model.state_dict())))
-        return out
-
-    monkeypatch.setattr(CWTSite, "train_visit", spy)
-    with caplog.at_level(logging.INFO, logger="cxrfl.cwt"):
-        result = run_cwt(sites, ModelConfig(image_size=32), cfg, available=lambda site, cycle: not (site == "site-b" and cycle == 1))
-    assert [(c, s) for c, s, _, _ in visits] == [(1, "site-a"), (2, "site-a"), (2, "site-b")]
-    for (_, _, _, left), (_, _, arrived, _) in zip(visits, visits[1:]):
-        assert arrived == left  # the weights that left one site are the weights the next one trains
-    assert all(start != end for _, _, start, end in visits)  # and each site really trained them
-    assert "site site-b is not available; skipped" in caplog.text
-    assert result.history[0]["visits"][1] == {"site": "site-b", "cycle": 1, "skipped": True}
-    assert result.best_cycle in (1, 2) and result.classes == [BINARY_CLASS]
-
-
-def test_run_cwt_stops_early_and_keeps_the_best_cycle(two_sites, monkeypatch):
-    losses = iter([0.9, 0.7, 0.75, 0.71, 0.5, 0.4])
-    monkeypatch.setattr("cxrfl.cwt.inprocess.pooled_loss", lambda parts: next(losses))
-    cfg = CWTConfig(num_cycles=6, batch_size=4, local_steps=1, augment=False, patience=2)
-    sites = make_sites(two_sites, cfg, ModelConfig(image_size=32))
-    result = run_cwt(sites, ModelConfig(image_size=32), cfg)
-    assert [h["cycle"] for h in result.history] == [1, 2, 3, 4]  # two cycles without improvement after cycle 2
-    assert result.stopped_early and result.best_cycle == 2 and result.best_val_loss == 0.7
-
-
 def test_the_cwt_job_exposes_every_optimization(repo_root):
+    import inspect
     import json
+
+    from cxrfl.fl.cwt import CyclicWeightTransfer
 
     server = json.loads((repo_root / "jobs" / "cwt" / "app" / "config" / "config_fed_server.json").read_text())
     workflow = server["workflows"][0]
     assert workflow["path"] == "cxrfl.fl.cwt.CyclicWeightTransfer"
     cwt = workflow["args"]["cwt_config"]
-    assert {"plti", "clr", "lwms", "cwl", "order", "task", "patience"} <= set(cwt)
+    assert {"plti", "clr", "lwms", "cwl", "order", "task", "patience", "lr_decay", "lr_decay_every", "weight_decay"} <= set(cwt)
     assert CWTConfig.from_dict(cwt).task == "binary"
+    inspect.signature(CyclicWeightTransfer).bind(**workflow["args"])  # every exported argument is accepted
+    assert {"min_sites", "min_sites_timeout", "retry_pause", "resume_from"} <= set(workflow["args"])
     client = json.loads((repo_root / "jobs" / "cwt" / "app" / "config" / "config_fed_client.json").read_text())
     assert client["executors"][0]["tasks"] == ["counts", "train", "validate"]
     assert client["executors"][0]["executor"]["path"] == "cxrfl.fl.cwt.CWTExecutor"
+
+
+def test_the_nvflare_glue_runs_the_relay_server_and_the_site_host(two_sites, tmp_path):
+    from cxrfl.cwt.host import CWTSiteHost
+    from cxrfl.cwt.server import CWTServer
+    from cxrfl.fl.cwt import CWTExecutor, CyclicWeightTransfer
+
+    ctl = CyclicWeightTransfer(cwt_config={"plti": True}, site_order=["b", "a"], min_sites=2, retry_pause=1.5,
+                               resume_from="job-1")
+    server = ctl.make_server(send=lambda task, payloads: {}, sites=["a", "b"], out_dir=tmp_path, run_id="job-2")
+    assert isinstance(server, CWTServer) and server.config.plti and server.resume_from == "job-1"
+    assert server.relay == RelayConfig(site_order=("b", "a"), min_sites=2, retry_pause=1.5)
+    with pytest.raises(ConfigError, match="site_order must list distinct site names"):
+        CyclicWeightTransfer(site_order=["a", "a"])
+    executor = CWTExecutor(num_workers=0)
+    host = executor.make_host(two_sites[0], torch.device("cpu"), tmp_path)
+    assert isinstance(host, CWTSiteHost) and host.tasks == ("counts", "train", "validate")

@@ -5,6 +5,9 @@ weights a site starts from are, byte for byte, the weights the previous site ret
 both the server and the sites hash them) and that a site that is down on its turn is skipped
 with a log line while the relay goes on. The third site runs a test-only executor (its own
 app in the job, see ``FLAKY``) whose ``train`` task fails in cycle 1.
+
+``resumed``: the simulator (server included) is killed once cycle 1 is recorded; the job
+submitted again with ``resume_from`` starts from the saved weights and runs cycle 2 only.
 """
 
 from __future__ import annotations
@@ -12,14 +15,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from cxrfl.common.io import params_digest, read_records, to_numpy
 from cxrfl.cwt.config import BINARY_CLASS
+from cxrfl.nn.models import load_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +34,7 @@ SITES = ("site-1", "site-2", "site-3")
 FLAKY = '''
 from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.shareable import make_reply
+from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 
 from cxrfl.fl.cwt import CWTExecutor
 
@@ -35,7 +43,7 @@ class FlakyCWTExecutor(CWTExecutor):
     """A site that is down on its cycle-1 turn (its train task fails) and healthy otherwise."""
 
     def execute(self, task_name, shareable, fl_ctx, abort_signal):
-        if task_name == "train" and shareable.get_header("current_round") == 1:
+        if task_name == "train" and FLModelUtils.from_shareable(shareable).meta.get("cycle") == 1:
             self.log_error(fl_ctx, "simulated outage: site down in cycle 1")
             return make_reply(ReturnCode.EXECUTION_EXCEPTION)
         return super().execute(task_name, shareable, fl_ctx, abort_signal)
@@ -62,44 +70,70 @@ def nih_site_configs(shared: Path, out: Path) -> None:
         )
 
 
-def small_job(repo_root: Path, out: Path) -> Path:
-    """jobs/cwt with 2 cycles of 1 step per site at 32x32, and a flaky third site."""
+def small_job(repo_root: Path, out: Path, *, flaky: bool = True, cycles: int = 2, **server_args) -> Path:
+    """jobs/cwt with ``cycles`` cycles of 1 step per site at 32x32 and, with ``flaky``, a flaky third site."""
     job = out / "cwt"
     shutil.copytree(repo_root / "jobs" / "cwt", job)
     cfg_path = job / "app" / "config" / "config_fed_server.json"
     cfg = json.loads(cfg_path.read_text())
     args = cfg["workflows"][0]["args"]
-    args["cwt_config"].update(num_cycles=2, local_steps=1, batch_size=8, augment=False, patience=5, plti=False)
+    args["cwt_config"].update(num_cycles=cycles, local_steps=1, batch_size=8, augment=False, patience=5, plti=False)
     args["model_config"]["image_size"] = 32
-    args["task_timeout"] = 600
+    args.update(task_timeout=600, **server_args)
     cfg_path.write_text(json.dumps(cfg, indent=2))
-    flaky = job / "app_flaky"
-    (flaky / "config").mkdir(parents=True)
-    (flaky / "custom").mkdir()
-    (flaky / "custom" / "flaky_cwt.py").write_text(FLAKY)
     client_path = job / "app" / "config" / "config_fed_client.json"
     client = json.loads(client_path.read_text())
     client["executors"][0]["executor"]["args"]["num_threads"] = 1  # a shared 2-core machine
     client_path.write_text(json.dumps(client, indent=2))
+    if not flaky:
+        return job
+    flaky_app = job / "app_flaky"
+    (flaky_app / "config").mkdir(parents=True)
+    (flaky_app / "custom").mkdir()
+    (flaky_app / "custom" / "flaky_cwt.py").write_text(FLAKY)
     client["executors"][0]["executor"]["path"] = "flaky_cwt.FlakyCWTExecutor"
-    (flaky / "config" / "config_fed_client.json").write_text(json.dumps(client, indent=2))
+    (flaky_app / "config" / "config_fed_client.json").write_text(json.dumps(client, indent=2))
     meta = json.loads((job / "meta.json").read_text())
     meta["deploy_map"] = {"app": ["server", "site-1", "site-2"], "app_flaky": ["site-3"]}
     (job / "meta.json").write_text(json.dumps(meta, indent=2))
     return job
 
 
+def simulate(job: Path, ws: Path, configs: Path, sites: tuple[str, ...], *, kill_after_cycle: int | None = None,
+             timeout: float = 900) -> subprocess.CompletedProcess | None:
+    """Run the simulator; with ``kill_after_cycle``, kill its whole process group once that cycle is recorded."""
+    env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(configs), "HOME": str(ws.parent / "home")}
+    env.pop("CXRFL_SITE_CONFIG", None)
+    cmd = [str(Path(sys.executable).with_name("nvflare")), "simulator", str(job), "-w", str(ws), "-c", ",".join(sites),
+           "-t", str(len(sites))]
+    if kill_after_cycle is None:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    cycles = ws / "server" / "simulate_job" / "app_server" / "cxrfl" / "cycles.jsonl"
+    with open(ws.parent / f"{ws.name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any(c.get("cycle") == kill_after_cycle and c.get("status") == "completed" for c in read_records(cycles)):
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.5)
+        proc.wait(timeout=60)
+    return None
+
+
 @pytest.fixture(scope="module")
-def simulated(tmp_path_factory, repo_root, shared_data):
+def configs(tmp_path_factory, shared_data) -> Path:
+    out = tmp_path_factory.mktemp("cwt_configs")
+    nih_site_configs(shared_data, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory, repo_root, configs):
     tmp = tmp_path_factory.mktemp("cwt_sim")
-    nih_site_configs(shared_data, tmp / "configs")
     job = small_job(repo_root, tmp)
     ws = tmp / "ws"
-    env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(tmp / "configs"), "HOME": str(tmp / "home")}
-    env.pop("CXRFL_SITE_CONFIG", None)
-    nvflare = str(Path(sys.executable).with_name("nvflare"))
-    proc = subprocess.run([nvflare, "simulator", str(job), "-w", str(ws), "-c", ",".join(SITES), "-t", "3"],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = simulate(job, ws, configs, SITES)
     app = ws / "server" / "simulate_job" / "app_server"
     if not (app / "cxrfl" / "evaluation.json").is_file():
         pytest.fail(f"simulator did not finish (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
@@ -115,9 +149,10 @@ def test_relay_order_and_the_skipped_site(simulated):
     ]
     assert "failed or timed out" in visits[2]["reason"]
     server_log = (simulated["ws"] / "server" / "log.txt").read_text()
-    assert "cycle 1: site site-3 skipped (its task failed or timed out); the model goes on to the next site unchanged" in server_log
-    cycles = [json.loads(x) for x in (simulated["app"] / "cxrfl" / "cycles.jsonl").read_text().splitlines()]
-    assert [c["cycle"] for c in cycles] == [1, 2]
+    assert ("cycle 1: site site-3 skipped (its task failed or timed out, or the site is down); the model goes on to "
+            "the next site unchanged") in server_log
+    cycles = read_records(simulated["app"] / "cxrfl" / "cycles.jsonl")
+    assert [(c["cycle"], c["status"]) for c in cycles] == [(1, "completed"), (2, "completed")]
     assert cycles[0]["trained"] == ["site-1", "site-2"] and set(cycles[0]["skipped"]) == {"site-3"}
     assert cycles[1]["trained"] == list(SITES)
 
@@ -153,3 +188,42 @@ def test_outputs_are_self_describing(simulated):
         assert 0.0 <= m["accuracy"] <= 1.0 and m["n"] > 0
     site_log = (simulated["ws"] / "site-1" / "log.txt").read_text()
     assert "site site-1 cycle 2 visit 1: 1 steps" in site_log
+
+
+# ---------------------------------------------------------------- server killed, job resumed
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, repo_root, configs):
+    tmp = tmp_path_factory.mktemp("cwt_resume")
+    sites = SITES[:2]
+    ws1, ws2 = tmp / "ws1", tmp / "ws2"
+    first = small_job(repo_root, tmp / "first", flaky=False, cycles=3, evaluate_test=False)
+    simulate(first, ws1, configs, sites, kill_after_cycle=1)
+    state = ws1 / "server" / "cxrfl_resume" / "simulate_job"
+    second = small_job(repo_root, tmp / "second", flaky=False, cycles=3, evaluate_test=False, resume_from=str(state))
+    proc = simulate(second, ws2, configs, sites)
+    saved = torch.load(state / "state.pt", map_location="cpu", weights_only=False)
+    return {"state": state, "saved": saved, "ws1": ws1, "ws2": ws2, "proc": proc,
+            "app1": ws1 / "server" / "simulate_job" / "app_server", "app2": ws2 / "server" / "simulate_job" / "app_server"}
+
+
+def test_the_killed_relay_left_its_last_completed_cycle(resumed):
+    saved = resumed["saved"]
+    first = read_records(resumed["app1"] / "cxrfl" / "cycles.jsonl")
+    assert 1 <= saved["cycle"] < 3 and saved["iteration"] == 2 * saved["cycle"]  # 2 sites x 1 step per cycle
+    assert max(c["cycle"] for c in first if c["status"] == "completed") <= saved["cycle"]  # a recorded cycle is kept
+    assert load_checkpoint(resumed["app1"] / "FL_global_model.pt")["cycle"] >= saved["cycle"]  # readable, not older
+    assert not (resumed["app1"] / "cxrfl" / "evaluation.json").exists()
+
+
+def test_the_resumed_relay_starts_from_the_saved_weights_and_ends_as_an_uninterrupted_run(resumed):
+    saved, app = resumed["saved"], resumed["app2"]
+    cycles = read_records(app / "cxrfl" / "cycles.jsonl")
+    assert cycles, resumed["proc"].stdout[-3000:] + resumed["proc"].stderr[-3000:]
+    done = saved["cycle"]
+    assert [(c["cycle"], c["status"]) for c in cycles] == [(done, "resumed")] + [(c, "completed") for c in range(done + 1, 4)]
+    visits = read_records(app / "cxrfl" / "visits.jsonl")
+    assert visits[0]["cycle"] == done + 1  # no completed cycle redone
+    assert visits[0]["sent_digest"] == visits[0]["site_received_digest"] == params_digest(to_numpy(saved["weights"]))
+    assert visits[0]["iteration"] == saved["iteration"]  # the learning-rate schedule goes on where it stopped
+    assert load_checkpoint(app / "FL_global_model.pt")["cycle"] == 3  # num_cycles, as without the interruption
+    assert not (resumed["ws2"] / "server" / "cxrfl_resume" / "simulate_job").exists()  # finished: state removed

@@ -31,17 +31,11 @@ import pytest
 import torch
 import yaml
 
-from cxrfl.deploy.cli import (
-    COMPLETED,
-    Deployment,
-    build_job,
-    find_processes,
-    free_port,
-    install_site_config,
-    prepare_kit,
-    provision,
-    terminate,
-)
+from cxrfl.deploy.admin import COMPLETED
+from cxrfl.deploy.jobs import build_job
+from cxrfl.deploy.processes import find_processes, terminate
+from cxrfl.deploy.provision import install_site_config, prepare_kit, provision
+from cxrfl.deploy.workspace import Deployment, free_port
 from cxrfl.errors import CxrflError
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.synth import write_profile
@@ -558,7 +552,7 @@ def test_poc_hospital_b_never_sees_hospital_a_only_classes(poc):
             if (package / rel).is_file() and (package / rel).read_bytes() == Path(path).read_bytes():
                 code[str(rel)] = found.pop(path)
     assert found == {}
-    assert "labels.py" in code
+    assert "data/labels.py" in code
 
 
 @pytest.mark.slow

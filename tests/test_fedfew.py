@@ -1,5 +1,7 @@
 """FedFew core: energy, hinge terms, threshold, prototypes, matching, votes (hand-computed values),
-the minimum-count rule on what a site sends, class planning, bad input, the model file."""
+the minimum-count rule on what a site sends, class planning, bad input, the model file; the
+server workflow over a scripted transport (weighted FedAvg, margins, threshold, resume from an
+interrupted run's stages, stops with a reason)."""
 
 from __future__ import annotations
 
@@ -40,9 +42,9 @@ from cxrfl.fedfew.prototypes import (
     match_prototypes,
     predict_ucs,
 )
-from cxrfl.fedfew.server import split_classes
+from cxrfl.fedfew.plan import split_classes
 from cxrfl.fedfew.ssl import SimSiam, negative_cosine, simsiam_loss
-from cxrfl.nn.models import CXRNet, ModelConfig, build_model, model_from_checkpoint, save_checkpoint
+from cxrfl.nn.models import CXRNet, ModelConfig, build_model, load_checkpoint, model_from_checkpoint, save_checkpoint
 
 
 # ----------------------------------------------------------------------------- energy score
@@ -425,7 +427,7 @@ def test_predict_prints_the_uc_outputs_of_a_fedfew_model(fedfew_checkpoint, caps
     assert "may hold a rare class" in text and "Hernia" in text and "prototype vote" in text
     assert main(["predict", "--model", str(path), str(image), "--csv"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
-    assert header == "image,Atelectasis,Cardiomegaly,energy,Hernia"
+    assert header == "image,Atelectasis,Cardiomegaly,energy,Hernia,error"  # the error column is empty for readable images
 
 
 def test_plain_checkpoint_still_predicts_every_class(tmp_path, fedfew_checkpoint, capsys):
@@ -455,44 +457,228 @@ def test_job_tasks_match_the_protocol():
     FedFewConfig.from_dict(spec.controller_args["fedfew_config"])
 
 
-# ------------------------------------------------------------------- the workflow's stops
-def _server(tmp_path, send, **kw):
+# ------------------------------------------------- the workflow over a scripted transport
+CC, UC = "Atelectasis", "Hernia"
+
+
+def _shift(params, delta):
+    return {k: (v + delta).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in params.items()}
+
+
+class ScriptedSites:
+    """Three sites answering every FedFew task with hand-chosen numbers; records what they received.
+
+    cc-1 (10 labelled images) and cc-2 (30) label the CC, uc-1 (20) the UC. A training round
+    returns the weights received + 1 (cc-1), + 3 (cc-2), + 5 (uc-1). Energies: each CC site's
+    CC images sum to -30 over 10; the UC site's in examples at -5 and -4, its out examples at -1 and 0.
+    """
+
+    SHIFT = {"cc-1": 1.0, "cc-2": 3.0, "uc-1": 5.0}
+    SAMPLES = {"cc-1": 10, "cc-2": 30, "uc-1": 20}
+
+    def __init__(self):
+        self.sent: list[tuple[str, str, dict, dict]] = []
+
+    def __call__(self, task, payloads):
+        out = {}
+        for site, (params, meta) in payloads.items():
+            self.sent.append((task, site, params, meta))
+            out[site] = self.answer(task, site, params, meta)
+        return out
+
+    def answer(self, task, site, params, meta):
+        uc_site = site == "uc-1"
+        if task == P.INFO:
+            return {}, {"info": _info([UC], [12], [120]) if uc_site else _info([CC], [40], [60])}
+        if task in (P.SSL, P.TRAIN):
+            return _shift(params, self.SHIFT[site]), {"num_samples": self.SAMPLES[site], "metrics": {"round": meta["round"]}}
+        if task == P.ENERGY:
+            e_in, e_out = ([-5.0, -4.0], [-1.0, 0.0]) if uc_site else ([], [])
+            if meta["mode"] == "means":
+                cc_in = (0.0, 0) if uc_site else (-30.0, 10)  # the UC site labels no CC
+                return {}, {"stats": {"sum_in": cc_in[0], "n_in": cc_in[1], "sum_out": sum(e_out), "n_out": len(e_out)}}
+            if meta["mode"] == "range":
+                both = e_in + e_out
+                return {}, {"stats": {"min": min(both) if both else None, "max": max(both) if both else None,
+                                      "n_in": len(e_in), "n_out": len(e_out)}}
+            return {}, {"stats": threshold_counts(e_in, e_out, meta["grid"])}
+        if task == P.PROTOTYPES:
+            return {}, {"prototypes": [DualPrototype(UC, np.ones(4), np.zeros(4), 12, 120).to_payload()], "refused": {}}
+        return {}, {"metrics": {"split": "test", "cc_mean_auroc": 0.75}}
+
+    def first(self, task):
+        return next(params for t, _, params, _ in self.sent if t == task)
+
+
+SMALL = FedFewConfig(ssl_rounds=1, warmup_rounds=1, rounds=1, ssl_proj_dim=64, ssl_pred_dim=16, threshold_bins=8)
+
+
+def _server(tmp_path, send, config=SMALL, model_config=ModelConfig(image_size=32), **kw):
     from cxrfl.fedfew.server import FedFewServer
 
     msgs = []
-    server = FedFewServer(send, sites=["a", "b"], config=FedFewConfig(), model_config=ModelConfig(image_size=32),
-                          out_dir=tmp_path, info=msgs.append, warning=msgs.append, **kw)
+    kw.setdefault("out_dir", tmp_path)
+    server = FedFewServer(send, sites=["cc-1", "cc-2", "uc-1"], config=config, model_config=model_config,
+                          info=msgs.append, warning=msgs.append, **kw)
     return server, msgs
 
 
+def _tensors(params):
+    return {k: torch.as_tensor(np.asarray(v)) for k, v in params.items()}
+
+
+def _equal(a, b):
+    a, b = _tensors(a), _tensors(b)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_workflow_averages_by_images_and_keeps_what_it_decides(tmp_path):
+    sites = ScriptedSites()
+    server, msgs = _server(tmp_path / "app", sites, resume_root=tmp_path / "resume", run_id="job-1")
+    outcome = server.run()
+    app = tmp_path / "app"
+    recs = [json.loads(line) for line in (app / "cxrfl" / "rounds.jsonl").read_text().splitlines()]
+    assert [(r["stage"], r.get("phase")) for r in recs] == [(1, None), (2, "warm-up"), (2, "energy"), (3, None)]
+    # stage 1: every site, weighted by images: + (1*10 + 3*30 + 5*20) / 60 = + 10/3
+    ssl_sent = sites.first(P.SSL)
+    stage1 = torch.load(app / "fedfew" / "stage1_ssl.pt", weights_only=True)["ssl_state"]
+    w = "backbone.conv0.weight"
+    assert torch.allclose(stage1[w], torch.as_tensor(ssl_sent[w]) + 10 / 3, atol=1e-5)
+    # stage 2 warm-up: CC sites only (the UC site has no loss without lambda): + (1*10 + 3*30) / 40 = + 2.5
+    trains = [(site, params) for t, site, params, _ in sites.sent if t == P.TRAIN]
+    assert [s for s, _ in trains] == ["cc-1", "cc-2", "cc-1", "cc-2", "uc-1"]
+    assert torch.allclose(torch.as_tensor(trains[2][1][w]), torch.as_tensor(trains[0][1][w]) + 2.5, atol=1e-5)
+    # the stage-2 encoder starts from stage 1's
+    assert torch.equal(torch.as_tensor(trains[0][1][w]), stage1[w])
+    # margins from the warm-up means: CC images -60/20 = -3, UC images (-1 + 0)/2 = -0.5, widened by 1
+    assert outcome.margins["m_in"] == pytest.approx(-4.0) and outcome.margins["m_out"] == pytest.approx(0.5)
+    # threshold: in {-5, -4}, out {-1, 0} on the grid over [-5, 0]: every choice between -4 and -1 is perfect
+    assert -4.0 < outcome.threshold < -1.0 and outcome.threshold_stats["errors"] == 0
+    (proto,) = outcome.prototypes[UC]
+    assert proto.n_positive == 12 and proto.positive.tolist() == [1.0] * 4
+    # the final model is the last aggregate, its prototypes carry no site name
+    final = load_checkpoint(outcome.final_path)
+    assert _equal(final["model"], outcome.model_state)
+    assert "site" not in final["fedfew"]["prototypes"][UC][0]
+    assert json.loads((app / "cxrfl" / "evaluation.json").read_text())["sites"]["cc-1"]["cc_mean_auroc"] == 0.75
+    assert json.loads((app / "cxrfl" / "run_config.json").read_text())["run_id"] == "job-1"
+    assert not (tmp_path / "resume" / "job-1").exists()  # finished: nothing to resume
+
+
+def _abort_after_stage(app: Path, stage: int):
+    from cxrfl.fedfew.stages import STAGE_FILES
+
+    return lambda: (app / "fedfew" / STAGE_FILES[stage]).is_file()
+
+
+def test_an_interrupted_run_resumes_from_its_last_finished_stage(tmp_path):
+    from cxrfl.common.server import RunAborted
+
+    first_sites = ScriptedSites()
+    first, _ = _server(tmp_path / "app1", first_sites, resume_root=tmp_path / "resume", run_id="job-1",
+                       aborted=_abort_after_stage(tmp_path / "app1", 2))
+    with pytest.raises(RunAborted):
+        first.run()
+    kept = tmp_path / "resume" / "job-1"
+    assert sorted(p.name for p in kept.iterdir()) == ["stage1_ssl.pt", "stage2_model.pt"]
+    interrupted = load_checkpoint(kept / "stage2_model.pt")["model"]
+
+    sites = ScriptedSites()
+    second, msgs = _server(tmp_path / "app2", sites, resume_root=tmp_path / "resume", run_id="job-2", resume_from="job-1")
+    outcome = second.run()
+    assert {t for t, *_ in sites.sent} == {P.INFO, P.ENERGY, P.PROTOTYPES, P.VALIDATE}  # no stage 1 or 2 task
+    assert _equal(sites.first(P.ENERGY), interrupted)  # the resumed run starts from the saved weights
+    assert _equal(load_checkpoint(outcome.final_path)["model"], interrupted)
+    recs = [json.loads(line) for line in (tmp_path / "app2" / "cxrfl" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in recs] == [3] and outcome.skipped_stages == [1, 2]
+    assert (tmp_path / "app2" / "fedfew" / "stage2_model.pt").read_bytes() == (kept / "stage2_model.pt").read_bytes()
+    assert any("resume: stage(s) 1-2 loaded" in m for m in msgs)
+    assert not (tmp_path / "resume" / "job-2").exists()
+
+
+def test_a_resumed_run_that_is_interrupted_again_can_be_resumed_in_turn(tmp_path):
+    from cxrfl.common.server import RunAborted
+
+    first, _ = _server(tmp_path / "app1", ScriptedSites(), resume_root=tmp_path / "resume", run_id="job-1",
+                       aborted=_abort_after_stage(tmp_path / "app1", 1))
+    with pytest.raises(RunAborted):
+        first.run()
+    second, _ = _server(tmp_path / "app2", ScriptedSites(), resume_root=tmp_path / "resume", run_id="job-2",
+                        resume_from="job-1", aborted=_abort_after_stage(tmp_path / "app2", 2))
+    with pytest.raises(RunAborted):
+        second.run()
+    assert sorted(p.name for p in (tmp_path / "resume" / "job-2").iterdir()) == ["stage1_ssl.pt", "stage2_model.pt"]
+    sites = ScriptedSites()
+    third, _ = _server(tmp_path / "app3", sites, resume_root=tmp_path / "resume", run_id="job-3", resume_from="job-2")
+    third.run()
+    assert P.SSL not in {t for t, *_ in sites.sent} and P.TRAIN not in {t for t, *_ in sites.sent}
+
+
+def test_resume_refuses_other_model_settings(tmp_path):
+    from cxrfl.common.server import RunAborted, RunStopped
+
+    first, _ = _server(tmp_path / "app1", ScriptedSites(), resume_root=tmp_path / "resume", run_id="job-1",
+                       aborted=_abort_after_stage(tmp_path / "app1", 2))
+    with pytest.raises(RunAborted):
+        first.run()
+    other, _ = _server(tmp_path / "app2", ScriptedSites(), model_config=ModelConfig(image_size=32, dropout=0.2),
+                       resume_root=tmp_path / "resume", run_id="job-2", resume_from="job-1")
+    with pytest.raises(RunStopped, match="stage2_model.pt was trained with model settings .*remove resume_from"):
+        other.run()
+
+
 def test_workflow_stops_with_a_reason_when_no_site_answers(tmp_path):
-    from cxrfl.fedfew.server import FedFewStop
+    from cxrfl.common.server import RunStopped
 
     server, msgs = _server(tmp_path, lambda task, payloads: {})
-    with pytest.raises(FedFewStop, match="no site answered the info task"):
+    with pytest.raises(RunStopped, match="no site answered the info task"):
         server.run()
-    assert any("site a gave no result" in m for m in msgs)
+    assert any("site cc-1 gave no result" in m for m in msgs)
 
 
 def test_workflow_stops_when_there_is_no_common_class(tmp_path):
-    from cxrfl.fedfew.server import FedFewStop
+    from cxrfl.common.server import RunStopped
 
     def send(task, payloads):
-        return {"a": ({}, {"info": _info(["Hernia"], [12], [120])}),
-                "b": ({}, {"info": _info(["Mass"], [0], [0], n_labelled=0)})}
+        return {"cc-1": ({}, {"info": _info(["Hernia"], [12], [120])}),
+                "cc-2": ({}, {"info": _info(["Mass"], [0], [0], n_labelled=0)})}
 
     server, msgs = _server(tmp_path, send)
-    with pytest.raises(FedFewStop, match="no common class"):
+    with pytest.raises(RunStopped, match="no common class"):
         server.run()
-    assert any("site b has no labelled training image" in m for m in msgs)
+    assert any("site cc-2 has no labelled training image" in m for m in msgs)
 
 
-def test_resume_from_a_missing_folder_is_a_clear_stop(tmp_path):
-    from cxrfl.fedfew.server import FedFewStop
+def test_resume_from_an_unknown_run_is_a_clear_stop(tmp_path):
+    from cxrfl.common.server import RunStopped
 
-    def send(task, payloads):
-        return {s: ({}, {"info": _info(["Atelectasis"], [30], [70])}) for s in payloads}
-
-    server, _ = _server(tmp_path, send, resume=tmp_path / "nowhere")
-    with pytest.raises(FedFewStop, match="resume folder .*nowhere does not exist"):
+    server, _ = _server(tmp_path, ScriptedSites(), resume_from="job-0")
+    with pytest.raises(RunStopped, match=r"resume_from='job-0': .*cxrfl_resume/job-0 does not exist; give the job id"):
         server.run()
+
+
+def test_the_old_resume_key_is_an_alias_with_a_deprecation_line(tmp_path):
+    from cxrfl.fl.fedfew import FedFew
+
+    msgs = []
+    common = dict(send=lambda t, p: {}, sites=["a"], out_dir=tmp_path / "app", run_id="job-2",
+                  resume_root=tmp_path / "resume", info=msgs.append, warning=msgs.append, aborted=lambda: False)
+    server = FedFew(resume="../earlier/fedfew").make_server(**common)
+    assert server.resume_from == str((tmp_path / "earlier" / "fedfew").resolve())
+    assert any("'resume' is deprecated" in m and "resume_from" in m for m in msgs)
+    assert FedFew(resume_from="job-1").make_server(**common).resume_from == "job-1"
+    with pytest.raises(ValueError, match="resume_from only"):
+        FedFew(resume_from="job-1", resume="x")
+
+
+def test_site_host_logs_one_line_per_task_and_tracks_the_losses():
+    from types import SimpleNamespace
+
+    host = P.SiteHost(SimpleNamespace(site="uc-1"))
+    assert set(host.tasks) == set(P.TASKS)
+    line = host.describe(P.PROTOTYPES, {}, {"prototypes": [], "refused": {"Hernia": "site uc-1: only 3 positive"}})
+    assert line == "site uc-1: sent the prototypes of no class; refused: site uc-1: only 3 positive"
+    answer = {"metrics": {"round": 2, "energy_weight": 0.1, "train_loss": 0.5, "steps": 3, "seconds": 1.25}}
+    assert host.describe(P.TRAIN, {}, answer).startswith("site uc-1 stage 2 round 2 (lambda 0.1): train_loss 0.5000")
+    assert host.scalars(P.TRAIN, answer) == ({"train_loss": 0.5}, 2)
+    assert host.scalars(P.ENERGY, {"stats": {}}) is None

@@ -1,5 +1,6 @@
 """End to end: `nvflare simulator jobs/fedfew` through all three stages on tiny data, then
-`cxrfl predict` on the final model, then a resumed run that reuses stage 1."""
+`cxrfl predict` on the final model, then a run resumed (``resume_from``) from stage files that
+reuses stages 1 and 2."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def nvflare_bin() -> str:
     return str(Path(sys.executable).with_name("nvflare"))
 
 
-def small_job(repo_root: Path, out: Path, name: str, resume: str | None = None) -> Path:
+def small_job(repo_root: Path, out: Path, name: str, resume_from: str | None = None) -> Path:
     """The real jobs/fedfew with one short round per stage at 32x32."""
     job = out / name
     shutil.copytree(repo_root / "jobs" / "fedfew", job)
@@ -38,7 +39,7 @@ def small_job(repo_root: Path, out: Path, name: str, resume: str | None = None) 
     args["fedfew_config"].update(ssl_rounds=1, ssl_max_steps=1, ssl_batch_size=8, ssl_proj_dim=64, ssl_pred_dim=16,
                                  warmup_rounds=1, rounds=1, batch_size=16, max_steps_per_epoch=1, min_prototype_images=2,
                                  threshold_bins=64, eval_batch_size=64)
-    args["resume"] = resume
+    args["resume_from"] = resume_from
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return job
 
@@ -120,7 +121,7 @@ def test_resume_reuses_finished_stages(simulated, repo_root):
     earlier.mkdir()
     for name in ("stage1_ssl.pt", "stage2_model.pt"):
         shutil.copy2(simulated["app"] / "fedfew" / name, earlier / name)
-    proc = simulate(small_job(repo_root, tmp, "fedfew-resume", resume=str(earlier)), tmp / "ws2", simulated["data"], tmp / "home")
+    proc = simulate(small_job(repo_root, tmp, "fedfew-resume", resume_from=str(earlier)), tmp / "ws2", simulated["data"], tmp / "home")
     app = tmp / "ws2" / "server" / "simulate_job" / "app_server"
     assert (app / "FL_global_model.pt").is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["stage"] for r in records(app)] == [3]  # stages 1 and 2 were loaded, not run

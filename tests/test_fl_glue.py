@@ -1,4 +1,5 @@
-"""NVFlare glue without a running federation: config resolution and the aggregator component."""
+"""NVFlare glue without a running federation: config resolution, the aggregator component, the
+surgical workflow's arguments."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 
 from cxrfl.errors import ConfigError
 from cxrfl.fl.aggregator import SurgicalAggregator
-from cxrfl.fl.executor import LOCAL_CONFIG_NAME, resolve_site_config
+from cxrfl.fl.site_config import LOCAL_CONFIG_NAME, resolve_site_config
 
 
 def test_site_config_resolution_order(tmp_path, monkeypatch):
@@ -128,7 +129,7 @@ def test_aggregator_checks_while_summing_and_falls_back_after_a_partly_added_upd
         agg.expect(shapes, {"a": ["x"], "b": ["x"], "c": ["x"]})
         assert agg.accept_model(results[0]) and not agg.accept_model(bad)
         assert agg.rejected["b"] == "site b: non-finite values (NaN or Inf) in 'body.w'"
-        assert agg._running is not None and not agg._running.usable
+        assert agg.core.running is not None and not agg.core.running.usable
         assert agg.accept_model(results[2])
         out = agg.aggregate_model()
         ups = [{"site": r.meta["client_name"], "classes": ["x"], "params": r.params, "num_samples": r.meta["num_samples"]}
@@ -138,10 +139,40 @@ def test_aggregator_checks_while_summing_and_falls_back_after_a_partly_added_upd
             np.testing.assert_array_equal(out.params[k], want[k], err_msg=k)
         clean = SurgicalAggregator(weighting=weighting)  # all valid: the sum fed at accept time is used
         clean.expect(shapes, {"a": ["x"], "b": ["x"], "c": ["x"]})
-        assert all(clean.accept_model(r) for r in results) and clean._running.usable
+        assert all(clean.accept_model(r) for r in results) and clean.core.running.usable
         out = clean.aggregate_model()
         ups = [{"site": r.meta["client_name"], "classes": ["x"], "params": r.params, "num_samples": r.meta["num_samples"]}
                for r in results]
         want, _ = surgical_aggregate(ups, weighting=weighting)
         for k in want:
             np.testing.assert_array_equal(out.params[k], want[k], err_msg=k)
+
+
+def test_every_surgical_job_builds_its_workflow_with_the_exported_settings(repo_root):
+    import json
+
+    from cxrfl.fl import controller, executor
+    from cxrfl.fl.surgical import SiteExecutor, SurgicalAggregation
+    from cxrfl.jobs import JOBS, SURGICAL
+
+    assert controller.SurgicalAggregation is SurgicalAggregation and executor.SiteExecutor is SiteExecutor  # old paths
+    specs = [spec for spec in JOBS if spec.controller == SURGICAL]
+    assert len(specs) >= 5
+    for spec in specs:
+        server = json.loads((repo_root / "jobs" / spec.name / "app" / "config" / "config_fed_server.json").read_text())
+        args = server["workflows"][0]["args"]
+        workflow = SurgicalAggregation(**args)
+        expected = {k: v for k, v in args.items() if k != "task_timeout"}
+        assert workflow.config.to_dict() == expected, spec.name
+        assert workflow.task_timeout == args["task_timeout"]
+
+
+def test_bad_workflow_settings_fail_at_construction_naming_the_key():
+    from cxrfl.fl.surgical import SurgicalAggregation
+
+    with pytest.raises(ConfigError, match="surgical.head_mode must be one of"):
+        SurgicalAggregation(head_mode="everything")
+    with pytest.raises(ConfigError, match="robust='clip' needs a positive clip_norm"):
+        SurgicalAggregation(robust="clip")
+    with pytest.raises(ValueError, match="task_timeout"):
+        SurgicalAggregation(task_timeout=-1)

@@ -1,27 +1,33 @@
 """Head modes (the papers' federated baselines): payloads, aggregation, site learners, and the
-in-process federated loop the benchmark uses (small synthetic sites, 32x32)."""
+surgical-aggregation server loop run in process for each mode (small synthetic sites, 32x32)."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
-from cxrfl.surgical.aggregation import surgical_aggregate
-from cxrfl.bench.federated import initial_state, run_federated
+from cxrfl.common.io import to_numpy
 from cxrfl.data.site import SiteData, load_site
-from cxrfl.surgical.head_modes import PLACEHOLDER_CLASS, aggregate, payload_for
-from cxrfl.nn.models import HEAD_PREFIX, ModelConfig
+from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, load_checkpoint
+from cxrfl.nn.training import TrainConfig
+from cxrfl.surgical.aggregation import aggregate, surgical_aggregate
+from cxrfl.surgical.config import SurgicalConfig
+from cxrfl.surgical.head_modes import PLACEHOLDER_CLASS, payload_for
+from cxrfl.surgical.inprocess import global_model, run_surgical
 from cxrfl.surgical.learner import SiteLearner
 from cxrfl.synth import write_profile
-from cxrfl.nn.training import TrainConfig
 
 MODEL = ModelConfig(image_size=32)
 TRAIN = TrainConfig(lr=1e-3, warmup_lr=5e-3, warmup_epochs=1, batch_size=8, max_steps_per_epoch=1, augment=False, seed=0)
 W, B = HEAD_PREFIX + "weight", HEAD_PREFIX + "bias"
+
+
+def initial_state(model: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """The initial feature extractor the server builds for ``seed`` (what the warm-up receives)."""
+    torch.manual_seed(seed)
+    return {k: v for k, v in to_numpy(build_model(model, 1).state_dict()).items() if not k.startswith(HEAD_PREFIX)}
 
 
 def fake(site: str, classes: list[str], body: float, rows: list[float] | None = None) -> dict:
@@ -140,10 +146,11 @@ def test_surgical_site_refuses_a_head_for_other_classes(sites, tmp_path):
         learner.train_round(params, 1, classes=["Hernia"])
 
 
-# ------------------------------------------------------------------ the federated loop
-def _run(sites, tmp_path, **kw):
-    defaults = {"head_mode": "surgical", "missing": "negative", "batchnorm": "fedavg", "train_config": TRAIN, "rounds": 1}
-    return run_federated(sites, model_config=MODEL, init=initial_state(MODEL, 0), workdir=tmp_path, **{**defaults, **kw})
+# ------------------------------------------------------------------ the server loop, in process
+def _run(sites, tmp_path, rounds: int = 1, **kw):
+    config = SurgicalConfig(num_rounds=rounds, min_clients=len(sites), model_config=MODEL, train_config=TRAIN,
+                            min_clients_timeout=0, evaluate_test=False, seed=0, **kw)
+    return run_surgical(sites, config, tmp_path)
 
 
 def test_vanilla_fl_with_identical_label_sets_equals_surgical_aggregation(sites, tmp_path):
@@ -153,14 +160,15 @@ def test_vanilla_fl_with_identical_label_sets_equals_surgical_aggregation(sites,
     for missing in ("negative", "ignore"):  # vanilla FL and FL with partial loss
         union = _run(same, tmp_path / missing, head_mode="union", missing=missing)
         assert union.classes == surgical.classes == shared
-        assert union.val_loss == pytest.approx(surgical.val_loss, abs=1e-6)
-        for k, v in surgical.global_state.items():
-            np.testing.assert_allclose(union.global_state[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+        assert union.curve("mean_val_loss") == pytest.approx(surgical.curve("mean_val_loss"), abs=1e-6)
+        assert union.best_round == surgical.best_round
+        for k, v in surgical.outcome.best_params.items():
+            np.testing.assert_allclose(union.outcome.best_params[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_personalized_fl_sends_only_the_feature_extractor(sites, tmp_path):
     res = _run(sites, tmp_path / "pfl", head_mode="local", batchnorm="fedbn")
-    assert res.classes == [] and not any(k.startswith(HEAD_PREFIX) for k in res.global_state)
+    assert res.classes == [] and not any(k.startswith(HEAD_PREFIX) for k in res.outcome.best_params)
     assert set(res.site_states) == {s.site for s in sites}
     for s in sites:
         assert res.site_states[s.site][W].shape[0] == len(s.classes)
@@ -172,20 +180,26 @@ def test_personalized_fl_sends_only_the_feature_extractor(sites, tmp_path):
         assert res.comm[s.site]["up"] == res.comm[s.site]["down"]
 
 
-def test_one_site_run_is_local_training(sites, tmp_path):
-    res = _run(sites[:1], tmp_path, rounds=2)
-    assert res.classes == sorted(sites[0].classes) and len(res.val_loss) == 3  # models of rounds 0, 1, 2
-    assert 0 <= res.best_round <= 2
+def test_one_site_run_is_local_training_and_selects_the_lowest_validation_loss(sites, tmp_path):
+    res = _run(sites[:1], tmp_path, rounds=2, min_delta=0.0, patience=5)
+    assert res.classes == sorted(sites[0].classes)
+    losses = res.curve("mean_val_loss")
+    assert [p["round"] for p in res.outcome.curve] == [0, 1, 2]  # the models of rounds 0, 1 and 2 were scored
+    assert res.best_round == int(np.argmin(losses))
+    best = load_checkpoint(tmp_path / "best_FL_global_model.pt")
+    assert best["round"] == res.best_round and best["mean_val_loss"] == pytest.approx(min(losses))
+    if res.best_round > 0:
+        chosen = load_checkpoint(tmp_path / "cxrfl" / "checkpoints" / f"round_{res.best_round:03d}.pt")
+        for k, v in chosen["model"].items():
+            torch.testing.assert_close(best["model"][k], v, msg=k)
 
 
 def test_fedbn_plus_global_model_keeps_the_initial_statistics(sites, tmp_path):
-    from cxrfl.bench.federated import global_model
-    from cxrfl.nn.models import batchnorm_keys
-
     init = initial_state(MODEL, 0)
-    res = _run(sites, tmp_path, batchnorm="fedbn+", train_config=replace(TRAIN, augment=False))
-    model = global_model(res, MODEL, init)
+    res = _run(sites, tmp_path, batchnorm="fedbn+")
+    model = global_model(res, MODEL)
     state = model.state_dict()
-    for k in batchnorm_keys(model):
-        if k in init:
-            np.testing.assert_array_equal(state[k].numpy(), init[k], err_msg=k)
+    keys = [k for k in batchnorm_keys(model) if k in init]
+    assert keys
+    for k in keys:
+        np.testing.assert_array_equal(state[k].numpy(), init[k], err_msg=k)

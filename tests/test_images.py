@@ -78,29 +78,46 @@ def test_dicom_without_suffix_is_recognised(tmp_path: Path, raw16: np.ndarray) -
     assert read_image(path).max() == pytest.approx(1.0)
 
 
-def test_png_8_bit_16_bit_rgb_rgba_and_jpeg(tmp_path: Path) -> None:
+def own_range(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return (x - x.min()) / (x.max() - x.min())
+
+
+def test_png_8_bit_16_bit_rgb_rgba_and_jpeg_use_their_own_range(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
-    gray = rng.integers(0, 256, (16, 12), dtype=np.uint8)
+    gray = rng.integers(20, 231, (16, 12), dtype=np.uint8)  # does not span 0 .. 255
     Image.fromarray(gray).save(tmp_path / "g8.png")
-    np.testing.assert_allclose(read_image(tmp_path / "g8.png"), gray / 255.0, atol=1e-7)
+    np.testing.assert_allclose(read_image(tmp_path / "g8.png"), (gray - 20.0) / 210.0, atol=1e-6)
 
     deep = rng.integers(0, 65536, (16, 12), dtype=np.uint16)
     Image.fromarray(deep).save(tmp_path / "g16.png")
     assert Image.open(tmp_path / "g16.png").mode.startswith("I")
-    np.testing.assert_allclose(read_image(tmp_path / "g16.png"), deep / 65535.0, atol=1e-7)
+    np.testing.assert_allclose(read_image(tmp_path / "g16.png"), own_range(deep), atol=1e-6)
 
     same = np.stack([gray] * 3, axis=-1)
     Image.fromarray(same).save(tmp_path / "rgb.png")
-    np.testing.assert_allclose(read_image(tmp_path / "rgb.png"), gray / 255.0, atol=1e-7)
+    np.testing.assert_allclose(read_image(tmp_path / "rgb.png"), own_range(gray), atol=1e-6)
 
     colour = rng.integers(0, 256, (16, 12, 4), dtype=np.uint8)
     Image.fromarray(colour, mode="RGBA").save(tmp_path / "rgba.png")
-    luminance = np.asarray(Image.open(tmp_path / "rgba.png").convert("L")) / 255.0
-    np.testing.assert_allclose(read_image(tmp_path / "rgba.png"), luminance, atol=1e-7)
+    luminance = np.asarray(Image.open(tmp_path / "rgba.png").convert("L"))
+    np.testing.assert_allclose(read_image(tmp_path / "rgba.png"), own_range(luminance), atol=1e-6)
 
     Image.fromarray(gray).save(tmp_path / "g.jpg", quality=95)
-    decoded = np.asarray(Image.open(tmp_path / "g.jpg")) / 255.0
-    np.testing.assert_allclose(read_image(tmp_path / "g.jpg"), decoded, atol=1e-7)
+    decoded = np.asarray(Image.open(tmp_path / "g.jpg"))
+    np.testing.assert_allclose(read_image(tmp_path / "g.jpg"), own_range(decoded), atol=1e-6)
+
+    Image.fromarray(np.full((8, 8), 77, dtype=np.uint8)).save(tmp_path / "flat.png")
+    assert not read_image(tmp_path / "flat.png").any()  # a constant image is all 0
+
+
+def test_16_bit_png_of_12_bit_data_is_not_dark(tmp_path: Path) -> None:
+    ramp = np.linspace(100, 4000, 64 * 64).reshape(64, 64).astype(np.uint16)  # 12-bit data in 16 bits
+    Image.fromarray(ramp).save(tmp_path / "d12.png")
+    Image.fromarray(np.round(ramp / 4000 * 255).astype(np.uint8)).save(tmp_path / "d8.png")
+    deep, eight = read_image(tmp_path / "d12.png"), read_image(tmp_path / "d8.png")
+    assert deep.max() == 1.0 and abs(float(deep.mean()) - 0.5) < 0.01  # not 4000 / 65535 = 0.06 at most
+    np.testing.assert_allclose(deep, eight, atol=1 / 255)
 
 
 def test_corrupt_truncated_and_missing_images_name_the_file(tmp_path: Path) -> None:
@@ -120,17 +137,43 @@ def test_corrupt_truncated_and_missing_images_name_the_file(tmp_path: Path) -> N
     assert info.value.reason == "missing"
 
 
+def write_twin(png: Path, path: Path, bits: int) -> Path:
+    """A MONOCHROME1 DICOM (no window) written from an 8-bit PNG, ``bits`` bits stored in 16."""
+    gray = np.asarray(Image.open(png).convert("L")).astype(np.float64)
+    stored = np.round((255.0 - gray) * ((2**bits - 1) / 255.0))  # MONOCHROME1: bright bone = low values
+    return write_dicom(path, stored, "MONOCHROME1", BitsStored=bits, HighBit=bits - 1)
+
+
+@pytest.mark.parametrize("bits", [16, 12])
+def test_real_png_and_its_monochrome1_dicom_twin_give_the_same_model_input(tmp_path: Path, shared_data: Path,
+                                                                           bits: int) -> None:
+    transform = build_transforms(64, train=False)
+    std = torch.tensor(IMAGENET_STD)[:, None, None]
+    for png in sorted((shared_data / "nih1000" / "images").glob("*.png"))[:5]:
+        gray = np.asarray(Image.open(png).convert("L"))
+        assert np.abs(gray / 255.0 - own_range(gray)).max() > 0.02  # a PNG / 255 would differ from the DICOM
+        dcm = write_twin(png, tmp_path / f"{png.stem}.dcm", bits)
+        assert np.abs(read_image(png) - read_image(dcm)).max() <= 1 / 255
+        model_input = (transform(str(png)) - transform(str(dcm))) * std  # back in intensity units
+        assert float(model_input.abs().max()) <= 1 / 255
+
+
 # ---------------------------------------------------------------- transforms
 
 
 def test_eval_transform_shape_and_imagenet_normalisation(tmp_path: Path) -> None:
-    Image.fromarray(np.full((40, 50), 51, dtype=np.uint8)).save(tmp_path / "flat.png")  # 51/255 = 0.2
-    out = build_transforms(32, train=False)(str(tmp_path / "flat.png"))
+    halves = np.zeros((40, 50), dtype=np.uint8)
+    halves[:, 25:] = 90  # own range: the left half 0, the right half 1; mean 0.5
+    Image.fromarray(halves).save(tmp_path / "halves.png")
+    out = build_transforms(32, train=False)(str(tmp_path / "halves.png"))
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == (3, 32, 32)
-    expected = torch.tensor([(0.2 - m) / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)])
+    expected = torch.tensor([(0.5 - m) / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)])
     torch.testing.assert_close(out.mean(dim=(1, 2)), expected, atol=1e-5, rtol=0)
-    torch.testing.assert_close(out.std(dim=(1, 2)), torch.zeros(3), atol=1e-5, rtol=0)
-    single = build_transforms(16, train=False, in_channels=1)(str(tmp_path / "flat.png"))
+    torch.testing.assert_close(out[:, :, 0], ((0.0 - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD))[:, None]
+                               .expand(3, 32), atol=1e-5, rtol=0)
+    already_read = build_transforms(32, train=False)(read_image(tmp_path / "halves.png"))
+    assert torch.equal(already_read, out)
+    single = build_transforms(16, train=False, in_channels=1)(str(tmp_path / "halves.png"))
     assert single.shape == (1, 16, 16)
     with pytest.raises(ValueError, match="in_channels"):
         build_transforms(16, train=False, in_channels=2)
@@ -158,7 +201,9 @@ def test_train_transform_augments_reproducibly(tmp_path: Path) -> None:
 def table(tmp_path: Path) -> pd.DataFrame:
     rows = []
     for i in range(6):
-        Image.fromarray(np.full((20, 20), 40 * i, dtype=np.uint8)).save(tmp_path / f"{i}.png")
+        stripe = np.zeros((20, 20), dtype=np.uint8)
+        stripe[3 * i: 3 * i + 3] = 200  # a different image each, whatever the intensity policy
+        Image.fromarray(stripe).save(tmp_path / f"{i}.png")
         rows.append({"path": str(tmp_path / f"{i}.png"), "patient": str(i), "A": float(i % 2),
                      "B": math.nan if i == 0 else 1.0})
     return pd.DataFrame(rows)

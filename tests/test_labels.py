@@ -7,6 +7,7 @@ import pytest
 from cxrfl.data.labels import (
     CHEXPERT_CLASSES,
     KNOWN_CLASSES,
+    LabelConflictError,
     NIH_CLASSES,
     NIH_COLUMN_NAMES,
     NO_FINDING,
@@ -67,3 +68,14 @@ def test_harmonise_label_map_and_new_classes() -> None:
 def test_harmonise_rejects_two_columns_for_one_class() -> None:
     with pytest.raises(UnknownLabelError, match="'Effusion' and 'Pleural Effusion' both mean 'Pleural Effusion'"):
         harmonise(["Effusion", "Pleural Effusion"])
+
+
+def test_a_conflict_names_both_labels_and_a_fix_that_keeps_the_class() -> None:
+    with pytest.raises(LabelConflictError) as info:
+        harmonise(["Mass", "Infiltration", "Pneumonia"], {"Infiltration": "Pneumonia"}, kind="findings")
+    error = info.value
+    assert (error.first, error.second, error.label) == ("Infiltration", "Pneumonia", "Pneumonia")
+    assert str(error) == ("findings 'Infiltration' and 'Pneumonia' both mean 'Pneumonia'; keep one of them: "
+                          "drop: ['Pneumonia'] in the site config keeps 'Infiltration' as 'Pneumonia'.")
+    assert harmonise(["Mass", "Infiltration"], {"Infiltration": "Pneumonia"}) == {"Mass": "Mass",
+                                                                                  "Infiltration": "Pneumonia"}

@@ -5,10 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
+from pydicom.data import get_testdata_file
 
 from cxrfl.cli import main
 from cxrfl.data.transforms import build_transforms
@@ -27,7 +30,7 @@ def checkpoint(tmp_path):
     return path, model, config
 
 
-def write_dicom(path, pixels: np.ndarray) -> None:
+def write_dicom(path, pixels: np.ndarray, photometric: str = "MONOCHROME2", bits: int = 12) -> None:
     from pydicom.dataset import FileDataset, FileMetaDataset
     from pydicom.uid import ExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
 
@@ -37,10 +40,10 @@ def write_dicom(path, pixels: np.ndarray) -> None:
     meta.TransferSyntaxUID = ExplicitVRLittleEndian
     ds = FileDataset(str(path), {}, file_meta=meta, preamble=b"\0" * 128)
     ds.SOPClassUID, ds.SOPInstanceUID = meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID
-    ds.Modality, ds.PhotometricInterpretation = "DX", "MONOCHROME2"
+    ds.Modality, ds.PhotometricInterpretation = "DX", photometric
     ds.Rows, ds.Columns = pixels.shape
-    ds.SamplesPerPixel, ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 1, 16, 12, 11, 0
-    ds.PixelData = pixels.astype(np.uint16).tobytes()
+    ds.SamplesPerPixel, ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 1, 16, bits, bits - 1, 0
+    ds.PixelData = np.round(pixels).astype(np.uint16).tobytes()
     ds.save_as(str(path), enforce_file_format=True)
 
 
@@ -65,7 +68,7 @@ def test_predict_prints_every_class_for_png_and_dicom(checkpoint, shared_data, t
 
     assert main(["predict", "--model", str(path), str(png), "--csv"]) == 0
     table = list(csv.reader(io.StringIO(capsys.readouterr().out)))
-    assert table[0] == ["image", *CLASSES] and len(table) == 2
+    assert table[0] == ["image", *CLASSES, "error"] and len(table) == 2 and table[1][-1] == ""
 
     assert main(["predict", "--model", str(path), str(png)]) == 0
     out = capsys.readouterr().out
@@ -74,9 +77,78 @@ def test_predict_prints_every_class_for_png_and_dicom(checkpoint, shared_data, t
 
 def test_predict_names_a_missing_image(checkpoint, tmp_path, capsys):
     path, _, _ = checkpoint
-    assert main(["predict", "--model", str(path), str(tmp_path / "nope.png")]) == 2
-    err = capsys.readouterr().err
-    assert "nope.png" in err and err.count("\n") == 1
+    assert main(["predict", "--model", str(path), str(tmp_path / "nope.png")]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == f"cxrfl: cannot read image {tmp_path / 'nope.png'}: missing\n" and captured.out == ""
+
+
+def bad_images(shared_data, tmp_path) -> dict:
+    """Unreadable files as a hospital meets them, each with a word its reason must contain."""
+    data = sorted((shared_data / "nih1000" / "images").glob("*.png"))[1].read_bytes()
+    (tmp_path / "truncated.png").write_bytes(data[: len(data) // 2])
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "text.png").write_text("not an image\n")
+    files = {tmp_path / "truncated.png": "truncated", tmp_path / "empty.png": "cannot identify",
+             tmp_path / "text.png": "cannot identify", tmp_path / "absent.png": "missing"}
+    for name, reason in (("MR_truncated.dcm", "less than expected"), ("rtplan.dcm", "no pixel data"),
+                         ("rtdose.dcm", "multi-frame"), ("JPEG-lossy.dcm", "Unable to decode")):
+        files[Path(get_testdata_file(name))] = reason  # pydicom's own test files
+    return files
+
+
+def test_predict_mixed_batch_predicts_the_good_and_names_each_bad_image(checkpoint, shared_data, tmp_path, capsys):
+    path, model, config = checkpoint
+    good = [sorted((shared_data / "nih1000" / "images").glob("*.png"))[0],
+            Path(get_testdata_file("MR_small_jpeg_ls_lossless.dcm"))]  # JPEG-LS: needs the declared plugins
+    bad = bad_images(shared_data, tmp_path)
+    images = [good[0], *list(bad)[:4], good[1], *list(bad)[4:]]
+    transform = build_transforms(config.image_size, train=False)
+    model.eval()
+    with torch.no_grad():
+        expected = {str(g): torch.sigmoid(model(transform(str(g)).unsqueeze(0))).squeeze(0).tolist() for g in good}
+
+    assert main(["predict", "--model", str(path), *map(str, images), "--json"]) == 1
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)
+    assert [r["image"] for r in rows] == [str(i) for i in images]
+    for r in rows:
+        if r["image"] in expected:
+            np.testing.assert_allclose(list(r["probabilities"].values()), expected[r["image"]], rtol=1e-5)
+        else:
+            assert set(r) == {"image", "error"} and bad[Path(r["image"])] in r["error"]
+    lines = captured.err.splitlines()
+    assert len(lines) == len(bad) and "Traceback" not in captured.err and "applying transform" not in captured.err
+    for line, image in zip(lines, bad):
+        assert line.startswith(f"cxrfl: cannot read image {image}: ") and bad[image] in line
+
+    assert main(["predict", "--model", str(path), *map(str, images), "--csv"]) == 1
+    table = list(csv.reader(io.StringIO(capsys.readouterr().out)))
+    assert table[0] == ["image", *CLASSES, "error"] and len(table) == 1 + len(images)
+    for row in table[1:]:
+        if row[0] in expected:
+            assert row[-1] == "" and [float(v) for v in row[1:-1]] == pytest.approx(expected[row[0]], abs=1e-4)
+        else:
+            assert row[1:-1] == [""] * len(CLASSES) and bad[Path(row[0])] in row[-1]
+
+    assert main(["predict", "--model", str(path), *map(str, images)]) == 1
+    captured = capsys.readouterr()
+    assert all(str(g) in captured.out for g in good) and not any(str(b) in captured.out for b in bad)
+    assert len(captured.err.splitlines()) == len(bad)
+
+
+def test_predict_gives_a_png_and_its_monochrome1_dicom_twin_the_same_probabilities(checkpoint, shared_data,
+                                                                                   tmp_path, capsys):
+    path, _, _ = checkpoint
+    pngs = sorted((shared_data / "nih1000" / "images").glob("*.png"))[:3]
+    twins = []
+    for png in pngs:
+        gray = np.asarray(Image.open(png).convert("L")).astype(np.float64)
+        twins.append(tmp_path / f"{png.stem}.dcm")
+        write_dicom(twins[-1], (255.0 - gray) * 257.0, photometric="MONOCHROME1", bits=16)
+    assert main(["predict", "--model", str(path), *map(str, pngs + twins), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    for a, b in zip(rows[: len(pngs)], rows[len(pngs):]):
+        np.testing.assert_allclose(list(a["probabilities"].values()), list(b["probabilities"].values()), atol=0.01)
 
 
 def test_predict_refuses_a_file_that_is_not_a_checkpoint(tmp_path, capsys):

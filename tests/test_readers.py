@@ -3,8 +3,10 @@ NIH, generic CSV), and their error messages."""
 
 from __future__ import annotations
 
+import ast
 import csv
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -341,3 +343,117 @@ def test_missing_empty_and_malformed_label_files(tmp_path: Path) -> None:
                                                                               "Mass": "0"}])
     with pytest.raises(DataError, match=r"split\.csv, line 3, column 'split': split 'hold-out'"):
         read_labels(config({"format": "csv", "labels": bad_split, "images": tmp_path, "split_column": "split"}))
+
+
+# ---------------------------------------------------------------- label spelling variants and conflicts (NIH, CSV)
+
+def follow_advice(message: str) -> list[str]:
+    """The ``drop: [...]`` an error message tells the user to write."""
+    match = re.search(r"drop: (\[[^\]]*\])", message)
+    assert match, f"no drop advice in {message!r}"
+    return ast.literal_eval(match.group(1))
+
+
+def test_nih_variants_of_a_known_finding_are_read_as_it_with_one_warning(tmp_path: Path) -> None:
+    labels = write_nih(tmp_path / "d.csv", [
+        "a.png,Effusion,0,1,57,M,PA,1,1,0.1,0.1",
+        "b.png,effusion|Mass,0,2,57,M,PA,1,1,0.1,0.1",
+        "c.png,Pleural Effusion,0,3,57,M,PA,1,1,0.1,0.1",
+        "d.png,CARDIOMEGALY|pleural thickening,0,4,57,M,PA,1,1,0.1,0.1",
+        "e.png,no finding,0,5,57,M,PA,1,1,0.1,0.1",
+        "f.png,Infiltrate|effusion,0,6,57,M,PA,1,1,0.1,0.1",
+    ])
+    table = read_labels(config({"format": "nih", "labels": labels, "images": tmp_path}))
+    assert list(table.columns[2:]) == list(NIH_CLASSES)  # no extra class, no conflict
+    expected = {"Pleural Effusion": [1, 1, 1, 0, 0, 1], "Mass": [0, 1, 0, 0, 0, 0], "Cardiomegaly": [0, 0, 0, 1, 0, 0],
+                "Pleural Thickening": [0, 0, 0, 1, 0, 0], "Infiltration": [0, 0, 0, 0, 0, 1]}
+    assert {c: table[c].tolist() for c in expected} == expected
+    assert table[list(NIH_CLASSES)].sum(axis=1).tolist() == [1, 2, 1, 2, 0, 2]
+    [warning] = table.attrs["problems"]
+    assert warning.startswith(f"{labels}: 5 row(s) spell a finding of 'Finding Labels' differently")
+    for part in ("'effusion' as 'Effusion' (2 row(s), line(s) 3, 7)", "'Pleural Effusion' as 'Effusion' (1 row(s), "
+                 "line(s) 4)", "'CARDIOMEGALY' as 'Cardiomegaly'", "'pleural thickening' as 'Pleural_Thickening'",
+                 "'no finding' as 'No Finding' (1 row(s), line(s) 6)", "'Infiltrate' as 'Infiltration'"):
+        assert part in warning
+
+
+def test_real_nih_file_with_variant_spellings_reads_the_same_labels(shared_data: Path, tmp_path: Path) -> None:
+    source = shared_data / "nih1000" / "Data_Entry_2017_v2020.csv"
+    lines = source.read_text().splitlines()
+    variants = ["effusion", "Pleural Effusion", "EFFUSION", "pleural_effusion"]
+    changed = []
+    for i, line in enumerate(lines[1:], start=2):
+        name, labels, rest = line.split(",", 2)
+        if "Effusion" in labels.split("|") and len(changed) < 40:
+            labels = labels.replace("Effusion", variants[len(changed) % 4])
+            changed.append(i)
+        lines[i - 1] = f"{name},{labels},{rest}"
+    (tmp_path / "variants.csv").write_text("\n".join(lines) + "\n")
+    original = read_labels(config({"format": "nih", "labels": source, "images": tmp_path}))
+    rewritten = read_labels(config({"format": "nih", "labels": tmp_path / "variants.csv", "images": tmp_path}))
+    assert len(changed) == 40 and original.equals(rewritten)
+    [warning] = rewritten.attrs["problems"]
+    assert "40 row(s)" in warning and f"line(s) {changed[0]}, " in warning
+    assert original.attrs["problems"] == []
+
+
+def test_nih_findings_that_label_map_merges_name_the_line_and_the_advice_keeps_the_class(tmp_path: Path) -> None:
+    labels = write_nih(tmp_path / "d.csv", [
+        "a.png,Infiltration,0,1,57,M,PA,1,1,0.1,0.1",
+        "b.png,Mass,0,2,57,M,PA,1,1,0.1,0.1",
+        "c.png,Pneumonia|Mass,0,3,57,M,PA,1,1,0.1,0.1",
+    ])
+    dataset = {"format": "nih", "labels": labels, "images": tmp_path}
+    with pytest.raises(DataError) as info:
+        read_labels(config(dataset, label_map={"Infiltration": "Pneumonia"}))
+    message = str(info.value)
+    assert message.startswith(f"{labels}, line 4, column 'Finding Labels': findings 'Infiltration' and 'Pneumonia' "
+                              "both mean 'Pneumonia'") and "label columns" not in message and "\n" not in message
+    fixed = read_labels(config(dataset, label_map={"Infiltration": "Pneumonia"}, drop=follow_advice(message)))
+    assert "Pneumonia" in fixed.columns and "Infiltration" not in fixed.columns
+    assert fixed["Pneumonia"].tolist() == [1.0, 0.0, 0.0]  # Infiltration's rows: the advice dropped 'Pneumonia'
+    assert fixed.attrs["problems"] == []
+
+
+@pytest.mark.parametrize("second", ["Pleural Effusion", "effusion"])
+def test_two_csv_columns_for_one_class_name_the_header_and_the_advice_keeps_the_class(tmp_path: Path,
+                                                                                      second: str) -> None:
+    labels = write_rows(tmp_path / "labels.csv", ["path", "Effusion", second, "Mass"],
+                        [{"path": "a.png", "Effusion": "1", second: "0", "Mass": "0"},
+                         {"path": "b.png", "Effusion": "0", second: "1", "Mass": "1"}])
+    dataset = {"format": "csv", "labels": labels, "images": tmp_path}
+    with pytest.raises(DataError) as info:
+        read_labels(config(dataset))
+    message = str(info.value)
+    assert message.startswith(f"{labels}, line 1 (the header): label columns 'Effusion' and {second!r} both mean "
+                              "'Pleural Effusion'")
+    assert follow_advice(message) == [second]
+    fixed = read_labels(config(dataset, drop=follow_advice(message)))
+    assert list(fixed.columns) == ["path", "patient", "Pleural Effusion", "Mass"]
+    assert fixed["Pleural Effusion"].tolist() == [1.0, 0.0]  # the 'Effusion' column, kept
+    assert fixed.attrs["problems"] == []
+
+
+def test_a_drop_that_removes_a_class_by_another_spelling_says_so(tmp_path: Path) -> None:
+    labels = write_nih(tmp_path / "d.csv", ["a.png,effusion|Mass,0,1,57,M,PA,1,1,0.1,0.1"])
+    table = read_labels(config({"format": "nih", "labels": labels, "images": tmp_path}, drop=["effusion", "Cyst"]))
+    assert "Pleural Effusion" not in table.columns and table["Mass"].tolist() == [1.0]
+    variants, removed, unmatched = table.attrs["problems"]
+    assert "'effusion' as 'Effusion'" in variants
+    assert removed == f"drop 'effusion' removed label(s) 'Effusion' of {labels} (class 'Pleural Effusion')"
+    assert unmatched == f"drop 'Cyst' matches no label of {labels}"
+
+
+# ---------------------------------------------------------------- Windows paths (generic CSV)
+
+def test_generic_csv_accepts_windows_separators(tmp_path: Path) -> None:
+    write_image(tmp_path / "img" / "a.png")
+    write_image(tmp_path / "img" / "ward 3" / "b.png", 50)
+    labels = write_rows(tmp_path / "labels.csv", ["path", "Mass"],
+                        [{"path": "a.png", "Mass": "1"}, {"path": "ward 3\\b.png", "Mass": "0"}])
+    splits = write_rows(tmp_path / "split.csv", ["path", "split"],
+                        [{"path": "a.png", "split": "train"}, {"path": "ward 3\\b.png", "split": "test"}])
+    cfg = config({"format": "csv", "labels": labels, "images": tmp_path / "img", "split_file": splits})
+    data = load_site(cfg)
+    assert data.table["path"].tolist() == [str(tmp_path / "img" / "a.png"), str(tmp_path / "img" / "ward 3" / "b.png")]
+    assert data.skipped == [] and data.table["split"].tolist() == ["train", "test"]

@@ -7,7 +7,8 @@
   truncated and missing images within its ``max_bad_fraction``; bad-4 reads the same data with
   a lower ``max_bad_fraction`` and stops at start with a clear error.
 - ``interrupted`` / ``resumed``: the simulator (server included) is killed after round 1; a
-  second job with ``resume_from`` finishes rounds 2 and 3 without redoing round 1.
+  second job with ``resume_from`` finishes rounds 2 and 3 without redoing round 1, starting from
+  the weights the first job saved (what the sites receive is compared as tensors).
 - ``starved``: a round never gets ``min_clients`` valid results: the job stops with the reason
   and keeps the warm-up model.
 """
@@ -29,8 +30,9 @@ import pytest
 import torch
 
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
-from cxrfl.nn.models import load_checkpoint
 from cxrfl.common.io import read_records
+from cxrfl.nn.models import load_checkpoint
+from cxrfl.surgical.head_modes import site_payload
 from cxrfl.synth import write_profile
 
 pytestmark = pytest.mark.slow
@@ -57,7 +59,7 @@ def nvflare_bin() -> str:
 
 
 def make_job(repo_root: Path, out: Path, *, faults: dict | None = None, echo: list | None = None,
-             **server_args) -> Path:
+             keep_received: list | None = None, **server_args) -> Path:
     """jobs/surgical_agg with small settings; with ``faults``, every site runs the FaultyExecutor."""
     job = out / "surgical_agg"
     shutil.copytree(repo_root / "jobs" / "surgical_agg", job)
@@ -74,7 +76,7 @@ def make_job(repo_root: Path, out: Path, *, faults: dict | None = None, echo: li
         client = json.loads(client_path.read_text())
         executor = client["executors"][0]["executor"]
         executor["path"] = "faulty_executor.FaultyExecutor"
-        executor["args"].update(faults=faults, echo=echo or [])
+        executor["args"].update(faults=faults, echo=echo or [], keep_received=keep_received or [])
         client_path.write_text(json.dumps(client, indent=2))
     return job
 
@@ -134,7 +136,7 @@ def data(tmp_path_factory) -> Path:
 def faulty(tmp_path_factory, repo_root, data):
     tmp = tmp_path_factory.mktemp("faulty")
     job = make_job(repo_root, tmp, faults=FAULTS, echo=["bad-1", "bad-2", "bad-3"], num_rounds=4, patience=10,
-                   min_clients=2, evaluate_test=False)
+                   min_clients=2, evaluate_test=False, retry_pause=1)
     ws = tmp / "ws"
     proc = simulate(job, ws, ["hospital-a", "hospital-b", "bad-1", "bad-2", "bad-3", "bad-4"], data)
     app = app_dir(ws)
@@ -165,7 +167,7 @@ def test_valid_results_are_aggregated_beside_the_rejected_ones(faulty):
     assert by_round[0] == (1, True, ["hospital-a", "hospital-b"])
     assert by_round[-2] == (3, True, ["hospital-a", "hospital-b"])
     for r in faulty["records"]:
-        if r["aggregated"]:
+        if r.get("aggregated"):  # the final validation record aggregates nothing
             for c in NIH_CLASSES:
                 assert set(r["contributors"][c]) <= set(r["sites_aggregated"])
             assert set(r["contributors"].get("Fracture", [])) <= {"hospital-b"}  # bad-3's unannounced row never counts
@@ -230,11 +232,12 @@ def resumed(tmp_path_factory, repo_root, data):
     ws1 = tmp / "ws1"
     simulate(first, ws1, sites, data, kill_after_round=1)
     state = ws1 / "server" / "cxrfl_resume" / "simulate_job"
-    second = make_job(repo_root, tmp / "second", num_rounds=3, patience=10, evaluate_test=False,
-                      resume_from=str(state))
+    saved = torch.load(state / "state.pt", map_location="cpu", weights_only=False)  # before the second job runs
+    second = make_job(repo_root, tmp / "second", faults={}, keep_received=sites, num_rounds=3, patience=10,
+                      evaluate_test=False, resume_from=str(state))
     ws2 = tmp / "ws2"
     proc = simulate(second, ws2, sites, data)
-    return {"ws1": ws1, "ws2": ws2, "state": state, "proc": proc,
+    return {"ws1": ws1, "ws2": ws2, "state": state, "saved": saved, "proc": proc,
             "first": read_records(app_dir(ws1) / "cxrfl" / "rounds.jsonl"),
             "second": read_records(app_dir(ws2) / "cxrfl" / "rounds.jsonl")}
 
@@ -250,7 +253,7 @@ def test_the_resumed_run_goes_on_from_the_last_completed_round(resumed):
     assert second, resumed["proc"].stdout[-3000:] + resumed["proc"].stderr[-3000:]
     done = max(r["round"] for r in resumed["first"] if r.get("aggregated"))
     assert second[0]["phase"] == "resumed" and second[0]["round"] == done
-    assert [r["round"] for r in second[1:]] == list(range(done + 1, 4))  # completed rounds are not redone
+    assert [r["round"] for r in second if r["phase"] == "train"] == list(range(done + 1, 4))  # none redone
     assert not any(r["phase"] == "warmup" for r in second)
     ckpt = load_checkpoint(app_dir(resumed["ws2"]) / "FL_global_model.pt")
     assert ckpt["round"] == 3 and ckpt["classes"] == list(KNOWN_CLASSES)
@@ -258,10 +261,18 @@ def test_the_resumed_run_goes_on_from_the_last_completed_round(resumed):
 
 
 def test_the_resumed_run_starts_from_the_interrupted_model(resumed):
-    state = torch.load(resumed["state"] / "state.pt", map_location="cpu", weights_only=False)
-    first_round = load_checkpoint(app_dir(resumed["ws1"]) / "cxrfl" / "checkpoints" / f"round_{state['round']:03d}.pt")
-    key = "classifier.weight"
-    assert np.array_equal(np.asarray(state["params"][key]), first_round["model"][key].numpy())
+    saved = resumed["saved"]
+    last = load_checkpoint(app_dir(resumed["ws1"]) / "cxrfl" / "checkpoints" / f"round_{saved['round']:03d}.pt")
+    for site, classes in saved["announced"].items():
+        files = list((resumed["ws2"] / site).rglob(f"received_round_{saved['round'] + 1}.pt"))
+        assert len(files) == 1, files
+        received = torch.load(files[0], weights_only=False)  # what the site got in the resumed job's first round
+        expected = site_payload(last["model"], last["classes"], classes)
+        assert received.keys() == expected.keys()
+        for k, v in expected.items():
+            np.testing.assert_array_equal(received[k], v.numpy(), err_msg=k)
+            np.testing.assert_array_equal(received[k], site_payload(saved["params"], saved["classes"], classes)[k],
+                                          err_msg=k)
 
 
 # ------------------------------------------------------------ too few sites: clear stop

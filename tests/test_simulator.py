@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from cxrfl.common.io import read_records
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
+from cxrfl.nn.models import load_checkpoint
 from cxrfl.synth import write_profile
 from conftest import names_in
 
@@ -54,22 +56,54 @@ def simulated(tmp_path_factory, repo_root):
     app = ws / "server" / "simulate_job" / "app_server"
     if not (app / "FL_global_model.pt").is_file():
         pytest.fail(f"simulator left no global model (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return {"ws": ws, "app": app, "proc": proc}
+    args = json.loads((job / "app" / "config" / "config_fed_server.json").read_text())["workflows"][0]["args"]
+    return {"ws": ws, "app": app, "proc": proc, "args": args}
+
+
+def selected_round(records: list[dict], min_delta: float) -> int:
+    """The round whose model has the lowest mean validation loss, by the job's rule (an improvement
+    must exceed ``min_delta``), from the scores the records hold."""
+    best, chosen = float("inf"), None
+    for r in records:
+        if r.get("evaluated_round") is not None and r["mean_val_loss"] < best - min_delta:
+            best, chosen = r["mean_val_loss"], r["evaluated_round"]
+    return chosen
 
 
 def test_global_model_names_the_union(simulated):
-    ckpt = torch.load(simulated["app"] / "FL_global_model.pt", map_location="cpu", weights_only=False)
+    ckpt = load_checkpoint(simulated["app"] / "FL_global_model.pt")
     assert ckpt["classes"] == list(KNOWN_CLASSES)
-    assert len(ckpt["classes"]) == 20
     assert ckpt["model"]["classifier.weight"].shape[0] == 20
     assert ckpt["round"] == 2
-    best = torch.load(simulated["app"] / "best_FL_global_model.pt", map_location="cpu", weights_only=False)
-    assert best["classes"] == list(KNOWN_CLASSES)
+    last = load_checkpoint(simulated["app"] / "cxrfl" / "checkpoints" / "round_002.pt")
+    for k, v in last["model"].items():
+        torch.testing.assert_close(ckpt["model"][k], v, rtol=0, atol=0, msg=k)
+
+
+def test_the_selected_model_is_the_round_with_the_lowest_validation_loss(simulated):
+    records = read_records(simulated["app"] / "cxrfl" / "rounds.jsonl")
+    scored = [(r["evaluated_round"], r["phase"]) for r in records if r.get("evaluated_round") is not None]
+    assert scored == [(0, "train"), (1, "train"), (2, "validate")]  # every model, the last by a validate task
+    for r in records:
+        if r.get("evaluated_round") is not None:
+            losses = [m["val_loss"] if r["phase"] == "train" else m["loss"] for m in r["site_metrics"].values()]
+            assert r["mean_val_loss"] == pytest.approx(sum(losses) / 2)
+    chosen = selected_round(records, simulated["args"]["min_delta"])
+    best = load_checkpoint(simulated["app"] / "best_FL_global_model.pt")
+    assert best["round"] == chosen and best["classes"] == list(KNOWN_CLASSES)
+    if chosen > 0:
+        saved = load_checkpoint(simulated["app"] / "cxrfl" / "checkpoints" / f"round_{chosen:03d}.pt")
+        for k, v in saved["model"].items():
+            torch.testing.assert_close(best["model"][k], v, rtol=0, atol=0, msg=k)
+    else:  # the warmed-up model: not the model of round 1
+        first = load_checkpoint(simulated["app"] / "cxrfl" / "checkpoints" / "round_001.pt")
+        assert any(not torch.equal(best["model"][k], v) for k, v in first["model"].items())
+    ev = json.loads((simulated["app"] / "cxrfl" / "evaluation.json").read_text())
+    assert ev["best_round"] == chosen
 
 
 def test_aggregation_record_lists_exact_contributors(simulated):
-    lines = (simulated["app"] / "cxrfl" / "rounds.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
+    records = [r for r in read_records(simulated["app"] / "cxrfl" / "rounds.jsonl") if r["phase"] in ("warmup", "train")]
     assert [r["round"] for r in records] == [0, 1, 2]
     for r in records:
         assert r["aggregated"], r
@@ -86,10 +120,17 @@ def test_aggregation_record_lists_exact_contributors(simulated):
 def test_evaluation_written_for_both_sites(simulated):
     ev = json.loads((simulated["app"] / "cxrfl" / "evaluation.json").read_text())
     assert set(ev["sites"]) == {"hospital-a", "hospital-b"}
-    assert len(ev["shared_classes"]) == 7
-    assert set(ev["sites"]["hospital-a"]["auroc"]) == set(NIH_CLASSES)
-    assert set(ev["sites"]["hospital-b"]["auroc"]) == set(CHEXPERT_CLASSES)
-
+    assert ev["classes"] == list(KNOWN_CLASSES)
+    assert ev["shared_classes"] == sorted(set(NIH_CLASSES) & set(CHEXPERT_CLASSES))
+    for site, classes in (("hospital-a", NIH_CLASSES), ("hospital-b", CHEXPERT_CLASSES)):
+        m = ev["sites"][site]
+        assert m["split"] == "test" and m["loss"] > 0 and m["n"] > 0
+        assert set(m["auroc"]) == set(classes)
+        defined = [v for v in m["auroc"].values() if v is not None]
+        shared = [m["auroc"][c] for c in ev["shared_classes"] if m["auroc"][c] is not None]
+        for got, values in ((m["mean"], defined), (m["shared"]["mean"], shared)):  # None: no class with both labels
+            assert got == (pytest.approx(sum(values) / len(values)) if values else None)
+    assert ev["external"] is None  # the demo job names no external test set
 
 
 @pytest.mark.parametrize("site,foreign", [("hospital-b", NIH_ONLY), ("hospital-a", CHEXPERT_ONLY)])

@@ -60,8 +60,9 @@ def test_vanilla_fl_job_trains_one_union_head(data, repo_root):
     ckpt = torch.load(app / "FL_global_model.pt", map_location="cpu", weights_only=False)
     assert ckpt["classes"] == list(KNOWN_CLASSES) and ckpt["head_mode"] == "union"
     records = [json.loads(line) for line in (app / "cxrfl" / "rounds.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in records] == [0, 1, 2] and all(r["aggregated"] for r in records)
-    for r in records[1:]:  # after the warm-up every site sends every row
+    assert [(r["round"], r["phase"]) for r in records] == [(0, "warmup"), (1, "train"), (2, "train"), (2, "validate")]
+    assert all(r["aggregated"] for r in records[:3])
+    for r in records[1:3]:  # after the warm-up every site sends every row
         assert all(r["contributors"][c] == ["hospital-a", "hospital-b"] for c in KNOWN_CLASSES)
     ev = json.loads((app / "cxrfl" / "evaluation.json").read_text())
     assert set(ev["sites"]["hospital-a"]["auroc"]) >= set(NIH_CLASSES)
@@ -78,6 +79,8 @@ def test_personalized_fl_job_keeps_heads_at_the_sites(data, repo_root):
     assert set(ev["sites"]["hospital-b"]["auroc"]) == set(CHEXPERT_CLASSES)
     heads = list((ws / "hospital-a").rglob("local_head.pt"))
     assert heads, "hospital-a keeps its head on its own disk"
+    kept = sorted(p.name for p in (ws / "hospital-a").rglob("local_rounds/round_*.pt"))
+    assert f"round_{ev['best_round']:03d}.pt" in kept  # with the head of the selected round, which was tested
     root = ws / "hospital-b"  # and no file of hospital-b names a class only hospital-a has
     foreign = NIH_ONLY + [k for k, v in NIH_COLUMN_NAMES.items() if v in NIH_ONLY]
     leaks = {str(p.relative_to(root)): names_in(p, foreign) for p in root.rglob("*") if p.is_file()}

@@ -121,6 +121,9 @@ def test_cli_summary_json(site_dir: Path, capsys: pytest.CaptureFixture[str]) ->
         ({"dataset": {"format": "dicomdir", "labels": "labels.csv", "images": "images"}}, "dataset.format"),
         ({"dataset": {"format": "csv", "labels": "nope.csv", "images": "images"}}, "nope.csv does not exist"),
         ({"dataset": {"format": "csv", "labels": "labels.csv", "images": "images"}}, "has no column(s) 'path'"),
+        ({"max_bad_fraction": "5%"}, "max_bad_fraction must be a number, got '5%'"),
+        ({"split": {"seed": "abc"}}, "split.seed must be an integer, got 'abc'"),
+        ({"classes": "Cardiomegaly"}, "classes must be a list of texts or null, got 'Cardiomegaly'"),
     ],
 )
 def test_cli_bad_config_exits_2_with_one_line(site_dir: Path, capsys: pytest.CaptureFixture[str], change: dict,

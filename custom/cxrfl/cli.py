@@ -13,6 +13,9 @@ from pathlib import Path
 
 from cxrfl.errors import CxrflError
 
+RENAMED = {"bench-cwt": "bench cwt", "bench-fedfew": "bench fedfew"}
+"""Former commands, still accepted (not listed): old name -> the command that runs instead."""
+
 
 def _cmd_synth(args: argparse.Namespace) -> int:
     from cxrfl.synth import write_profile
@@ -37,8 +40,13 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     from cxrfl.predict import format_predictions, predict_images
 
     rows = predict_images(args.model, args.images, device=args.device)
-    print(format_predictions(rows, fmt="json" if args.json else "csv" if args.csv else "table"))
-    return 0
+    text = format_predictions(rows, fmt="json" if args.json else "csv" if args.csv else "table")
+    if text:
+        print(text)
+    failed = [r for r in rows if "error" in r]
+    for r in failed:  # after every readable image's output: one line per unreadable one
+        print(f"cxrfl: cannot read image {r['image']}: {r['error']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -72,42 +80,6 @@ def _cmd_jobs_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench_cwt(args: argparse.Namespace) -> int:
-    from cxrfl.bench.cwt import BenchSettings, run_cwt_benchmark
-
-    settings = BenchSettings(
-        seeds=args.seeds, image_size=args.image_size, per_class=args.per_class, cycles=args.cycles,
-        patience=args.patience, batch_size=args.batch_size, lr=args.lr, threads=args.threads,
-        splits=tuple(int(x) for x in args.splits.split(",")),
-    )
-    run_cwt_benchmark(Path(args.out), args.seeds, settings=settings, resume=not args.no_resume)
-    return 0
-
-
-def _cmd_bench_fedfew(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from cxrfl.bench.fedfew import QUICK, BenchSettings, format_markdown, run_fedfew_benchmark
-
-    base = QUICK if args.quick else BenchSettings()
-    fedfew = dict(base.fedfew)
-    for key in ("rounds", "ssl_rounds", "warmup_rounds"):
-        if getattr(args, key) is not None:
-            fedfew[key] = getattr(args, key)
-    changes = {k: v for k, v in (("image_size", args.image_size), ("n_cc", args.n_cc), ("mlc_rounds", args.mlc_rounds),
-                                 ("threads", args.threads), ("jobs", args.jobs)) if v is not None}
-    if args.methods:
-        changes["methods"] = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    settings = dataclasses.replace(base, fedfew=fedfew, **changes)
-    result = run_fedfew_benchmark(Path(args.out), args.seeds, settings=settings, data_root=args.data_root,
-                                  work=args.work, resume=not args.no_resume)
-    text = format_markdown(result)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
-    print(text)
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``cxrfl`` command."""
     p = argparse.ArgumentParser(prog="cxrfl", description=__doc__.splitlines()[0])
@@ -128,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-image-check", action="store_true", help="do not open every image")
     m.set_defaults(func=_cmd_summary)
 
-    pr = sub.add_parser("predict", help="predict every class of a model for PNG/JPEG/DICOM images")
+    pr = sub.add_parser("predict", help="predict every class of a model for PNG/JPEG/DICOM images",
+                        description="Predict every class of a model for PNG/JPEG/DICOM images. Each unreadable "
+                        "image gets one line on stderr (and an error entry with --json/--csv); the others are "
+                        "still predicted; the exit status is then 1.")
     pr.add_argument("--model", required=True, help="a checkpoint saved by a cxrfl job")
     pr.add_argument("images", nargs="+")
     fmt = pr.add_mutually_exclusive_group()
@@ -148,39 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
     je.add_argument("--out", default="jobs")
     je.set_defaults(func=_cmd_jobs_export)
 
-    bc = sub.add_parser("bench-cwt", help="cyclical weight transfer on the real NIH images: the paper's splits 1-10")
-    bc.add_argument("--out", default="benchmarks/results", help="folder for cwt.json and cwt.png")
-    bc.add_argument("--seeds", type=int, default=3)
-    bc.add_argument("--image-size", type=int, default=32)
-    bc.add_argument("--per-class", type=int, default=200, help="abnormal (= normal) training images over all sites")
-    bc.add_argument("--cycles", type=int, default=3, help="most cycles (one cycle = one epoch over all sites)")
-    bc.add_argument("--patience", type=int, default=2)
-    bc.add_argument("--batch-size", type=int, default=32)
-    bc.add_argument("--lr", type=float, default=1e-3)
-    bc.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: fastest on a shared machine)")
-    bc.add_argument("--splits", default="1,2,3,4,5,6,7,8,9,10", help="which of the paper's splits")
-    bc.add_argument("--no-resume", action="store_true", help="do not reuse finished runs in OUT/cwt.json")
-    bc.set_defaults(func=_cmd_bench_cwt)
-
-    bf = sub.add_parser("bench-fedfew", help="FedFew against the multi-label and nearest-neighbour baselines (profile fedfew)")
-    bf.add_argument("--out", default="benchmarks/results", help="folder for fedfew.json")
-    bf.add_argument("--seeds", type=int, default=3)
-    bf.add_argument("--data-root", default=None, help="where the synthetic sites are written (reused when there)")
-    bf.add_argument("--work", default=None, help="where the runs' stage files and models go (default DATA_ROOT/runs)")
-    bf.add_argument("--image-size", type=int, default=None)
-    bf.add_argument("--n-cc", type=int, default=None, help="images per CC site")
-    bf.add_argument("--rounds", type=int, default=None, help="FedFew energy rounds")
-    bf.add_argument("--warmup-rounds", type=int, default=None)
-    bf.add_argument("--ssl-rounds", type=int, default=None)
-    bf.add_argument("--mlc-rounds", type=int, default=None)
-    bf.add_argument("--methods", default=None, help="comma-separated subset of mlc,mlc-ssl,nn-ssl,nn-mlc-ssl,fedfew-no-ebm,fedfew")
-    bf.add_argument("--threads", type=int, default=None, help="torch CPU threads per seed (default 1: fastest on a shared machine)")
-    bf.add_argument("--jobs", type=int, default=None, help="seeds run in parallel processes (default 2)")
-    bf.add_argument("--quick", action="store_true", help="a few-minute smoke setting (not for reporting)")
-    bf.add_argument("--markdown", default=None, help="also write the markdown section to this file")
-    bf.add_argument("--no-resume", action="store_true", help="do not reuse finished seeds in OUT/fedfew.json")
-    bf.set_defaults(func=_cmd_bench_fedfew)
-
     from cxrfl.deploy.cli import add_parser as add_deploy_parser  # stdlib + yaml only; NVFlare loads per command
 
     add_deploy_parser(sub)
@@ -197,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     Args:
         argv: arguments (default: ``sys.argv[1:]``).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in RENAMED:
+        print(f"cxrfl: '{argv[0]}' is now 'cxrfl {RENAMED[argv[0]]}'; running that", file=sys.stderr)
+        argv = [*RENAMED[argv[0]].split(), *argv[1:]]
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

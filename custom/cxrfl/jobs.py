@@ -38,7 +38,7 @@ class JobSpec:
         name: folder and job name.
         controller: server workflow class path.
         controller_args: its arguments (written in full).
-        executor_args: :class:`cxrfl.fl.executor.SiteExecutor` arguments.
+        executor_args: :class:`cxrfl.fl.surgical.SiteExecutor` arguments.
         min_clients: sites needed to start the job.
         resource_spec: per-site resources NVFlare checks before deploying (e.g. GPUs).
         description: one line for meta.json.
@@ -63,7 +63,7 @@ class JobSpec:
     description: str = ""
     privacy: dict[str, Any] | None = None
     exclude_batchnorm: bool = False
-    executor: str = "cxrfl.fl.executor.SiteExecutor"
+    executor: str = "cxrfl.fl.surgical.SiteExecutor"
     tasks: tuple[str, ...] = ("train", "validate")
 
     def __post_init__(self) -> None:
@@ -176,34 +176,16 @@ def _with_overrides(args: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 
 
 def surgical_args(model: ModelConfig, train: TrainConfig, **overrides: Any) -> dict[str, Any]:
-    """Full argument dict of :class:`cxrfl.fl.controller.SurgicalAggregation`.
+    """Full argument dict of :class:`cxrfl.fl.surgical.SurgicalAggregation` (defaults: :class:`cxrfl.surgical.config.SurgicalConfig`).
 
     Args:
         model: network settings.
         train: site training settings.
         overrides: other controller arguments.
     """
-    args: dict[str, Any] = {
-        "num_rounds": 20,
-        "min_clients": 2,
-        "model_config": model.to_dict(),
-        "train_config": train.to_dict(),
-        "batchnorm": "fedavg",
-        "weighting": "uniform",
-        "robust": None,
-        "clip_norm": None,
-        "patience": 5,
-        "min_delta": 1e-4,
-        "task_timeout": 3600,
-        "min_clients_timeout": 600,
-        "resume_from": None,
-        "seed": 0,
-        "evaluate_test": True,
-        "external_test": None,
-        "keep_round_checkpoints": True,
-        "head_mode": "surgical",
-        "missing": "negative",
-    }
+    from cxrfl.surgical.config import SurgicalConfig
+
+    args = {**SurgicalConfig(model_config=model, train_config=train).to_dict(), "task_timeout": 3600}
     return _with_overrides(args, overrides)
 
 
@@ -215,15 +197,14 @@ def cwt_args(model: ModelConfig, cwt: dict[str, Any], **overrides: Any) -> dict[
         cwt: :class:`cxrfl.cwt.CWTConfig` fields that differ from its defaults.
         overrides: other controller arguments.
     """
-    from cxrfl.cwt.config import CWTConfig
+    from cxrfl.cwt.config import CWTConfig, RelayConfig
 
     args: dict[str, Any] = {
         "cwt_config": CWTConfig.from_dict(cwt).to_dict(),
         "model_config": model.to_dict(),
-        "site_order": None,
-        "min_sites": 1,
+        **RelayConfig().to_dict(),
         "task_timeout": 3600,
-        "evaluate_test": True,
+        "resume_from": None,
     }
     return _with_overrides(args, overrides)
 
@@ -243,7 +224,7 @@ def fedfew_args(model: ModelConfig, fedfew: dict[str, Any], **overrides: Any) ->
         "model_config": model.to_dict(),
         "min_clients": 1,
         "task_timeout": 0,
-        "resume": None,
+        "resume_from": None,
         "evaluate_test": True,
     }
     return _with_overrides(args, overrides)
@@ -258,7 +239,7 @@ DEMO_TRAIN = TrainConfig(lr=1e-3, warmup_lr=5e-3, warmup_epochs=2, local_epochs=
 CLINICAL_MODEL = ModelConfig(image_size=224)
 CLINICAL_TRAIN = TrainConfig()
 
-SURGICAL = "cxrfl.fl.controller.SurgicalAggregation"
+SURGICAL = "cxrfl.fl.surgical.SurgicalAggregation"
 CWT = "cxrfl.fl.cwt.CyclicWeightTransfer"
 CWT_EXECUTOR = "cxrfl.fl.cwt.CWTExecutor"
 FEDFEW = "cxrfl.fl.fedfew.FedFew"

@@ -1,4 +1,8 @@
-"""Predict every class a saved global model knows, for PNG/JPEG/DICOM images."""
+"""Predict every class a saved global model knows, for PNG/JPEG/DICOM images.
+
+An image that cannot be read does not stop the others: its row carries ``error`` (the reason)
+instead of probabilities.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,8 @@ from typing import Any
 
 import torch
 
+from cxrfl.data.images import ImageError, read_image
 from cxrfl.data.transforms import build_transforms
-from cxrfl.errors import DataError
 from cxrfl.nn.models import model_from_checkpoint, select_device
 
 
@@ -25,18 +29,23 @@ def predict_images(model_path: str | Path, images: Sequence[str | Path], *, devi
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
 
     Returns:
-        one dict per image: ``image`` and ``probabilities`` (class -> probability, model order).
+        one dict per image, in input order: ``image`` and ``probabilities`` (class -> probability,
+        model order), or ``image`` and ``error`` (why it cannot be read) for a missing or
+        unreadable image.
     """
     model, classes, config = model_from_checkpoint(model_path)
     dev = select_device(device)
     model.to(dev).eval()
     fedfew = _fedfew_model(model_path, model)
     transform = build_transforms(config.image_size, train=False, in_channels=config.in_channels)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for image in images:
-        if not Path(image).is_file():
-            raise DataError(f"image {image} does not exist")
-        x = transform(str(image)).unsqueeze(0).to(dev)
+        try:
+            gray = read_image(image)
+        except ImageError as exc:
+            rows.append({"image": str(image), "error": exc.reason})
+            continue
+        x = transform(gray).unsqueeze(0).to(dev)
         if fedfew is not None:
             rows.append({"image": str(image), **_fedfew_row(fedfew, x)})
             continue
@@ -77,25 +86,31 @@ def format_predictions(rows: list[dict[str, Any]], fmt: str = "table") -> str:
 
     Args:
         rows: output of :func:`predict_images`.
-        fmt: ``table`` (one block per image), ``json`` or ``csv`` (one row per image).
+        fmt: ``table`` (one block per readable image; unreadable ones are left to the caller's
+            error lines), ``json`` (every row, ``error`` rows included) or ``csv`` (one row per
+            image, a last ``error`` column that is empty for readable images).
     """
     if fmt == "json":
         return json.dumps(rows, indent=2)
-    classes = list(rows[0]["probabilities"]) if rows else []
-    ucs = list(rows[0].get("underrepresented", {})) if rows else []  # FedFew models: rare-class decisions
+    good = [r for r in rows if "error" not in r]
+    classes = list(good[0]["probabilities"]) if good else []
+    ucs = list(good[0].get("underrepresented", {})) if good else []  # FedFew models: rare-class decisions
+    fedfew = bool(good) and "energy" in good[0]
     if fmt == "csv":
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
-        fedfew = bool(rows) and "energy" in rows[0]
-        writer.writerow(["image", *classes, *(["energy"] if fedfew else []), *ucs])
+        writer.writerow(["image", *classes, *(["energy"] if fedfew else []), *ucs, "error"])
         for r in rows:
+            if "error" in r:
+                writer.writerow([r["image"], *[""] * (len(classes) + int(fedfew) + len(ucs)), r["error"]])
+                continue
             extra = [f"{r['energy']:.4f}"] if fedfew else []
             writer.writerow([r["image"], *(f"{r['probabilities'][c]:.4f}" for c in classes), *extra,
-                             *(int(r["underrepresented"][u]["present"]) for u in ucs)])
+                             *(int(r["underrepresented"][u]["present"]) for u in ucs), ""])
         return buf.getvalue().rstrip("\n")
     width = max((len(c) for c in [*classes, *ucs]), default=5)
     blocks = []
-    for r in rows:
+    for r in good:
         lines = [r["image"]] + [f"  {c:<{width}}  {p:.3f}" for c, p in r["probabilities"].items()]
         if "energy" in r:
             flagged = r["energy"] > r["energy_threshold"]

@@ -36,7 +36,7 @@ def load_run(path: str | Path) -> dict[str, Any]:
 
 
 def _f(v: Any) -> str:
-    return "  n/a" if v is None else f"{v:.3f}"
+    return "  n/a" if v is None or v != v else f"{v:.3f}"
 
 
 def format_report(run: dict[str, Any], external: dict[str, Any] | None = None) -> str:
@@ -53,14 +53,20 @@ def format_report(run: dict[str, Any], external: dict[str, Any] | None = None) -
         f"round records:     {app / 'cxrfl' / 'rounds.jsonl'}",
         f"evaluation:        {run['evaluation_path']}",
         "",
-        "round  sites  mean val loss (previous global)",
+        "round  sites  phase      model  mean val loss  mean val AUROC",
     ]
     for r in run["rounds"]:
-        loss = r.get("mean_val_loss_of_previous_global")
-        lines.append(f"{r['round']:>5}  {len(r['sites_aggregated']):>5}  {_f(loss) if r['phase'] == 'train' else 'warm-up'}")
+        loss = r.get("mean_val_loss", r.get("mean_val_loss_of_previous_global"))  # older runs: the old key
+        scored = r.get("evaluated_round", r["round"] - 1 if r.get("phase") == "train" else None)
+        lines.append(f"{r['round']:>5}  {len(r.get('sites_aggregated') or []):>5}  {r.get('phase', ''):<9}  "
+                     f"{'' if scored is None else scored:>5}  {_f(loss) if scored is not None else '':>13}  "
+                     f"{_f(r.get('mean_val_auroc')) if scored is not None else '':>14}")
+        if r.get("reason"):
+            lines.append(f"       {r['reason']}")
     ev = run["evaluation"]
     if ev:
-        lines += ["", f"test AUROC of the best model ({len(ev['classes'])} classes, {len(ev['shared_classes'])} shared):"]
+        lines += ["", f"test AUROC of the selected model (round {ev.get('best_round', '?')}; {len(ev['classes'])} classes, "
+                      f"{len(ev['shared_classes'])} shared):"]
         for site, m in sorted(ev["sites"].items()):
             sh, un = m.get("shared", {}), m.get("unique", {})
             lines.append(

@@ -1,25 +1,30 @@
 """A site executor that sends malformed results on purpose (fault injection for tests).
 
 It is copied into a test job's ``app/custom`` folder. Each site answers like
-:class:`cxrfl.fl.executor.SiteExecutor`, except that in the rounds named in ``faults`` its
-``train`` result is corrupted once (the first time that round is asked for; remembered in a
-file of the site's workspace, since the simulator may rebuild the executor between tasks). Sites in ``echo``
-do not train in the federated rounds: they send back what they received (a well-formed update
-of their own classes), which keeps a test with many sites cheap.
+:class:`cxrfl.fl.surgical.SiteExecutor` (through a :class:`cxrfl.surgical.host.SurgicalSiteHost`),
+except that in the rounds named in ``faults`` its ``train`` result is corrupted once (the first
+time that round is asked for; remembered in a file of the site's workspace, since the simulator
+may rebuild the executor between tasks). Sites in ``echo`` do not train in the federated rounds:
+they send back what they received (a well-formed update of their own classes), which keeps a
+test with many sites cheap. Sites in ``keep_received`` save what they receive in each federated
+round (``received_round_<r>.pt`` in the site's workspace), so a test can compare those weights.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from nvflare.apis.fl_context import FLContext
-from nvflare.apis.shareable import Shareable
-from nvflare.apis.signal import Signal
-from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
-from nvflare.app_common.utils.fl_model_utils import FLModelUtils
+import torch
 
-from cxrfl.fl.executor import SiteExecutor
+from cxrfl.data.site import SiteData
+from cxrfl.fl.surgical import SiteExecutor
+from cxrfl.surgical.host import SurgicalSiteHost
+
+log = logging.getLogger(__name__)
 
 HEAD_W, HEAD_B = "classifier.weight", "classifier.bias"
 
@@ -55,6 +60,50 @@ def corrupt(params: dict, meta: dict, fault: str) -> None:
         raise ValueError(f"unknown fault {fault!r}")
 
 
+class FaultyHost(SurgicalSiteHost):
+    """A site host whose federated ``train`` answers follow a fault schedule.
+
+    Args:
+        data: the site's data.
+        state_root: the site's state folder (its parent holds the markers of injected faults).
+        faults: round (as a string) -> fault of this site.
+        echo: send back what was received instead of training.
+        keep_received: save what is received in each federated round.
+        kwargs: :class:`cxrfl.surgical.host.SurgicalSiteHost` arguments.
+    """
+
+    def __init__(self, data: SiteData, state_root: Path, *, faults: dict[str, str], echo: bool, keep_received: bool,
+                 **kwargs: Any) -> None:
+        super().__init__(data, state_root, **kwargs)
+        self.faults = faults
+        self.echo = echo
+        self.keep_received = keep_received
+
+    def handle(self, task: str, params: Mapping[str, Any], meta: Mapping[str, Any]):
+        if not (task == "train" and meta.get("phase") == "train"):
+            return super().handle(task, params, meta)
+        rnd = str(meta.get("round"))
+        if self.keep_received:
+            torch.save({k: np.asarray(v) for k, v in params.items()}, self.state_root.parent / f"received_round_{rnd}.pt")
+        marker = self.state_root.parent / f"fault_injected_round_{rnd}"
+        fault = None if marker.exists() else self.faults.get(rnd)
+        if fault == "raise":  # the site's own training fails: the executor must answer with an error
+            marker.touch()
+            raise RuntimeError(f"injected failure in round {rnd}")
+        if self.echo:
+            out = dict(params)
+            out_meta = {"classes": list(meta.get("classes") or self.data.classes), "num_samples": 10,
+                        "metrics": {"phase": "train"}}
+        else:
+            out, out_meta = super().handle(task, params, meta)
+            out = dict(out)
+        if fault:
+            marker.touch()
+            corrupt(out, out_meta, fault)
+            log.warning("fault injection: site %s round %s sends a result with fault %r", self.data.site, rnd, fault)
+        return out, out_meta
+
+
 class FaultyExecutor(SiteExecutor):
     """SiteExecutor with scheduled malformed results.
 
@@ -63,45 +112,17 @@ class FaultyExecutor(SiteExecutor):
             extra_key, unannounced, duplicate, zero_samples, negative_samples, scale, raise (an
             exception in the site's training).
         echo: sites that send back what they received instead of training.
-        kwargs: :class:`cxrfl.fl.executor.SiteExecutor` arguments.
+        keep_received: sites that save what they receive in each federated round.
+        kwargs: :class:`cxrfl.fl.surgical.SiteExecutor` arguments.
     """
 
-    def __init__(self, faults: dict | None = None, echo: list | None = None, **kwargs) -> None:
+    def __init__(self, faults: dict | None = None, echo: list | None = None, keep_received: list | None = None,
+                 **kwargs) -> None:
         super().__init__(**kwargs)
         self.faults = {site: {str(r): f for r, f in rounds.items()} for site, rounds in (faults or {}).items()}
         self.echo = set(echo or ())
+        self.keep_received = set(keep_received or ())
 
-    def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
-        site = fl_ctx.get_identity_name()
-        incoming = FLModelUtils.from_shareable(shareable)
-        meta = dict(incoming.meta or {})
-        federated = task_name == "train" and meta.get("phase") == "train"
-        if not federated:
-            return super().execute(task_name, shareable, fl_ctx, abort_signal)
-        rnd = str(meta.get("round"))
-        fault = self.faults.get(site, {}).get(rnd)
-        marker = Path(fl_ctx.get_engine().get_workspace().get_root_dir()) / f"fault_injected_round_{rnd}"
-        if marker.exists():
-            fault = None
-        if fault == "raise":  # the site's own training fails: SiteExecutor must answer with an error
-            marker.touch()
-
-            def broken(meta: dict):
-                raise RuntimeError(f"injected failure in round {rnd}")
-
-            self._get_learner = broken
-            try:
-                return super().execute(task_name, shareable, fl_ctx, abort_signal)
-            finally:
-                del self._get_learner
-        if site in self.echo:
-            out = FLModel(params_type=ParamsType.FULL, params=dict(incoming.params or {}),
-                          meta={"classes": list(meta.get("classes") or self.data.classes), "num_samples": 10, "metrics": {"phase": "train"}})
-        else:
-            out = FLModelUtils.from_shareable(super().execute(task_name, shareable, fl_ctx, abort_signal))
-            out.params = dict(out.params or {})
-        if fault:
-            marker.touch()
-            corrupt(out.params, out.meta, fault)
-            self.log_warning(fl_ctx, f"fault injection: site {site} round {rnd} sends a result with fault {fault!r}")
-        return FLModelUtils.to_shareable(out)
+    def make_host(self, data: SiteData, device: torch.device, state_root: Path) -> SurgicalSiteHost:
+        return FaultyHost(data, state_root, faults=self.faults.get(data.site, {}), echo=data.site in self.echo,
+                          keep_received=data.site in self.keep_received, device=device, num_workers=self.num_workers)

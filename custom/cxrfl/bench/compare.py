@@ -2,12 +2,14 @@
 
 For each seed: one initial feature extractor and one head warm-up per site shared by all
 methods (the warm-up does not depend on the method), then every method trains with the same
-hyperparameters (:func:`cxrfl.bench.federated.run_federated`) and its selected model(s) are
-scored on every site's test split and on the external test set(s). Statistics over seeds and
-classes follow the papers (:mod:`cxrfl.nn.metrics`): per-class AUROC (mean over seeds), mean +- SD
-over classes, shared vs unique classes, bootstrap 95 % intervals (test images resampled,
-replicates pooled over seeds), paired t-tests of per-class AUROCs against surgical aggregation
-with a Shapiro-Wilk test of the differences. Writes ``results.json``, ``report.md`` and PNG plots.
+hyperparameters through the NVFlare job's own server loop, run in this process
+(:func:`cxrfl.surgical.inprocess.run_surgical`), and its selected model(s) are scored on every
+site's test split and on the external test set(s). Statistics over seeds and classes follow the
+papers (:mod:`cxrfl.nn.metrics`): per-class AUROC (mean over seeds), mean +- SD over classes,
+shared vs unique classes, bootstrap 95 % intervals (test images resampled, replicates pooled over
+seeds), paired t-tests of per-class AUROCs against surgical aggregation with a Shapiro-Wilk test
+of the differences. Writes ``results.json`` (with each run's learning curves: mean and per-site
+validation loss and AUROC per round), ``report.md`` and PNG plots.
 """
 
 from __future__ import annotations
@@ -29,14 +31,18 @@ import numpy as np
 import torch
 
 from cxrfl.bench.evaluate import TestSet, load_test_set, scores_on
-from cxrfl.bench.federated import FedResult, WarmStart, global_model, initial_state, run_federated, site_models, warm_up
 from cxrfl.bench.methods import REFERENCE, Method, select
 from cxrfl.bench.profiles import ABLATION_SHARED, ABLATION_SITES, BenchData, from_site_configs, pooled_site, prepare
+from cxrfl.data.site import SiteData
+from cxrfl.common.io import json_default
 from cxrfl.errors import ConfigError
 from cxrfl.nn.evaluation import shared_classes
 from cxrfl.nn.metrics import bootstrap_aurocs, paired_ttest, per_class_auroc, percentile_ci, summarise_auroc
 from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
+from cxrfl.surgical.config import SurgicalConfig
+from cxrfl.surgical.host import WarmupCache
+from cxrfl.surgical.inprocess import InProcessResult, global_model, run_surgical, site_models
 
 Log = Callable[[str], None]
 
@@ -217,12 +223,12 @@ def run_compare(settings: CompareSettings, out: Path, *, log: Log = _print, data
         shutil.rmtree(work_root, ignore_errors=True)
 
     results = _results(settings, data, tests, views, entries, clock)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=_json_default))
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=json_default))
     from cxrfl.bench.plots import write_plots
     from cxrfl.bench.report import format_report
 
     results["plots"] = write_plots(results, entries, tests, views, out)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=_json_default))
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=json_default))
     (out / "report.md").write_text(format_report(results))
     clock(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(results['plots'])} plot(s)")
     return results
@@ -230,51 +236,56 @@ def run_compare(settings: CompareSettings, out: Path, *, log: Log = _print, data
 
 def _run_seed(seed: int, settings: CompareSettings, data: BenchData, methods: list[Method], entries: dict[str, Entry],
               tests: dict[str, TestSet], views: list[View], work_root: Path, clock: _Clock) -> None:
-    mc, tc = settings.model_config(), settings.train_config(seed)
-    init = initial_state(mc, seed)
+    """Every method for one seed; the sites' head warm-ups are trained once and shared by all of them."""
     tag = f"seed {seed + 1}/{settings.seeds}"
-    warm: dict[str, WarmStart] = {}
-    if any(m.kind in ("individual", "federated") for m in methods):
-        for s in data.sites:
-            t0 = time.perf_counter()
-            warm[s.site] = warm_up(s, init, model_config=mc, train_config=tc, state_dir=work_root / f"warm-{seed}" / s.site)
-            clock(f"{tag} warm-up {s.site}: val loss {warm[s.site].val_loss:.4f} ({time.perf_counter() - t0:.1f}s)")
-    common = {"model_config": mc, "train_config": tc, "rounds": settings.rounds, "init": init,
-              "patience": settings.patience, "log": clock}
+    warmups = WarmupCache()
     for m in methods:
-        runs: list[tuple[Entry, list, dict]] = []
-        if m.kind == "individual":
-            for s in data.sites:
-                entry = entries[f"individual:{s.site}"]
-                res = run_federated([s], head_mode="surgical", missing="negative", batchnorm="fedavg", warm=warm,
-                                    workdir=work_root / m.name / s.site, label=f"{tag} {entry.name}", **common)
-                runs.append((entry, [s.site], {"*": (global_model(res, mc, init), res.classes)}, res))
-        elif m.kind == "central":
-            pooled = pooled_site(data.sites)
-            steps = None if settings.steps is None else settings.steps * len(data.sites)
-            res = run_federated([pooled], head_mode="surgical", missing="negative", batchnorm="fedavg",
-                                workdir=work_root / m.name, label=f"{tag} {m.name}",
-                                max_steps={pooled.site: steps} if steps else None, **common)
-            runs.append((entries[m.name], [], {"*": (global_model(res, mc, init), res.classes)}, res))
-        else:
-            res = run_federated(data.sites, head_mode=m.head_mode, missing=m.missing, batchnorm=m.batchnorm, warm=warm,
-                                workdir=work_root / m.name, label=f"{tag} {m.name}", **common)
-            if m.head_mode == "local":
-                models = {name: (model, res.site_classes[name]) for name, model in site_models(res, mc).items()}
-            else:
-                models = {"*": (global_model(res, mc, init), res.classes)}
-            runs.append((entries[m.name], [], models, res))
-        for entry, _, models, res in runs:
-            _score(entry, models, tests, views, seed, settings.n_boot)
-            entry.runs.append({"seed": seed, "best_round": res.best_round, "rounds": res.rounds, "val_loss": res.val_loss,
-                               "site_val_loss": res.site_val_loss, "seconds": res.seconds,
+        for entry, sites, overrides in _runs_of(m, settings, data, entries):
+            res = run_surgical(sites, _run_config(m, settings, seed, len(sites)), work_root / m.name / entry.name,
+                               warmups=warmups, train_overrides=overrides,
+                               info=lambda msg, e=entry: clock(f"{tag} {e.name}: {msg}"),
+                               warning=lambda msg, e=entry: clock(f"{tag} {e.name}: WARNING {msg}"))
+            _score(entry, _models(res, settings.model_config()), tests, views, seed, settings.n_boot)
+            entry.runs.append({"seed": seed, "best_round": res.best_round, "rounds": res.rounds,
+                               "val_loss": res.curve("mean_val_loss"), "val_auroc": res.curve("mean_val_auroc"),
+                               "site_val_loss": res.site_curves("site_val_loss"),
+                               "site_val_auroc": res.site_curves("site_val_auroc"), "seconds": res.seconds,
                                "images_per_second": res.images_per_second, "comm": res.comm})
             means = {v.name: summarise_auroc(_aurocs(entry, v.name, seed, tests[v.test], v), model_classes=entry.scores[v.name][seed][1])["mean"]
                      for v in views if v.kind != "external-by-site"}
             clock(f"{tag} {entry.name}: best round {res.best_round}, {res.seconds:.0f}s; mean AUROC "
                   + ", ".join(f"{k} {_fmt(v)}" for k, v in means.items()))
         shutil.rmtree(work_root / m.name, ignore_errors=True)
-    shutil.rmtree(work_root / f"warm-{seed}", ignore_errors=True)
+
+
+def _runs_of(m: Method, settings: CompareSettings, data: BenchData, entries: dict[str, Entry]
+             ) -> list[tuple[Entry, list[SiteData], dict[str, dict[str, int]] | None]]:
+    """The runs of a method: (table entry, its sites, per-site train overrides)."""
+    if m.kind == "individual":
+        return [(entries[f"individual:{s.site}"], [s], None) for s in data.sites]
+    if m.kind == "central":  # every image pooled; as many steps per epoch as all sites together
+        pooled = pooled_site(data.sites)
+        steps = None if settings.steps is None else settings.steps * len(data.sites)
+        return [(entries[m.name], [pooled], {pooled.site: {"max_steps_per_epoch": steps}} if steps else None)]
+    return [(entries[m.name], list(data.sites), None)]
+
+
+def _run_config(m: Method, settings: CompareSettings, seed: int, n_sites: int) -> SurgicalConfig:
+    """The server settings of one run (the one-site baselines: surgical head, FedAvg, every class own)."""
+    federated = m.kind == "federated"
+    return SurgicalConfig(
+        num_rounds=settings.rounds, min_clients=n_sites, model_config=settings.model_config(),
+        train_config=settings.train_config(seed), batchnorm=m.batchnorm if federated else "fedavg",
+        head_mode=m.head_mode if federated else "surgical", missing=m.missing if federated else "negative",
+        patience=settings.patience, min_clients_timeout=0, seed=seed, evaluate_test=False, keep_round_checkpoints=False,
+    )
+
+
+def _models(res: InProcessResult, model_config: ModelConfig) -> dict[str, tuple[torch.nn.Module, list[str]]]:
+    """The selected model ("*": one global model) or each site's own model (local heads)."""
+    if res.site_states is not None:
+        return {name: (model, res.outcome.site_classes[name]) for name, model in site_models(res, model_config).items()}
+    return {"*": (global_model(res, model_config), res.classes)}
 
 
 def _score(entry: Entry, models: dict[str, tuple[torch.nn.Module, list[str]]], tests: dict[str, TestSet],
@@ -436,23 +447,6 @@ def _pair_p(results: dict[str, Any], a: str, b: str, view: str, part: str | None
     return paired_ttest({c: v for c, v in ca["auroc"].items() if c in keep}, cb["auroc"])["p"]
 
 
-def refresh(out: Path) -> dict[str, Any]:
-    """Recompute the targets of a finished comparison and rewrite ``results.json`` and ``report.md``
-    (the plots stay as they are).
-
-    Args:
-        out: the comparison's output folder.
-    """
-    from cxrfl.bench.report import format_report
-
-    out = Path(out)
-    results = json.loads((out / "results.json").read_text())
-    results["targets"] = evaluate_targets(results)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=_json_default))
-    (out / "report.md").write_text(format_report(results))
-    return results
-
-
 TARGET_PROFILES = ("two-hospitals", "two-hospitals-shared")
 """The profiles the issue sets targets for (elsewhere they are shown for information only)."""
 
@@ -541,7 +535,7 @@ def run_ablation(kind: str, base: CompareSettings, out: Path, *, log: Log = _pri
                    "p_vs_reference": (m["test"][ext].get("p_vs_reference") or {}).get("p"), "label": m["label"]}
             for name, m in res["methods"].items()
         }
-    (out / "ablation.json").write_text(json.dumps(summary, indent=1, default=_json_default))
+    (out / "ablation.json").write_text(json.dumps(summary, indent=1, default=json_default))
     from cxrfl.bench.plots import ablation_plot
     from cxrfl.bench.report import format_ablation
 
@@ -552,15 +546,3 @@ def run_ablation(kind: str, base: CompareSettings, out: Path, *, log: Log = _pri
 
 def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, (set, tuple)):
-        return sorted(o)
-    if isinstance(o, Path):
-        return str(o)
-    return str(o)

@@ -1,36 +1,37 @@
 """Benchmark of cyclical weight transfer on the real NIH images: the paper's splits 1-10.
 
-``cxrfl bench compare --method cwt`` (or ``cxrfl bench-cwt``, ``benchmarks/cwt_splits.py``)
-runs :func:`run_cwt_benchmark`. The paper's task (abnormal = any finding vs ``No Finding``) on
-the 1,000 real NIH images of ``../shared/data/nih1000`` (about half ``No Finding``):
+``cxrfl bench cwt`` (``benchmarks/cwt_splits.py``) runs :func:`run_cwt_benchmark`. The paper's
+task (abnormal = any finding vs ``No Finding``) on the real NIH images of
+``../shared/data/nih1000``, drawn by patient into a test set, a validation set and one training
+set that every split partitions into 4 institutions with the paper's Table 1 / Table 3 counts,
+scaled (:mod:`cxrfl.bench.cwt_data`). Per seed: central hosting; vanilla CWT, CWT+PLTI and
+CWT+CLR on splits 1-5; vanilla CWT, CWT+LWMS and CWT+CWL on splits 6-10 (fixed order
+1 > 2 > 3 > 4, as in the paper). A run whose settings reduce exactly to another one's (PLTI and
+CLR with equal site sizes, CWL with balanced sites, split 6 = split 1) is not trained again but
+reported as that run. Every run uses the paper's base recipe (Adam, learning rate decayed by
+``lr_decay`` every ``lr_decay_every`` iterations across visits, L2 ``weight_decay``).
 
-1. every patient keeps at most ``max_patient_images`` images (abnormal ones first: the scarce
-   label); patients (never images) are drawn into a balanced held-out test set, a balanced
-   validation set and a balanced training set of ``per_class`` abnormal + ``per_class`` normal
-   images — the paper's 3,200 + 3,200, scaled down;
-2. the training set is partitioned by patient into 4 sites with exactly the paper's per-site
-   counts, scaled: Table 1 (splits 1-5: sample-size variability) and Table 3 (splits 6-10:
-   label-distribution variability). Every split uses the same training images, so central
-   hosting (one site holding all of them) is one run per seed;
-3. per seed: central hosting; vanilla CWT, CWT+PLTI and CWT+CLR on splits 1-5; vanilla CWT,
-   CWT+LWMS and CWT+CWL on splits 6-10 (fixed order 1 > 2 > 3 > 4, as in the paper). A run whose
-   settings reduce exactly to another one's (PLTI and CLR with equal site sizes, CWL with
-   balanced sites, split 6 = split 1) is not trained again but reported as that run;
-4. accuracy (threshold 0.5) and AUROC of the best-validation-loss model on the test set,
-   mean +- SD over seeds, the percent of central accuracy (as the paper reports gaps), the
-   paired differences behind the issue's targets, a JSON file and a plot like the paper's
-   Figures 3-4.
+The training engine is :func:`cxrfl.cwt.inprocess.run_cwt`: the relay server of the NVFlare job
+with the sites called in this process; central hosting is the relay over one site holding all
+the training images. Accuracy (threshold 0.5) and AUROC of the best-validation-loss model on the
+test set, mean +- SD over seeds, the percent of central accuracy (as the paper reports gaps)
+and the paired differences behind the issue's targets.
 
-The training engine is :func:`cxrfl.cwt.run_cwt` (plain PyTorch, the same site code the NVFlare
-executor runs).
+Written to ``--out``: ``runs/<method>__split<k>__seed<s>.json`` as each run finishes (a stopped
+benchmark goes on from there), ``results.json`` (per method and split: ``accuracy_mean``,
+``auroc_mean``, their SDs and the values per seed; the summary and every run), ``report.md``,
+``cwt.png`` (accuracy and AUROC per split, like the paper's Figures 3-4) and ``cwt_curves.png``
+(pooled validation loss per cycle).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import platform
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -38,42 +39,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import torch
 
-from cxrfl.cwt.config import BINARY_CLASS, CWTConfig
-from cxrfl.cwt.inprocess import run_cwt
+from cxrfl.bench.cwt_data import DEFAULT_SITE_CONFIG, REPO, TABLE_1, TABLE_3, BenchData, prepare_data
+from cxrfl.common.io import write_json
+from cxrfl.cwt.config import CWTConfig
+from cxrfl.cwt.inprocess import CWTResult, run_cwt
 from cxrfl.cwt.relay import relay_plan
-from cxrfl.cwt.site import binary_labels, CWTSite, eval_summary
-from cxrfl.data.site import SiteData, load_site
-from cxrfl.errors import DataError
+from cxrfl.cwt.site import CWTSite, eval_summary
 from cxrfl.nn.models import ModelConfig
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_SITE_CONFIG = REPO / "site_configs" / "nih1000.yaml"
+logger = logging.getLogger(__name__)
 
-TABLE_1: dict[int, list[tuple[int, int]]] = {
-    1: [(800, 800), (800, 800), (800, 800), (800, 800)],
-    2: [(960, 960), (853, 853), (747, 747), (640, 640)],
-    3: [(1120, 1120), (907, 907), (693, 693), (480, 480)],
-    4: [(1280, 1280), (960, 960), (640, 640), (320, 320)],
-    5: [(1440, 1440), (1013, 1013), (587, 587), (160, 160)],
-}
-"""The paper's Table 1: (abnormal, normal) training images per institution, splits 1-5."""
-
-TABLE_3: dict[int, list[tuple[int, int]]] = {
-    6: [(800, 800), (800, 800), (800, 800), (800, 800)],
-    7: [(960, 640), (853, 747), (747, 853), (640, 960)],
-    8: [(1120, 480), (907, 693), (693, 907), (480, 1120)],
-    9: [(1280, 320), (960, 640), (640, 960), (320, 1280)],
-    10: [(1440, 160), (1013, 587), (587, 1013), (160, 1440)],
-}
-"""The paper's Table 3: (abnormal, normal) training images per institution, splits 6-10."""
-
-PAPER_SPLITS = {**TABLE_1, **TABLE_3}
-PAPER_PER_CLASS = 3200
-SITES = ("inst-1", "inst-2", "inst-3", "inst-4")
 CENTRAL = "Central hosting"
+CENTRAL_SPLIT = "all"
+"""The split key of central hosting in ``results.json`` (one site holding every training image)."""
 METHODS: dict[str, dict[str, bool]] = {
     "CWT": {},
     "CWT+PLTI": {"plti": True},
@@ -82,6 +62,8 @@ METHODS: dict[str, dict[str, bool]] = {
     "CWT+CWL": {"cwl": True},
 }
 SPLIT_METHODS = {**{s: ("CWT", "CWT+PLTI", "CWT+CLR") for s in TABLE_1}, **{s: ("CWT", "CWT+LWMS", "CWT+CWL") for s in TABLE_3}}
+COLORS = {CENTRAL: "black", "CWT": "tab:red", "CWT+PLTI": "tab:blue", "CWT+CLR": "tab:green",
+          "CWT+LWMS": "tab:purple", "CWT+CWL": "tab:orange"}
 
 
 @dataclass(frozen=True)
@@ -99,6 +81,10 @@ class BenchSettings:
         patience: cycles without validation-loss improvement before stopping.
         batch_size: minibatch size.
         lr: the global Adam learning rate.
+        lr_decay: the rate's decay factor (the paper: 0.99).
+        lr_decay_every: iterations between two decays; None: one epoch over the training set
+            (the paper's 200 iterations were one epoch of its 6,400 images at batch 32).
+        weight_decay: the L2 coefficient (the paper: 1e-4).
         augment: random rotation/flip/zoom/contrast.
         threads: torch CPU threads (1 is fastest on a machine shared with other jobs).
         data_seed: seed of the test/validation/training draw and of the site partitions.
@@ -115,196 +101,33 @@ class BenchSettings:
     patience: int = 2
     batch_size: int = 32
     lr: float = 1e-3
+    lr_decay: float = 0.99
+    lr_decay_every: int | None = None
+    weight_decay: float = 1e-4
     augment: bool = True
     threads: int = 1
     data_seed: int = 0
     splits: tuple[int, ...] = tuple(range(1, 11))
 
     def cwt_config(self, seed: int, **flags: bool) -> CWTConfig:
-        return CWTConfig(task="binary", num_cycles=self.cycles, order="fixed", lr=self.lr, batch_size=self.batch_size,
+        """The run's CWT settings.
+
+        Args:
+            seed: the training seed.
+            flags: the optimizations switched on (``plti=True`` ...).
+        """
+        every = self.lr_decay_every or max(1, round(2 * self.per_class / self.batch_size))
+        return CWTConfig(task="binary", num_cycles=self.cycles, order="fixed", lr=self.lr, lr_decay=self.lr_decay,
+                         lr_decay_every=every, weight_decay=self.weight_decay, batch_size=self.batch_size,
                          patience=self.patience, augment=self.augment, seed=seed, **flags)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict."""
+        return {**asdict(self), "splits": list(self.splits)}
 
-# ------------------------------------------------------------------------ data
-def scale_split(rows: Sequence[tuple[int, int]], per_class: int) -> list[tuple[int, int]]:
-    """The paper's per-institution counts scaled to ``per_class`` images per label (sums kept exact).
-
-    Largest-remainder rounding per label column, so each column sums to ``per_class``.
-
-    Args:
-        rows: (abnormal, normal) per institution, each column summing to 3,200.
-        per_class: the scaled column sum.
-    """
-    out = []
-    cols = []
-    for j in range(2):
-        raw = np.array([r[j] for r in rows], dtype=np.float64) * per_class / PAPER_PER_CLASS
-        base = np.floor(raw).astype(int)
-        for i in np.argsort(-(raw - base), kind="stable")[: per_class - base.sum()]:
-            base[i] += 1
-        cols.append(base)
-    for i in range(len(rows)):
-        out.append((int(cols[0][i]), int(cols[1][i])))
-    return out
-
-
-def load_pool(site_config: str | Path = DEFAULT_SITE_CONFIG, max_patient_images: int = 10, seed: int = 0) -> pd.DataFrame:
-    """The real NIH images with the binary label, at most ``max_patient_images`` per patient.
-
-    Args:
-        site_config: the nih1000 site config.
-        max_patient_images: cap per patient (abnormal images kept first, then normal, at random).
-        seed: seed of which images of a large patient are kept.
-    """
-    data = load_site(site_config, check_images=False)
-    table = data.table[["path", "patient"]].copy()
-    table["y"] = binary_labels(data.table, data.classes).to_numpy()
-    table = table[table["y"].notna()].reset_index(drop=True)
-    rng = np.random.default_rng(seed)
-    table["_r"] = rng.random(len(table))
-    table = table.sort_values(["patient", "y", "_r"], ascending=[True, False, True])
-    table = table.groupby("patient", sort=False).head(max_patient_images).drop(columns="_r").reset_index(drop=True)
-    return table
-
-
-def _patients(table: pd.DataFrame) -> pd.DataFrame:
-    g = table.groupby("patient")["y"].agg(["size", "sum"])
-    return pd.DataFrame({"patient": g.index, "a": g["sum"].astype(int).to_numpy(),
-                         "b": (g["size"] - g["sum"]).astype(int).to_numpy()})
-
-
-def pick_patients(patients: pd.DataFrame, a: int, b: int, rng: np.random.Generator, tries: int = 500) -> list[str]:
-    """Whole patients whose images sum to exactly ``a`` abnormal and ``b`` normal images.
-
-    Args:
-        patients: ``patient``, ``a`` (abnormal images), ``b`` (normal images).
-        a: abnormal images wanted.
-        b: normal images wanted.
-        rng: random generator (random greedy passes until one is exact).
-        tries: greedy passes before giving up.
-
-    Raises:
-        DataError: no exact selection was found.
-    """
-    pa, pb, names = patients["a"].to_numpy(), patients["b"].to_numpy(), patients["patient"].to_numpy()
-    best = None
-    for _ in range(tries):
-        order = rng.permutation(len(names))
-        ra, rb, chosen = a, b, []
-        for i in order:
-            if pa[i] <= ra and pb[i] <= rb:
-                chosen.append(names[i])
-                ra, rb = ra - pa[i], rb - pb[i]
-                if ra == 0 and rb == 0:
-                    return chosen
-        if best is None or ra + rb < best[0]:
-            best = (ra + rb, ra, rb)
-    raise DataError(f"cannot draw whole patients with exactly {a} abnormal + {b} normal images "
-                    f"(closest: {a - best[1]} + {b - best[2]}); lower per_class or the test/val sizes")
-
-
-def partition(patients: pd.DataFrame, quotas: Sequence[tuple[int, int]], rng: np.random.Generator, tries: int = 2000) -> dict[str, int]:
-    """Assign whole patients to sites so that site i gets exactly ``quotas[i]`` (abnormal, normal) images.
-
-    Random greedy passes, largest patients first: each patient goes to a site it fits in, chosen
-    with probability proportional to the room left there.
-
-    Args:
-        patients: ``patient``, ``a``, ``b``; their sums equal the quotas' sums.
-        quotas: (abnormal, normal) per site.
-        rng: random generator.
-        tries: passes before giving up.
-
-    Raises:
-        DataError: no exact partition found.
-    """
-    pa, pb, names = patients["a"].to_numpy(), patients["b"].to_numpy(), patients["patient"].to_numpy()
-    q = np.array(quotas, dtype=np.int64)
-    if pa.sum() != q[:, 0].sum() or pb.sum() != q[:, 1].sum():
-        raise ValueError(f"patients hold {pa.sum()}+{pb.sum()} images, the quotas sum to {q[:, 0].sum()}+{q[:, 1].sum()}")
-    size = pa + pb
-    for _ in range(tries):
-        jitter = rng.random(len(names))
-        order = np.lexsort((jitter, -size))
-        room = q.copy()
-        choice: dict[str, int] = {}
-        for i in order:
-            fits = np.flatnonzero((room[:, 0] >= pa[i]) & (room[:, 1] >= pb[i]))
-            if not len(fits):
-                break
-            weight = (room[fits, 0] - pa[i] + room[fits, 1] - pb[i] + 1).astype(np.float64)
-            site = int(rng.choice(fits, p=weight / weight.sum()))
-            room[site] -= (pa[i], pb[i])
-            choice[names[i]] = site
-        else:
-            return choice
-    raise DataError(f"no exact patient partition into {quotas} found in {tries} passes")
-
-
-@dataclass
-class BenchData:
-    """The benchmark's images: held-out test, validation and training sets, and per-split sites."""
-
-    test: pd.DataFrame
-    val: pd.DataFrame
-    train: pd.DataFrame
-    splits: dict[int, list[tuple[int, int]]]
-    assignment: dict[int, dict[str, int]]
-
-    def sites(self, split: int) -> list[SiteData]:
-        """The 4 institutions of one split (validation images spread over them by patient)."""
-        out = []
-        val_patients = sorted(self.val["patient"].unique())
-        for i, name in enumerate(SITES):
-            train = self.train[self.train["patient"].map(self.assignment[split]) == i]
-            val = self.val[self.val["patient"].isin(val_patients[i:: len(SITES)])]
-            out.append(_site_data(name, train, val))
-        return out
-
-    def central(self) -> SiteData:
-        return _site_data("central", self.train, self.val)
-
-    def test_site(self) -> SiteData:
-        return SiteData(site="test", classes=[BINARY_CLASS], table=_frame(self.test, "test"))
-
-
-def _frame(table: pd.DataFrame, split: str) -> pd.DataFrame:
-    return pd.DataFrame({"path": table["path"].to_numpy(), "patient": table["patient"].to_numpy(), "split": split,
-                         BINARY_CLASS: table["y"].to_numpy(dtype=np.float64)})
-
-
-def _site_data(name: str, train: pd.DataFrame, val: pd.DataFrame) -> SiteData:
-    """A site whose only finding column is the binary label (so the binary task keeps it as is)."""
-    table = pd.concat([_frame(train, "train"), _frame(val, "val")], ignore_index=True)
-    return SiteData(site=name, classes=[BINARY_CLASS], table=table)
-
-
-def prepare_data(settings: BenchSettings, site_config: str | Path = DEFAULT_SITE_CONFIG) -> BenchData:
-    """Draw the test, validation and training sets by patient and partition the training set per split.
-
-    Args:
-        settings: sizes and the data seed.
-        site_config: the nih1000 site config.
-    """
-    pool = load_pool(site_config, settings.max_patient_images, settings.data_seed)
-    rng = np.random.default_rng(settings.data_seed)
-    left = _patients(pool)
-    chosen = {}
-    for name, n in (("test", settings.test_per_class), ("val", settings.val_per_class), ("train", settings.per_class)):
-        picked = pick_patients(left, n, n, rng)
-        chosen[name] = pool[pool["patient"].isin(picked)].reset_index(drop=True)
-        left = left[~left["patient"].isin(picked)]
-    train_patients = _patients(chosen["train"])
-    splits, assignment, by_quota = {}, {}, {}
-    for split in settings.splits:
-        quotas = scale_split(PAPER_SPLITS[split], settings.per_class)
-        splits[split] = quotas
-        key = tuple(quotas)
-        if key not in by_quota:  # the same counts (splits 1 and 6) get the same partition
-            seed = [settings.data_seed, *[x for q in quotas for x in q]]
-            by_quota[key] = partition(train_patients, quotas, np.random.default_rng(seed))
-        assignment[split] = by_quota[key]
-    return BenchData(test=chosen["test"], val=chosen["val"], train=chosen["train"], splits=splits, assignment=assignment)
+    def run_key(self) -> dict[str, Any]:
+        """The settings a kept run must share to be reused (not the number of seeds, nor the threads)."""
+        return {k: v for k, v in self.to_dict().items() if k not in ("seeds", "threads")}
 
 
 # ----------------------------------------------------------------------- runs
@@ -317,17 +140,36 @@ def _signature(split_key: Any, sites: Sequence[CWTSite], config: CWTConfig) -> t
     return (split_key, tuple((s, v.steps, round(v.lr, 15)) for s, v in plan.items()), config.lwms, cwl, config.seed)
 
 
-def _evaluate(result, test: CWTSite) -> dict[str, Any]:
+def _evaluate(result: CWTResult, test: CWTSite) -> dict[str, Any]:
     summary = eval_summary(test.evaluate(result.model, "test"))
     return {"accuracy": summary["accuracy"], "auroc": summary["mean_auroc"], "test_loss": summary["loss"],
             "n_test": summary["n"], "best_cycle": result.best_cycle, "best_val_loss": result.best_val_loss,
-            "cycles_run": len(result.history) - 1, "seconds": round(result.seconds, 1),
+            "cycles_run": result.cycles_run, "stopped_early": result.stopped_early,
+            "val_curve": [h["val_loss"] for h in result.history], "seconds": round(result.seconds, 1),
             "plan": {s: {"steps": v.steps, "lr": v.lr} for s, v in result.plan.items()}}
 
 
 def _mean_sd(values: Sequence[float]) -> dict[str, Any]:
     v = [x for x in values if x is not None and math.isfinite(x)]
     return {"mean": float(np.mean(v)) if v else None, "sd": float(np.std(v, ddof=1)) if len(v) > 1 else None, "n": len(v)}
+
+
+def results_table(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per method and split (central hosting: split ``all``): accuracy and AUROC, mean, SD and per seed.
+
+    Args:
+        runs: one record per (seed, split, method), central runs with split 0.
+    """
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for method in [CENTRAL, *METHODS]:
+        for split in sorted({r["split"] for r in runs if r["method"] == method}):
+            rs = sorted((r for r in runs if r["method"] == method and r["split"] == split), key=lambda r: r["seed"])
+            acc, auc = _mean_sd([r["accuracy"] for r in rs]), _mean_sd([r["auroc"] for r in rs])
+            table.setdefault(method, {})[CENTRAL_SPLIT if split == 0 else str(split)] = {
+                "accuracy_mean": acc["mean"], "accuracy_sd": acc["sd"], "auroc_mean": auc["mean"], "auroc_sd": auc["sd"],
+                "n_seeds": len(rs), "per_seed": {str(r["seed"]): {k: r.get(k) for k in (
+                    "accuracy", "auroc", "best_cycle", "cycles_run", "same_as")} for r in rs}}
+    return table
 
 
 def summarise(runs: list[dict[str, Any]], settings: BenchSettings) -> dict[str, Any]:
@@ -404,8 +246,6 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharey="row")
     groups = [("A: sample-size variability (Table 1)", [s for s in TABLE_1 if str(s) in summary["splits"]]),
               ("B: label-distribution variability (Table 3)", [s for s in TABLE_3 if str(s) in summary["splits"]])]
-    colors = {CENTRAL: "black", "CWT": "tab:red", "CWT+PLTI": "tab:blue", "CWT+CLR": "tab:green",
-              "CWT+LWMS": "tab:purple", "CWT+CWL": "tab:orange"}
     for col, (title, splits) in enumerate(groups):
         if not splits:
             continue
@@ -414,14 +254,14 @@ def plot(summary: dict[str, Any], path: Path) -> None:
             ax = axes[row][col]
             c = summary["central"][metric]
             if c["mean"] is not None:
-                ax.axhline(c["mean"], color=colors[CENTRAL], lw=1.2, label=f"{CENTRAL} (same images)")
+                ax.axhline(c["mean"], color=COLORS[CENTRAL], lw=1.2, label=f"{CENTRAL} (same images)")
                 if c["sd"]:
                     ax.axhspan(c["mean"] - c["sd"], c["mean"] + c["sd"], color="grey", alpha=0.15)
             for k, m in enumerate(methods):
                 ys = [summary["splits"][str(s)][m][metric] for s in splits]
                 x = np.arange(len(splits)) + (k - 1) * 0.12
                 ax.errorbar(x, [y["mean"] for y in ys], yerr=[y["sd"] or 0 for y in ys], fmt="o-", capsize=3,
-                            color=colors[m], label=m)
+                            color=COLORS[m], label=m)
             ax.set_xticks(np.arange(len(splits)), [str(s) for s in splits])
             ax.set_xlabel("split")
             ax.set_ylabel(f"test {'accuracy' if metric == 'accuracy' else 'AUROC'}")
@@ -429,129 +269,53 @@ def plot(summary: dict[str, Any], path: Path) -> None:
                 ax.set_title(title)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8, loc="lower left")
-    fig.suptitle("Cyclical weight transfer on 1,000 real NIH images (abnormal vs No Finding), mean +- SD over seeds")
+    fig.suptitle("Cyclical weight transfer on real NIH images (abnormal vs No Finding), mean +- SD over seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _machine() -> dict[str, Any]:
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "load_average_at_start": load}
-
-
-def run_cwt_benchmark(
-    out: str | Path = REPO / "benchmarks" / "results",
-    seeds: int = 3,
-    *,
-    settings: BenchSettings | None = None,
-    site_config: str | Path = DEFAULT_SITE_CONFIG,
-    log: Callable[[str], None] = print,
-    resume: bool = True,
-) -> dict[str, Any]:
-    """Run the CWT benchmark and write ``OUT/cwt.json`` and ``OUT/cwt.png``.
+def plot_curves(runs: Sequence[dict[str, Any]], splits: Sequence[int], path: Path) -> None:
+    """Pooled validation loss per cycle (mean over seeds) of central hosting and each method at two splits.
 
     Args:
-        out: output folder.
-        seeds: training seeds (overrides ``settings.seeds``).
-        settings: everything else (default: :class:`BenchSettings`).
-        site_config: the nih1000 site config (real NIH images).
-        log: progress lines.
-        resume: reuse the finished runs of an earlier call with the same settings in ``OUT/cwt.json``.
-
-    Returns:
-        The written results.
+        runs: the run records (with ``val_curve``).
+        splits: the splits to draw (the most unequal of each table by default: 5 and 10).
+        path: the PNG to write.
     """
-    settings = settings or BenchSettings()
-    settings = BenchSettings(**{**asdict(settings), "seeds": seeds})
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "cwt.json"
-    torch.set_num_threads(settings.threads)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    data = prepare_data(settings, site_config)
-    log(f"data: test {len(data.test)}, val {len(data.val)}, train {len(data.train)} images "
-        f"({data.train['patient'].nunique()} patients); splits {data.splits}")
-    model_config = ModelConfig(image_size=settings.image_size)
-    settings_dict = {**asdict(settings), "splits": list(settings.splits)}
-    runs: list[dict[str, Any]] = []
-    if resume and json_path.is_file():
-        old = json.loads(json_path.read_text())
-        if old.get("settings") == settings_dict:
-            runs = [r for r in old.get("runs", []) if not r.get("same_as")]
-            log(f"resuming: {len(runs)} finished run(s) in {json_path}")
-    done = {(r["seed"], r["split"], r["method"]): r for r in runs}
-    base = settings.cwt_config(0)
-    test = CWTSite(data.test_site(), base, model_config)
-    split_sites = {split: [CWTSite(d, base, model_config) for d in data.sites(split)] for split in settings.splits}
-    central = [CWTSite(data.central(), base, model_config)]
+    import matplotlib
 
-    def write(final: bool = False) -> dict[str, Any]:
-        result = {
-            "settings": settings_dict, "machine": _machine(),
-            "command": f"cxrfl bench compare --method cwt --profile cwt-splits --seeds {settings.seeds} --out {out}",
-            "data": {"source": str(site_config), "test_images": len(data.test), "val_images": len(data.val),
-                     "train_images": len(data.train), "train_patients": int(data.train["patient"].nunique()),
-                     "splits": {str(k): v for k, v in data.splits.items()}},
-            "runs": runs, "seconds": round(time.perf_counter() - start, 1),
-            "cpu_seconds": round(time.process_time() - cpu_start, 1), "complete": final,
-        }
-        if final:
-            result["summary"] = summarise(runs, settings)
-        tmp = json_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        tmp.replace(json_path)
-        return result
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-    for seed in range(settings.seeds):
-        key = (seed, 0, CENTRAL)
-        if key not in done:
-            cfg = settings.cwt_config(seed)
-            central[0].configure(cfg)
-            r = {"seed": seed, "split": 0, "method": CENTRAL, **_evaluate(run_cwt(central, model_config, cfg), test)}
-            runs.append(r)
-            done[key] = r
-            write()
-        log(f"seed {seed} {CENTRAL}: accuracy {done[key]['accuracy']:.3f} AUROC {done[key]['auroc']:.3f} ({done[key]['seconds']}s)")
-        seen: dict[tuple, dict[str, Any]] = {}
-        for split in settings.splits:
-            sites = split_sites[split]
-            for method in SPLIT_METHODS[split]:
-                cfg = settings.cwt_config(seed, **METHODS[method])
-                for s in sites:
-                    s.configure(cfg)
-                sig = _signature(tuple(data.splits[split]), sites, cfg)
-                key = (seed, split, method)
-                if key in done:
-                    r = done[key]
-                elif sig in seen:
-                    src = seen[sig]
-                    r = {**src, "split": split, "method": method, "same_as": f"split {src['split']} {src['method']}"}
-                    runs.append(r)
-                else:
-                    r = {"seed": seed, "split": split, "method": method, **_evaluate(run_cwt(sites, model_config, cfg), test)}
-                    runs.append(r)
-                    done[key] = r
-                    write()
-                if not r.get("same_as"):
-                    seen.setdefault(sig, r)
-                note = f" (= {r['same_as']})" if r.get("same_as") else f" ({r['seconds']}s, best cycle {r['best_cycle']})"
-                log(f"seed {seed} split {split} {method}: accuracy {r['accuracy']:.3f} AUROC {r['auroc']:.3f}{note}")
-    result = write(final=True)
-    plot(result["summary"], out / "cwt.png")
-    log(f"wrote {json_path} and {out / 'cwt.png'} in {result['seconds']:.0f}s")
-    return result
+    def mean_curve(rs: list[dict[str, Any]]) -> list[float]:
+        n = max((len(r.get("val_curve") or []) for r in rs), default=0)
+        return [float(np.nanmean([r["val_curve"][i] for r in rs if len(r.get("val_curve") or []) > i])) for i in range(n)]
+
+    fig, axes = plt.subplots(1, max(len(splits), 1), figsize=(5.5 * max(len(splits), 1), 4), squeeze=False)
+    central = [r for r in runs if r["method"] == CENTRAL and r.get("val_curve")]
+    for ax, split in zip(axes[0], splits):
+        if central:
+            ax.plot(range(1, len(mean_curve(central)) + 1), mean_curve(central), "k-", label=CENTRAL)
+        for m in SPLIT_METHODS[split]:
+            rs = [r for r in runs if r["method"] == m and r["split"] == split and r.get("val_curve")]
+            if rs:
+                ax.plot(range(1, len(mean_curve(rs)) + 1), mean_curve(rs), "o-", color=COLORS[m], label=m)
+        ax.set_title(f"split {split}")
+        ax.set_xlabel("cycle")
+        ax.set_ylabel("pooled validation loss (mean over seeds)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-def markdown_tables(summary: dict[str, Any]) -> str:
+def result_tables(summary: dict[str, Any]) -> str:
     """The result tables in Markdown: test accuracy and AUROC (mean +- SD) and percent of central accuracy.
 
     Args:
-        summary: output of :func:`summarise` (``cwt.json``'s ``summary``).
+        summary: output of :func:`summarise` (``results.json``'s ``summary``).
     """
 
     def f(x: dict[str, Any]) -> str:
@@ -581,37 +345,171 @@ def markdown_tables(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def mechanism_table(settings: BenchSettings | None = None) -> str:
-    """What each optimization changes at splits 5 and 10, computed from the counts (no training).
-
-    Split 5: draws per training image per cycle (steps x batch / n_i) under vanilla CWT and PLTI,
-    and CLR's rates. Split 10: the abnormal share of a minibatch (vanilla: the local share; LWMS:
-    one half) and CWL's weights of the abnormal / normal terms.
+def report_markdown(result: dict[str, Any]) -> str:
+    """``report.md``: what ran and where, the result tables, the targets with paired p-values, the plots.
 
     Args:
-        settings: sizes and batch (default :class:`BenchSettings`).
+        result: the content of ``results.json``.
     """
-    from cxrfl.cwt.optimizations import cwl_class_weights
-
-    settings = settings or BenchSettings()
-    b = settings.batch_size
-    q5 = scale_split(TABLE_1[5], settings.per_class)
-    counts = {s: a + n for s, (a, n) in zip(SITES, q5)}
-    van = relay_plan(counts, settings.cwt_config(0))
-    plti = relay_plan(counts, settings.cwt_config(0, plti=True))
-    clr = relay_plan(counts, settings.cwt_config(0, clr=True))
-    lines = ["| split 5 | " + " | ".join(SITES) + " |", "|" + " --- |" * (len(SITES) + 1),
-             "| training images | " + " | ".join(str(counts[s]) for s in SITES) + " |",
-             "| vanilla: steps, draws per image per cycle | "
-             + " | ".join(f"{van[s].steps}, {van[s].steps * b / counts[s]:.2f}" for s in SITES) + " |",
-             "| PLTI: steps, draws per image per cycle | "
-             + " | ".join(f"{plti[s].steps}, {plti[s].steps * b / counts[s]:.2f}" for s in SITES) + " |",
-             "| CLR: learning rate (x 1e-3) | " + " | ".join(f"{1e3 * clr[s].lr:.2f}" for s in SITES) + " |", ""]
-    q10 = scale_split(TABLE_3[10], settings.per_class)
-    lines += ["| split 10 | " + " | ".join(SITES) + " |", "|" + " --- |" * (len(SITES) + 1),
-              "| abnormal / normal images | " + " | ".join(f"{a} / {n}" for a, n in q10) + " |",
-              "| abnormal share of a minibatch: vanilla, LWMS | "
-              + " | ".join(f"{a / (a + n):.2f}, 0.50" for a, n in q10) + " |",
-              "| CWL weight of abnormal / normal terms | "
-              + " | ".join("{:.2f} / {:.2f}".format(*(float(w[0]) for w in cwl_class_weights([a], [a + n]))) for a, n in q10) + " |"]
+    summary, data, machine = result["summary"], result["data"], result["machine"]
+    lines = ["# Cyclical weight transfer: the paper's splits 1-10 on real NIH images", "",
+             f"- Command: `{result['command']}`",
+             f"- Machine: {machine['cpus']} CPUs, {machine['platform']}, torch {machine['torch']}, load average at start "
+             f"{machine['load_average_at_start']}; wall time {result['seconds']:.0f} s",
+             f"- Data: {data['source']}: test {data['test_images']}, validation {data['val_images']}, training "
+             f"{data['train_images']} images ({data['train_patients']} patients), split counts {data['splits']}",
+             f"- Settings: `{json.dumps(result['settings'])}`", "", result_tables(summary), "## Targets", ""]
+    for t in summary["targets"].values():
+        acc = t["accuracy"]
+        p = f"{acc['p_paired_t']:.3g}" if acc["p_paired_t"] is not None else "n/a"
+        diff = acc["diff"]["mean"]
+        lines.append(f"- {t['target']}: **{'met' if t['met'] else 'not met'}** (mean paired accuracy difference "
+                     f"{'n/a' if diff is None else f'{100 * diff:+.1f} points'}, paired t-test p = {p}; better in "
+                     f"{acc['better_seeds']} of {len(acc['per_seed'])} seeds)")
+    noise = summary["noise"]
+    lines += ["", f"Noise: {noise['test_images']} test images give a binomial SD of about "
+                  f"{100 * noise['binomial_sd_of_accuracy']:.1f} accuracy points per run; {noise['seeds']} seeds.", "",
+              "![test accuracy and AUROC per split](cwt.png)", "", "![pooled validation loss per cycle](cwt_curves.png)", ""]
     return "\n".join(lines)
+
+
+def _machine() -> dict[str, Any]:
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "load_average_at_start": load}
+
+
+# ------------------------------------------------------------- saved runs
+def run_file(folder: Path, method: str, split: int, seed: int) -> Path:
+    """Where one finished run is kept (``runs/<method>__split<k>__seed<s>.json``).
+
+    Args:
+        folder: the ``runs`` folder.
+        method: the method label.
+        split: the split (0: central hosting).
+        seed: the training seed.
+    """
+    return folder / f"{re.sub(r'[^A-Za-z0-9+]+', '_', method)}__split{split}__seed{seed}.json"
+
+
+def load_runs(folder: Path, settings: dict[str, Any]) -> dict[tuple[int, int, str], dict[str, Any]]:
+    """The finished runs kept under ``folder`` with these settings, by (seed, split, method).
+
+    Args:
+        folder: the ``runs`` folder.
+        settings: :meth:`BenchSettings.run_key` of this benchmark.
+    """
+    done = {}
+    for path in sorted(folder.glob("*.json")):
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if saved.get("settings") == settings:
+            r = saved["run"]
+            done[(r["seed"], r["split"], r["method"])] = r
+    return done
+
+
+class _Runner:
+    """Trains (or reuses) the runs of one benchmark, keeping each as soon as it is done."""
+
+    def __init__(self, settings: BenchSettings, data: BenchData, out: Path, done: dict, log: Callable[[str], None]) -> None:
+        self.settings, self.out, self.done, self.log = settings, out, done, log
+        self.model_config = ModelConfig(image_size=settings.image_size)
+        base = settings.cwt_config(0)
+        self.test = CWTSite(data.test_site(), base, self.model_config)
+        self.sites = {split: [CWTSite(d, base, self.model_config) for d in data.sites(split)] for split in settings.splits}
+        self.sites[0] = [CWTSite(data.central(), base, self.model_config)]
+        self.quotas = {0: None, **{s: tuple(data.splits[s]) for s in settings.splits}}
+        self.runs: list[dict[str, Any]] = list(done.values())
+
+    def seed(self, seed: int) -> None:
+        """Central hosting and every split's methods for one seed."""
+        seen: dict[tuple, dict[str, Any]] = {}
+        for split, method in [(0, CENTRAL)] + [(s, m) for s in self.settings.splits for m in SPLIT_METHODS[s]]:
+            cfg = self.settings.cwt_config(seed, **METHODS.get(method, {}))
+            sites = self.sites[split]
+            for s in sites:
+                s.configure(cfg)
+            sig = _signature(self.quotas[split], sites, cfg)
+            r = self.done.get((seed, split, method))
+            if r is None and sig in seen:
+                src = seen[sig]
+                r = {**src, "split": split, "method": method, "same_as": f"split {src['split']} {src['method']}"}
+                self.runs.append(r)
+            elif r is None:
+                r = {"seed": seed, "split": split, "method": method, **_evaluate(run_cwt(sites, self.model_config, cfg), self.test)}
+                self.keep(r)
+            if not r.get("same_as"):
+                seen.setdefault(sig, r)
+            note = f" (= {r['same_as']})" if r.get("same_as") else f" ({r['seconds']}s, best cycle {r['best_cycle']})"
+            where = CENTRAL if split == 0 else f"split {split} {method}"
+            self.log(f"seed {seed} {where}: accuracy {r['accuracy']:.3f} AUROC {r['auroc']:.3f}{note}")
+
+    def keep(self, run: dict[str, Any]) -> None:
+        self.runs.append(run)
+        self.done[(run["seed"], run["split"], run["method"])] = run
+        write_json(run_file(self.out / "runs", run["method"], run["split"], run["seed"]),
+                   {"settings": self.settings.run_key(), "run": run})
+
+
+def run_cwt_benchmark(
+    out: str | Path = REPO / "benchmarks" / "results" / "cwt",
+    seeds: int = 3,
+    *,
+    settings: BenchSettings | None = None,
+    site_config: str | Path = DEFAULT_SITE_CONFIG,
+    log: Callable[[str], None] = logger.info,
+    resume: bool = True,
+) -> dict[str, Any]:
+    """Run the CWT benchmark; write ``results.json``, ``report.md``, ``cwt.png``, ``cwt_curves.png`` to ``out``.
+
+    Each finished (method, split, seed) run is kept in ``out/runs`` at once; a later call with the
+    same settings reuses those runs and trains only the missing ones.
+
+    Args:
+        out: output folder.
+        seeds: training seeds 0 .. seeds-1 (overrides ``settings.seeds``).
+        settings: everything else (default: :class:`BenchSettings`).
+        site_config: the nih1000 site config (real NIH images).
+        log: progress lines.
+        resume: reuse the finished runs kept in ``out/runs`` (False: train every run again).
+
+    Returns:
+        The content of ``results.json``.
+    """
+    settings = BenchSettings(**{**asdict(settings or BenchSettings()), "seeds": seeds})
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(settings.threads)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    data = prepare_data(per_class=settings.per_class, test_per_class=settings.test_per_class,
+                        val_per_class=settings.val_per_class, max_patient_images=settings.max_patient_images,
+                        data_seed=settings.data_seed, splits=settings.splits, site_config=site_config)
+    log(f"data: test {len(data.test)}, val {len(data.val)}, train {len(data.train)} images "
+        f"({data.train['patient'].nunique()} patients); splits {data.splits}")
+    done = {k: r for k, r in load_runs(out / "runs", settings.run_key()).items() if k[0] < settings.seeds} if resume else {}
+    if done:
+        log(f"resuming: {len(done)} finished run(s) in {out / 'runs'}")
+    runner = _Runner(settings, data, out, done, log)
+    for seed in range(settings.seeds):
+        runner.seed(seed)
+    result = {
+        "settings": settings.to_dict(), "machine": _machine(),
+        "command": f"cxrfl bench cwt --seeds {settings.seeds} --out {out}",
+        "data": {"source": str(site_config), "test_images": len(data.test), "val_images": len(data.val),
+                 "train_images": len(data.train), "train_patients": int(data.train["patient"].nunique()),
+                 "splits": {str(k): v for k, v in data.splits.items()}},
+        "results": results_table(runner.runs), "summary": summarise(runner.runs, settings), "runs": runner.runs,
+        "seconds": round(time.perf_counter() - start, 1), "cpu_seconds": round(time.process_time() - cpu_start, 1),
+    }
+    write_json(out / "results.json", result)
+    plot(result["summary"], out / "cwt.png")
+    plot_curves(runner.runs, [s for s in (5, 10) if s in settings.splits] or list(settings.splits[:1]), out / "cwt_curves.png")
+    (out / "report.md").write_text(report_markdown(result))
+    log(f"wrote {out / 'results.json'}, {out / 'report.md'} and the plots in {result['seconds']:.0f}s")
+    return result

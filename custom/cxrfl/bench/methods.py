@@ -1,9 +1,10 @@
 """The methods the surgical-aggregation papers compare, as head modes of one training loop.
 
-Every federated method is :func:`cxrfl.bench.federated.run_federated` with a head mode, a
-missing-label policy and a BatchNorm strategy; the individually trained and centralized
-baselines are the same loop on one site (each hospital alone, or every image pooled with
-missing labels as negatives). The NVFlare job that runs a federated method is named in ``job``.
+Every federated method is the surgical-aggregation server loop
+(:class:`cxrfl.surgical.server.SurgicalServer`) with a head mode, a missing-label policy and a
+BatchNorm strategy; the individually trained and centralized baselines are the same loop on one
+site (each hospital alone, or every image pooled with missing labels as negatives). The NVFlare
+job that runs a federated method is named in ``job``.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -97,29 +98,34 @@ def roc_curves(results: dict[str, Any], entries: dict[str, Any], tests: dict[str
     plt.close(fig)
 
 
-def validation_loss(results: dict[str, Any], path: Path) -> None:
-    """Mean validation BCE of the sites per round (mean over seeds) for every method.
+def learning_curves(results: dict[str, Any], path: Path) -> None:
+    """Learning curves: the sites' mean validation BCE and mean validation AUROC of the model of
+    each round (mean over seeds) for every method.
 
     Args:
-        results: comparison results.
+        results: comparison results (each run's ``val_loss`` and ``val_auroc``).
         path: PNG file.
     """
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, d in results["methods"].items():
-        hist = [r["val_loss"] for r in d["runs"]]
-        if not hist:
-            continue
-        length = max(len(h) for h in hist)
-        arr = np.full((len(hist), length), np.nan)
-        for i, h in enumerate(hist):
-            arr[i, : len(h)] = h
-        with np.errstate(all="ignore"):
-            mean = np.nanmean(arr, axis=0)
-        ax.plot(range(length), mean, marker=".", label=d["label"])
-    ax.set_xlabel("model of round (0 = after the head warm-up)")
-    ax.set_ylabel("mean validation BCE of the sites")
-    ax.set_title(f"{results['profile']}: validation loss per round (mean over seeds)")
-    ax.legend(fontsize=7, ncol=2)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, label in ((axes[0], "val_loss", "mean validation BCE of the sites"),
+                           (axes[1], "val_auroc", "mean validation AUROC of the sites")):
+        for d in results["methods"].values():
+            hist = [r.get(key) or [] for r in d["runs"]]
+            length = max((len(h) for h in hist), default=0)
+            if not length:
+                continue
+            arr = np.full((len(hist), length), np.nan)
+            for i, h in enumerate(hist):
+                arr[i, : len(h)] = [np.nan if v is None else v for v in h]
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # a round no seed reached: NaN, not drawn
+                mean = np.nanmean(arr, axis=0)
+            ax.plot(range(length), mean, marker=".", label=d["label"])
+        ax.set_xlabel("model of round (0 = after the head warm-up)")
+        ax.set_ylabel(label)
+    axes[0].set_title(f"{results['profile']}: validation loss per round (mean over seeds)", fontsize=9)
+    axes[1].set_title("validation AUROC per round (mean over seeds)", fontsize=9)
+    axes[0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -148,7 +154,7 @@ def write_plots(results: dict[str, Any], entries: dict[str, Any], tests: dict[st
         roc_curves(results, entries, tests, roc_view, out / name)
         if (out / name).is_file():
             files.append(name)
-    validation_loss(results, out / "val_loss.png")
+    learning_curves(results, out / "val_loss.png")
     files.append("val_loss.png")
     return files
 

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -72,8 +73,7 @@ class SpeedSettings:
     parts: tuple[str, ...] = ("simulator", "aggregation", "payload")
 
 
-def _print(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ 1. simulator vs plain loop
@@ -101,7 +101,7 @@ def _plain_throughput(config: Path, s: SpeedSettings) -> dict[str, Any]:
     return {"images_per_second": rates, "mean": float(np.mean(rates))}
 
 
-def simulator_vs_plain(s: SpeedSettings, work: Path, log=_print) -> dict[str, Any]:
+def simulator_vs_plain(s: SpeedSettings, work: Path, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """Part 1: throughput of the same local training inside the NVFlare simulator and in a plain loop.
 
     Args:
@@ -282,7 +282,7 @@ AGG_METHODS = ("surgical", "surgical_nvflare", "nvflare_fedavg")
 PARTS = ("simulator", "aggregation", "payload")
 
 
-def aggregation_benchmark(s: SpeedSettings, log=_print) -> dict[str, Any]:
+def aggregation_benchmark(s: SpeedSettings, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """Part 2: time (median of repeats, in this process; the methods take turns within each
     repeat, so a change of machine load hits them alike) and peak extra memory (fresh process);
     one torch thread (NVFlare's aggregator runs single-threaded numpy).
@@ -477,7 +477,7 @@ def _earlier_results(path: Path, wanted: list[str]) -> dict[str, tuple[Any, dict
     return found
 
 
-def run_speed(s: SpeedSettings, out: Path, log=_print) -> dict[str, Any]:
+def run_speed(s: SpeedSettings, out: Path, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """Run the selected parts (``s.parts``); write ``speed.json`` and ``speed.md`` under ``out``.
 
     Parts not run this time are copied from an earlier ``speed.json`` there (with the command,

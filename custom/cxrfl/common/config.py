@@ -10,11 +10,12 @@ A settings class is a frozen dataclass that derives from :class:`Config`, names 
         precision: str = field(default="auto", metadata={"choices": ("auto", "fp32", "bf16", "fp16")})
 
 Every value is checked against its annotation (``int``, ``float``, ``bool``, ``str``, ``None``
-unions, ``tuple[str, ...]``, ``list[...]``, ``dict[str, str]``, ``Path``) and against ``choices``,
-``ge``, ``gt``, ``le``, ``lt``; a wrong value is one :class:`cxrfl.errors.ConfigError` line naming
-``section.key``, what is allowed and what was given (and the file, when known). Lists become
-tuples for tuple fields. Cross-field rules stay in the subclass's ``__post_init__`` (call
-``super().__post_init__()`` first).
+unions, ``tuple[str, ...]``, ``list[...]``, ``dict[str, str]``, ``Path``, a nested ``Config``) and
+against ``choices``, ``ge``, ``gt``, ``le``, ``lt``; a wrong value is one
+:class:`cxrfl.errors.ConfigError` line naming ``section.key``, what is allowed and what was given
+(and the file, when known). Lists become tuples for tuple fields, texts paths for ``Path`` fields;
+``from_dict`` builds nested ``Config`` sections from mappings and names a missing required key.
+Cross-field rules stay in the subclass's ``__post_init__`` (call ``super().__post_init__()`` first).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def _describe(tp: Any) -> str:
         return " or ".join(names) + (" or null" if type(None) in args else "")
     if origin in (tuple, list):
         inner = typing.get_args(tp)
-        return f"a list of {_describe(inner[0]) if inner else 'values'}s"
+        item = _describe(inner[0]).removeprefix("an ").removeprefix("a ") if inner else "value"
+        return f"a list of {item}s"
     if origin is dict:
         return "a mapping"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a text", Path: "a path",
@@ -88,6 +90,17 @@ def _is_tuple_field(tp: Any) -> bool:
     return origin is tuple
 
 
+def _members(tp: Any) -> tuple[Any, ...]:
+    """The alternatives of a union annotation (the annotation itself otherwise)."""
+    return typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+
+
+def _section_type(tp: Any) -> type[Config] | None:
+    """The ``Config`` subclass a field holds (alone or with null), else None."""
+    found = [a for a in _members(tp) if isinstance(a, type) and issubclass(a, Config)]
+    return found[0] if found else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Base of every settings dataclass (see the module docstring)."""
@@ -101,6 +114,9 @@ class Config:
             tp = hints.get(f.name, Any)
             if isinstance(value, list) and _is_tuple_field(tp):
                 value = tuple(value)
+                object.__setattr__(self, f.name, value)
+            if isinstance(value, str) and Path in _members(tp) and str not in _members(tp):
+                value = Path(value)
                 object.__setattr__(self, f.name, value)
             if not matches(value, tp):
                 self.fail(f.name, f"must be {_describe(tp)}, got {value!r}")
@@ -119,6 +135,15 @@ class Config:
             if key in meta and isinstance(value, (int, float)) and not ok(value, meta[key]):
                 self.fail(f.name, f"must be {word} {meta[key]}, got {value!r}")
 
+    @classmethod
+    def qualified(cls, key: str) -> str:
+        """How messages name a key (``section.key``).
+
+        Args:
+            key: the field name.
+        """
+        return f"{cls.SECTION}.{key}"
+
     def fail(self, key: str, reason: str) -> typing.NoReturn:
         """Raise the one-line error for a bad value.
 
@@ -126,7 +151,7 @@ class Config:
             key: the field name.
             reason: what is wrong and what is allowed.
         """
-        raise ConfigError(f"{self.SECTION}.{key} {reason}")
+        raise ConfigError(f"{self.qualified(key)} {reason}")
 
     @classmethod
     def from_dict(cls: type[C], data: Mapping[str, Any] | None, where: str | None = None) -> C:
@@ -143,12 +168,22 @@ class Config:
             return data
         if not isinstance(data, Mapping):
             raise ConfigError(f"{cls.SECTION} settings must be a mapping, got {type(data).__name__}{suffix}")
-        known = [f.name for f in dataclasses.fields(cls)]
+        fields = dataclasses.fields(cls)
+        known = [f.name for f in fields]
         unknown = sorted(set(data) - set(known))
         if unknown:
             raise ConfigError(f"unknown {cls.SECTION} setting(s) {unknown}{suffix}; known: {sorted(known)}")
+        for f in fields:
+            if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{cls.qualified(f.name)} is missing{suffix}")
+        values = dict(data)
+        hints = typing.get_type_hints(cls)
+        for name, value in values.items():
+            section = _section_type(hints.get(name))
+            if section is not None and value is not None and not isinstance(value, Config):
+                values[name] = section.from_dict(value, where)
         try:
-            return cls(**dict(data))
+            return cls(**values)
         except ConfigError as exc:
             raise ConfigError(f"{exc}{suffix}") from None
 
@@ -156,6 +191,8 @@ class Config:
         """Plain JSON/YAML-friendly dict (tuples as lists, paths as text)."""
 
         def plain(v: Any) -> Any:
+            if isinstance(v, Config):
+                return v.to_dict()
             if isinstance(v, Path):
                 return str(v)
             if isinstance(v, (tuple, list)):

@@ -41,12 +41,19 @@ the model the previous site trained, including the rows of classes it does not a
 Tasks: ``binary`` (the paper's abnormal vs normal: one output ``Abnormal`` = any finding
 positive, 0 = every finding known negative, i.e. NIH ``No Finding``; a site-side label
 transform, see :func:`binary_labels`) and ``multilabel`` (a head over the sorted union of the
-sites' classes; the classes a site does not annotate are masked out of its loss, so CWT
+sites' classes; the classes a site does not annotate are masked out of its loss, so CWT also
+serves sites whose label sets differ).
+
+The paper's base recipe is the default: the learning rate decays by 0.99 every 200 iterations,
+counted across visits (the server carries the iteration count from site to site), and an L2
+coefficient of 1e-4 (:class:`CWTConfig`).
 
 Modules: :mod:`cxrfl.cwt.config` (settings), :mod:`cxrfl.cwt.optimizations` (PLTI, CLR, LWMS,
-CWL), :mod:`cxrfl.cwt.relay` (plan, order, travelling optimiser state), :mod:`cxrfl.cwt.site`
-(one site of the relay), :mod:`cxrfl.cwt.server` (the transport-free relay loop) and
-:mod:`cxrfl.cwt.inprocess` (the relay with sites called in this process).
+CWL), :mod:`cxrfl.cwt.relay` (plan, order, learning-rate schedule, travelling optimiser state,
+task names), :mod:`cxrfl.cwt.site` (one site's data and training), :mod:`cxrfl.cwt.host` (a
+site's answers to the relay's tasks), :mod:`cxrfl.cwt.server` (the transport-free relay loop:
+retries, resume, early stopping, checkpoints) and :mod:`cxrfl.cwt.inprocess` (the relay with
+the sites called in this process).
 """
 
 from cxrfl.cwt.config import CWTConfig

@@ -1,40 +1,56 @@
-"""Cyclical weight transfer in one process (plain PyTorch; the benchmark's engine)."""
+"""Cyclical weight transfer in one process: the relay server with the sites called in this process.
+
+:func:`run_cwt` runs :class:`cxrfl.cwt.server.CWTServer`, the loop of the NVFlare job, over
+:func:`cxrfl.common.transport.inprocess_transport` and one :class:`cxrfl.cwt.host.CWTSiteHost`
+per site (the benchmark's engine and the fast tests). Central hosting is the relay over one site
+holding all the data.
+"""
 
 from __future__ import annotations
 
-import copy
 import logging
-import math
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from cxrfl.cwt.config import CWTConfig
-from cxrfl.cwt.relay import Visit, relay_order, relay_plan
-from cxrfl.cwt.site import CWTSite, pooled_loss
+from cxrfl.common.transport import SiteHost, inprocess_transport
+from cxrfl.cwt.config import CWTConfig, RelayConfig
+from cxrfl.cwt.host import CWTSiteHost, site_model_config
+from cxrfl.cwt.relay import Visit
+from cxrfl.cwt.server import CWTOutcome, CWTServer
+from cxrfl.cwt.site import CWTSite
 from cxrfl.nn.models import ModelConfig, build_model
-from cxrfl.nn.training import adam
 
 log = logging.getLogger(__name__)
+
+INPROCESS_RELAY = RelayConfig(min_sites_timeout=0.0, retry_pause=0.0, evaluate_test=False)
+"""In one process nobody comes back later: a cycle with too few trained sites stops the run at once,
+and the sites' test splits are left to the caller."""
+
 
 @dataclass
 class CWTResult:
     """Outcome of :func:`run_cwt`.
 
     Args:
-        model: the network with the best cycle's weights.
+        model: the network with the best cycle's weights (on the sites' device).
         classes: its outputs.
-        best_cycle: the cycle with the lowest pooled validation loss (0: no cycle had a finite
-            loss; the model is then the initial one).
-        best_val_loss: that loss.
-        plan: site -> (steps, lr) per visit.
-        history: one record per cycle (order, visits, pooled validation loss).
+        best_cycle: the cycle with the lowest pooled validation loss (the last cycle when no
+            cycle had a finite loss).
+        best_val_loss: that loss (NaN: none was finite).
+        plan: site -> its steps and rate per visit.
+        history: one record per completed cycle (order, visits, pooled validation loss).
         stopped_early: early stopping ended the run.
+        cycles_run: the last completed cycle.
         seconds: wall time.
+        outcome: everything the server returned (final weights, evaluation ...).
     """
 
     model: nn.Module
@@ -44,7 +60,9 @@ class CWTResult:
     plan: dict[str, Visit]
     history: list[dict[str, Any]] = field(default_factory=list)
     stopped_early: bool = False
+    cycles_run: int = 0
     seconds: float = 0.0
+    outcome: CWTOutcome | None = None
 
 
 def run_cwt(
@@ -52,75 +70,56 @@ def run_cwt(
     model_config: ModelConfig,
     config: CWTConfig,
     *,
-    device: torch.device | None = None,
-    available: Callable[[str, int], bool] | None = None,
-    logger: logging.Logger | None = None,
+    relay: RelayConfig | None = None,
+    out_dir: str | Path | None = None,
+    wrap: Callable[[str, SiteHost], SiteHost] | None = None,
+    run_id: str = "run",
+    resume_from: str | None = None,
+    resume_root: str | Path | None = None,
+    info: Callable[[str], None] = log.info,
+    warning: Callable[[str], None] = log.warning,
+    aborted: Callable[[], bool] = lambda: False,
 ) -> CWTResult:
-    """Cyclical weight transfer in one process (plain PyTorch; the benchmark's engine).
-
-    Every cycle the model visits the sites in :func:`relay_order`; each trains it in place for
-    its :func:`relay_plan` steps at its rate; after the cycle the pooled validation loss over all
-    sites decides early stopping, and the best cycle's weights are kept (the untrained initial
-    model is never chosen, as NVFlare's model selectors skip round 0). Central hosting is
-    ``run_cwt`` over one site holding all the data.
+    """Run the relay over in-memory sites.
 
     Args:
-        sites: the sites (same ``classes``), in fixed relay order.
+        sites: the sites (built with the same classes, see :func:`cxrfl.cwt.site.make_sites`),
+            in the fixed relay order.
         model_config: the network.
-        config: the run's settings (``sites`` must have been built with the same).
-        device: torch device (default: the sites').
-        available: ``(site, cycle) -> bool``; a site that is not available is skipped for that
-            turn (with a log line) and the model goes on to the next site unchanged.
-        logger: where to log (default: this module's logger).
+        config: the run's settings (the sites are reconfigured to them).
+        relay: ``min_sites``, retry and evaluation settings (default :data:`INPROCESS_RELAY`);
+            without ``site_order``, the order of ``sites``.
+        out_dir: where the job's files go (None: a temporary folder, removed at the end; give one to be
+            able to resume an interrupted run).
+        wrap: ``(site name, host) -> host`` around each site's host (fault injection in tests).
+        run_id: this run's id (names its resume state).
+        resume_from: an interrupted run's id (under ``resume_root``) or resume folder.
+        resume_root: folder of resume states (default ``out_dir/cxrfl_resume``).
+        info: progress logger.
+        warning: problem logger.
+        aborted: returns True when the run must stop.
     """
-    logger = logger or log
     start = time.perf_counter()
     if not sites:
         raise ValueError("run_cwt needs at least one site")
     classes = sites[0].classes
     if any(s.classes != classes for s in sites):
         raise ValueError("all sites must be built with the same classes (see make_sites)")
-    device = device or sites[0].device
-    for s in sites:
-        for w in s.warnings:
-            logger.warning(w)
-    plan = relay_plan({s.name: s.num_train for s in sites}, config)
-    relay = [s for s in sites if s.name in plan]
-    torch.manual_seed(config.seed)
-    model = build_model(model_config, len(classes)).to(device)
-    optimizer = adam(model, config.lr, config.weight_decay)
-
-    def val_loss() -> float:
-        return pooled_loss([(r.loss, float(r.mask.sum())) for r in (s.evaluate(model, "val") for s in relay)])
-
-    best_loss, best_cycle = math.inf, 0
-    best_state = copy.deepcopy(model.state_dict())
-    history: list[dict[str, Any]] = []
-    stale, stopped = 0, False
-    by_name = {s.name: s for s in relay}
-    for cycle in range(1, config.num_cycles + 1):
-        order = relay_order([s.name for s in relay], cycle, config.order, config.seed)
-        visits = []
-        for name in order:
-            if available is not None and not available(name, cycle):
-                logger.warning("cycle %d: site %s is not available; skipped, the model goes on unchanged", cycle, name)
-                visits.append({"site": name, "cycle": cycle, "skipped": True})
-                continue
-            if config.optimizer_state == "reset":
-                optimizer = adam(model, config.lr, config.weight_decay)
-            visits.append(by_name[name].train_visit(model, optimizer, plan[name], cycle))
-        loss = val_loss()
-        history.append({"cycle": cycle, "order": order, "visits": visits, "val_loss": loss})
-        logger.info("cycle %d (%s): pooled val loss %.4f", cycle, " > ".join(order), loss)
-        if math.isfinite(loss) and (best_cycle == 0 or loss < best_loss - config.min_delta):
-            best_loss, best_cycle, stale = loss, cycle, 0
-            best_state = copy.deepcopy(model.state_dict())
-        else:
-            stale += 1
-            if stale >= config.patience:
-                stopped = True
-                logger.info("early stop after cycle %d (best cycle %d)", cycle, best_cycle)
-                break
-    model.load_state_dict(best_state)
-    return CWTResult(model=model, classes=list(classes), best_cycle=best_cycle, best_val_loss=best_loss, plan=plan,
-                     history=history, stopped_early=stopped, seconds=time.perf_counter() - start)
+    relay = relay or INPROCESS_RELAY
+    if relay.site_order is None:
+        relay = relay.replace(site_order=[s.name for s in sites])
+    hosts: dict[str, SiteHost] = {s.name: CWTSiteHost(site=s, warning=warning) for s in sites}
+    if wrap is not None:
+        hosts = {name: wrap(name, host) for name, host in hosts.items()}
+    with tempfile.TemporaryDirectory(prefix="cxrfl-cwt-") as tmp:
+        server = CWTServer(inprocess_transport(hosts, warning, info=log.debug), sites=list(hosts), config=config,
+                           model_config=model_config, relay=relay, out_dir=out_dir if out_dir is not None else tmp,
+                           run_id=run_id, resume_from=resume_from, resume_root=resume_root, info=info,
+                           warning=warning, aborted=aborted)
+        outcome = server.run()
+    model = build_model(site_model_config(model_config), len(outcome.plan.classes)).to(sites[0].device)
+    model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in outcome.best_weights.items()})
+    return CWTResult(model=model, classes=list(outcome.plan.classes), best_cycle=outcome.best_cycle,
+                     best_val_loss=outcome.best_val_loss, plan=dict(outcome.plan.visits), history=outcome.state.history,
+                     stopped_early=outcome.stopped_early, cycles_run=outcome.state.cycle,
+                     seconds=time.perf_counter() - start, outcome=outcome)

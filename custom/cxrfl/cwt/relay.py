@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -14,17 +13,50 @@ import torch
 from cxrfl.cwt.config import OPTIMIZER_PREFIX, ORDERS, CWTConfig
 from cxrfl.cwt.optimizations import clr_rates, default_local_steps, plti_steps
 
+COUNTS_TASK = "counts"
+"""Each site's training and validation sizes (and, multi-label, its class names)."""
+TRAIN_TASK = "train"
+"""One site's turn: train the travelling model."""
+VALIDATE_TASK = "validate"
+"""Loss and metrics of a model on a site's validation (or test) split."""
+TASKS = (COUNTS_TASK, TRAIN_TASK, VALIDATE_TASK)
+
+
 @dataclass(frozen=True)
 class Visit:
     """What a site does with the model on its turn.
 
     Args:
         steps: optimiser steps.
-        lr: learning rate.
+        lr: the site's learning rate before decay (the global rate, or CLR's rate).
+        iteration: the relay's iteration count when the visit starts (the decay schedule
+            continues from it, see :func:`lr_factor`).
     """
 
     steps: int
     lr: float
+    iteration: int = 0
+
+
+def lr_factor(iteration: int, config: CWTConfig) -> float:
+    """The paper's staircase decay: ``lr_decay ** (iteration // lr_decay_every)``.
+
+    Args:
+        iteration: optimiser steps taken by the relay so far (over every visit).
+        config: the run's settings.
+    """
+    return float(config.lr_decay ** (int(iteration) // config.lr_decay_every))
+
+
+def relay_sites(sites: Sequence[str], site_order: Sequence[str] | None) -> list[str]:
+    """The fixed relay order: the sites ``site_order`` lists, in its order, then the others by name.
+
+    Args:
+        sites: the sites taking part.
+        site_order: the preferred order (None: by name).
+    """
+    rank = {s: i for i, s in enumerate(site_order or ())}
+    return sorted(sites, key=lambda s: (rank.get(s, len(rank)), s))
 
 
 def relay_plan(site_counts: Mapping[str, int], config: CWTConfig) -> dict[str, Visit]:
@@ -115,5 +147,3 @@ def split_params(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
     model = {k: v for k, v in params.items() if not k.startswith(OPTIMIZER_PREFIX)}
     opt = {k: v for k, v in params.items() if k.startswith(OPTIMIZER_PREFIX)}
     return model, opt
-
-

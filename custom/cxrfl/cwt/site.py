@@ -12,11 +12,12 @@ import pandas as pd
 import torch
 from monai.data.utils import set_rnd
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Sampler
 
 from cxrfl.cwt.config import BINARY_CLASS, TASKS, CWTConfig
 from cxrfl.cwt.optimizations import cwl_loss_weights, label_warnings, lwms_sample_weights
-from cxrfl.cwt.relay import Visit, visit_seed
+from cxrfl.cwt.relay import Visit, lr_factor, visit_seed
 from cxrfl.data.dataset import make_loader
 from cxrfl.data.labels import union_classes
 from cxrfl.data.site import SiteData
@@ -224,27 +225,37 @@ class CWTSite:
     def train_visit(self, model: nn.Module, optimizer: torch.optim.Optimizer, visit: Visit, cycle: int) -> dict[str, Any]:
         """Train the received model in place for this site's turn.
 
+        The learning rate of each step is ``visit.lr`` times the decay factor of the relay's
+        iteration count (:func:`cxrfl.cwt.relay.lr_factor`), which starts at ``visit.iteration``.
+
         Args:
             model: the model as received (its weights are what the previous site returned).
             optimizer: Adam over ``model``'s parameters (travelling or fresh state).
-            visit: steps and learning rate of this site.
+            visit: steps, learning rate and starting iteration of this site's turn.
             cycle: the cycle number (seeds sampling and augmentation).
         """
         start = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = visit.lr
+            group.pop("initial_lr", None)
+        schedule = LambdaLR(optimizer, lambda t: lr_factor(visit.iteration + t, self.config))
+        first_lr = optimizer.param_groups[0]["lr"]
+        hook = optimizer.register_step_post_hook(lambda *_: schedule.step())
         loader = self.loader("train")
         seed = visit_seed(self.config.seed, cycle, self.name)
         loader.sampler.start_visit(visit.steps * self.config.batch_size, seed)
         set_rnd(loader.dataset, seed)
         torch.manual_seed(seed)
         pos_weight, class_weight = self.loss_weights
-        stats = train_epochs(
-            model, loader, optimizer, self.device, epochs=1, max_steps=visit.steps, class_weight=class_weight,
-            pos_weight=pos_weight, amp=self.config.amp,
-        )
-        return {"site": self.name, "cycle": cycle, "steps": stats.steps, "lr": visit.lr, "train_loss": stats.loss,
-                "images": stats.images, "seconds": time.perf_counter() - start}
+        try:
+            stats = train_epochs(
+                model, loader, optimizer, self.device, epochs=1, max_steps=visit.steps, class_weight=class_weight,
+                pos_weight=pos_weight, amp=self.config.amp,
+            )
+        finally:
+            hook.remove()
+        return {"site": self.name, "cycle": cycle, "steps": stats.steps, "lr": first_lr, "iteration": visit.iteration,
+                "train_loss": stats.loss, "images": stats.images, "seconds": time.perf_counter() - start}
 
     def evaluate(self, model: nn.Module, split: str = "val") -> EvalResult:
         """Evaluate a model on one split of this site.

@@ -87,6 +87,21 @@ class UnknownLabelError(ValueError):
     """A label name that is neither canonical, a known synonym, nor declared by the site."""
 
 
+class LabelConflictError(UnknownLabelError):
+    """Two label names of one file that mean the same class.
+
+    Args:
+        message: the one-line explanation with its fix.
+        first: the name seen first.
+        second: the name seen second (the one the fix drops).
+        label: the class both mean.
+    """
+
+    def __init__(self, message: str, first: str, second: str, label: str) -> None:
+        super().__init__(message)
+        self.first, self.second, self.label = first, second, label
+
+
 def normalise_key(name: str) -> str:
     """Lower-case, treat ``_``/``-`` as spaces and collapse white space.
 
@@ -129,6 +144,7 @@ def harmonise(
     names: Iterable[str],
     label_map: Mapping[str, str] | None = None,
     extra: Iterable[str] = (),
+    kind: str = "label columns",
 ) -> dict[str, str]:
     """Map a dataset's label columns to canonical names.
 
@@ -139,12 +155,15 @@ def harmonise(
         names: the column names as the file has them.
         label_map: site renames, file name -> target name.
         extra: further class names the site declares.
+        kind: what the names are, for messages (``label columns``, ``findings ...``).
 
     Returns:
         file name -> canonical name, in the input order.
 
     Raises:
-        UnknownLabelError: a name cannot be mapped, or two columns map to one class.
+        UnknownLabelError: a name cannot be mapped.
+        LabelConflictError: two names map to one class; the message's fix (``drop`` the
+            second, written exactly as in the file) keeps the class.
     """
     label_map = dict(label_map or {})
     mapped_keys = {normalise_key(k): v for k, v in label_map.items()}
@@ -155,9 +174,10 @@ def harmonise(
         target = mapped_keys.get(normalise_key(name), name)
         canon = canonical_name(target, extra=extras)
         if canon in seen:
-            raise UnknownLabelError(
-                f"label columns {seen[canon]!r} and {name!r} both mean {canon!r}; "
-                f"drop one of them in the site config (drop: [{name!r}])."
+            raise LabelConflictError(
+                f"{kind} {seen[canon]!r} and {name!r} both mean {canon!r}; keep one of them: "
+                f"drop: [{name!r}] in the site config keeps {seen[canon]!r} as {canon!r}.",
+                seen[canon], name, canon,
             )
         seen[canon] = name
         out[name] = canon

@@ -26,9 +26,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from cxrfl.data.label_columns import declared_classes, label_columns
+from cxrfl.data.labels import NIH_COLUMN_NAMES, NO_FINDING, UnknownLabelError, canonical_name, normalise_key
 from cxrfl.data.site_config import SiteConfig
 from cxrfl.errors import ConfigError, DataError
-from cxrfl.data.labels import NIH_COLUMN_NAMES, NO_FINDING, UnknownLabelError, canonical_name, harmonise, normalise_key
 
 _SPLIT_NAMES = {
     "train": "train",
@@ -108,50 +109,6 @@ def _parse_values(column: pd.Series, *, path: Path, name: str, blank: float, unc
     return out
 
 
-def _label_columns(columns: Sequence[str], config: SiteConfig, path: Path) -> dict[str, str]:
-    """Map a file's label columns to the site's classes (drop, label_map, ``classes`` subset).
-
-    Args:
-        columns: the file's label column names, in file order.
-        config: the site config.
-        path: the file, for messages.
-
-    Returns:
-        file column -> canonical class, in ``config.classes`` order if given, else file order.
-    """
-    dropped = {normalise_key(d) for d in config.drop}
-    kept = [c for c in columns if normalise_key(c) not in dropped]
-    try:
-        mapping = harmonise(kept, config.label_map, extra=_declared(config))
-    except UnknownLabelError as exc:
-        raise DataError(f"{path}: label column problem: {exc}") from exc
-    mapping = {c: k for c, k in mapping.items() if k != NO_FINDING and normalise_key(k) not in dropped}
-    wanted = _declared(config)
-    if not wanted:
-        if not mapping:
-            raise DataError(f"{path} has no label columns left after 'drop'; the site needs at least one class")
-        return mapping
-    by_class = {k: c for c, k in mapping.items()}
-    missing = [k for k in wanted if k not in by_class]
-    if missing:
-        raise ConfigError(
-            f"classes {', '.join(repr(k) for k in missing)} of the site config are not in {path}; "
-            f"it provides {', '.join(repr(k) for k in mapping.values())}"
-        )
-    return {by_class[k]: k for k in wanted}
-
-
-def _declared(config: SiteConfig) -> list[str]:
-    """The config's ``classes`` in canonical spelling (a name cxrfl does not know is kept as written)."""
-    out = []
-    for name in config.classes or ():
-        try:
-            out.append(canonical_name(name))
-        except UnknownLabelError:
-            out.append(str(name).strip())
-    return out
-
-
 def _views(config: SiteConfig) -> tuple[str, ...] | None:
     return tuple(v.upper() for v in config.dataset.views) if config.dataset.views else None
 
@@ -180,7 +137,8 @@ def _apply_split_file(frame: pd.DataFrame, key: str, config: SiteConfig, problem
     path = config.dataset.split_file
     assert path is not None
     splits = _read_csv(path, "dataset.split_file", (key, "split"), usecols=(key, "split"))
-    splits = pd.DataFrame({_KEY: splits[key].str.strip(), "split": _split_values(splits["split"], path, "split")})
+    keys = splits[key].str.strip().str.replace("\\", "/", regex=False)  # image paths as the label file's
+    splits = pd.DataFrame({_KEY: keys, "split": _split_values(splits["split"], path, "split")})
     twice = splits[_KEY].duplicated(keep=False)
     if twice.any():
         raise DataError(f"{path}, line {_first_line(twice)}: {key} {splits[_KEY][twice].iloc[0]!r} is listed twice")
@@ -222,10 +180,59 @@ def _finish(frame: pd.DataFrame, classes: list[str], key: str, config: SiteConfi
     return out
 
 
+def _variants_line(tokens: pd.Series, rename: dict[str, str], path: Path) -> str:
+    """The warning for NIH findings spelled differently: how many rows, which lines, read as what."""
+    parts = []
+    for name, spelling in rename.items():
+        lines = sorted({int(i) + 2 for i in tokens.index[tokens.eq(name)]})
+        more = f" and {len(lines) - 5} more" if len(lines) > 5 else ""
+        parts.append(f"{name!r} as {spelling!r} ({len(lines)} row(s), line(s) {', '.join(map(str, lines[:5]))}{more})")
+    rows = tokens.index[tokens.isin(list(rename))].unique()
+    return f"{path}: {len(rows)} row(s) spell a finding of 'Finding Labels' differently; read {'; '.join(parts)}"
+
+
+def _nih_findings(tokens: pd.Series, config: SiteConfig, path: Path, problems: list[str]) -> pd.Series:
+    """``Finding Labels`` tokens in NIH spelling.
+
+    Case, ``_``/space and synonym variants of a finding (``effusion``, ``Pleural Effusion`` for
+    ``Effusion``) are read as that finding, with one line in ``problems`` that counts them.
+
+    Args:
+        tokens: one finding per entry, index = read_csv row.
+        config: the site config (its label_map keys and classes are known names too).
+        path: the label file, for messages.
+        problems: list that receives the warning.
+
+    Raises:
+        DataError: a finding cxrfl does not know and the config neither maps, declares nor drops.
+    """
+    dropped = {normalise_key(d) for d in config.drop}
+    nih_spelling = {canon: name for name, canon in NIH_COLUMN_NAMES.items()}
+    known = [*declared_classes(config), *config.label_map]
+    rename = {}
+    for name in dict.fromkeys(tokens):
+        if name in NIH_COLUMN_NAMES or name == NO_FINDING:
+            continue
+        try:
+            finding = canonical_name(name, extra=known)
+        except UnknownLabelError as exc:
+            if normalise_key(name) in dropped:
+                continue
+            line = _first_line(tokens.eq(name).groupby(level=0).any())
+            raise DataError(f"{path}, line {line}, column 'Finding Labels': {exc}") from exc
+        if nih_spelling.get(finding, finding) != name:
+            rename[name] = nih_spelling.get(finding, finding)
+    if rename:
+        problems.append(_variants_line(tokens, rename, path))
+        tokens = tokens.replace(rename)
+    return tokens
+
+
 def read_nih(config: SiteConfig) -> pd.DataFrame:
     """NIH ChestX-ray14 ``Data_Entry_2017*.csv`` (optionally ``.gz``).
 
-    Findings are joined with ``|`` in ``Finding Labels``; images are ``images/<Image Index>``;
+    Findings are joined with ``|`` in ``Finding Labels`` (variants of a finding's spelling are
+    read as it, with a warning: :func:`_nih_findings`); images are ``images/<Image Index>``;
     ``views`` (if set) filters ``View Position``. The file's unquoted
     ``OriginalImage[Width,Height]`` headers are tolerated (only the needed columns are read).
 
@@ -244,17 +251,16 @@ def read_nih(config: SiteConfig) -> pd.DataFrame:
     tokens = raw["Finding Labels"].str.split("|").explode().str.strip()
     if tokens.eq("").any():
         raise DataError(f"{ds.labels}, line {_first_line(tokens.eq(''))}: empty 'Finding Labels' (use 'No Finding')")
-    dropped = {normalise_key(d) for d in config.drop}
+    problems: list[str] = []
+    tokens = _nih_findings(tokens, config, ds.labels, problems)
+
+    def locate(name: str) -> str:
+        rows = tokens.eq(name).groupby(level=0).any()
+        return f", line {_first_line(rows)}, column 'Finding Labels'" if rows.any() else ", column 'Finding Labels'"
+
     extra = [t for t in dict.fromkeys(tokens) if t not in NIH_COLUMN_NAMES and t != NO_FINDING]
-    for name in extra:  # a finding NIH does not define: name its first line
-        if normalise_key(name) in dropped:
-            continue
-        try:
-            harmonise([name], config.label_map, extra=_declared(config))
-        except UnknownLabelError as exc:
-            line = _first_line(tokens.eq(name).groupby(level=0).any())
-            raise DataError(f"{ds.labels}, line {line}, column 'Finding Labels': {exc}") from exc
-    mapping = _label_columns([*NIH_COLUMN_NAMES, *extra], config, ds.labels)
+    mapping = label_columns([*NIH_COLUMN_NAMES, *extra], config, ds.labels, problems,
+                             kind="findings", locate=locate)
     codes = pd.Index(list(mapping)).get_indexer(tokens)
     rows = raw.index.get_indexer(tokens.index)
     matrix = np.zeros((len(raw), len(mapping)))
@@ -263,7 +269,7 @@ def read_nih(config: SiteConfig) -> pd.DataFrame:
         {"path": _absolute(ds.images, raw[key]), "patient": raw["Patient ID"], _KEY: raw[key]}, index=raw.index
     )
     frame = frame.join(pd.DataFrame(matrix, index=raw.index, columns=list(mapping.values())))
-    return _finish(frame, list(mapping.values()), key, config, [])
+    return _finish(frame, list(mapping.values()), key, config, problems)
 
 
 def _chexpert_root(images: Path, first: str) -> Callable[[str], str]:
@@ -306,7 +312,8 @@ def read_chexpert(config: SiteConfig) -> pd.DataFrame:
     ds = config.dataset
     key = "Path"
     raw = _read_csv(ds.labels, "dataset.labels", (key, "Frontal/Lateral"))
-    mapping = _label_columns([c for c in raw.columns if c not in _CHEXPERT_META], config, ds.labels)
+    problems: list[str] = []
+    mapping = label_columns([c for c in raw.columns if c not in _CHEXPERT_META], config, ds.labels, problems)
     raw = raw[raw["Frontal/Lateral"].str.strip().str.lower().eq("frontal")]
     views = _views(config)
     if views:
@@ -325,7 +332,7 @@ def read_chexpert(config: SiteConfig) -> pd.DataFrame:
     image = _absolute(ds.images, rel.map(_chexpert_root(ds.images, rel.iloc[0])))
     frame = pd.DataFrame({"path": image, "patient": patient, _KEY: rel}, index=raw.index)
     frame = frame.join(_label_frame(raw, mapping, config, blank=0.0))
-    return _finish(frame, list(mapping.values()), key, config, [])
+    return _finish(frame, list(mapping.values()), key, config, problems)
 
 
 def read_mimic(config: SiteConfig) -> pd.DataFrame:
@@ -344,7 +351,8 @@ def read_mimic(config: SiteConfig) -> pd.DataFrame:
         where = f" in {config.source}" if config.source else ""
         raise ConfigError(f"dataset.metadata (mimic-cxr-2.0.0-metadata.csv) is required for format mimic{where}")
     raw = _read_csv(ds.labels, "dataset.labels", _MIMIC_META)
-    mapping = _label_columns([c for c in raw.columns if c not in _MIMIC_META], config, ds.labels)
+    problems: list[str] = []
+    mapping = label_columns([c for c in raw.columns if c not in _MIMIC_META], config, ds.labels, problems)
     studies = raw[list(_MIMIC_META)].apply(lambda s: s.str.strip())
     twice = studies.duplicated(keep=False)
     if twice.any():
@@ -358,7 +366,6 @@ def read_mimic(config: SiteConfig) -> pd.DataFrame:
     if meta.empty:
         raise DataError(f"{ds.metadata} has no image with ViewPosition in {', '.join(views)}")
     frame = meta.merge(studies, on=list(_MIMIC_META), how="inner")
-    problems: list[str] = []
     if len(frame) < len(meta):
         problems.append(
             f"{len(meta) - len(frame)} image(s) of {ds.metadata} belong to studies without a row in "
@@ -377,8 +384,8 @@ def read_csv(config: SiteConfig) -> pd.DataFrame:
     """A generic CSV: an image path column, optional patient and split columns, label columns.
 
     Every other column is a label column (``1``/``0``/``-1``/blank = unknown). Paths are
-    relative to ``dataset.images`` (or absolute); without ``patient_column`` every row is its
-    own patient.
+    relative to ``dataset.images`` (or absolute), with ``/`` or Windows ``\\`` separators; without
+    ``patient_column`` every row is its own patient.
 
     Args:
         config: the site config (``dataset.format == "csv"``).
@@ -387,12 +394,13 @@ def read_csv(config: SiteConfig) -> pd.DataFrame:
     key = ds.path_column
     special = [c for c in (key, ds.patient_column, ds.split_column) if c]
     raw = _read_csv(ds.labels, "dataset.labels", special)
-    mapping = _label_columns([c for c in raw.columns if c not in special], config, ds.labels)
+    problems: list[str] = []
+    mapping = label_columns([c for c in raw.columns if c not in special], config, ds.labels, problems)
     for col in special:
         empty = raw[col].str.strip().eq("")
         if empty.any():
             raise DataError(f"{ds.labels}, line {_first_line(empty)}, column {col!r}: empty value")
-    rel = raw[key].str.strip()
+    rel = raw[key].str.strip().str.replace("\\", "/", regex=False)  # Windows separators
     frame = pd.DataFrame(
         {
             "path": _absolute(ds.images, rel),
@@ -404,7 +412,7 @@ def read_csv(config: SiteConfig) -> pd.DataFrame:
     if ds.split_column:
         frame["split"] = _split_values(raw[ds.split_column], ds.labels, ds.split_column)
     frame = frame.join(_label_frame(raw, mapping, config, blank=np.nan))
-    return _finish(frame, list(mapping.values()), key, config, [])
+    return _finish(frame, list(mapping.values()), key, config, problems)
 
 
 READERS: dict[str, Callable[[SiteConfig], pd.DataFrame]] = {

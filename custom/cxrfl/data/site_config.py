@@ -12,27 +12,30 @@ Example::
     drop: []                               # optional label columns to ignore
     split: {train: 0.7, val: 0.1, test: 0.2, seed: 0}
 
-Relative paths are resolved against the folder of the config file. Defaults live here only.
+Relative paths are resolved against the folder of the config file; a key written without a value
+means its default. Defaults live here only. Every value is type-checked (:class:`cxrfl.common.config.Config`):
+a wrong one is a one-line :class:`ConfigError` naming the file and the key.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
+from cxrfl.common.config import Config
 from cxrfl.errors import ConfigError
 
 FORMATS = ("nih", "chexpert", "mimic", "csv")
 UNCERTAIN_POLICIES = ("zeros", "ones", "ignore")
 BAD_IMAGE_POLICIES = ("skip", "error")
+_PATH_KEYS = ("labels", "images", "metadata", "split_file")
 
 
 @dataclass(frozen=True)
-class DatasetConfig:
+class DatasetConfig(Config):
     """Where a site's data is and how to read it.
 
     Args:
@@ -41,7 +44,7 @@ class DatasetConfig:
         images: the image root folder.
         uncertain: CheXpert/MIMIC policy for ``-1`` labels: ``zeros`` (the papers' choice),
             ``ones`` or ``ignore`` (masked out of the loss and metrics).
-        views: view positions to keep (``None``: frontal views, i.e. PA and AP).
+        views: view positions to keep, upper-cased (``None``: frontal views, i.e. PA and AP).
         metadata: MIMIC ``mimic-cxr-2.0.0-metadata.csv`` (view positions per image).
         split_file: MIMIC ``mimic-cxr-2.0.0-split.csv`` or any CSV with a ``split`` column;
             when given, its splits are used instead of a random patient split.
@@ -50,10 +53,11 @@ class DatasetConfig:
         split_column: generic CSV: an optional column with train/val/test per row.
     """
 
-    format: str
+    SECTION: ClassVar[str] = "dataset"
+    format: str = field(metadata={"choices": FORMATS})
     labels: Path
     images: Path
-    uncertain: str = "zeros"
+    uncertain: str = field(default="zeros", metadata={"choices": UNCERTAIN_POLICIES})
     views: tuple[str, ...] | None = None
     metadata: Path | None = None
     split_file: Path | None = None
@@ -61,26 +65,39 @@ class DatasetConfig:
     patient_column: str | None = None
     split_column: str | None = None
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.views is not None:
+            object.__setattr__(self, "views", tuple(v.strip().upper() for v in self.views))
+
 
 @dataclass(frozen=True)
-class SplitConfig:
+class SplitConfig(Config):
     """Patient-level split fractions and seed.
 
     Args:
-        train: fraction of patients for training.
+        train: fraction of patients for training (> 0).
         val: fraction for validation.
         test: fraction for testing.
         seed: random seed of the split.
     """
 
-    train: float = 0.7
-    val: float = 0.1
-    test: float = 0.2
-    seed: int = 0
+    SECTION: ClassVar[str] = "split"
+    train: float = field(default=0.7, metadata={"gt": 0.0, "le": 1.0})
+    val: float = field(default=0.1, metadata={"ge": 0.0, "le": 1.0})
+    test: float = field(default=0.2, metadata={"ge": 0.0, "le": 1.0})
+    seed: int = field(default=0, metadata={"ge": 0})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if abs(self.train + self.val + self.test - 1.0) > 1e-6:
+            raise ConfigError(
+                f"split fractions must sum to 1 (got train={self.train}, val={self.val}, test={self.test})"
+            )
 
 
 @dataclass(frozen=True)
-class SiteConfig:
+class SiteConfig(Config):
     """One site's data description.
 
     Args:
@@ -88,73 +105,44 @@ class SiteConfig:
         dataset: see :class:`DatasetConfig`.
         classes: canonical names this site contributes (default: all findings of the file).
         label_map: file column -> canonical (or new) class name.
-        drop: label columns to ignore.
+        drop: label columns (or classes) to ignore; see ``site_configs/README.md``.
         split: see :class:`SplitConfig`.
         bad_images: ``skip`` unreadable images (counted and reported) or ``error``.
         max_bad_fraction: above this fraction of skipped images the site stops with an error.
         source: the YAML file this config was read from, if any.
     """
 
+    SECTION: ClassVar[str] = "site config"
     site: str
     dataset: DatasetConfig
     classes: tuple[str, ...] | None = None
     label_map: dict[str, str] = field(default_factory=dict)
     drop: tuple[str, ...] = ()
     split: SplitConfig = field(default_factory=SplitConfig)
-    bad_images: str = "skip"
-    max_bad_fraction: float = 0.05
+    bad_images: str = field(default="skip", metadata={"choices": BAD_IMAGE_POLICIES})
+    max_bad_fraction: float = field(default=0.05, metadata={"ge": 0.0, "le": 1.0})
     source: Path | None = None
 
+    @classmethod
+    def qualified(cls, key: str) -> str:
+        """Top-level keys are named as written in the file (``max_bad_fraction``)."""
+        return key
+
     def __post_init__(self) -> None:
-        where = f" in {self.source}" if self.source else ""
-        if not self.site or not isinstance(self.site, str):
-            raise ConfigError(f"'site' must be a non-empty name{where}")
-        ds = self.dataset
-        if ds.format not in FORMATS:
-            raise ConfigError(
-                f"dataset.format {ds.format!r}{where} is not supported; use one of {', '.join(FORMATS)}"
-            )
-        if ds.uncertain not in UNCERTAIN_POLICIES:
-            raise ConfigError(
-                f"dataset.uncertain {ds.uncertain!r}{where}: use one of {', '.join(UNCERTAIN_POLICIES)}"
-            )
-        if self.bad_images not in BAD_IMAGE_POLICIES:
-            raise ConfigError(f"bad_images {self.bad_images!r}{where}: use 'skip' or 'error'")
-        if not 0.0 <= self.max_bad_fraction <= 1.0:
-            raise ConfigError(f"max_bad_fraction must be between 0 and 1{where}")
-        s = self.split
-        fractions = (s.train, s.val, s.test)
-        if any(f < 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-6 or s.train <= 0:
-            raise ConfigError(
-                f"split fractions{where} must be non-negative, train > 0, and sum to 1 "
-                f"(got train={s.train}, val={s.val}, test={s.test})"
-            )
+        super().__post_init__()
+        if not self.site.strip():
+            self.fail("site", "must be a non-empty name")
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, YAML-serialisable dict (paths as strings) to save with a run."""
-
-        def conv(v: Any) -> Any:
-            if isinstance(v, Path):
-                return str(v)
-            if isinstance(v, tuple):
-                return [conv(x) for x in v]
-            if isinstance(v, dict):
-                return {k: conv(x) for k, x in v.items()}
-            return v
-
-        d = dataclasses.asdict(self)
+        d = super().to_dict()
         d.pop("source")
-        return conv(d)
+        return d
 
 
-def _known_keys(cls: type, data: dict[str, Any], where: str, section: str) -> None:
-    names = {f.name for f in dataclasses.fields(cls)} - {"source"}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(
-            f"unknown key(s) {', '.join(unknown)} in {section} of {where}; "
-            f"allowed: {', '.join(sorted(names))}"
-        )
+def _without_empty(data: Any) -> Any:
+    """A mapping without its keys written with no value (they mean the default)."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 def site_config_from_dict(data: dict[str, Any], base_dir: Path | None = None, source: Path | None = None) -> SiteConfig:
@@ -168,43 +156,18 @@ def site_config_from_dict(data: dict[str, Any], base_dir: Path | None = None, so
     where = str(source) if source else "the site config"
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a YAML mapping with keys site, dataset, ...")
-    _known_keys(SiteConfig, data, where, "the top level")
-    if "site" not in data or "dataset" not in data:
-        raise ConfigError(f"{where} needs at least 'site' and 'dataset' (format, labels, images)")
-    ds = dict(data["dataset"] or {})
-    _known_keys(DatasetConfig, ds, where, "'dataset'")
-    for key in ("format", "labels", "images"):
-        if key not in ds:
-            raise ConfigError(f"dataset.{key} is missing in {where}")
+    data = _without_empty(data)
+    if "source" in data:
+        raise ConfigError(f"unknown site config setting(s) ['source'] (in {where})")
     base = Path(base_dir) if base_dir else Path.cwd()
-
-    def path(v: Any) -> Path | None:
-        if v is None:
-            return None
-        p = Path(str(v)).expanduser()
-        return p if p.is_absolute() else (base / p)
-
-    for key in ("labels", "images", "metadata", "split_file"):
-        if key in ds:
-            ds[key] = path(ds[key])
-    if ds.get("views") is not None:
-        ds["views"] = tuple(str(v).upper() for v in ds["views"])
-    split = dict(data.get("split") or {})
-    _known_keys(SplitConfig, split, where, "'split'")
-    try:
-        return SiteConfig(
-            site=str(data["site"]),
-            dataset=DatasetConfig(**ds),
-            classes=tuple(data["classes"]) if data.get("classes") else None,
-            label_map={str(k): str(v) for k, v in (data.get("label_map") or {}).items()},
-            drop=tuple(str(c) for c in (data.get("drop") or ())),
-            split=SplitConfig(**split),
-            bad_images=str(data.get("bad_images", "skip")),
-            max_bad_fraction=float(data.get("max_bad_fraction", 0.05)),
-            source=source,
-        )
-    except TypeError as exc:  # wrong value types reach the dataclass constructors
-        raise ConfigError(f"invalid value in {where}: {exc}") from exc
+    sections = {k: _without_empty(data[k]) for k in ("dataset", "split") if k in data}
+    dataset = sections.get("dataset")
+    if isinstance(dataset, dict):
+        for key in _PATH_KEYS:
+            if isinstance(dataset.get(key), str):  # other types are reported by DatasetConfig
+                path = Path(dataset[key]).expanduser()
+                dataset[key] = path if path.is_absolute() else base / path
+    return SiteConfig.from_dict({**data, **sections, "source": source}, where)
 
 
 def load_site_config(path: str | Path) -> SiteConfig:

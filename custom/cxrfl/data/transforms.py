@@ -1,6 +1,7 @@
 """Image transforms (MONAI): load grayscale, resize, augment for training, ImageNet-normalise.
 
-As in the surgical-aggregation papers: images scaled to [0, 1], resized, random rotation,
+As in the surgical-aggregation papers: images scaled to [0, 1] (the intensity policy of
+:mod:`cxrfl.data.images`), resized, random rotation,
 flip, zoom and contrast during training, then scaled to ImageNet statistics.
 """
 
@@ -37,13 +38,14 @@ GRAY_STD = (0.226,)
 class LoadGrayscale(Transform):
     """MONAI transform: an image path -> 2-D float32 array in [0, 1] (see :func:`read_image`)."""
 
-    def __call__(self, path: str | Path) -> np.ndarray:
+    def __call__(self, path: str | Path | np.ndarray) -> np.ndarray:
         """Read the image.
 
         Args:
-            path: a PNG, JPEG or DICOM file.
+            path: a PNG, JPEG or DICOM file, or an image :func:`read_image` already returned
+                (passed on as is: a caller that reads first can report unreadable files itself).
         """
-        return read_image(path)
+        return path if isinstance(path, np.ndarray) else read_image(path)
 
 
 def build_transforms(image_size: int, *, train: bool, in_channels: int = 3) -> Callable[[str], torch.Tensor]:

@@ -1,8 +1,10 @@
 """The FedFew tasks as plain messages: what the server sends, what a site answers.
 
-A message is ``(params, meta)``: a dict of numpy arrays and a JSON-friendly dict. The NVFlare
-glue (:mod:`cxrfl.fl.fedfew`) wraps them in ``FLModel``; the in-process runner passes them as
-they are. :func:`handle_task` is the whole site side, shared by both.
+A message is ``(params, meta)`` (:data:`cxrfl.common.transport.Message`). :class:`SiteHost` is a
+site's endpoint (the :class:`cxrfl.common.transport.SiteHost` protocol): the NVFlare executor
+(:class:`cxrfl.fl.fedfew.FedFewExecutor`) and the in-process transport
+(:mod:`cxrfl.fedfew.inprocess`) both hand it every task; :func:`handle_task` is the whole site
+side, shared by both.
 
 Tasks (every task's ``meta`` carries ``fedfew_config`` and ``model_config``; stage-2/3 tasks also
 ``cc_classes`` and ``uc_classes``, the UCs of the receiving site only):
@@ -26,10 +28,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 import torch
 
+from cxrfl.common.transport import Message
 from cxrfl.data.site import SiteData
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.learner import FedFewSite
@@ -41,8 +42,6 @@ INFO, SSL, TRAIN, ENERGY, PROTOTYPES, VALIDATE = (
 )
 TASKS: tuple[str, ...] = (INFO, SSL, TRAIN, ENERGY, PROTOTYPES, VALIDATE)
 """Every task a FedFew site answers."""
-
-Message = tuple[dict[str, np.ndarray], dict[str, Any]]
 
 
 def site_settings(meta: Mapping[str, Any]) -> tuple[ModelConfig, FedFewConfig]:
@@ -97,15 +96,58 @@ def handle_task(site: FedFewSite, task: str, params: Mapping[str, Any], meta: Ma
     raise ValueError(f"unknown FedFew task {task!r}")
 
 
+def _num(value: Any) -> str:
+    return "n/a" if value is None else f"{float(value):.4f}"
+
+
+def describe_task(site: str, task: str, meta: Mapping[str, Any], answer: Mapping[str, Any]) -> str | None:
+    """The operator's one log line for an answered task (a round of a stage, a statistics pass, the prototypes).
+
+    Args:
+        site: the site's name.
+        task: the task.
+        meta: what the server sent.
+        answer: the site's answer meta.
+    """
+    m = answer.get("metrics") or {}
+    if task == INFO:
+        info = answer["info"]
+        return (f"site {site}: {len(info['classes'])} class(es), {info['n_labelled']} labelled training image(s), "
+                f"{info['n_ssl']} image(s) for self-supervised learning")
+    if task == SSL:
+        return (f"site {site} stage 1 round {m.get('round')}: SimSiam loss {_num(m.get('ssl_loss'))}, "
+                f"{m.get('steps')} steps, time {m.get('seconds', 0):.1f}s")
+    if task == TRAIN:
+        return (f"site {site} stage 2 round {m.get('round')} (lambda {m.get('energy_weight')}): "
+                f"train_loss {_num(m.get('train_loss'))} bce {_num(m.get('train_bce'))} "
+                f"hinge_in {_num(m.get('train_hinge_in'))} hinge_out {_num(m.get('train_hinge_out'))}, "
+                f"{m.get('steps')} steps, time {m.get('seconds', 0):.1f}s")
+    if task == ENERGY:
+        s = answer.get("stats") or {}
+        return (f"site {site}: energy statistics ({meta.get('mode')}) over {s.get('n_in')} image(s) "
+                f"without and {s.get('n_out')} with a UC")
+    if task == PROTOTYPES:
+        sent = [p["uc"] for p in answer.get("prototypes") or []]
+        refused = "".join(f"; refused: {reason}" for reason in (answer.get("refused") or {}).values())
+        return f"site {site}: sent the prototypes of {sent or 'no class'}{refused}"
+    if task == VALIDATE:
+        parts = [f"CC mean AUROC {_num(m.get('cc_mean_auroc'))}"] + [
+            f"{uc} F1 {u['f1']:.3f}" for uc, u in (m.get("uc") or {}).items()]
+        return f"site {site} {m.get('split')}: {'; '.join(parts)}"
+    return None
+
+
 class SiteHost:
-    """One site's endpoint: builds its :class:`FedFewSite` for the settings a task carries
-    (reused while they stay the same) and answers the task.
+    """One site's endpoint (:class:`cxrfl.common.transport.SiteHost`): builds its :class:`FedFewSite`
+    for the settings a task carries (reused while they stay the same) and answers the task.
 
     Args:
         data: the site's data.
         device: torch device.
         num_workers: data-loader workers.
     """
+
+    tasks: tuple[str, ...] = TASKS
 
     def __init__(self, data: SiteData, device: torch.device | None = None, num_workers: int = 0) -> None:
         self.data = data
@@ -115,7 +157,11 @@ class SiteHost:
         self._key: tuple | None = None
 
     def site_for(self, meta: Mapping[str, Any]) -> FedFewSite:
-        """The site object for the settings in ``meta``."""
+        """The site object for the settings in ``meta``.
+
+        Args:
+            meta: a task's settings.
+        """
         model_config, config = site_settings(meta)
         key = (model_config, config)
         if self._site is None or key != self._key:
@@ -125,5 +171,34 @@ class SiteHost:
         return self._site
 
     def handle(self, task: str, params: Mapping[str, Any], meta: Mapping[str, Any]) -> Message:
-        """Answer one task (see :func:`handle_task`)."""
+        """Answer one task (see :func:`handle_task`).
+
+        Args:
+            task: one of :data:`TASKS`.
+            params: received weights.
+            meta: the task settings.
+        """
         return handle_task(self.site_for(meta), task, params, meta)
+
+    def describe(self, task: str, meta: Mapping[str, Any], answer: Mapping[str, Any]) -> str | None:
+        """The log line of an answered task (:func:`describe_task`).
+
+        Args:
+            task: the task.
+            meta: what the server sent.
+            answer: the answer meta.
+        """
+        return describe_task(self.data.site, task, meta, answer)
+
+    def scalars(self, task: str, answer: Mapping[str, Any]) -> tuple[dict[str, float], int] | None:
+        """The SimSiam loss of a stage-1 round, the training loss of a stage-2 round, with the round.
+
+        Args:
+            task: the task.
+            answer: the answer meta.
+        """
+        m = answer.get("metrics") or {}
+        name = {SSL: "ssl_loss", TRAIN: "train_loss"}.get(task)
+        if name is None or m.get(name) is None:
+            return None
+        return {name: float(m[name])}, int(m.get("round") or 0)

@@ -15,7 +15,8 @@ normalisation as :func:`cxrfl.data.transforms.build_transforms`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,6 +45,17 @@ from cxrfl.nn.models import CXRNet
 
 ENCODER_PREFIX = "backbone."
 """State-dict prefix of the encoder (the DenseNet121 feature extractor) in both SimSiam and CXRNet."""
+
+
+def load_encoder(net: CXRNet, ssl_state: Mapping[str, Any]) -> None:
+    """Load the encoder of SimSiam weights into a network's feature extractor.
+
+    Args:
+        net: the network.
+        ssl_state: SimSiam weights (arrays or tensors).
+    """
+    net.backbone.load_state_dict({k[len(ENCODER_PREFIX):]: torch.as_tensor(np.asarray(v))
+                                  for k, v in ssl_state.items() if k.startswith(ENCODER_PREFIX)})
 
 
 class SimSiam(nn.Module):

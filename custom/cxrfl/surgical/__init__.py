@@ -1,1 +1,10 @@
-"""Surgical aggregation and its baselines (head modes): maths, site learner, transport-free server loop."""
+"""Surgical aggregation and its baselines (head modes): maths, site learner, transport-free server loop.
+
+- :mod:`~cxrfl.surgical.config`: the server settings (:class:`SurgicalConfig`, defaults in one place).
+- :mod:`~cxrfl.surgical.head_modes`: the mode constants and what each site receives.
+- :mod:`~cxrfl.surgical.validation`, :mod:`~cxrfl.surgical.running_sum`, :mod:`~cxrfl.surgical.aggregation`:
+  checking site updates, the streaming mean, the class-wise aggregation of one round.
+- :mod:`~cxrfl.surgical.learner`, :mod:`~cxrfl.surgical.host`: the site side (training, the tasks).
+- :mod:`~cxrfl.surgical.server`: the round loop, run over NVFlare (:mod:`cxrfl.fl.surgical`) or in
+  process (:mod:`~cxrfl.surgical.inprocess`: benchmarks and tests).
+"""

@@ -1,12 +1,13 @@
-"""Server side of the head modes: what each site receives and how updates are combined.
+"""The head modes of surgical aggregation and the papers' baselines: their names, and what each
+site receives.
 
-Framework-free, shared by the NVFlare controller (:mod:`cxrfl.fl.controller`) and the
-in-process benchmark (:mod:`cxrfl.bench.federated`), so both run the same arithmetic. The site
-side is :class:`cxrfl.surgical.learner.SiteLearner` with the same ``head_mode``:
+Owns every mode constant (:data:`HEAD_MODES`, :data:`MISSING_POLICIES`, :data:`BATCHNORM_MODES`);
+framework-free. The server (:mod:`cxrfl.surgical.server`) sends :func:`payload_for` and combines
+the answers with :mod:`cxrfl.surgical.aggregation`; the site side is
+:class:`cxrfl.surgical.learner.SiteLearner` with the same ``head_mode``:
 
 - ``surgical``: a site receives the feature extractor and the rows of its own classes; head
-  rows are averaged per class over the sites that have the class
-  (:func:`cxrfl.surgical.aggregation.surgical_aggregate`).
+  rows are averaged per class over the sites that have the class.
 - ``union`` (vanilla FL, FL with partial loss): a site receives the whole union head and the
   class list; every site sends every row, so the head is plain FedAvg. Every site learns every
   class name (no longer private).
@@ -21,36 +22,36 @@ from typing import Any
 
 import numpy as np
 
-from cxrfl.surgical.aggregation import HEAD_PREFIX, site_payload, surgical_aggregate
-from cxrfl.surgical.learner import HEAD_MODES, MISSING_POLICIES
+from cxrfl.nn.models import HEAD_PREFIX
+from cxrfl.surgical.validation import Array, shape_of, unique_names
+
+HEAD_MODES = ("surgical", "union", "local")
+"""``surgical``: own head rows travel; ``union``: the full union head travels; ``local``: no head travels."""
+
+MISSING_POLICIES = ("negative", "ignore")
+"""What a ``union`` head does with classes the site does not annotate: label them 0, or mask them out."""
+
+BATCHNORM_MODES = ("fedavg", "fedbn", "fedbn+")
+"""``fedavg``: BatchNorm averaged like the rest; ``fedbn``: kept at each site; ``fedbn+``: frozen at
+the initial (pretrained) statistics everywhere."""
 
 PLACEHOLDER_CLASS = "__no_head__"
-"""Class name of the one-row stand-in head that lets :func:`surgical_aggregate` average a
-feature extractor alone (``local`` mode); it never leaves the server."""
-
-__all__ = [
-    "HEAD_MODES",
-    "MISSING_POLICIES",
-    "PLACEHOLDER_CLASS",
-    "aggregate",
-    "check_modes",
-    "drop_head",
-    "payload_for",
-    "with_placeholder_head",
-]
+"""Class name of the one-row stand-in head that lets the surgical aggregation average a feature
+extractor alone (``local`` mode); it never leaves the server."""
 
 
-def check_modes(head_mode: str, missing: str) -> None:
-    """Raise ValueError for an unknown head mode or missing-label policy.
+def check_modes(head_mode: str, missing: str, batchnorm: str = "fedavg") -> None:
+    """Raise ValueError for an unknown head mode, missing-label policy or BatchNorm strategy.
 
     Args:
         head_mode: one of :data:`HEAD_MODES`.
         missing: one of :data:`MISSING_POLICIES`.
+        batchnorm: one of :data:`BATCHNORM_MODES`.
     """
-    if head_mode not in HEAD_MODES:
-        raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
-    if missing not in MISSING_POLICIES:
-        raise ValueError(f"missing must be one of {MISSING_POLICIES}, got {missing!r}")
+    for name, value, allowed in (("head_mode", head_mode, HEAD_MODES), ("missing", missing, MISSING_POLICIES),
+                                 ("batchnorm", batchnorm, BATCHNORM_MODES)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
 def drop_head(params: Mapping[str, Any], head_prefix: str = HEAD_PREFIX) -> dict[str, Any]:
@@ -74,6 +75,46 @@ def with_placeholder_head(params: Mapping[str, Any], head_prefix: str = HEAD_PRE
     out[head_prefix + "weight"] = np.zeros((1, 1), np.float32)
     out[head_prefix + "bias"] = np.zeros((1,), np.float32)
     return out
+
+
+def site_payload(
+    global_params: Mapping[str, Array],
+    global_classes: Sequence[str],
+    site_classes: Sequence[str],
+    *,
+    head_prefix: str = HEAD_PREFIX,
+) -> dict[str, Array]:
+    """What one site receives: every non-head parameter and the head rows of its own classes.
+
+    Non-head values are the same objects as in ``global_params`` (not copies).
+
+    Args:
+        global_params: the aggregated parameters.
+        global_classes: class names in the global head's row order.
+        site_classes: the site's classes, in the row order the site's head uses.
+        head_prefix: state-dict prefix of the head.
+
+    Raises:
+        ValueError: a site class the global model does not have, duplicates, or a head whose
+            rows do not match ``global_classes``.
+    """
+    site_classes = unique_names(site_classes, "site_classes")
+    if not site_classes:
+        raise ValueError("site_classes is empty")
+    index = {c: i for i, c in enumerate(global_classes)}
+    unknown = [c for c in site_classes if c not in index]
+    if unknown:
+        raise ValueError(f"class(es) {unknown} are not in the global model's classes {list(global_classes)}")
+    wkey, bkey = head_prefix + "weight", head_prefix + "bias"
+    odd = [k for k in global_params if k.startswith(head_prefix) and k not in (wkey, bkey)]
+    if odd or wkey not in global_params or bkey not in global_params:
+        raise ValueError(f"global params must hold exactly {wkey!r} and {bkey!r} under {head_prefix!r}")
+    if shape_of(global_params[wkey])[0] != len(index) or shape_of(global_params[bkey]) != (len(index),):
+        raise ValueError(
+            f"the global head has {shape_of(global_params[wkey])[0]} rows but {len(index)} global classes are named"
+        )
+    rows = [index[c] for c in site_classes]
+    return {k: v[rows] if k in (wkey, bkey) else v for k, v in global_params.items()}
 
 
 def payload_for(
@@ -108,46 +149,3 @@ def payload_for(
     else:
         params, classes = drop_head(global_params, head_prefix), None
     return {k: v for k, v in params.items() if k not in skip}, classes
-
-
-def aggregate(
-    updates: Sequence[Mapping[str, Any]],
-    *,
-    head_mode: str,
-    head_prefix: str = HEAD_PREFIX,
-    **kwargs: Any,
-) -> tuple[dict[str, Any], list[str]]:
-    """Combine one round's site updates for a head mode.
-
-    ``surgical`` and ``union`` are :func:`cxrfl.surgical.aggregation.surgical_aggregate` (with every
-    site holding every class, a union head is plain FedAvg); ``local`` averages the feature
-    extractor only (updates carry no head) and returns no classes.
-
-    Args:
-        updates: ``{"site", "classes", "params", "num_samples"}`` mappings (see
-            :mod:`cxrfl.surgical.aggregation`); ``local`` updates have no head entries.
-        head_mode: ``surgical``, ``union`` or ``local``.
-        head_prefix: state-dict prefix of the head.
-        kwargs: further :func:`surgical_aggregate` arguments (weighting, batchnorm, bn_keys,
-            classes, reference, robust, clip_norm); ``local`` ignores classes and reference rows.
-
-    Returns:
-        (aggregated params, global classes in head row order; [] for ``local``).
-    """
-    check_modes(head_mode, "negative")
-    if head_mode != "local":
-        if head_mode == "union":
-            sets = {tuple(sorted(u["classes"])) for u in updates}
-            if len(sets) > 1:
-                raise ValueError("union heads: every site must send the same classes")
-        return surgical_aggregate(updates, head_prefix=head_prefix, **kwargs)
-    kwargs.pop("classes", None)
-    reference = kwargs.pop("reference", None)
-    if reference is not None:
-        kwargs["reference"] = with_placeholder_head(drop_head(reference, head_prefix), head_prefix)
-    wrapped = [
-        {**u, "classes": [PLACEHOLDER_CLASS], "params": with_placeholder_head(drop_head(u["params"], head_prefix), head_prefix)}
-        for u in updates
-    ]
-    params, _ = surgical_aggregate(wrapped, head_prefix=head_prefix, **kwargs)
-    return drop_head(params, head_prefix), []

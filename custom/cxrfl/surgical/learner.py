@@ -7,7 +7,7 @@ takes. State that must survive between rounds (optimizer, local BatchNorm for Fe
 head) lives on disk in ``state_dir``, so a process that is rebuilt every round (NVFlare
 simulator with ``-t 1``) behaves like one that lives through the job.
 
-Head modes (:data:`HEAD_MODES`; the baselines of the papers differ from surgical aggregation
+Head modes (:data:`cxrfl.surgical.head_modes.HEAD_MODES`; the baselines of the papers differ from surgical aggregation
 only here and in the label policy for classes a site does not annotate):
 
 - ``surgical`` (default): the head has the site's own classes; it receives and sends only
@@ -19,6 +19,10 @@ only here and in the label policy for classes a site does not annotate):
 - ``local``: personalized FL. The head has the site's own classes, stays at the site (on disk
   between rounds) and is never sent; only the feature extractor travels.
 
+What never travels (the head in ``local`` mode, BatchNorm under FedBN) is kept per evaluated
+model round (``local_rounds/round_NNN.pt``), so evaluating the model of round r later (the
+selected model, on the test split) uses the site's own parts as they were in round r.
+
 The head warm-up is the same in every mode (own classes, feature extractor frozen): it is the
 starting point that all methods share.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +40,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from cxrfl.common.io import to_numpy
+from cxrfl.common.io import to_numpy, torch_save
 from cxrfl.data.dataset import make_loader
 from cxrfl.data.site import SiteData
 from cxrfl.nn.models import (
@@ -47,15 +52,12 @@ from cxrfl.nn.models import (
     set_batchnorm_frozen,
 )
 from cxrfl.nn.training import EvalResult, TrainConfig, adam, evaluate, train_epochs
+from cxrfl.surgical.head_modes import check_modes
 
 log = logging.getLogger(__name__)
 
-BATCHNORM_MODES = ("fedavg", "fedbn", "fedbn+")
-HEAD_MODES = ("surgical", "union", "local")
-"""``surgical``: own head rows travel; ``union``: the full union head travels; ``local``: no head travels."""
-MISSING_POLICIES = ("negative", "ignore")
-"""What a ``union`` head does with classes the site does not annotate: label them 0, or mask them out."""
-
+LOCAL_ROUNDS = "local_rounds"
+"""Sub-folder of ``state_dir`` with the site's own parts per evaluated model round."""
 
 
 @dataclass
@@ -86,7 +88,7 @@ class SiteLearner:
         batchnorm: ``fedavg``, ``fedbn`` (BatchNorm stays local) or ``fedbn+`` (frozen).
         device: torch device.
         num_workers: data-loader worker processes.
-        head_mode: ``surgical`` (default), ``union`` or ``local`` (see the module docstring).
+        head_mode: one of :data:`cxrfl.surgical.head_modes.HEAD_MODES` (see the module docstring).
         missing: ``negative`` (default) or ``ignore``: labels of classes the site does not
             annotate, for a ``union`` head (ignored in the other modes).
     """
@@ -104,12 +106,7 @@ class SiteLearner:
         head_mode: str = "surgical",
         missing: str = "negative",
     ) -> None:
-        if batchnorm not in BATCHNORM_MODES:
-            raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
-        if head_mode not in HEAD_MODES:
-            raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
-        if missing not in MISSING_POLICIES:
-            raise ValueError(f"missing must be one of {MISSING_POLICIES}, got {missing!r}")
+        check_modes(head_mode, missing, batchnorm)
         self.head_mode = head_mode
         self.missing = missing
         self.data = data
@@ -249,9 +246,7 @@ class SiteLearner:
         return to_numpy(keep)
 
     def _save(self, name: str, obj: Any) -> None:
-        tmp = self.state_dir / f".{name}.tmp"
-        torch.save(obj, tmp)
-        tmp.replace(self.state_dir / name)
+        torch_save(self.state_dir / name, obj)
 
     def _load(self, name: str) -> Any:
         path = self.state_dir / name
@@ -308,20 +303,41 @@ class SiteLearner:
         }
         return SiteUpdate(self.outgoing_params(), self.classes, self.num_train, metrics)
 
-    def train_round(self, params: dict[str, Any], round_num: int, classes: list[str] | None = None) -> SiteUpdate:
-        """One federated round: evaluate the received global model, then train locally.
+    def adopt_warmup(self, state: dict[str, torch.Tensor], metrics: dict[str, Any]) -> SiteUpdate:
+        """Take over a warm-up done before (same data, settings and initial model) instead of
+        training it again.
+
+        Args:
+            state: the full model state right after that warm-up.
+            metrics: its metrics.
+        """
+        if self.head_mode == "union":
+            self.set_head_classes(self.own_classes)
+        self.model.load_state_dict(state)
+        if self.batchnorm == "fedbn+":
+            set_batchnorm_frozen(self.model)
+        return SiteUpdate(self.outgoing_params(), self.classes, self.num_train, dict(metrics))
+
+    def warm_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the full model state (what :meth:`adopt_warmup` takes)."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def train_round(self, params: dict[str, Any], round_num: int, classes: list[str] | None = None,
+                    keep_rounds: Iterable[int] = ()) -> SiteUpdate:
+        """One federated round: evaluate the received global model (the model of round
+        ``round_num - 1``), then train locally.
 
         Args:
             params: the global feature extractor and this site's head rows (``union``: the
                 whole head; ``local``: no head).
             round_num: the round number (for logs and the optimizer state).
             classes: the row order of the received head (required by a ``union`` head).
+            keep_rounds: model rounds whose local parts must stay on disk (the selected one).
         """
         tc = self.train_config
         start = time.perf_counter()
         torch.manual_seed(tc.seed + round_num)
-        self._prepare_head(params, classes)
-        self.load_params(params)
+        self.receive(params, classes, model_round=round_num - 1, keep_rounds=keep_rounds)
         received = self.validate("val")
         opt = adam(self.model, tc.lr, tc.weight_decay)
         opt_state = self._load("optimizer.pt")
@@ -357,15 +373,56 @@ class SiteLearner:
         if self.head_mode == "local" and any(self._is_head(k) for k in params):
             raise ValueError(f"site {self.data.site}: personalized (local) heads are never received, but head rows arrived")
 
-    def evaluate_params(self, params: dict[str, Any], split: str, classes: list[str] | None = None) -> dict[str, Any]:
-        """Evaluate received parameters on one split (cross-site evaluation).
+    def receive(self, params: dict[str, Any], classes: list[str] | None = None, *, model_round: int | None = None,
+                keep_rounds: Iterable[int] = ()) -> None:
+        """Load a received model; with ``model_round``, the site's own parts of that round.
+
+        The first time a model round is received its local parts (head in ``local`` mode,
+        BatchNorm under FedBN) are the current ones and are kept; later (e.g. to test the
+        selected model) they come back from disk.
+
+        Args:
+            params: the global feature extractor and this site's head rows (see :meth:`train_round`).
+            classes: the row order of the received head (required by a ``union`` head).
+            model_round: the round the model comes from (None: the current local parts).
+            keep_rounds: model rounds whose local parts stay on disk besides ``model_round``.
+        """
+        self._prepare_head(params, classes)
+        self.load_params(params)
+        local = self.local_keys()
+        if model_round is None or not local:
+            return
+        path = self.state_dir / LOCAL_ROUNDS / f"round_{int(model_round):03d}.pt"
+        if path.is_file():
+            state = self.model.state_dict()
+            state.update(torch.load(path, map_location=self.device, weights_only=False))
+            self.model.load_state_dict(state)
+        else:
+            torch_save(path, {k: v.detach().clone() for k, v in self.model.state_dict().items() if k in local})
+        keep = {path.name} | {f"round_{int(r):03d}.pt" for r in keep_rounds}
+        for old in path.parent.glob("round_*.pt"):
+            if old.name not in keep:
+                old.unlink(missing_ok=True)
+
+    def local_keys(self) -> set[str]:
+        """The state entries that never travel: the head in ``local`` mode, BatchNorm under FedBN."""
+        state = self.model.state_dict()
+        return {k for k in state if (self.head_mode == "local" and self._is_head(k))
+                or (self.batchnorm == "fedbn" and k in self.bn_keys)}
+
+    def evaluate_params(self, params: dict[str, Any], split: str, classes: list[str] | None = None, *,
+                        model_round: int | None = None, keep_rounds: Iterable[int] = ()) -> dict[str, Any]:
+        """Evaluate received parameters on one split.
 
         Args:
             params: the global feature extractor and this site's head rows (see :meth:`train_round`).
             split: ``val`` or ``test``.
             classes: the row order of the received head (required by a ``union`` head).
+            model_round: the round the model comes from (see :meth:`receive`).
+            keep_rounds: model rounds whose local parts stay on disk.
         """
-        self._prepare_head(params, classes)
-        self.load_params(params)
+        start = time.perf_counter()
+        self.receive(params, classes, model_round=model_round, keep_rounds=keep_rounds)
         res = self.validate(split)
-        return {"split": split, "loss": res.loss, "auroc": res.aurocs, "mean_auroc": res.mean_auroc, "n": len(res.y_true)}
+        return {"split": split, "loss": res.loss, "auroc": res.aurocs, "mean_auroc": res.mean_auroc,
+                "n": len(res.y_true), "seconds": time.perf_counter() - start}

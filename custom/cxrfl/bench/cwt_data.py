@@ -1,0 +1,238 @@
+"""The data of the CWT benchmark: the paper's splits 1-10 drawn from the real NIH images, by patient.
+
+1. every patient keeps at most ``max_patient_images`` images (abnormal ones first: the scarce
+   label); patients (never images) are drawn into a balanced held-out test set, a balanced
+   validation set and a balanced training set of ``per_class`` abnormal + ``per_class`` normal
+   images (the paper's 3,200 + 3,200, scaled down);
+2. the training set is partitioned by patient into 4 sites with exactly the paper's per-site
+   counts, scaled: Table 1 (splits 1-5: sample-size variability) and Table 3 (splits 6-10:
+   label-distribution variability). Every split uses the same training images, so central
+   hosting (one site holding all of them) is one run per seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from cxrfl.cwt.config import BINARY_CLASS
+from cxrfl.cwt.site import binary_labels
+from cxrfl.data.site import SiteData, load_site
+from cxrfl.errors import DataError
+
+REPO = Path(__file__).resolve().parents[3]
+DEFAULT_SITE_CONFIG = REPO / "site_configs" / "nih1000.yaml"
+
+TABLE_1: dict[int, list[tuple[int, int]]] = {
+    1: [(800, 800), (800, 800), (800, 800), (800, 800)],
+    2: [(960, 960), (853, 853), (747, 747), (640, 640)],
+    3: [(1120, 1120), (907, 907), (693, 693), (480, 480)],
+    4: [(1280, 1280), (960, 960), (640, 640), (320, 320)],
+    5: [(1440, 1440), (1013, 1013), (587, 587), (160, 160)],
+}
+"""The paper's Table 1: (abnormal, normal) training images per institution, splits 1-5."""
+
+TABLE_3: dict[int, list[tuple[int, int]]] = {
+    6: [(800, 800), (800, 800), (800, 800), (800, 800)],
+    7: [(960, 640), (853, 747), (747, 853), (640, 960)],
+    8: [(1120, 480), (907, 693), (693, 907), (480, 1120)],
+    9: [(1280, 320), (960, 640), (640, 960), (320, 1280)],
+    10: [(1440, 160), (1013, 587), (587, 1013), (160, 1440)],
+}
+"""The paper's Table 3: (abnormal, normal) training images per institution, splits 6-10."""
+
+PAPER_SPLITS = {**TABLE_1, **TABLE_3}
+PAPER_PER_CLASS = 3200
+SITES = ("inst-1", "inst-2", "inst-3", "inst-4")
+
+
+def scale_split(rows: Sequence[tuple[int, int]], per_class: int) -> list[tuple[int, int]]:
+    """The paper's per-institution counts scaled to ``per_class`` images per label (sums kept exact).
+
+    Largest-remainder rounding per label column, so each column sums to ``per_class``.
+
+    Args:
+        rows: (abnormal, normal) per institution, each column summing to 3,200.
+        per_class: the scaled column sum.
+    """
+    out = []
+    cols = []
+    for j in range(2):
+        raw = np.array([r[j] for r in rows], dtype=np.float64) * per_class / PAPER_PER_CLASS
+        base = np.floor(raw).astype(int)
+        for i in np.argsort(-(raw - base), kind="stable")[: per_class - base.sum()]:
+            base[i] += 1
+        cols.append(base)
+    for i in range(len(rows)):
+        out.append((int(cols[0][i]), int(cols[1][i])))
+    return out
+
+
+def load_pool(site_config: str | Path = DEFAULT_SITE_CONFIG, max_patient_images: int = 10, seed: int = 0) -> pd.DataFrame:
+    """The real NIH images with the binary label, at most ``max_patient_images`` per patient.
+
+    Args:
+        site_config: the nih1000 site config.
+        max_patient_images: cap per patient (abnormal images kept first, then normal, at random).
+        seed: seed of which images of a large patient are kept.
+    """
+    data = load_site(site_config, check_images=False)
+    table = data.table[["path", "patient"]].copy()
+    table["y"] = binary_labels(data.table, data.classes).to_numpy()
+    table = table[table["y"].notna()].reset_index(drop=True)
+    rng = np.random.default_rng(seed)
+    table["_r"] = rng.random(len(table))
+    table = table.sort_values(["patient", "y", "_r"], ascending=[True, False, True])
+    table = table.groupby("patient", sort=False).head(max_patient_images).drop(columns="_r").reset_index(drop=True)
+    return table
+
+
+def _patients(table: pd.DataFrame) -> pd.DataFrame:
+    g = table.groupby("patient")["y"].agg(["size", "sum"])
+    return pd.DataFrame({"patient": g.index, "a": g["sum"].astype(int).to_numpy(),
+                         "b": (g["size"] - g["sum"]).astype(int).to_numpy()})
+
+
+def pick_patients(patients: pd.DataFrame, a: int, b: int, rng: np.random.Generator, tries: int = 500) -> list[str]:
+    """Whole patients whose images sum to exactly ``a`` abnormal and ``b`` normal images.
+
+    Args:
+        patients: ``patient``, ``a`` (abnormal images), ``b`` (normal images).
+        a: abnormal images wanted.
+        b: normal images wanted.
+        rng: random generator (random greedy passes until one is exact).
+        tries: greedy passes before giving up.
+
+    Raises:
+        DataError: no exact selection was found.
+    """
+    pa, pb, names = patients["a"].to_numpy(), patients["b"].to_numpy(), patients["patient"].to_numpy()
+    best = None
+    for _ in range(tries):
+        order = rng.permutation(len(names))
+        ra, rb, chosen = a, b, []
+        for i in order:
+            if pa[i] <= ra and pb[i] <= rb:
+                chosen.append(names[i])
+                ra, rb = ra - pa[i], rb - pb[i]
+                if ra == 0 and rb == 0:
+                    return chosen
+        if best is None or ra + rb < best[0]:
+            best = (ra + rb, ra, rb)
+    raise DataError(f"cannot draw whole patients with exactly {a} abnormal + {b} normal images "
+                    f"(closest: {a - best[1]} + {b - best[2]}); lower per_class or the test/val sizes")
+
+
+def partition(patients: pd.DataFrame, quotas: Sequence[tuple[int, int]], rng: np.random.Generator, tries: int = 2000) -> dict[str, int]:
+    """Assign whole patients to sites so that site i gets exactly ``quotas[i]`` (abnormal, normal) images.
+
+    Random greedy passes, largest patients first: each patient goes to a site it fits in, chosen
+    with probability proportional to the room left there.
+
+    Args:
+        patients: ``patient``, ``a``, ``b``; their sums equal the quotas' sums.
+        quotas: (abnormal, normal) per site.
+        rng: random generator.
+        tries: passes before giving up.
+
+    Raises:
+        DataError: no exact partition found.
+    """
+    pa, pb, names = patients["a"].to_numpy(), patients["b"].to_numpy(), patients["patient"].to_numpy()
+    q = np.array(quotas, dtype=np.int64)
+    if pa.sum() != q[:, 0].sum() or pb.sum() != q[:, 1].sum():
+        raise ValueError(f"patients hold {pa.sum()}+{pb.sum()} images, the quotas sum to {q[:, 0].sum()}+{q[:, 1].sum()}")
+    size = pa + pb
+    for _ in range(tries):
+        jitter = rng.random(len(names))
+        order = np.lexsort((jitter, -size))
+        room = q.copy()
+        choice: dict[str, int] = {}
+        for i in order:
+            fits = np.flatnonzero((room[:, 0] >= pa[i]) & (room[:, 1] >= pb[i]))
+            if not len(fits):
+                break
+            weight = (room[fits, 0] - pa[i] + room[fits, 1] - pb[i] + 1).astype(np.float64)
+            site = int(rng.choice(fits, p=weight / weight.sum()))
+            room[site] -= (pa[i], pb[i])
+            choice[names[i]] = site
+        else:
+            return choice
+    raise DataError(f"no exact patient partition into {quotas} found in {tries} passes")
+
+
+@dataclass
+class BenchData:
+    """The benchmark's images: held-out test, validation and training sets, and per-split sites."""
+
+    test: pd.DataFrame
+    val: pd.DataFrame
+    train: pd.DataFrame
+    splits: dict[int, list[tuple[int, int]]]
+    assignment: dict[int, dict[str, int]]
+
+    def sites(self, split: int) -> list[SiteData]:
+        """The 4 institutions of one split (validation images spread over them by patient)."""
+        out = []
+        val_patients = sorted(self.val["patient"].unique())
+        for i, name in enumerate(SITES):
+            train = self.train[self.train["patient"].map(self.assignment[split]) == i]
+            val = self.val[self.val["patient"].isin(val_patients[i:: len(SITES)])]
+            out.append(_site_data(name, train, val))
+        return out
+
+    def central(self) -> SiteData:
+        return _site_data("central", self.train, self.val)
+
+    def test_site(self) -> SiteData:
+        return SiteData(site="test", classes=[BINARY_CLASS], table=_frame(self.test, "test"))
+
+
+def _frame(table: pd.DataFrame, split: str) -> pd.DataFrame:
+    return pd.DataFrame({"path": table["path"].to_numpy(), "patient": table["patient"].to_numpy(), "split": split,
+                         BINARY_CLASS: table["y"].to_numpy(dtype=np.float64)})
+
+
+def _site_data(name: str, train: pd.DataFrame, val: pd.DataFrame) -> SiteData:
+    """A site whose only finding column is the binary label (so the binary task keeps it as is)."""
+    table = pd.concat([_frame(train, "train"), _frame(val, "val")], ignore_index=True)
+    return SiteData(site=name, classes=[BINARY_CLASS], table=table)
+
+
+def prepare_data(*, per_class: int, test_per_class: int, val_per_class: int, max_patient_images: int = 10,
+                 data_seed: int = 0, splits: Sequence[int] = tuple(PAPER_SPLITS),
+                 site_config: str | Path = DEFAULT_SITE_CONFIG) -> BenchData:
+    """Draw the test, validation and training sets by patient and partition the training set per split.
+
+    Args:
+        per_class: abnormal (= normal) training images over all sites.
+        test_per_class: abnormal (= normal) held-out test images.
+        val_per_class: abnormal (= normal) validation images.
+        max_patient_images: at most this many images per patient.
+        data_seed: seed of the draws and the partitions.
+        splits: which of the paper's splits 1-10.
+        site_config: the nih1000 site config.
+    """
+    pool = load_pool(site_config, max_patient_images, data_seed)
+    rng = np.random.default_rng(data_seed)
+    left = _patients(pool)
+    chosen = {}
+    for name, n in (("test", test_per_class), ("val", val_per_class), ("train", per_class)):
+        picked = pick_patients(left, n, n, rng)
+        chosen[name] = pool[pool["patient"].isin(picked)].reset_index(drop=True)
+        left = left[~left["patient"].isin(picked)]
+    train_patients = _patients(chosen["train"])
+    quotas_of, assignment, by_quota = {}, {}, {}
+    for split in splits:
+        quotas = scale_split(PAPER_SPLITS[split], per_class)
+        quotas_of[split] = quotas
+        key = tuple(quotas)
+        if key not in by_quota:  # the same counts (splits 1 and 6) get the same partition
+            seed = [data_seed, *[x for q in quotas for x in q]]
+            by_quota[key] = partition(train_patients, quotas, np.random.default_rng(seed))
+        assignment[split] = by_quota[key]
+    return BenchData(test=chosen["test"], val=chosen["val"], train=chosen["train"], splits=quotas_of, assignment=assignment)

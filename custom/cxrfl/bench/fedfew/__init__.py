@@ -1,0 +1,25 @@
+"""FedFew against the paper's baselines on the synthetic ``fedfew`` profile, in-process (``cxrfl bench fedfew``).
+
+Per seed (the seed draws the synthetic cohorts, the unlabelled share of the CC sites, the
+weights and the augmentation):
+
+* data (:mod:`~cxrfl.bench.fedfew.data`): ``cxrfl.synth`` profile ``fedfew``: 3 CC sites, 3 UC
+  sites (Edema, Pneumonia, Hernia; ~20 positives and ~200 negatives each), 3 test sites;
+* ``fedfew``: the three stages (:func:`cxrfl.fedfew.inprocess.run_fedfew`: the job's own workflow
+  and site code), then the final model file read back as ``cxrfl predict`` does; ``fedfew-no-ebm``
+  (optional): the same with lambda = 0; ``fedfew-balanced``: stage 3 again with the balanced
+  threshold rule (:mod:`~cxrfl.bench.fedfew.seed`);
+* ``mlc`` / ``mlc-ssl``: the plain federated multi-label baseline; ``nn-ssl`` / ``nn-mlc-ssl``: the
+  paper's local nearest-neighbour classifier (:mod:`~cxrfl.bench.fedfew.methods`).
+
+Output (:mod:`~cxrfl.bench.fedfew.run`): ``OUT/results.json`` (settings, machine, every (method,
+seed) run with its ``mean_cc_auroc``, ``mean_uc_f1`` and per-UC metrics, the summary over seeds
+and the target verdicts), ``OUT/report.md`` and the plots (:mod:`~cxrfl.bench.fedfew.report`).
+Each (method, seed) is kept as it finishes, so an interrupted run goes on where it stopped.
+"""
+
+from cxrfl.bench.fedfew.report import format_markdown
+from cxrfl.bench.fedfew.run import run_fedfew_benchmark
+from cxrfl.bench.fedfew.settings import LABELS, METHODS, QUICK, BenchSettings
+
+__all__ = ["LABELS", "METHODS", "QUICK", "BenchSettings", "format_markdown", "run_fedfew_benchmark"]

@@ -1,0 +1,213 @@
+"""The FedFew benchmark's methods: the MLC baseline's training, and the evaluation of every method
+on one seed's test sets (UC accuracy, precision, recall, F1; mean CC AUROC).
+
+* ``fedfew`` and its variants: the final model file, read back as ``cxrfl predict`` reads it
+  (:func:`eval_fedfew`);
+* ``mlc`` / ``mlc-ssl``: the plain federated multi-label baseline: a head over all 14 classes,
+  FedAvg weighted by labelled images, CheXNet's weighted BCE on the labels a site has, from
+  scratch / from the stage-1 encoder; a UC is positive when its probability is >= 0.5;
+* ``nn-ssl`` / ``nn-mlc-ssl``: the paper's hypothetical local nearest-neighbour classifier: each
+  UC test image gets the label of its cosine-nearest training image of that UC's site (features
+  of the stage-1 encoder / of ``mlc-ssl``); not federated (it needs the images).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from cxrfl.bench.fedfew.data import SeedData
+from cxrfl.bench.fedfew.settings import BenchSettings
+from cxrfl.common.io import to_numpy
+from cxrfl.data.dataset import make_loader
+from cxrfl.fedfew.learner import uc_metrics
+from cxrfl.fedfew.model import FedFewModel
+from cxrfl.fedfew.prototypes import cosine_distance
+from cxrfl.fedfew.ssl import load_encoder
+from cxrfl.nn.metrics import per_class_auroc
+from cxrfl.nn.models import CXRNet, ModelConfig, build_model
+from cxrfl.nn.training import adam, train_epochs
+from cxrfl.surgical.aggregation import surgical_aggregate
+from cxrfl.synth.fedfew_profile import FEDFEW_CCS, FEDFEW_UCS
+
+MLC_CLASSES = sorted([*FEDFEW_CCS, *FEDFEW_UCS])
+"""The MLC baselines' outputs: every CC and UC."""
+
+
+@torch.no_grad()
+def _features_logits(model: CXRNet, table: pd.DataFrame, image_size: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    model.eval()
+    loader = make_loader(table, [], image_size=image_size, train=False, batch_size=batch_size)
+    feats, logits = [], []
+    for x, _, _ in loader:
+        f = model.features(x)
+        feats.append(f.numpy())
+        logits.append(model.classifier(model.hidden(f)).numpy())
+    return np.concatenate(feats), np.concatenate(logits)
+
+
+def _mean_auroc(y: np.ndarray, scores: np.ndarray, classes: Sequence[str]) -> tuple[float, dict[str, float | None]]:
+    aurocs = per_class_auroc(y, scores, list(classes))
+    defined = [v for v in aurocs.values() if v is not None]
+    return (float(np.mean(defined)) if defined else float("nan")), aurocs
+
+
+def _chexnet_weights(table: pd.DataFrame, classes: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """CheXNet's weighted BCE: w+ = N/(P+N), w- = P/(P+N) per class over the known labels, as
+    ``(class_weight = w-, pos_weight = w+/w-)`` for :func:`cxrfl.nn.losses.masked_bce` (1, 1 where undefined)."""
+    cw, pw = [], []
+    for c in classes:
+        p, n = float((table[c] == 1.0).sum()), float((table[c] == 0.0).sum())
+        if p == 0 or n == 0:
+            cw.append(1.0)
+            pw.append(1.0)
+        else:
+            cw.append(p / (p + n))
+            pw.append(n / p)
+    return torch.tensor(cw), torch.tensor(pw)
+
+
+def train_mlc(data: SeedData, settings: BenchSettings, seed: int, ssl_state: dict[str, np.ndarray] | None,
+              log: Callable[[str], None]) -> CXRNet:
+    """The plain federated multi-label baseline: FedAvg of a 14-class network, weighted BCE on known labels.
+
+    Args:
+        data: the seed's sites.
+        settings: rounds, epochs, learning rate, batch size.
+        seed: weights and batch order.
+        ssl_state: stage 1's SimSiam weights (its encoder starts the network; None: from scratch).
+        log: progress lines.
+    """
+    classes = MLC_CLASSES
+    mc = ModelConfig(image_size=settings.image_size)
+    torch.manual_seed(seed + 2)
+    model = build_model(mc, len(classes))
+    if ssl_state is not None:
+        load_encoder(model, ssl_state)
+    state = to_numpy(model.state_dict())
+    tables = {}
+    for s, d in data.train.items():
+        t = d.split_table("train").copy()
+        for c in classes:
+            if c not in t.columns:
+                t[c] = np.nan
+        t = t[t[classes].notna().any(axis=1)].reset_index(drop=True)
+        if len(t) % settings.mlc_batch_size == 1:  # a last batch of one image breaks BatchNorm in training mode
+            t = t.iloc[:-1]
+        tables[s] = t
+    for rnd in range(1, settings.mlc_rounds + 1):
+        updates = []
+        for s, t in tables.items():
+            model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+            cw, pw = _chexnet_weights(t, classes)
+            loader = make_loader(t, classes, image_size=settings.image_size, train=True, batch_size=settings.mlc_batch_size,
+                                 seed=seed * 1000 + rnd)
+            train_epochs(model, loader, adam(model, settings.mlc_lr), torch.device("cpu"), epochs=settings.mlc_local_epochs,
+                         class_weight=cw, pos_weight=pw)
+            updates.append({"site": s, "classes": classes, "params": to_numpy(model.state_dict()), "num_samples": len(t)})
+        state, _ = surgical_aggregate(updates, weighting="samples", classes=classes)
+        log(f"  mlc{' (ssl)' if ssl_state is not None else ''} round {rnd}/{settings.mlc_rounds} done")
+    model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in state.items()})
+    return model
+
+
+def eval_mlc(model: CXRNet, data: SeedData, settings: BenchSettings) -> dict[str, Any]:
+    """An MLC network on the test sets: mean CC AUROC, and each UC positive at probability >= 0.5.
+
+    Args:
+        model: the 14-class network.
+        data: the seed's test sets.
+        settings: image and batch sizes.
+    """
+    classes = MLC_CLASSES
+    bs = int(settings.fedfew.get("eval_batch_size", 128))
+    _, logits = _features_logits(model, data.cc_test, settings.image_size, bs)
+    cc_idx = [classes.index(c) for c in FEDFEW_CCS]
+    mean, aurocs = _mean_auroc(data.cc_test[list(FEDFEW_CCS)].to_numpy(float), logits[:, cc_idx], FEDFEW_CCS)
+    ucs = {}
+    for uc, t in data.uc_test.items():
+        _, lg = _features_logits(model, t, settings.image_size, bs)
+        prob = 1 / (1 + np.exp(-lg[:, classes.index(uc)]))
+        ucs[uc] = uc_metrics(t[uc].to_numpy(), prob >= 0.5)
+    return {"mean_cc_auroc": mean, "cc_auroc": aurocs, "uc": ucs}
+
+
+def eval_nn(model: CXRNet, data: SeedData, settings: BenchSettings) -> dict[str, Any]:
+    """Local 1-nearest-neighbour (cosine) per UC over the UC site's training images.
+
+    Args:
+        model: the network whose features are compared.
+        data: the seed's sites and test sets.
+        settings: image and batch sizes.
+    """
+    bs = int(settings.fedfew.get("eval_batch_size", 128))
+    ucs = {}
+    for uc, t in data.uc_test.items():
+        train = data.train[data.uc_site[uc]].split_table("train")
+        train = train[train[uc].notna()].reset_index(drop=True)
+        f_train, _ = _features_logits(model, train, settings.image_size, bs)
+        f_test, _ = _features_logits(model, t, settings.image_size, bs)
+        d = cosine_distance(f_test[:, None, :], f_train[None, :, :])
+        pred = train[uc].to_numpy()[d.argmin(axis=1)] == 1.0
+        ucs[uc] = uc_metrics(t[uc].to_numpy(), pred)
+    return {"mean_cc_auroc": None, "uc": ucs}
+
+
+def eval_fedfew(final: Path, data: SeedData, settings: BenchSettings) -> dict[str, Any]:
+    """The final model file, read back as ``cxrfl predict`` reads it, on the test sets.
+
+    Args:
+        final: the FedFew model file.
+        data: the seed's test sets.
+        settings: image and batch sizes.
+    """
+    model = FedFewModel.from_checkpoint(final)
+    bs = int(settings.fedfew.get("eval_batch_size", 128))
+
+    def run(table: pd.DataFrame) -> dict[str, Any]:
+        loader = make_loader(table, [], image_size=settings.image_size, train=False, batch_size=bs)
+        outs = [model.predict(x) for x, _, _ in loader]
+        res = {"cc": np.concatenate([o["cc_probabilities"] for o in outs]), "energy": np.concatenate([o["energy"] for o in outs])}
+        res["uc"] = {uc: np.concatenate([o["uc"][uc]["positive"] for o in outs]) for uc in model.uc_classes}
+        res["margin"] = {uc: np.concatenate([o["uc"][uc]["margin"] for o in outs]) for uc in model.uc_classes}
+        return res
+
+    cc = run(data.cc_test)
+    mean, aurocs = _mean_auroc(data.cc_test[model.cc_classes].to_numpy(float), cc["cc"], model.cc_classes)
+    ucs, energy = {}, {}
+    for uc, t in data.uc_test.items():
+        r = run(t)
+        y = t[uc].to_numpy()
+        pred = r["uc"].get(uc, np.zeros(len(t), bool))
+        ucs[uc] = uc_metrics(y, pred)
+        ucs[uc]["flagged_positives"] = float((r["energy"][y == 1] > model.threshold).mean())
+        ucs[uc]["flagged_negatives"] = float((r["energy"][y == 0] > model.threshold).mean())
+        energy[uc] = {"positives": float(r["energy"][y == 1].mean()), "negatives": float(r["energy"][y == 0].mean()),
+                      "energy_auroc": _auroc(y, r["energy"]),
+                      "prototype_margin_auroc": _auroc(y, r["margin"][uc]) if uc in r["margin"] else None}
+    return {"mean_cc_auroc": mean, "cc_auroc": aurocs, "uc": ucs, "threshold": model.threshold, "test_energy": energy,
+            "uc_with_prototypes": model.uc_classes}
+
+
+def _auroc(y: np.ndarray, score: np.ndarray) -> float | None:
+    """AUROC of a score for a binary label (None with one label value): how well the energy or
+    the prototype margin alone ranks a UC's positives above its negatives."""
+    from sklearn.metrics import roc_auc_score
+
+    return float(roc_auc_score(y, score)) if len(np.unique(y)) == 2 else None
+
+
+def mean_uc_f1(run: dict[str, Any]) -> dict[str, Any]:
+    """Add ``mean_uc_f1`` (over the UCs a method was tested on) to a method's result.
+
+    Args:
+        run: the result of one method on one seed.
+    """
+    f1 = [run["uc"][uc]["f1"] for uc in FEDFEW_UCS if uc in run["uc"]]
+    run["mean_uc_f1"] = float(np.mean(f1)) if f1 else None
+    return run

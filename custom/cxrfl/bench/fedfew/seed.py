@@ -1,0 +1,145 @@
+"""One seed of the FedFew benchmark: each method run once, with what it needs from another kept on disk.
+
+``fedfew`` runs the three stages in-process (:func:`cxrfl.fedfew.inprocess.run_fedfew`: the job's
+own workflow and site code) in ``WORK/seed<k>/fedfew``; ``fedfew-balanced`` re-runs stage 3 on
+its stage-2 model with ``threshold_weighting: balanced`` and ``fedfew-no-ebm`` stages 2-3 with
+lambda = 0 from its stage 1 (both through ``resume_from``); ``nn-ssl`` and ``mlc-ssl`` start from
+its stage-1 encoder; ``nn-mlc-ssl`` uses the ``mlc-ssl`` network (kept as
+``WORK/seed<k>/mlc-ssl.pt``). A method whose input is not on disk (a fresh work folder) makes it
+first, so any method can run alone, e.g. when an interrupted benchmark goes on. The folder is
+emptied when it holds files of other settings (``WORK/seed<k>/settings.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cxrfl.bench.fedfew.data import SeedData
+from cxrfl.bench.fedfew.methods import MLC_CLASSES, eval_fedfew, eval_mlc, eval_nn, mean_uc_f1, train_mlc
+from cxrfl.bench.fedfew.settings import BenchSettings
+from cxrfl.common.io import to_numpy
+from cxrfl.fedfew.config import FedFewConfig
+from cxrfl.fedfew.inprocess import run_fedfew
+from cxrfl.fedfew.ssl import load_encoder
+from cxrfl.fedfew.stages import STAGE_DIR, STAGE_FILES
+from cxrfl.nn.models import CXRNet, ModelConfig, build_model, model_from_checkpoint, save_checkpoint
+
+RUN_ORDER = ("fedfew", "fedfew-balanced", "fedfew-no-ebm", "nn-ssl", "mlc", "mlc-ssl", "nn-mlc-ssl")
+"""The order a seed's methods run in (each after what it reuses)."""
+VARIANTS = {"fedfew-balanced": ((1, 2), {"threshold_weighting": "balanced"}), "fedfew-no-ebm": ((1,), {"energy_weight": 0.0})}
+"""A FedFew variant: the stages it reuses from ``fedfew`` and the settings it changes."""
+
+
+class SeedRun:
+    """The methods of one seed.
+
+    Args:
+        settings: the benchmark settings.
+        seed: the seed.
+        data: the seed's sites and test sets.
+        work: the work folder (stage files and models go to ``work/seed<k>``).
+        log: progress lines.
+    """
+
+    def __init__(self, settings: BenchSettings, seed: int, data: SeedData, work: Path, log: Callable[[str], None]) -> None:
+        self.settings = settings
+        self.seed = seed
+        self.data = data
+        self.folder = Path(work) / f"seed{seed}"
+        self.log = log
+        self.model_config = ModelConfig(image_size=settings.image_size)
+        self.config = FedFewConfig.from_dict({**settings.fedfew, "seed": seed})
+        marker = self.folder / "settings.json"
+        wanted = json.dumps(settings.to_dict(), sort_keys=True)
+        if not marker.is_file() or marker.read_text() != wanted:  # files of other settings are never reused
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder.mkdir(parents=True)
+            marker.write_text(wanted)
+
+    def run(self, method: str) -> dict[str, Any]:
+        """Run one method and evaluate it.
+
+        Args:
+            method: one of :data:`RUN_ORDER`.
+
+        Returns:
+            its test results (``mean_cc_auroc``, ``mean_uc_f1``, ``uc``: per UC accuracy,
+            precision, recall, F1 ...) and ``seconds``.
+        """
+        start = time.perf_counter()
+        if method == "fedfew":
+            result = self._fedfew()
+        elif method in VARIANTS:
+            result = self._variant(method)
+        elif method == "nn-ssl":
+            encoder = build_model(self.model_config, 1)
+            load_encoder(encoder, self._ssl_state())
+            result = eval_nn(encoder, self.data, self.settings)
+        elif method == "mlc":
+            result = eval_mlc(train_mlc(self.data, self.settings, self.seed, None, self.log), self.data, self.settings)
+        elif method == "mlc-ssl":
+            result = eval_mlc(self._mlc_ssl(), self.data, self.settings)
+        elif method == "nn-mlc-ssl":
+            result = eval_nn(self._mlc_ssl(), self.data, self.settings)
+        else:
+            raise ValueError(f"unknown method {method!r}; available: {list(RUN_ORDER)}")
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        return mean_uc_f1(result)
+
+    # ------------------------------------------------------------------ FedFew
+    def _stages(self) -> Path:
+        """``fedfew``'s stage files (run when they are not there)."""
+        stages = self.folder / "fedfew" / STAGE_DIR
+        if not all((stages / STAGE_FILES[k]).is_file() for k in (1, 2)):
+            self._fedfew(evaluate=False)
+        return stages
+
+    def _fedfew(self, evaluate: bool = True) -> dict[str, Any]:
+        out = self.folder / "fedfew"
+        shutil.rmtree(out, ignore_errors=True)
+        outcome = run_fedfew(self.data.train, config=self.config, model_config=self.model_config, out_dir=out,
+                             info=lambda m: self.log("  " + m), warning=lambda m: self.log("  WARNING " + m))
+        if not evaluate:
+            return {}
+        result = eval_fedfew(outcome.final_path, self.data, self.settings)
+        result.update(margins=outcome.margins, threshold_stats=outcome.threshold_stats,
+                      prototypes={uc: [(p.n_positive, p.n_negative) for p in ps] for uc, ps in outcome.prototypes.items()})
+        return result
+
+    def _variant(self, method: str) -> dict[str, Any]:
+        reused, changes = VARIANTS[method]
+        stages = self._stages()
+        out = self.folder / method
+        shutil.rmtree(out, ignore_errors=True)
+        source = out / "reused"
+        source.mkdir(parents=True)
+        for k in reused:
+            shutil.copy2(stages / STAGE_FILES[k], source / STAGE_FILES[k])
+        outcome = run_fedfew(self.data.train, config=self.config.replace(**changes), model_config=self.model_config,
+                             out_dir=out, resume_from=str(source.resolve()), info=lambda m: None,
+                             warning=lambda m: self.log("  WARNING " + m))
+        result = eval_fedfew(outcome.final_path, self.data, self.settings)
+        result["threshold_stats"] = outcome.threshold_stats
+        return result
+
+    def _ssl_state(self) -> dict[str, Any]:
+        obj = torch.load(self._stages() / STAGE_FILES[1], map_location="cpu", weights_only=True)
+        return to_numpy(obj["ssl_state"])
+
+    # --------------------------------------------------------------------- MLC
+    def _mlc_ssl(self) -> CXRNet:
+        """The MLC network trained from the stage-1 encoder (trained once per seed, then read back)."""
+        path = self.folder / "mlc-ssl.pt"
+        if path.is_file():
+            model, _, _ = model_from_checkpoint(path)
+            return model
+        model = train_mlc(self.data, self.settings, self.seed, self._ssl_state(), self.log)
+        save_checkpoint(path, model, classes=list(MLC_CLASSES), model_config=self.model_config)
+        return model

@@ -1,0 +1,173 @@
+"""The admin side: FLARE API sessions from an admin kit, waiting for the federation, submitting
+and aborting jobs (and downloading their results)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cxrfl.deploy.workspace import DeployError, Deployment
+
+COMPLETED = "FINISHED:COMPLETED"
+
+
+def admin_session(dep: Deployment, admin: str | None = None, *, timeout: float = 30):
+    """A FLARE API session from an admin kit of the deployment.
+
+    Args:
+        dep: the deployment.
+        admin: the admin's name (default: the project admin).
+        timeout: seconds to connect.
+    """
+    from nvflare.fuel.flare_api.flare_api import new_secure_session
+
+    admin = admin or dep.admin_with_role("project_admin")
+    with contextlib.redirect_stdout(sys.stderr):  # NVFlare prints "Connecting to FLARE ..."
+        return new_secure_session(admin, str(dep.kit(admin)), timeout=timeout)
+
+
+def wait_ready(dep: Deployment, clients: list[str], *, timeout: float = 180) -> dict[str, Any]:
+    """Wait until the server answers the project admin and lists every site in ``clients``.
+
+    Args:
+        dep: the deployment.
+        clients: the sites that must be connected.
+        timeout: seconds to wait.
+    """
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            sess = admin_session(dep, timeout=10)
+            try:
+                info = sess.get_system_info()
+                connected = sorted(c.name for c in info.client_info)
+            finally:
+                sess.close()
+            if set(clients) <= set(connected):
+                return {"server": dep.server, "clients": connected}
+            last = f"connected sites: {connected}"
+        except Exception as exc:  # server not up yet
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(2)
+    raise DeployError(f"the federation was not ready within {timeout:.0f}s (waiting for {clients}; {last})")
+
+
+def submit(
+    job: str | Path,
+    *,
+    workspace: str | Path | None = None,
+    admin: str | None = None,
+    kit: str | Path | None = None,
+    wait: bool = True,
+    timeout: float = 1800,
+    download: str | Path | None = None,
+) -> dict[str, Any]:
+    """Submit a job folder from an admin kit with the FLARE API; optionally wait and download.
+
+    Args:
+        job: the job folder.
+        workspace: a deployment workspace (the admin kit is found by ``admin``), or
+        kit: an admin kit folder (``admin`` defaults to the kit's user).
+        admin: the admin's name (e.g. ``lead@cxrfl.example``).
+        wait: wait until the job ends.
+        timeout: seconds to wait.
+        download: folder to download the job's result into (after it ends).
+
+    Returns:
+        ``job_id``, ``status``, ``refused`` (why NVFlare did not run it, if so) and ``result``.
+    """
+    from nvflare.fuel.flare_api.flare_api import new_secure_session
+
+    if kit is None:
+        if workspace is None:
+            raise DeployError("give --workspace (and --admin) or --kit")
+        dep = Deployment.load(workspace)
+        admin = admin or dep.admin_with_role("project_admin")
+        kit = dep.kit(admin)
+    kit = Path(kit).resolve()
+    if admin is None:
+        admin = json.loads((kit / "startup" / "fed_admin.json").read_text())["admin"]["username"]
+    job = Path(job).resolve()
+    if not (job / "meta.json").is_file():
+        raise DeployError(f"{job} is not a job folder (no meta.json)")
+    out: dict[str, Any] = {"job": str(job), "admin": admin, "bring_your_own_code": (job / "app" / "custom").is_dir()}
+    with contextlib.redirect_stdout(sys.stderr):
+        sess = new_secure_session(admin, str(kit), timeout=30)
+    try:
+        try:
+            out["job_id"] = job_id = sess.submit_job(str(job))
+        except Exception as exc:
+            out.update(status="REFUSED_AT_SUBMISSION", refused=f"{type(exc).__name__}: {exc}")
+            return out
+        if not wait:
+            out["status"] = "SUBMITTED"
+            return out
+        try:
+            meta = sess.wait_for_job(job_id, timeout=timeout, poll_interval=3)
+        except Exception as exc:  # JobTimeout, lost connection: the job may still be running
+            out.update(status="WAIT_FAILED", error=f"{type(exc).__name__}: {exc}")
+            return out
+        out["status"] = meta.get("status")
+        detail = meta.get("job_deploy_detail")
+        if out["status"] != COMPLETED and detail:
+            out["refused"] = "; ".join(str(d) for d in detail) if isinstance(detail, list) else str(detail)
+        if download and out["status"] == COMPLETED:
+            out["result"] = sess.download_job_result(job_id, destination=str(Path(download).resolve()))
+    finally:
+        sess.close()
+    return out
+
+
+def abort(
+    job_id: str,
+    *,
+    workspace: str | Path,
+    admin: str | None = None,
+    timeout: float = 300,
+    download: str | Path | None = None,
+) -> dict[str, Any]:
+    """Abort a running job from an admin kit, wait until it has ended, optionally download its result.
+
+    The server keeps every completed round (``cxrfl/checkpoints/round_NNN.pt`` in the result,
+    usable by ``cxrfl predict``) and what a later job needs to continue the run
+    (``resume_from=<job id>``).
+
+    Args:
+        job_id: the job to abort.
+        workspace: the deployment workspace.
+        admin: the admin's name (default: the project admin).
+        timeout: seconds to wait for the job to end.
+        download: folder to download the job's result into.
+
+    Returns:
+        ``job_id``, ``status`` and ``result`` (the downloaded folder, if any).
+    """
+    dep = Deployment.load(workspace)
+    sess = admin_session(dep, admin)
+    out: dict[str, Any] = {"job_id": job_id}
+    try:
+        try:
+            sess.abort_job(job_id)
+        except Exception as exc:  # e.g. a job a server restart interrupted: NVFlare still lists it
+            if "not running" not in str(exc):
+                raise
+            out.update(status=str(sess.get_job_meta(job_id).get("status")),
+                       note=f"the server runs no such job ({exc}); nothing to abort. A job interrupted by a server "
+                            f"restart stays listed as running in NVFlare 2.9; resume it with resume_from={job_id!r}")
+            return out
+        try:
+            meta = sess.wait_for_job(job_id, timeout=timeout, poll_interval=2)
+            out["status"] = meta.get("status")
+        except Exception as exc:  # JobTimeout, lost connection
+            out.update(status="WAIT_FAILED", error=f"{type(exc).__name__}: {exc}")
+            return out
+        if download:
+            out["result"] = sess.download_job_result(job_id, destination=str(Path(download).resolve()))
+    finally:
+        sess.close()
+    return out

@@ -1,0 +1,67 @@
+"""Deployable job folders, written from the jobs of :data:`cxrfl.jobs.JOBS`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cxrfl.deploy.workspace import DeployError
+
+
+def build_job(
+    name: str,
+    out: str | Path,
+    *,
+    mode: str = "preinstalled",
+    overrides: dict[str, Any] | None = None,
+    privacy: dict[str, Any] | None = None,
+    exclude_batchnorm: bool = False,
+    job_name: str | None = None,
+) -> Path:
+    """Write a deployable job folder from a job in :data:`cxrfl.jobs.JOBS`.
+
+    Args:
+        name: the job (``surgical_agg``, ...).
+        out: parent folder; the job is written to ``out/<job_name or name>`` (must not exist).
+        mode: ``preinstalled`` (no ``app/custom``), ``byoc`` (package in ``app/custom``) or
+            ``readme`` (as committed under ``jobs/``).
+        overrides: controller arguments to change, dotted for nested ones
+            (``{"num_rounds": 2, "train_config.batch_size": 16}``).
+        privacy: ``{"method": "percentile" | "svt", "args": {...}}`` (see :class:`cxrfl.jobs.JobSpec`).
+        exclude_batchnorm: add the ExcludeVars filter of every BatchNorm entry (FedBN/FedBN+).
+        job_name: another name for the job (folder and meta).
+    """
+    import copy
+    import dataclasses
+
+    from cxrfl.jobs import JOBS, write_job
+
+    specs = {s.name: s for s in JOBS}
+    if name not in specs:
+        raise DeployError(f"unknown job {name!r}; jobs: {sorted(specs)}")
+    modes = {"preinstalled": "none", "byoc": "package", "readme": "readme"}
+    if mode not in modes:
+        raise DeployError(f"mode must be one of {sorted(modes)}, got {mode!r}")
+    spec = specs[name]
+    args = copy.deepcopy(spec.controller_args)
+    for key, value in (overrides or {}).items():
+        node = args
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                raise DeployError(f"cannot set {key!r}: {part!r} is not a group of settings")
+            node = node[part]
+        if parts[-1] not in node:
+            raise DeployError(f"unknown setting {key!r} of job {name}; known: {sorted(node)}")
+        node[parts[-1]] = value
+    # meta.json's min_clients (sites needed to schedule the job) follows an explicit min_clients override
+    meta_min = int(overrides["min_clients"]) if "min_clients" in (overrides or {}) else spec.min_clients
+    try:
+        spec = dataclasses.replace(spec, name=job_name or spec.name, controller_args=args, privacy=privacy,
+                                   exclude_batchnorm=exclude_batchnorm, min_clients=meta_min)
+    except ValueError as exc:
+        raise DeployError(str(exc)) from exc
+    out = Path(out)
+    if (out / spec.name).exists():
+        raise DeployError(f"{out / spec.name} exists; choose another --out")
+    return write_job(spec, out, custom=modes[mode])

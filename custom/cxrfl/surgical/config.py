@@ -1,0 +1,85 @@
+"""The server settings of surgical aggregation and its baselines, with their defaults (the only copy).
+
+The NVFlare workflow (:class:`cxrfl.fl.surgical.SurgicalAggregation`) takes them as job arguments,
+the benchmark and the tests build them directly; :class:`cxrfl.surgical.server.SurgicalServer` runs
+them. ``model_config`` and ``train_config`` travel to the sites in every task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from cxrfl.common.config import Config
+from cxrfl.errors import ConfigError
+from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.training import TrainConfig
+from cxrfl.surgical.aggregation import WEIGHTINGS, check_options
+from cxrfl.surgical.head_modes import BATCHNORM_MODES, HEAD_MODES, MISSING_POLICIES
+
+RESUME_KEYS = ("model_config", "batchnorm", "head_mode", "missing", "seed")
+"""Settings a resumed run must share with the interrupted one (they decide the model)."""
+
+
+@dataclass(frozen=True)
+class SurgicalConfig(Config):
+    """Settings of one surgical-aggregation run (or of a baseline: see ``head_mode``).
+
+    Args:
+        num_rounds: maximum number of federated rounds after the warm-up.
+        min_clients: fewest valid site results that make a round; fewer keep the previous model.
+        model_config: :class:`cxrfl.nn.models.ModelConfig` (or its fields).
+        train_config: :class:`cxrfl.nn.training.TrainConfig` (or its fields), sent to the sites.
+        batchnorm: ``fedavg``, ``fedbn`` (BatchNorm local) or ``fedbn+`` (frozen at initial statistics).
+        weighting: ``uniform`` (the papers) or ``samples``.
+        robust: None, ``median`` or ``clip`` robust aggregation (off by default).
+        clip_norm: update norm bound for ``robust="clip"``.
+        patience: rounds without improvement of the mean validation loss before stopping.
+        min_delta: improvement smaller than this does not count.
+        min_clients_timeout: seconds without a completed round (fewer than ``min_clients`` valid
+            results: the round is run again) before the run stops with the reason.
+        retry_pause: seconds between two attempts at a round.
+        resume_from: continue an interrupted run: its run (job) id, or the path of its
+            ``cxrfl_resume/<id>`` folder.
+        seed: seed of the initial weights.
+        evaluate_test: evaluate the selected model on every site's test split at the end.
+        external_test: server-side site config of a fully annotated external test set (optional).
+        keep_round_checkpoints: keep every round's global model under ``cxrfl/checkpoints``.
+        head_mode: ``surgical`` (own head rows per site), ``union`` (whole head to every site:
+            vanilla FL / partial loss) or ``local`` (heads stay at the sites: personalized FL).
+        missing: for ``union`` heads, classes a site does not annotate are ``negative`` (vanilla
+            FL) or ``ignore``-d in its loss (FL with partial loss).
+    """
+
+    SECTION: ClassVar[str] = "surgical"
+    num_rounds: int = field(default=20, metadata={"ge": 0})
+    min_clients: int = field(default=2, metadata={"ge": 1})
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    train_config: TrainConfig = field(default_factory=TrainConfig)
+    batchnorm: str = field(default="fedavg", metadata={"choices": BATCHNORM_MODES})
+    weighting: str = field(default="uniform", metadata={"choices": WEIGHTINGS})
+    robust: str | None = field(default=None, metadata={"choices": ("median", "clip")})
+    clip_norm: float | None = field(default=None, metadata={"gt": 0})
+    patience: int = field(default=5, metadata={"ge": 1})
+    min_delta: float = field(default=1e-4, metadata={"ge": 0})
+    min_clients_timeout: float = field(default=600, metadata={"ge": 0})
+    retry_pause: float = field(default=10, metadata={"ge": 0})
+    resume_from: str | None = None
+    seed: int = 0
+    evaluate_test: bool = True
+    external_test: str | None = None
+    keep_round_checkpoints: bool = True
+    head_mode: str = field(default="surgical", metadata={"choices": HEAD_MODES})
+    missing: str = field(default="negative", metadata={"choices": MISSING_POLICIES})
+
+    def __post_init__(self) -> None:
+        for name, kind in (("model_config", ModelConfig), ("train_config", TrainConfig)):  # None: the defaults
+            value = getattr(self, name)
+            if value is None or isinstance(value, Mapping):
+                object.__setattr__(self, name, kind.from_dict(value))
+        super().__post_init__()
+        try:
+            check_options(self.weighting, self.batchnorm, self.robust, self.clip_norm)
+        except ValueError as exc:
+            raise ConfigError(f"{self.SECTION}: {exc}") from None

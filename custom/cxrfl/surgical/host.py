@@ -1,0 +1,250 @@
+"""One site's endpoint of surgical aggregation and its baselines: answers ``train`` and ``validate``.
+
+:class:`SurgicalSiteHost` implements :class:`cxrfl.common.transport.SiteHost`. Every task carries
+the run's settings in its meta (``model_config``, ``train_config``, ``batchnorm``, ``head_mode``,
+``missing``, ``run_key``), so there is one source of truth per run; the host builds a
+:class:`cxrfl.surgical.learner.SiteLearner` for them and reuses it while they stay the same.
+
+Tasks (meta of the request -> meta of the answer):
+
+- ``train`` with ``phase="warmup"``: head warm-up on the received initial feature extractor ->
+  ``classes`` (the head's row order), ``num_samples``, ``metrics``; the params are the update.
+- ``train`` with ``phase="train"``, ``round`` r, ``classes`` (the received head's row order,
+  union heads), ``keep_rounds``: evaluate the received model of round r - 1 on the validation
+  split, then train one round -> as above.
+- ``validate`` with ``split``, ``model_round``, ``classes``, ``keep_rounds``: evaluate the
+  received model on a split -> ``classes``, ``metrics``; no params.
+
+What a site keeps between tasks (optimizer state, local BatchNorm or head, their copies per
+model round) lives in ``<state_root>/<run_key>``, so a run resumed by a new job finds it again;
+the state of the last :data:`KEEP_STATES` runs is kept.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cxrfl.common.io import params_digest
+from cxrfl.common.transport import Message
+from cxrfl.data.site import SiteData
+from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.training import TrainConfig
+from cxrfl.surgical.learner import SiteLearner, SiteUpdate
+
+TRAIN, VALIDATE = "train", "validate"
+TASKS: tuple[str, ...] = (TRAIN, VALIDATE)
+"""Every task a surgical-aggregation site answers."""
+
+KEEP_STATES = 3
+"""Runs whose site state (optimizer, local BatchNorm or head) stays on disk."""
+
+
+@dataclass(frozen=True)
+class LearnerSettings:
+    """What decides a site's learner: the run's settings from the task meta.
+
+    Args:
+        model_config: network settings (``pretrained`` is never read at the site: the weights arrive).
+        train_config: local training settings.
+        batchnorm: BatchNorm strategy.
+        head_mode: head mode.
+        missing: missing-label policy of union heads.
+        run_key: names the run's state folder (the first job of a resumed chain).
+    """
+
+    model_config: ModelConfig
+    train_config: TrainConfig
+    batchnorm: str
+    head_mode: str
+    missing: str
+    run_key: str
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any], train_overrides: Mapping[str, Any] | None = None) -> LearnerSettings:
+        """The settings a task carries.
+
+        Args:
+            meta: the task meta.
+            train_overrides: train settings this site replaces (e.g. a step cap).
+        """
+        return cls(
+            model_config=ModelConfig.from_dict({**(meta.get("model_config") or {}), "pretrained": None}),
+            train_config=TrainConfig.from_dict({**(meta.get("train_config") or {}), **(train_overrides or {})}),
+            batchnorm=str(meta.get("batchnorm", "fedavg")),
+            head_mode=str(meta.get("head_mode", "surgical")),
+            missing=str(meta.get("missing", "negative")),
+            run_key=str(meta.get("run_key") or "run"),
+        )
+
+
+class WarmupCache:
+    """Head warm-ups done in this process, taken over by later runs of the same site with the same
+    settings and initial model (a benchmark's methods share one warm-up per seed)."""
+
+    def __init__(self) -> None:
+        self._done: dict[tuple, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+
+    @staticmethod
+    def key(site: str, params: Mapping[str, Any], settings: LearnerSettings) -> tuple:
+        """What a warm-up depends on: the site, the initial model, the network and training settings.
+
+        Args:
+            site: the site name.
+            params: the received initial feature extractor.
+            settings: the learner's settings.
+        """
+        return site, params_digest(params), settings.model_config, settings.train_config
+
+    def get(self, key: tuple) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The model state and metrics of an earlier warm-up (None: none yet).
+
+        Args:
+            key: from :meth:`key`.
+        """
+        return self._done.get(key)
+
+    def put(self, key: tuple, state: dict[str, torch.Tensor], metrics: dict[str, Any]) -> None:
+        """Keep a warm-up.
+
+        Args:
+            key: from :meth:`key`.
+            state: the full model state after it.
+            metrics: its metrics.
+        """
+        self._done[key] = (state, dict(metrics))
+
+
+class SurgicalSiteHost:
+    """A site of surgical aggregation (or of a baseline head mode).
+
+    Args:
+        data: the site's checked data.
+        state_root: folder for state kept across tasks and jobs (one sub-folder per run key).
+        device: torch device.
+        num_workers: data-loader worker processes.
+        warmups: warm-ups to take over instead of training them again (None: always train).
+        train_overrides: train settings this site replaces (e.g. ``max_steps_per_epoch``).
+    """
+
+    tasks: tuple[str, ...] = TASKS
+
+    def __init__(self, data: SiteData, state_root: str | Path, *, device: torch.device | None = None,
+                 num_workers: int = 0, warmups: WarmupCache | None = None,
+                 train_overrides: Mapping[str, Any] | None = None) -> None:
+        self.data = data
+        self.state_root = Path(state_root)
+        self.device = device or torch.device("cpu")
+        self.num_workers = num_workers
+        self.warmups = warmups
+        self.train_overrides = dict(train_overrides or {})
+        self.learner: SiteLearner | None = None
+        self.settings: LearnerSettings | None = None
+
+    def learner_for(self, meta: Mapping[str, Any]) -> SiteLearner:
+        """The learner for the settings of a task (built when they change).
+
+        Args:
+            meta: the task meta.
+        """
+        settings = LearnerSettings.from_meta(meta, self.train_overrides)
+        if self.learner is None or settings != self.settings:
+            state_dir = self.state_root / settings.run_key
+            if not state_dir.is_dir():
+                prune_states(self.state_root, KEEP_STATES - 1)
+            self.learner = SiteLearner(
+                self.data, state_dir, model_config=settings.model_config, train_config=settings.train_config,
+                batchnorm=settings.batchnorm, device=self.device, num_workers=self.num_workers,
+                head_mode=settings.head_mode, missing=settings.missing,
+            )
+            self.settings = settings
+        return self.learner
+
+    def handle(self, task: str, params: Mapping[str, Any], meta: Mapping[str, Any]) -> Message:
+        """Answer one task (see the module docstring).
+
+        Args:
+            task: ``train`` or ``validate``.
+            params: the received parameters.
+            meta: the task meta.
+
+        Raises:
+            ValueError: an unknown task; any error of the site's computation propagates.
+        """
+        learner = self.learner_for(meta)
+        if task == TRAIN:
+            update = self._train(learner, dict(params), meta)
+            return update.params, {"classes": update.classes, "num_samples": update.num_samples, "metrics": update.metrics}
+        if task == VALIDATE:
+            metrics = learner.evaluate_params(dict(params), str(meta.get("split", "test")), classes=meta.get("classes"),
+                                              model_round=meta.get("model_round"), keep_rounds=meta.get("keep_rounds") or ())
+            return {}, {"classes": list(learner.classes), "metrics": metrics}
+        raise ValueError(f"unknown surgical-aggregation task {task!r}")
+
+    def _train(self, learner: SiteLearner, params: dict[str, Any], meta: Mapping[str, Any]) -> SiteUpdate:
+        if meta.get("phase") != "warmup":
+            return learner.train_round(params, int(meta.get("round", 1)), classes=meta.get("classes"),
+                                       keep_rounds=meta.get("keep_rounds") or ())
+        if self.warmups is None:
+            return learner.warmup(params)
+        key = WarmupCache.key(self.data.site, params, self.settings)
+        done = self.warmups.get(key)
+        if done is not None:
+            return learner.adopt_warmup(*done)
+        update = learner.warmup(params)
+        self.warmups.put(key, learner.warm_state(), update.metrics)
+        return update
+
+    def model_state(self, params: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The site's whole model for a received one (with the site's own parts of ``meta["model_round"]``):
+        a personalized model, read in-process by the benchmark.
+
+        Args:
+            params: the received parameters.
+            meta: a ``validate`` task's meta.
+        """
+        learner = self.learner_for(meta)
+        learner.receive(dict(params), meta.get("classes"), model_round=meta.get("model_round"),
+                        keep_rounds=meta.get("keep_rounds") or ())
+        return {k: v.detach().cpu().clone() for k, v in learner.model.state_dict().items()}
+
+    def describe(self, task: str, meta: Mapping[str, Any], answer: Mapping[str, Any]) -> str | None:
+        """One operator line per task: losses, validation AUROC and time."""
+        m = answer.get("metrics") or {}
+        if task == TRAIN:
+            return (f"site {self.data.site} {m.get('phase', meta.get('phase'))} round {meta.get('round', 0)}: "
+                    f"train_loss {_fmt(m.get('train_loss'))} val_loss {_fmt(m.get('val_loss'))} "
+                    f"val_AUROC {_fmt(m.get('val_mean_auroc'))} time {_fmt(m.get('seconds'), 1)}s")
+        return (f"site {self.data.site} {m.get('split', meta.get('split'))} (model of round {meta.get('model_round')}): "
+                f"loss {_fmt(m.get('loss'))} mean AUROC {_fmt(m.get('mean_auroc'))} time {_fmt(m.get('seconds'), 1)}s")
+
+    def scalars(self, task: str, answer: Mapping[str, Any]) -> tuple[dict[str, float], int] | None:
+        """Training and validation metrics per round (``train`` tasks only)."""
+        m = answer.get("metrics") or {}
+        if task != TRAIN:
+            return None
+        values = {k: m[k] for k in ("train_loss", "val_loss", "val_mean_auroc") if m.get(k) is not None}
+        return values, int(m.get("round", 0))
+
+
+def prune_states(root: Path, keep: int) -> None:
+    """Remove all but the ``keep`` most recently used run states under ``root``.
+
+    Args:
+        root: the folder of run states.
+        keep: how many to keep.
+    """
+    if not root.is_dir():
+        return
+    runs = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in runs[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fmt(v: float | None, digits: int = 4) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}"

@@ -1,0 +1,472 @@
+"""The server of surgical aggregation and its baselines, over any transport.
+
+:class:`SurgicalServer` talks to the sites only through ``send`` (:mod:`cxrfl.common.transport`):
+the NVFlare workflow (:class:`cxrfl.fl.surgical.SurgicalAggregation`), the benchmark and the
+tests (:mod:`cxrfl.surgical.inprocess`) run this same loop. Sites answer with
+:class:`cxrfl.surgical.host.SurgicalSiteHost`.
+
+1. Head warm-up (round 0): every site trains the head rows of its own classes on the initial
+   feature extractor and announces its classes with them; the rows are stitched into the global
+   head. A site without a warm-up result takes no part in the run.
+2. Federated rounds: each site receives the feature extractor and only the head rows of its own
+   classes (one task per site; never a name of another site's classes), evaluates the received
+   model on its validation split, trains, and answers; results are validated (one rejection
+   line each) and aggregated by :class:`cxrfl.surgical.aggregation.RoundAggregator`. The
+   baselines differ only in ``head_mode`` (:mod:`cxrfl.surgical.head_modes`).
+3. Model selection (:class:`cxrfl.common.selection.EarlyStopping`): the model of round r is
+   scored in round r + 1 by the mean of the sites' validation BCE; the best is the lowest, the
+   run stops after ``patience`` rounds without an improvement of ``min_delta``. A run that ends
+   without stopping early also scores its last model (a ``validate`` task on the validation
+   splits), so the last round can be selected too.
+4. Evaluation of the selected model on every site's test split (``validate`` tasks; with local
+   heads each site uses its own head of the selected round) and on an external test set.
+
+Faults: a round with fewer than ``min_clients`` valid results (sites failed, timed out, or sent
+malformed results; or an aggregation error such as an overflow) keeps the previous global model
+and is run again after ``retry_pause`` seconds, until ``min_clients_timeout`` seconds have passed
+without a completed round: then the run stops with the reason (:class:`RunStopped`). After the
+warm-up and every completed round the state needed to go on is saved
+(:class:`cxrfl.common.resume.ResumeStore`); ``resume_from`` continues an interrupted run from its
+last completed round with its weights (mismatched settings are refused). An abort
+(:class:`RunAborted`) writes nothing more.
+
+Written under ``out_dir`` (the server's app folder in a job):
+
+- ``FL_global_model.pt``: the latest global model (a self-describing cxrfl checkpoint);
+- ``best_FL_global_model.pt``: the selected global model (lowest mean validation loss);
+- ``cxrfl/rounds.jsonl``: one record per warm-up, round attempt and final validation (sites,
+  contributors per class, rejections, per-site metrics, the evaluated model's mean validation
+  loss and AUROC); ``cxrfl/checkpoints/round_NNN.pt`` when kept;
+- ``cxrfl/evaluation.json``: the selected model on every site's test split and the external set;
+- ``cxrfl/run_config.json``: the settings of this run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cxrfl.common.io import to_numpy
+from cxrfl.common.selection import EarlyStopping
+from cxrfl.common.server import RECORDS_DIR, RetryClock, RunStopped, ServerLoop
+from cxrfl.common.transport import Message, Send
+from cxrfl.data.site import load_site
+from cxrfl.errors import ConfigError, CxrflError
+from cxrfl.nn.evaluation import evaluate_on_site, shared_classes
+from cxrfl.nn.metrics import summarise_auroc
+from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, save_checkpoint
+from cxrfl.surgical.aggregation import RoundAggregator, RoundResult
+from cxrfl.surgical.config import RESUME_KEYS, SurgicalConfig
+from cxrfl.surgical.head_modes import payload_for
+from cxrfl.surgical.host import TRAIN, VALIDATE
+
+GLOBAL_MODEL = "FL_global_model.pt"
+BEST_MODEL = "best_FL_global_model.pt"
+CHECKPOINTS = "checkpoints"
+"""Sub-folder of ``cxrfl/`` with every round's global model (``round_NNN.pt``)."""
+
+
+@dataclass
+class RunState:
+    """What a run holds between rounds, and what a resumed run loads.
+
+    Args:
+        round: the last completed round (0: the warm-up).
+        params: the global model after it (``local`` heads: the feature extractor only).
+        classes: the global head's class order ([] for ``local`` heads).
+        announced: site -> the classes it announced in the warm-up (the sites of the run).
+        stopper: model selection and early stopping.
+        best_params: the selected model so far (None: none scored yet).
+        curve: one point per scored model (:meth:`SurgicalServer.curve_point`).
+        run_key: names the sites' state across resumed runs (the first run's id).
+    """
+
+    round: int
+    params: dict[str, np.ndarray]
+    classes: list[str]
+    announced: dict[str, list[str]]
+    stopper: EarlyStopping
+    best_params: dict[str, np.ndarray] | None
+    curve: list[dict[str, Any]]
+    run_key: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for the resume store."""
+        return {"round": self.round, "params": self.params, "classes": self.classes, "announced": self.announced,
+                "stopper": self.stopper.to_dict(), "best_params": self.best_params, "curve": self.curve,
+                "run_key": self.run_key}
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any]) -> RunState:
+        """Rebuild from :meth:`to_dict`.
+
+        Args:
+            saved: the loaded resume state.
+        """
+        return cls(int(saved["round"]), dict(saved["params"]), list(saved["classes"]), dict(saved["announced"]),
+                   EarlyStopping.from_dict(saved["stopper"]), saved.get("best_params"), list(saved.get("curve") or []),
+                   str(saved["run_key"]))
+
+
+@dataclass
+class SurgicalOutcome:
+    """A finished run (also in the files under ``out_dir``).
+
+    Args:
+        classes: the global head's classes ([] for ``local`` heads).
+        site_classes: site -> its own classes (the sites of the run).
+        best_round: the round whose model was selected (0: the warmed-up model).
+        best_params: the selected global model.
+        last_round: the last completed round.
+        stopped_early: the run stopped on ``patience``.
+        curve: the scored models in round order (learning curves).
+        evaluation: what ``cxrfl/evaluation.json`` holds.
+    """
+
+    classes: list[str]
+    site_classes: dict[str, list[str]]
+    best_round: int
+    best_params: dict[str, np.ndarray]
+    last_round: int
+    stopped_early: bool
+    curve: list[dict[str, Any]]
+    evaluation: dict[str, Any]
+
+
+class SurgicalServer(ServerLoop):
+    """The surgical-aggregation workflow (see the module docstring).
+
+    Args:
+        send: the transport.
+        config: the run's settings (``resume_from`` among them).
+        kwargs: :class:`cxrfl.common.server.ServerLoop` arguments (sites, out_dir, run_id,
+            resume_root, info, warning, aborted).
+    """
+
+    def __init__(self, send: Send, *, config: SurgicalConfig, **kwargs: Any) -> None:
+        super().__init__(send, resume_from=config.resume_from, **kwargs)
+        self.config = config
+        self.site_model = ModelConfig.from_dict({**config.model_config.to_dict(), "pretrained": None})
+        self.clock = RetryClock(config.min_clients_timeout, config.retry_pause)
+        self.state: RunState | None = None
+        self.init_params: dict[str, np.ndarray] = {}
+        self.bn_keys: set[str] = set()
+        self.aggregator: RoundAggregator | None = None
+        self.expected: dict[str, tuple[int, ...]] = {}
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> SurgicalOutcome:
+        """Warm up (or resume), run the rounds, select, evaluate.
+
+        Raises:
+            RunStopped: the run cannot go on (the message says why and what to do).
+            RunAborted: told to stop; nothing more is written.
+        """
+        cfg = self.config
+        self.info(f"surgical aggregation: up to {cfg.num_rounds} rounds, batchnorm={cfg.batchnorm}, "
+                  f"head_mode={cfg.head_mode}, missing={cfg.missing}, {len(self.sites)} site(s)")
+        self.write_run_config(cfg.to_dict())
+        self._prepare()
+        state = self.state = self._resume() if self.resume_from else self._warmup()
+        shared = shared_classes(state.announced)
+        self.info(f"global classes: {len(state.classes)} ({len(shared)} shared by 2+ sites)")
+        stopped = self._rounds(state)
+        if not stopped:
+            self._validate_last(state)
+        best_round, best_params = self._selected(state)
+        self.info(f"global model: {self.path(GLOBAL_MODEL)}; selected model (round {best_round}): {self.path(BEST_MODEL)}")
+        evaluation = self._evaluate(state, best_round, best_params)
+        self.resume.clear()  # finished: nothing to resume
+        return SurgicalOutcome(list(state.classes), {s: list(c) for s, c in state.announced.items()}, best_round,
+                               best_params, state.round, stopped, list(state.curve), evaluation)
+
+    def _prepare(self) -> None:
+        """The initial feature extractor (seeded), BatchNorm keys, expected shapes, the aggregator."""
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        init = build_model(cfg.model_config, 1)
+        self.bn_keys = set(batchnorm_keys(init))
+        self.init_params = {k: v for k, v in to_numpy(init.state_dict()).items() if not k.startswith(HEAD_PREFIX)}
+        local_bn = cfg.batchnorm != "fedavg"
+        self.expected = {k: tuple(v.shape) for k, v in self.init_params.items() if not (local_bn and k in self.bn_keys)}
+        self.aggregator = RoundAggregator(weighting=cfg.weighting, batchnorm=cfg.batchnorm, bn_keys=sorted(self.bn_keys),
+                                          robust=cfg.robust, clip_norm=cfg.clip_norm, head_mode=cfg.head_mode,
+                                          warning=self.warning)
+
+    # ----------------------------------------------------------- messages
+    def task_meta(self, run_key: str, **extra: Any) -> dict[str, Any]:
+        """The settings every task carries, plus ``extra``.
+
+        Args:
+            run_key: the run key (names the sites' state).
+            extra: task-specific entries.
+        """
+        cfg = self.config
+        return {"model_config": self.site_model.to_dict(), "train_config": cfg.train_config.to_dict(),
+                "batchnorm": cfg.batchnorm, "head_mode": cfg.head_mode, "missing": cfg.missing, "run_key": run_key,
+                **extra}
+
+    def messages(self, state: RunState, params: Mapping[str, Any], **extra: Any) -> dict[str, Message]:
+        """One message per site of the run: its part of ``params`` and the task meta.
+
+        Args:
+            state: the run.
+            params: a global model.
+            extra: task-specific meta (``round``, ``split``, ``model_round`` ...).
+        """
+        exclude = self.bn_keys if self.config.batchnorm == "fedbn" else ()
+        best = state.stopper.best_step
+        out = {}
+        for site, own in state.announced.items():
+            sent, classes = payload_for(params, state.classes, own, head_mode=self.config.head_mode, exclude=exclude)
+            out[site] = (sent, self.task_meta(state.run_key, classes=classes,
+                                              keep_rounds=[] if best is None else [best], **extra))
+        return out
+
+    # ---------------------------------------------------------- warm-up
+    def _warmup(self) -> RunState:
+        """Round 0: the sites' head warm-ups, stitched; the sites that answered make the run."""
+        start = time.perf_counter()
+        meta = self.task_meta(self.run_id, phase="warmup", round=0)
+        answers = self.broadcast(TRAIN, self.sites, self.init_params, lambda s: meta)
+        self.check_abort()
+        result, rejected = self._aggregate(answers, None, None, None)
+        record = {**self._round_record(0, "warmup", self.sites, answers, result, rejected),
+                  "seconds": time.perf_counter() - start}
+        self.record(record)
+        if result is None:
+            reason = (f"stopping: the head warm-up produced fewer than min_clients={self.config.min_clients} valid "
+                      f"results (answered {record['sites_answered']}, failed {record['sites_failed']}, rejected "
+                      f"{rejected}); see the sites' logs")
+            self.record({"round": 0, "phase": "stopped", "reason": reason})
+            raise RunStopped(reason)
+        announced = {s: list(answers[s][1]["classes"]) for s in result.sites}
+        state = RunState(0, {**self.init_params, **result.params}, list(result.classes), announced,
+                         EarlyStopping(self.config.patience, self.config.min_delta), None, [], self.run_id)
+        self._save_model(GLOBAL_MODEL, state.params, state.classes, round=0)
+        self.resume.save({**state.to_dict(), "settings": self.config.to_dict()})
+        self.info(f"warm-up: {len(announced)} of {len(self.sites)} site(s) announced their classes "
+                  f"({time.perf_counter() - start:.1f}s)")
+        return state
+
+    def _resume(self) -> RunState:
+        """The interrupted run's state (refused with the reason when unusable)."""
+        try:
+            saved = self.resume.load(self.resume_from, self.config.to_dict(), RESUME_KEYS)
+        except ConfigError as exc:
+            raise RunStopped(str(exc)) from None
+        state = RunState.from_dict(saved)
+        self.record({"round": state.round, "phase": "resumed", "resumed_from": self.resume_from, "run_key": state.run_key})
+        self.info(f"resumed {self.resume_from} after its round {state.round}: continuing with round {state.round + 1}")
+        self._save_model(GLOBAL_MODEL, state.params, state.classes, round=state.round)
+        if state.best_params is not None:
+            self._save_model(BEST_MODEL, state.best_params, state.classes, round=state.stopper.best_step,
+                             mean_val_loss=state.stopper.best)
+        return state
+
+    # ----------------------------------------------------------- rounds
+    def _rounds(self, state: RunState) -> bool:
+        """Rounds until ``num_rounds`` or early stopping (True); a failed round is run again."""
+        rnd = state.round + 1
+        while rnd <= self.config.num_rounds and not state.stopper.should_stop:
+            record = self._round(state, rnd)
+            if not record["aggregated"]:
+                self._retry_or_stop(rnd, record)
+                continue
+            self.clock.succeeded()
+            rnd += 1
+        if state.stopper.should_stop:
+            self.info(f"early stop: no improvement of at least min_delta={self.config.min_delta:g} for "
+                      f"{state.stopper.stale} rounds (selected round {state.stopper.best_step})")
+            return True
+        return False
+
+    def _round(self, state: RunState, rnd: int) -> dict[str, Any]:
+        """One attempt at round ``rnd``; returns its record (``aggregated``: it completed)."""
+        start = time.perf_counter()
+        evaluated = dict(state.params)
+        answers = self.exchange(TRAIN, self.messages(state, evaluated, phase="train", round=rnd))
+        self.check_abort()  # aborted mid-round: the round is not recorded, nothing is written
+        announced = {s: state.classes for s in state.announced} if self.config.head_mode == "union" else state.announced
+        result, rejected = self._aggregate(answers, announced, state.classes, evaluated)
+        point = self.curve_point(rnd - 1, answers, "val_loss", "val_mean_auroc")
+        record = {**self._round_record(rnd, "train", list(state.announced), answers, result, rejected),
+                  "evaluated_round": rnd - 1, "mean_val_loss": point["mean_val_loss"],
+                  "mean_val_auroc": point["mean_val_auroc"]}
+        if result is not None:
+            state.params.update(result.params)
+            state.round = rnd
+            self._save_model(GLOBAL_MODEL, state.params, state.classes, round=rnd)
+            if self.config.keep_round_checkpoints:
+                self._save_model(f"{RECORDS_DIR}/{CHECKPOINTS}/round_{rnd:03d}.pt", state.params, state.classes, round=rnd)
+            self._consider(state, point, evaluated)
+            self.resume.save({**state.to_dict(), "settings": self.config.to_dict()})
+            self.info(f"round {rnd}: {len(result.sites)} of {len(state.announced)} site(s) aggregated; model of round "
+                      f"{rnd - 1}: mean val loss {_fmt(point['mean_val_loss'])}, mean val AUROC "
+                      f"{_fmt(point['mean_val_auroc'])}; selected round {state.stopper.best_step} "
+                      f"({time.perf_counter() - start:.1f}s)")
+        record["seconds"] = time.perf_counter() - start
+        self.record(record)  # after the resume state: a recorded round is a round a resumed run does not redo
+        return record
+
+    def _retry_or_stop(self, rnd: int, record: Mapping[str, Any]) -> None:
+        """After a failed attempt: wait and try again, or stop once ``min_clients_timeout`` is spent."""
+        waited = self.clock.failed()
+        cfg = self.config
+        if self.clock.expired:
+            reason = (f"stopping: round {rnd} had fewer than min_clients={cfg.min_clients} valid site results for "
+                      f"{waited:.0f}s (min_clients_timeout={cfg.min_clients_timeout:g}); answered "
+                      f"{record['sites_answered']}, failed {record['sites_failed']}, rejected {record['rejected']}. "
+                      f"The last completed round ({rnd - 1}) is in {self.path(GLOBAL_MODEL)}; resume with "
+                      f"resume_from={self.run_id!r} once enough sites are back")
+            self.record({"round": rnd, "phase": "stopped", "reason": reason})
+            raise RunStopped(reason)
+        self.warning(f"round {rnd}: too few valid results; running it again in {cfg.retry_pause:g}s "
+                     f"({waited:.0f}s of min_clients_timeout={cfg.min_clients_timeout:g}s)")
+        self.clock.wait(self.aborted)
+
+    def _aggregate(self, answers: Mapping[str, Message], announced: Mapping[str, Sequence[str]] | None,
+                   classes: Sequence[str] | None, reference: Mapping[str, Any] | None
+                   ) -> tuple[RoundResult | None, dict[str, str]]:
+        """Validate and aggregate the answers; None when fewer than ``min_clients`` are valid or
+        the aggregation fails (an overflow, ...: a failed round, never a crash)."""
+        agg = self.aggregator
+        agg.expect(self.expected, announced, classes, reference)
+        for site, (params, meta) in sorted(answers.items()):
+            agg.accept({"site": site, "classes": meta.get("classes"), "params": params,
+                        "num_samples": meta.get("num_samples")})
+        rejected = dict(agg.rejected)
+        if len(agg.accepted_sites) < self.config.min_clients:
+            self.warning(f"only {len(agg.accepted_sites)} valid result(s) (min_clients={self.config.min_clients}); "
+                         "keeping the previous global model")
+            agg.reset()
+            return None, rejected
+        try:
+            return agg.aggregate(), rejected
+        except (ValueError, CxrflError) as exc:
+            self.warning(f"aggregation failed, keeping the previous global model: {exc}")
+            return None, {**rejected, "aggregation": str(exc)}
+
+    # -------------------------------------------------------- selection
+    @staticmethod
+    def curve_point(model_round: int, answers: Mapping[str, Message], loss_key: str, auroc_key: str) -> dict[str, Any]:
+        """The scores of one model: the sites' validation loss and mean AUROC, and their means.
+
+        Args:
+            model_round: the round the scored model comes from.
+            answers: the sites' answers.
+            loss_key: the metric holding the validation loss.
+            auroc_key: the metric holding the mean validation AUROC.
+        """
+        metrics = {s: m.get("metrics") or {} for s, (_, m) in sorted(answers.items())}
+        losses = {s: m.get(loss_key) for s, m in metrics.items()}
+        aurocs = {s: m.get(auroc_key) for s, m in metrics.items()}
+        return {"round": model_round, "mean_val_loss": _mean(losses.values()), "mean_val_auroc": _mean(aurocs.values()),
+                "site_val_loss": losses, "site_val_auroc": aurocs}
+
+    def _consider(self, state: RunState, point: dict[str, Any], params: Mapping[str, Any]) -> None:
+        """Score a model; keep it (and write ``best_FL_global_model.pt``) when it is the new best."""
+        state.curve.append(point)
+        if state.stopper.update(point["mean_val_loss"], point["round"]):
+            state.best_params = dict(params)
+            self._save_model(BEST_MODEL, state.best_params, state.classes, round=point["round"],
+                             mean_val_loss=point["mean_val_loss"])
+
+    def _validate_last(self, state: RunState) -> None:
+        """Score the last aggregated model on the sites' validation splits (a run that did not stop
+        early: otherwise it would never be scored and could never be selected)."""
+        if state.curve and state.curve[-1]["round"] == state.round:
+            return
+        answers = self.exchange(VALIDATE, self.messages(state, state.params, split="val", model_round=state.round))
+        self.check_abort()
+        point = self.curve_point(state.round, answers, "loss", "mean_auroc")
+        self._consider(state, point, state.params)
+        self.resume.save({**state.to_dict(), "settings": self.config.to_dict()})
+        self.record({"round": state.round, "phase": "validate", "sites_answered": sorted(answers),
+                     "sites_failed": sorted(set(state.announced) - set(answers)), "evaluated_round": state.round,
+                     "mean_val_loss": point["mean_val_loss"], "mean_val_auroc": point["mean_val_auroc"],
+                     "site_metrics": {s: m.get("metrics") or {} for s, (_, m) in answers.items()}})
+        self.info(f"model of round {state.round}: mean val loss {_fmt(point['mean_val_loss'])}, mean val AUROC "
+                  f"{_fmt(point['mean_val_auroc'])}; selected round {state.stopper.best_step}")
+
+    def _selected(self, state: RunState) -> tuple[int, dict[str, np.ndarray]]:
+        """The selected round and model (the last one when no model had a finite validation loss)."""
+        if state.best_params is None or state.stopper.best_step is None:
+            self.warning("no model had a finite mean validation loss; the last global model is kept as the selected one")
+            self._save_model(BEST_MODEL, state.params, state.classes, round=state.round)
+            return state.round, dict(state.params)
+        return state.stopper.best_step, state.best_params
+
+    # ------------------------------------------------------- evaluation
+    def _evaluate(self, state: RunState, best_round: int, best_params: Mapping[str, Any]) -> dict[str, Any]:
+        """The selected model on the sites' test splits and the external set; ``cxrfl/evaluation.json``."""
+        shared = shared_classes(state.announced)
+        report: dict[str, Any] = {"classes": state.classes, "shared_classes": shared, "best_round": best_round,
+                                  "sites": {}, "external": None}
+        if self.config.evaluate_test:
+            answers = self.exchange(VALIDATE, self.messages(state, best_params, split="test", model_round=best_round))
+            for site, (_, meta) in sorted(answers.items()):
+                m = meta.get("metrics") or {}
+                own = {c: v for c, v in (m.get("auroc") or {}).items() if c in state.announced.get(site, ())}
+                report["sites"][site] = {**m, **summarise_auroc(own, shared=shared)}
+        report["external"] = self._external(state, best_params, shared)
+        self.write_evaluation(report)
+        return report
+
+    def _external(self, state: RunState, params: Mapping[str, Any], shared: list[str]) -> dict[str, Any] | None:
+        """The selected global model on the external test set (None: none, or local heads)."""
+        cfg = self.config
+        if not cfg.external_test:
+            return None
+        if cfg.head_mode == "local":
+            self.info("personalized FL (local heads) has no global model: the external test set is not evaluated")
+            return None
+        try:
+            model = build_model(cfg.model_config, len(state.classes))
+            model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in params.items()})
+            data = load_site(cfg.external_test)
+            ext = evaluate_on_site(model, state.classes, data, image_size=cfg.model_config.image_size, splits=None)
+        except CxrflError as exc:
+            self.warning(f"external test set could not be evaluated: {exc}")
+            return None
+        ext.update(summarise_auroc(ext["auroc"], shared=shared))
+        self.info(f"external test {data.site}: mean AUROC {_fmt(ext['mean'])}")
+        return {"site": data.site, **ext}
+
+    # ------------------------------------------------------------ files
+    def _save_model(self, name: str, params: Mapping[str, Any], classes: list[str], **extra: Any) -> Path:
+        path = self.path(name)
+        tensors = {k: torch.as_tensor(np.asarray(v)) for k, v in params.items()}
+        save_checkpoint(path, tensors, classes=classes, model_config=self.config.model_config,
+                        extra={"head_mode": self.config.head_mode, **extra})
+        return path
+
+    @staticmethod
+    def _round_record(rnd: int, phase: str, sent: Sequence[str], answers: Mapping[str, Message],
+                      result: RoundResult | None, rejected: Mapping[str, str]) -> dict[str, Any]:
+        return {
+            "round": rnd,
+            "phase": phase,
+            "sites_answered": sorted(answers),
+            "sites_failed": sorted(set(sent) - set(answers)),
+            "sites_aggregated": list(result.sites) if result else [],
+            "contributors": result.contributors if result else {},
+            "rejected": dict(rejected),
+            "aggregated": result is not None,
+            "site_metrics": {s: dict(m.get("metrics") or {}) for s, (_, m) in sorted(answers.items())},
+        }
+
+
+def _mean(values: Any) -> float:
+    finite = [float(v) for v in values if v is not None and np.isfinite(v)]
+    return float(np.mean(finite)) if finite else float("nan")
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None or not np.isfinite(v) else f"{v:.4f}"

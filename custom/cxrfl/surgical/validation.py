@@ -1,0 +1,284 @@
+"""Checks of one site's update before it is aggregated: fields, classes, shapes, finite values.
+
+Framework-free (no NVFlare import). An update is a mapping::
+
+    {"site": "hospital-a",                  # unique per round
+     "classes": ["Atelectasis", "Edema"],   # row order of this site's head
+     "params": {name: array},               # incl. classifier.weight [K, N], classifier.bias [K]
+     "num_samples": 1234}                   # positive int (weights with weighting="samples")
+
+Finiteness checks (:func:`first_nonfinite`, and the sums of
+:class:`cxrfl.surgical.aggregation.RunningSum`) are one cheap pass: small arrays are concatenated
+and summed together, large ones summed one by one; only a sum that is not finite (a NaN/Inf, or
+finite values whose sum overflows) leads to the exact element-wise check, so the verdict and the
+key named are those of checking every array on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from cxrfl.errors import UpdateRejected
+from cxrfl.nn.models import HEAD_PREFIX
+
+Array = Union[np.ndarray, torch.Tensor]
+"""A parameter value: numpy array or torch tensor."""
+
+UPDATE_FIELDS = ("site", "classes", "params", "num_samples")
+
+@dataclass(frozen=True)
+class ParsedUpdate:
+    """One site's update after :func:`parse_update`: checked, its parameters without dropped keys."""
+
+    site: str
+    classes: list[str]
+    params: dict[str, Array]
+    num_samples: int
+
+
+def shape_of(v: Array) -> tuple[int, ...]:
+    """The shape as a tuple of Python ints."""
+    return tuple(int(d) for d in v.shape)
+
+
+def as_tensor(v: Array) -> torch.Tensor:
+    """A CPU tensor; numpy arrays are wrapped without a copy (never written to)."""
+    if isinstance(v, torch.Tensor):
+        return v if v.is_cpu and not v.requires_grad else v.detach().cpu()
+    v = v if v.flags.c_contiguous else np.ascontiguousarray(v)
+    if v.flags.writeable:
+        return torch.from_numpy(v)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(v)
+
+
+def as_numpy(v: Array) -> np.ndarray:
+    """A numpy array (tensors moved to the CPU)."""
+    return v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """True when no element is NaN/Inf (a sum first: one cheap pass in the common case)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
+
+
+SMALL = 4096  # elements: arrays below this are concatenated and checked with one sum
+
+
+def first_nonfinite(named: Iterable[tuple[str, Array]]) -> str | None:
+    """The first name (in order) whose array holds a NaN/Inf, else None.
+
+    One cheap pass: one sum per large floating array and one per group of small ones (grouped
+    by kind, device and dtype, concatenated); when any of those sums is not finite, every array
+    is checked on its own, in order, exactly (a sum of large finite values can overflow).
+    """
+    named = list(named)
+    small_np: dict[np.dtype, list[np.ndarray]] = {}
+    small_torch: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    suspect = False
+    for _, v in named:
+        if isinstance(v, np.ndarray):
+            if v.dtype.kind != "f":
+                continue
+            if v.size < SMALL:
+                small_np.setdefault(v.dtype, []).append(v)
+                continue
+        elif isinstance(v, torch.Tensor):
+            if not v.is_floating_point():
+                continue
+            if v.numel() < SMALL:
+                small_torch.setdefault((v.device, v.dtype), []).append(v.detach().reshape(-1))
+                continue
+        if not math.isfinite(float(as_tensor(v).sum())):
+            suspect = True
+            break
+    if not suspect:
+        sums = [np.concatenate(parts, axis=None).sum() for parts in small_np.values()]  # axis=None: flattened
+        sums += [torch.cat(parts).sum() for parts in small_torch.values()]
+        suspect = not all(math.isfinite(float(x)) for x in sums)
+    if not suspect:
+        return None
+    return next((k for k, v in named if not all_finite(as_tensor(v))), None)
+
+
+class _Shapes(dict):
+    """name -> shape as a tuple of Python ints (what :func:`normalize_shapes` returns)."""
+
+
+def normalize_shapes(shapes: Mapping[str, Sequence[int]]) -> Mapping[str, tuple[int, ...]]:
+    """``shapes`` with every shape as a tuple of ints; pass the result to :func:`validate_update`
+    for many updates to skip this conversion on each call."""
+    if isinstance(shapes, _Shapes):
+        return shapes
+    return _Shapes((k, tuple(map(int, s))) for k, s in shapes.items())
+
+
+def unique_names(names: Iterable[str], what: str) -> list[str]:
+    """``names`` as a list; ValueError for empty, non-text or duplicate names (``what`` names the list)."""
+    names = list(names)
+    if not all(isinstance(c, str) and c for c in names):
+        raise ValueError(f"{what} must be non-empty strings, got {names!r}")
+    dup = sorted({c for c in names if names.count(c) > 1})
+    if dup:
+        raise ValueError(f"{what} has duplicate names {dup}")
+    return names
+
+
+def _listing(keys: Sequence[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def parse_update(
+    update: Mapping[str, Any],
+    *,
+    expected_shapes: Mapping[str, tuple[int, ...]] | None,
+    head_prefix: str,
+    announced_classes: Sequence[str] | None,
+    check_finite: bool,
+    drop: frozenset[str] = frozenset(),
+) -> ParsedUpdate:
+    """The checks of :func:`validate_update`, returning the parsed update.
+
+    Args:
+        update: the mapping described in the module docstring.
+        expected_shapes: as for :func:`validate_update` (already normalized).
+        head_prefix: state-dict prefix of the head.
+        announced_classes: the classes this site may send rows for (None: any).
+        check_finite: check every value for NaN/Inf.
+        drop: keys left out of the parsed parameters (local BatchNorm under FedBN).
+
+    Raises:
+        UpdateRejected: ``"site <site>: <reason>"``.
+    """
+    if not isinstance(update, Mapping):
+        raise UpdateRejected(f"site ?: the update is a {type(update).__name__}, not a mapping")
+    site = update.get("site")
+    label = site if isinstance(site, str) and site else repr(site)
+    try:
+        missing = [f for f in UPDATE_FIELDS if f not in update]
+        if missing:
+            raise _Invalid(f"missing field(s) {missing}")
+        if not isinstance(site, str) or not site:
+            raise _Invalid("'site' must be a non-empty string")
+        classes = _classes(update["classes"], announced_classes)
+        n = update["num_samples"]
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0:
+            raise _Invalid(f"num_samples must be a positive integer, got {n!r}")
+        params = _params(update["params"], len(classes), expected_shapes, head_prefix, drop)
+        bad = first_nonfinite(params.items()) if check_finite else None
+        if bad is not None:
+            raise _Invalid(f"non-finite values (NaN or Inf) in {bad!r}")
+    except _Invalid as exc:
+        raise UpdateRejected(f"site {label}: {exc}") from None
+    return ParsedUpdate(site, classes, params, int(n))
+
+
+class _Invalid(Exception):
+    """Why an update is rejected (the site's name is added by :func:`parse_update`)."""
+
+
+def _classes(classes: Any, announced: Sequence[str] | None) -> list[str]:
+    """The update's class names, checked (non-empty, unique, announced)."""
+    if isinstance(classes, (str, bytes)) or not isinstance(classes, Sequence):
+        raise _Invalid(f"'classes' must be a list of class names, got {type(classes).__name__}")
+    classes = list(classes)
+    if not classes:
+        raise _Invalid("'classes' is empty")
+    if not all(isinstance(c, str) and c for c in classes):
+        raise _Invalid(f"class names must be non-empty strings, got {classes!r}")
+    dup = sorted({c for c in classes if classes.count(c) > 1})
+    if dup:
+        raise _Invalid(f"duplicate class names {dup}")
+    if announced is not None:
+        allowed = set(announced)
+        unannounced = [c for c in classes if c not in allowed]
+        if unannounced:
+            raise _Invalid(f"sent rows for class(es) {unannounced} it never announced")
+    return classes
+
+
+def _params(raw: Any, n_classes: int, expected_shapes: Mapping[str, tuple[int, ...]] | None, head_prefix: str,
+            drop: frozenset[str]) -> dict[str, Array]:
+    """The update's parameters without ``drop``, checked: names, value kinds, shapes, one head row per class."""
+    if not isinstance(raw, Mapping):
+        raise _Invalid(f"'params' must be a mapping of name -> array, got {type(raw).__name__}")
+    params = {k: v for k, v in raw.items() if k not in drop} if drop else dict(raw)
+    wkey, bkey = head_prefix + "weight", head_prefix + "bias"
+    for key in (wkey, bkey):
+        if key not in params:
+            raise _Invalid(f"missing head parameter {key!r}")
+    odd_head = [k for k in params if k.startswith(head_prefix) and k not in (wkey, bkey)]
+    if odd_head:
+        raise _Invalid(f"unexpected head parameter(s) {_listing(odd_head)}")
+    if expected_shapes is not None and params.keys() != expected_shapes.keys():  # names -> tuples of ints
+        absent = [k for k in expected_shapes if k not in params and not k.startswith(head_prefix) and k not in drop]
+        if absent:
+            raise _Invalid(f"missing parameter(s) {_listing(absent)}")
+        extra = [k for k in params if k not in expected_shapes and k not in (wkey, bkey)]
+        if extra:
+            raise _Invalid(f"unexpected parameter(s) {_listing(extra)}")
+    for k, v in params.items():  # one pass: the hot loop of a DenseNet update (~700 entries)
+        if not isinstance(v, (np.ndarray, torch.Tensor)):
+            raise _Invalid(f"value of {k!r} is a {type(v).__name__}, not a numpy array or torch tensor")
+        if expected_shapes is not None and v.shape != expected_shapes.get(k, v.shape) and k not in (wkey, bkey):
+            raise _Invalid(f"parameter {k!r} has shape {shape_of(v)}, expected {expected_shapes[k]}")
+    w_shape, b_shape = shape_of(params[wkey]), shape_of(params[bkey])
+    if len(w_shape) != 2 or w_shape[0] != n_classes:
+        raise _Invalid(f"head weight {wkey!r} has shape {w_shape}, expected ({n_classes}, N): one row per class")
+    if b_shape != (n_classes,):
+        raise _Invalid(f"head bias {bkey!r} has shape {b_shape}, expected ({n_classes},)")
+    n_in = (expected_shapes or {}).get(wkey, w_shape)[1:]
+    if w_shape[1:] != n_in:
+        raise _Invalid(f"head weight {wkey!r} has {w_shape[1]} inputs, expected {n_in[0]}")
+    return params
+
+
+def validate_update(
+    update: Mapping[str, Any],
+    *,
+    expected_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    head_prefix: str = HEAD_PREFIX,
+    announced_classes: Sequence[str] | None = None,
+    check_finite: bool = True,
+) -> None:
+    """Check one site's update before it is aggregated.
+
+    Checks: the four fields are present; ``site`` a non-empty string; ``classes`` non-empty,
+    unique, and (when ``announced_classes`` is given) all announced; ``num_samples`` a positive
+    int; head weight [len(classes), N] and bias [len(classes)], no other head keys; with
+    ``expected_shapes``: no missing or extra non-head keys, equal shapes, and the head's N; every
+    value finite.
+
+    Args:
+        update: the mapping described in the module docstring.
+        expected_shapes: name -> shape of the global model; head entries only fix N (validating
+            many updates against the same shapes: pass :func:`normalize_shapes` of them once).
+        head_prefix: state-dict prefix of the head.
+        announced_classes: the classes this site announced (it may not send rows for others).
+        check_finite: False leaves the NaN/Inf check to the caller (:meth:`RunningSum.add`
+            with ``check_finite=True`` does it while summing, or :func:`first_nonfinite`).
+
+    Raises:
+        UpdateRejected: ``"site <site>: <reason>"``.
+    """
+    if expected_shapes is not None:
+        expected_shapes = normalize_shapes(expected_shapes)
+    parse_update(
+        update,
+        expected_shapes=expected_shapes,
+        head_prefix=head_prefix,
+        announced_classes=announced_classes,
+        check_finite=check_finite,
+    )

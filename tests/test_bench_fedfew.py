@@ -1,0 +1,94 @@
+"""`cxrfl bench fedfew`'s output contract: results.json (every method's mean_cc_auroc, mean_uc_f1 and per-UC
+metrics, per seed and over seeds), report.md and plots; each (method, seed) kept as it finishes, so an
+interrupted run goes on with what is missing. The methods are stand-ins with hand-chosen numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cxrfl.bench.fedfew import run as bench_run
+from cxrfl.bench.fedfew.methods import mean_uc_f1
+from cxrfl.bench.fedfew.settings import BenchSettings
+from cxrfl.errors import ConfigError
+from cxrfl.synth.fedfew_profile import FEDFEW_UCS
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# per (method, seed) the F1 of Edema, Pneumonia, Hernia; mean UC F1: fedfew 0.4 and 0.5, mlc 0.2 and 0.3
+F1 = {("fedfew", 0): (0.2, 0.4, 0.6), ("fedfew", 1): (0.3, 0.5, 0.7), ("mlc", 0): (0.1, 0.2, 0.3), ("mlc", 1): (0.2, 0.3, 0.4)}
+AUROC = {("fedfew", 0): 0.70, ("fedfew", 1): 0.74, ("mlc", 0): 0.60, ("mlc", 1): 0.66}
+
+
+class FakeSeedRun:
+    """Stands in for :class:`cxrfl.bench.fedfew.seed.SeedRun`; fails on ``fail`` (method, seed)."""
+
+    calls: list[tuple[str, int]] = []
+    fail: tuple[str, int] | None = None
+
+    def __init__(self, settings, seed, data, work, log):
+        self.seed = seed
+
+    def run(self, method):
+        if (method, self.seed) == FakeSeedRun.fail:
+            raise RuntimeError("killed")
+        FakeSeedRun.calls.append((method, self.seed))
+        uc = {u: {"accuracy": 0.5, "precision": f, "recall": f, "f1": f} for u, f in zip(FEDFEW_UCS, F1[method, self.seed])}
+        return mean_uc_f1({"mean_cc_auroc": AUROC[method, self.seed], "uc": uc, "seconds": 1.0})
+
+
+@pytest.fixture()
+def fake_methods(monkeypatch):
+    monkeypatch.setattr(bench_run, "SeedRun", FakeSeedRun)
+    monkeypatch.setattr(bench_run, "prepare_data", lambda settings, folder, seed: None)
+    monkeypatch.setattr(bench_run, "site_counts", lambda data: {"cc-1": {"train": 10, "labelled": 8, "positives": {}}})
+    FakeSeedRun.calls, FakeSeedRun.fail = [], None
+    return FakeSeedRun
+
+
+SETTINGS = BenchSettings(methods=("mlc", "fedfew"), jobs=1)
+
+
+def test_results_report_and_plots_and_an_interrupted_run_goes_on(tmp_path, fake_methods):
+    out = tmp_path / "out"
+    fake_methods.fail = ("mlc", 1)
+    with pytest.raises(RuntimeError, match="killed"):
+        bench_run.run_fedfew_benchmark(out, 2, settings=SETTINGS, data_root=tmp_path / "data", log=lambda m: None)
+    assert fake_methods.calls == [("fedfew", 0), ("mlc", 0), ("fedfew", 1)]
+    kept = json.loads((out / "results.json").read_text())
+    assert not kept["complete"] and set(kept["runs"]["mlc"]) == {"0"} and set(kept["runs"]["fedfew"]) == {"0", "1"}
+
+    fake_methods.fail, fake_methods.calls = None, []
+    result = bench_run.run_fedfew_benchmark(out, 2, settings=SETTINGS, data_root=tmp_path / "data", log=lambda m: None)
+    assert fake_methods.calls == [("mlc", 1)]  # only what was missing
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["complete"] and saved["runs"] == result["runs"]
+    assert saved["data"]["1"] == {"cc-1": {"train": 10, "labelled": 8, "positives": {}}}
+    run = saved["runs"]["fedfew"]["1"]
+    assert run["mean_uc_f1"] == pytest.approx(0.5) and run["mean_cc_auroc"] == 0.74 and run["uc"]["Hernia"]["f1"] == 0.7
+    ff = saved["summary"]["methods"]["fedfew"]
+    assert ff["mean_uc_f1"]["mean"] == pytest.approx(0.45) and ff["mean_uc_f1"]["sd"] == pytest.approx(0.1 / 2 ** 0.5)
+    assert ff["mean_cc_auroc"]["mean"] == pytest.approx(0.72) and ff["uc"]["Edema"]["f1"]["mean"] == pytest.approx(0.25)
+    assert saved["summary"]["methods"]["mlc"]["mean_uc_f1"]["mean"] == pytest.approx(0.25)
+    t = saved["summary"]["targets"]
+    assert t["uc_f1_0.3_above_mlc"]["difference"] == pytest.approx(0.2) and not t["uc_f1_0.3_above_mlc"]["met"]
+    assert t["cc_auroc_within_0.01_of_mlc"]["met"] and not t["uc_f1_at_least_0.5"]["met"]
+    report = (out / "report.md").read_text()
+    assert "| FedFew w/ EBM | 0.50 ± 0.00 / 0.25 ± 0.07 / 0.25 ± 0.07 / 0.25 ± 0.07 |" in report
+    assert "| 0.45 ± 0.07 | 0.720 ± 0.028 |" in report and "| MLC w/o FSSL |" in report
+    assert "... at least 0.3 above MLC w/o FSSL: **not met** (0.450 vs 0.250, difference +0.200)" in report
+    assert saved["plots"] == ["uc_f1.png", "cc_auroc.png"]
+    for name in saved["plots"]:
+        assert (out / name).read_bytes().startswith(PNG_MAGIC)
+
+
+def test_other_settings_are_refused_or_start_over(tmp_path, fake_methods):
+    out = tmp_path / "out"
+    bench_run.run_fedfew_benchmark(out, 1, settings=SETTINGS, data_root=tmp_path / "data", log=lambda m: None)
+    other = BenchSettings(methods=("mlc", "fedfew"), jobs=1, mlc_rounds=1)
+    with pytest.raises(ConfigError, match="holds runs of other settings.*--no-resume"):
+        bench_run.run_fedfew_benchmark(out, 1, settings=other, data_root=tmp_path / "data", log=lambda m: None)
+    fake_methods.calls = []
+    bench_run.run_fedfew_benchmark(out, 1, settings=other, data_root=tmp_path / "data", log=lambda m: None, resume=False)
+    assert fake_methods.calls == [("fedfew", 0), ("mlc", 0)]
+    assert json.loads((out / "runs" / "settings.json").read_text())["mlc_rounds"] == 1
