@@ -50,10 +50,10 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from cxrfl.report import format_report, load_run
+    from cxrfl.report import format_report, load_run, write_plots
 
     run = load_run(args.workspace)
-    external = None
+    external, example = None, None
     if args.external:
         from cxrfl.data.site import load_site
         from cxrfl.nn.evaluation import evaluate_on_site
@@ -68,7 +68,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
         model, classes, mcfg = model_from_checkpoint(run["app"] / "best_FL_global_model.pt")
         data = load_site(config)
         external = {"site": data.site, **evaluate_on_site(model, classes, data, image_size=mcfg.image_size, splits=None)}
-    print(format_report(run, external))
+        example = data.table["path"].iloc[0] if len(data.table) else None
+    print(format_report(run, external, workspace=args.workspace, example_image=example))
+    if args.plots:
+        for path in write_plots(run, args.plots, external):
+            print(f"wrote {path}")
     return 0
 
 
@@ -115,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="where a finished run's models are and how it went")
     rp.add_argument("workspace", help="simulator workspace (-w), downloaded job result or server app folder")
     rp.add_argument("--external", help="also evaluate the best model on this site config ('demo': the demo external site)")
+    rp.add_argument("--plots", metavar="DIR", help="write the learning curves and per-class AUROC as PNG files into DIR")
     rp.set_defaults(func=_cmd_report)
 
     jobs = sub.add_parser("jobs", help="NVFlare job folders")
