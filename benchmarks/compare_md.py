@@ -6,10 +6,12 @@
 Rewrites two blocks of ``--out``, each between its ``<!-- BEGIN name ... -->`` and
 ``<!-- END name -->`` lines; everything outside them is hand-written and left alone:
 
-* ``compare`` (issue 4): ``--intro`` (settings, caveats, the verdicts table, whose
-  framework-overhead rows are filled in from ``speed.json`` at ``<!-- speed verdict rows -->``),
-  the summary tables of every ``RESULTS/compare/<profile>/results.json`` (``cxrfl bench
-  compare``), then the framework overhead from ``RESULTS/speed/speed.json`` (``cxrfl bench speed``);
+* ``compare`` (issues 4 and 14): ``--intro`` (protocol, caveats, the framework-overhead verdict rows
+  filled in from ``speed.json`` at ``<!-- speed verdict rows -->``), the summary of every
+  ``RESULTS/compare/<profile>/results.json`` (``cxrfl bench compare``: settings, machine, commit,
+  time, convergence, the papers' Tables 1-4, effect sizes and tests, targets, the learning-curve
+  plot), every ablation ``RESULTS/compare/<name>/ablation.json`` (``--ablation``), then the
+  framework overhead from ``RESULTS/speed/speed.json`` (``cxrfl bench speed``);
 * ``fedfew`` (issue 5): the table and targets of ``RESULTS/fedfew/results.json`` (``cxrfl bench fedfew``).
 
 The commit named for each results file comes from git: the commit that added the file (the run
@@ -26,11 +28,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from cxrfl.bench.report import format_report
+from cxrfl.bench.report import format_ablation, format_report
 from cxrfl.bench.speed import format_speed
 from cxrfl.bench.fedfew import format_markdown
 
-ORDER = ("two-hospitals", "two-hospitals-shared", "nih1000", "two-hospitals-pretrained")
+ORDER = ("two-hospitals", "two-hospitals-shared", "nih1000", "ablation-sites", "two-hospitals-gpu")
 SPEED_ROWS = "<!-- speed verdict rows -->"
 
 
@@ -102,25 +104,42 @@ def speed_verdict_rows(res: dict[str, Any]) -> list[str]:
     return rows
 
 
+def comparison_section(name: str, path: Path) -> list[str]:
+    """One comparison's summary (``results.json``) or ablation (``ablation.json``), with its provenance."""
+    res = json.loads(path.read_text())
+    if path.name == "ablation.json":
+        title, _, rest = demote(format_ablation(res), 2).partition("\n")
+        return [title, "", provenance(path), rest, "",
+                f"Each setting's full report: `{path.parent}/{res['ablation']}-<value>/report.md`.", ""]
+    if "machines" not in res:  # written by the short-budget protocol this one replaced
+        return [f"### `{name}`", "", f"`{path}` holds results of the earlier short-budget protocol (issue 4); rerun "
+                "`cxrfl bench compare` with the converged protocol (issue 14) to report it here.", ""]
+    text = format_report(res, summary=True, heading="###")
+    if name != res["profile"]:  # e.g. the same profile from a pretrained feature extractor, or on a GPU
+        text = text.replace(f"`{res['profile']}`", f"`{res['profile']}` ({name})", 1)
+    title, _, rest = text.partition("\n")
+    curves = path.parent / "learning_curves.png"
+    return [title, "", provenance(path), rest, "",
+            *([f"![learning curves of every run, {name}]({curves})", ""] if curves.is_file() else []),
+            f"Full report with per-class AUROCs, intervals and plots: `{path.parent / 'report.md'}`.", ""]
+
+
 def compare_block(root: Path, intro: Path | None) -> str:
-    """The ``compare`` block: intro, one summary per comparison, the framework overhead."""
+    """The ``compare`` block: intro, one summary per comparison and ablation, the framework overhead."""
     speed_path = root / "speed" / "speed.json"
     speed = json.loads(speed_path.read_text()) if speed_path.is_file() else None
-    parts = ["## Method comparison (issue 4)", ""]
+    parts = ["## Method comparison (issues 4 and 14)", ""]
     if intro:
         text = demote(intro.read_text().rstrip())
         parts += [text.replace(SPEED_ROWS, "\n".join(speed_verdict_rows(speed) if speed else [])), ""]
-    found = {d.name: d / "results.json" for d in sorted((root / "compare").glob("*")) if (d / "results.json").is_file()}
+    found = {}
+    for d in sorted((root / "compare").glob("*")):
+        for file in ("results.json", "ablation.json"):
+            if (d / file).is_file():
+                found[d.name] = d / file
     for name in [*ORDER, *sorted(set(found) - set(ORDER))]:
-        if name not in found:
-            continue
-        res = json.loads(found[name].read_text())
-        text = format_report(res, summary=True, heading="###")
-        if name != res["profile"]:  # e.g. the same profile from a pretrained feature extractor
-            text = text.replace(f"`{res['profile']}`", f"`{res['profile']}` ({name})", 1)
-        title, _, rest = text.partition("\n")
-        parts += [title, "", provenance(found[name]), rest, "",
-                  f"Full report with per-class AUROCs, intervals and plots: `{found[name].parent / 'report.md'}`.", ""]
+        if name in found:
+            parts += comparison_section(name, found[name])
     if speed:
         c = commits(speed_path)
         ran = [p for p in ("simulator", "aggregation", "payload") if p in speed and p not in speed.get("carried_over", {})]

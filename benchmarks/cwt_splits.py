@@ -1,11 +1,11 @@
-"""Cyclical weight transfer on the real NIH images: the paper's splits 1-10 (see benchmarks/CWT.md).
+"""Cyclical weight transfer, the paper's splits 1-10, on the real NIH images and a synthetic cohort (docs/cwt.md).
 
     python benchmarks/cwt_splits.py --seeds 5 --out benchmarks/results/cwt
 
 is ``cxrfl bench cwt`` (:func:`cxrfl.bench.cwt.run_cwt_benchmark`); every option is
-``cxrfl bench cwt --help``. Writes ``results.json``, ``report.md``, ``cwt.png``,
-``cwt_curves.png`` and one file per finished run (``runs/``) to ``--out``; run it again to go
-on from the runs already there.
+``cxrfl bench cwt --help``. Writes ``results.json``, ``report.md``, ``cwt_<dataset>.png``,
+``cwt_curves_<dataset>.png`` and one file per finished run (``runs/<dataset>/``) to ``--out``;
+run it again to go on from the runs already there.
 """
 
 from __future__ import annotations

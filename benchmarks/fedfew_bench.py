@@ -1,7 +1,7 @@
 """FedFew on the synthetic ``fedfew`` profile against the paper's baselines: ``cxrfl bench fedfew``
 (every option: ``cxrfl bench fedfew --help``; results: BENCHMARKS.md, FedFew).
 
-    python benchmarks/fedfew_bench.py --seeds 3 --out benchmarks/results/fedfew
+    python benchmarks/fedfew_bench.py --seeds 4 --out benchmarks/results/fedfew
 """
 
 from __future__ import annotations

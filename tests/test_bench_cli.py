@@ -63,15 +63,10 @@ def test_former_bench_fedfew_command_names_the_new_one(tmp_path, fedfew_calls, c
 
 @dataclass(frozen=True)
 class FakeCWTSettings:
-    seeds: int
-    image_size: int
-    per_class: int
-    cycles: int
-    patience: int
-    batch_size: int
-    lr: float
-    threads: int
-    splits: tuple[int, ...]
+    seeds: int = 5
+    cycles: int = 30
+    splits: tuple[int, ...] = tuple(range(1, 11))
+    synthetic_images: int = 3000
 
 
 def test_bench_cwt_and_compare_method_cwt_reach_the_cwt_benchmark(tmp_path, monkeypatch, capsys):
@@ -88,7 +83,7 @@ def test_bench_cwt_and_compare_method_cwt_reach_the_cwt_benchmark(tmp_path, monk
     assert first["out"] == Path(tmp_path) and first["settings"].splits == (1, 10) and first["settings"].cycles == 5
     assert first["resume"] is True and first["seeds"] == first["settings"].seeds == 2
     assert second["seeds"] == 4 and second["settings"].splits == tuple(range(1, 11))
-    assert third["seeds"] == 3 and callable(third["log"])
+    assert third["seeds"] == 5 and callable(third["log"])
 
 
 def test_load_benchmark_job_and_label_sets(tmp_path):

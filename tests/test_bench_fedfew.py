@@ -1,10 +1,12 @@
 """`cxrfl bench fedfew`'s output contract: results.json (every method's mean_cc_auroc, mean_uc_f1 and per-UC
-metrics, per seed and over seeds), report.md and plots; each (method, seed) kept as it finishes, so an
-interrupted run goes on with what is missing. The methods are stand-ins with hand-chosen numbers."""
+metrics, per seed and over seeds; FedFew's stage diagnostics; the targets with paired statistics), report.md
+and plots; each (method, seed) kept as it finishes, so an interrupted run goes on with what is missing. The
+methods are stand-ins with hand-chosen numbers."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -15,8 +17,9 @@ from cxrfl.errors import ConfigError
 from cxrfl.synth.fedfew_profile import FEDFEW_UCS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-# per (method, seed) the F1 of Edema, Pneumonia, Hernia; mean UC F1: fedfew 0.4 and 0.5, mlc 0.2 and 0.3
-F1 = {("fedfew", 0): (0.2, 0.4, 0.6), ("fedfew", 1): (0.3, 0.5, 0.7), ("mlc", 0): (0.1, 0.2, 0.3), ("mlc", 1): (0.2, 0.3, 0.4)}
+# per (method, seed) the F1 of Edema, Pneumonia, Hernia; mean UC F1: fedfew 0.4 and 0.5, mlc 0.2 and 0.25
+F1 = {("fedfew", 0): (0.2, 0.4, 0.6), ("fedfew", 1): (0.3, 0.5, 0.7), ("mlc", 0): (0.1, 0.2, 0.3), ("mlc", 1): (0.15, 0.25, 0.35)}
+PROBE = {0: [(0, 0.55), (5, 0.65)], 1: [(0, 0.57), (5, 0.71)]}
 AUROC = {("fedfew", 0): 0.70, ("fedfew", 1): 0.74, ("mlc", 0): 0.60, ("mlc", 1): 0.66}
 
 
@@ -33,8 +36,16 @@ class FakeSeedRun:
         if (method, self.seed) == FakeSeedRun.fail:
             raise RuntimeError("killed")
         FakeSeedRun.calls.append((method, self.seed))
-        uc = {u: {"accuracy": 0.5, "precision": f, "recall": f, "f1": f} for u, f in zip(FEDFEW_UCS, F1[method, self.seed])}
-        return mean_uc_f1({"mean_cc_auroc": AUROC[method, self.seed], "uc": uc, "seconds": 1.0})
+        uc = {u: {"accuracy": 0.5, "precision": f, "recall": f, "f1": f, "flagged_positives": 0.8,
+                  "flagged_negatives": 0.1} for u, f in zip(FEDFEW_UCS, F1[method, self.seed])}
+        run = {"mean_cc_auroc": AUROC[method, self.seed], "uc": uc, "seconds": 1.0}
+        if method == "fedfew":
+            run["ssl_probe"] = [{"round": r, "mean_auroc": a} for r, a in PROBE[self.seed]]
+            run["test_energy"] = {u: {"energy_auroc": 0.9, "prototype_margin_auroc": 0.6 + 0.1 * self.seed} for u in FEDFEW_UCS}
+            run["stage2"] = {"warm-up": {"rounds": 8 + self.seed, "best_round": 3, "best_val_loss": 0.3}}
+        else:
+            run["training"] = {"rounds": 10, "best_round": 5}
+        return mean_uc_f1(run)
 
 
 @pytest.fixture()
@@ -69,15 +80,32 @@ def test_results_report_and_plots_and_an_interrupted_run_goes_on(tmp_path, fake_
     ff = saved["summary"]["methods"]["fedfew"]
     assert ff["mean_uc_f1"]["mean"] == pytest.approx(0.45) and ff["mean_uc_f1"]["sd"] == pytest.approx(0.1 / 2 ** 0.5)
     assert ff["mean_cc_auroc"]["mean"] == pytest.approx(0.72) and ff["uc"]["Edema"]["f1"]["mean"] == pytest.approx(0.25)
-    assert saved["summary"]["methods"]["mlc"]["mean_uc_f1"]["mean"] == pytest.approx(0.25)
+    assert saved["summary"]["methods"]["mlc"]["mean_uc_f1"]["mean"] == pytest.approx(0.225)
     t = saved["summary"]["targets"]
-    assert t["uc_f1_0.3_above_mlc"]["difference"] == pytest.approx(0.2) and not t["uc_f1_0.3_above_mlc"]["met"]
+    assert t["uc_f1_0.3_above_mlc"]["difference"] == pytest.approx(0.225) and not t["uc_f1_0.3_above_mlc"]["met"]
     assert t["cc_auroc_within_0.01_of_mlc"]["met"] and not t["uc_f1_at_least_0.5"]["met"]
+    assert t["cc_auroc_at_least_0.7"]["met"]
+    # paired over seeds: differences 0.2 and 0.25 (mean 0.225, SD 0.025 * sqrt 2); t = 9 with 1 degree of freedom,
+    # whose two-sided p is 1 - 2 atan(9) / pi (Student's t with 1 d.f. is Cauchy)
+    st = t["uc_f1_0.3_above_mlc"]["stats"]
+    assert st["per_seed"] == pytest.approx([0.2, 0.25]) and st["sd"] == pytest.approx(0.025 * math.sqrt(2))
+    assert st["d_z"] == pytest.approx(0.225 / (0.025 * math.sqrt(2)))
+    assert st["p"] == pytest.approx(1 - 2 * math.atan(9) / math.pi)
+    # one-sided against the margin 0.3: t = (0.225 - 0.3) / 0.025 = -3, p = P(T > -3) = 1/2 - atan(-3) / pi
+    assert st["p_one_sided"] == pytest.approx(0.5 - math.atan(-3) / math.pi)
+    probe = ff["ssl_probe"]
+    assert probe["0"]["mean"] == pytest.approx(0.56) and probe["5"]["mean"] == pytest.approx(0.68)
+    assert ff["diagnostics"]["Hernia"]["prototype_margin_auroc"]["mean"] == pytest.approx(0.65)
+    assert ff["stage2"]["warm-up"]["rounds"]["mean"] == pytest.approx(8.5)
     report = (out / "report.md").read_text()
     assert "| FedFew w/ EBM | 0.50 ± 0.00 / 0.25 ± 0.07 / 0.25 ± 0.07 / 0.25 ± 0.07 |" in report
     assert "| 0.45 ± 0.07 | 0.720 ± 0.028 |" in report and "| MLC w/o FSSL |" in report
-    assert "... at least 0.3 above MLC w/o FSSL: **not met** (0.450 vs 0.250, difference +0.200)" in report
-    assert saved["plots"] == ["uc_f1.png", "cc_auroc.png"]
+    assert ("FedFew mean UC F1 at least 0.3 above MLC w/o FSSL: **not met** (0.450 vs 0.225, difference +0.225; "
+            "paired: +0.225 [95% CI") in report
+    assert "| Hernia | 0.90 ± 0.00 | 0.65 ± 0.07 | 0.80 ± 0.00 | 0.10 ± 0.00 | 0.65 ± 0.07 |" in report
+    assert "| probe AUROC | 0.560 ± 0.014 | 0.680 ± 0.042 |" in report
+    assert "FedFew stage 2: warm-up 8.5 ± 0.7 round(s) (best: stage-2 round 3.0" in report and "MLC w/o FSSL 10.0 ± 0.0 round(s)" in report
+    assert saved["plots"] == ["uc_f1.png", "cc_auroc.png", "ssl_probe.png"]
     for name in saved["plots"]:
         assert (out / name).read_bytes().startswith(PNG_MAGIC)
 

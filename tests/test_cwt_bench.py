@@ -1,15 +1,19 @@
-"""The CWT benchmark: data preparation, summary, and a tiny end-to-end run with its output contract."""
+"""The CWT benchmark: data preparation (every usable real image, by patient, exact splits), the
+summary with its paired statistics, and a tiny end-to-end run over both datasets with its output
+contract."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pandas as pd
 import pytest
 
 import cxrfl.bench.cwt as bench
-from cxrfl.bench.cwt import CENTRAL, BenchSettings, results_table, run_cwt_benchmark, summarise
+from cxrfl.bench.cwt import BenchSettings, run_cwt_benchmark
+from cxrfl.bench.cwt_report import CENTRAL, results_table, summarise
 from cxrfl.bench.cwt_data import TABLE_1, TABLE_3, partition, prepare_data, scale_split
 from cxrfl.errors import DataError
 
@@ -44,26 +48,27 @@ def test_partition_meets_the_quotas_with_whole_patients():
         partition(pd.DataFrame({"patient": ["big"], "a": [2], "b": [0]}), [(1, 0), (1, 0)], np.random.default_rng(0), tries=5)
 
 
-def test_real_nih_splits_are_by_patient_and_exact(shared_data, repo_root):
+def test_real_nih_splits_use_every_usable_image_by_patient_and_exactly(shared_data, repo_root):
     settings = BenchSettings()
-    data = prepare_data(per_class=settings.per_class, test_per_class=settings.test_per_class,
-                        val_per_class=settings.val_per_class, max_patient_images=settings.max_patient_images,
-                        site_config=repo_root / "site_configs" / "nih1000.yaml")
+    data = prepare_data(**settings.data_args("nih1000"), site_config=repo_root / "site_configs" / "nih1000.yaml")
     pt = {name: set(df["patient"]) for name, df in (("test", data.test), ("val", data.val), ("train", data.train))}
     assert not (pt["test"] & pt["val"]) and not (pt["test"] & pt["train"]) and not (pt["val"] & pt["train"])
-    assert int(data.train["y"].sum()) == settings.per_class and len(data.train) == 2 * settings.per_class
-    assert int(data.test["y"].sum()) == settings.test_per_class and len(data.test) == 2 * settings.test_per_class
+    n = int(data.train["y"].sum())
+    assert len(data.train) == 2 * n and int(data.test["y"].sum()) == settings.test_per_class
+    assert len(data.test) == 2 * settings.test_per_class and len(data.val) == 2 * settings.val_per_class
+    # every usable image: at most 20 per patient leaves 415 abnormal images; all of them in use, balanced
+    assert n + settings.test_per_class + settings.val_per_class >= 400
     assert data.train.groupby("patient").size().max() <= settings.max_patient_images
     for split in settings.splits:
         sites = data.sites(split)
         got = [(int(s.split_table("train")["Abnormal"].sum()), int((s.split_table("train")["Abnormal"] == 0).sum())) for s in sites]
-        assert got == data.splits[split]
+        assert got == data.splits[split] and sum(a for a, _ in got) == n
         seen = [set(s.split_table("train")["patient"]) for s in sites]
         assert sum(len(x) for x in seen) == len(set().union(*seen)) == len(pt["train"])  # every patient at one site
     assert data.assignment[1] == data.assignment[6]  # the same counts, the same partition
 
 
-def test_summary_reports_percent_of_central_and_the_targets():
+def test_summary_reports_percent_of_central_and_the_targets_with_paired_statistics():
     runs = []
     for seed, (c, v, p, lw, cw) in enumerate([(0.70, 0.60, 0.66, 0.64, 0.66), (0.72, 0.62, 0.70, 0.60, 0.63)]):
         runs.append({"seed": seed, "split": 0, "method": CENTRAL, "accuracy": c, "auroc": c})
@@ -71,13 +76,22 @@ def test_summary_reports_percent_of_central_and_the_targets():
                  for m, a in (("CWT", v), ("CWT+PLTI", p), ("CWT+CLR", v))]
         runs += [{"seed": seed, "split": 10, "method": m, "accuracy": a, "auroc": a}
                  for m, a in (("CWT", v), ("CWT+LWMS", lw), ("CWT+CWL", cw))]
-    s = summarise(runs, BenchSettings(splits=(5, 10)))
+    s = summarise(runs, "synthetic", (5, 10), test_images=200, seeds=2)
     assert s["splits"]["5"]["CWT"]["percent_of_central_accuracy"] == pytest.approx(100 * 0.61 / 0.71)
     t = s["targets"]["split5_plti"]
-    assert t["met"] and t["accuracy"]["diff"]["mean"] == pytest.approx(0.07)
+    # gaps to central: vanilla 0.10 and 0.10, PLTI 0.04 and 0.02: closer by 0.06 and 0.08
+    assert t["met"] and t["accuracy"]["difference"] == pytest.approx(0.07)
     assert t["accuracy"]["gap_to_central"]["CWT+PLTI"]["mean"] == pytest.approx(0.03)
-    assert s["targets"]["split10_lwms"]["met"] and s["targets"]["split10_cwl"]["met"]
-    assert s["targets"]["split10_lwms"]["accuracy"]["per_seed"] == pytest.approx([0.04, -0.02])
+    # t = 0.07 / (0.01 * sqrt 2 / sqrt 2) = 7 with 1 d.f.: two-sided p = 1 - 2 atan(7) / pi
+    assert t["accuracy"]["p"] == pytest.approx(1 - 2 * math.atan(7) / math.pi)
+    assert t["accuracy"]["d_z"] == pytest.approx(0.07 / (0.01 * math.sqrt(2)))
+    lw = s["targets"]["split10_lwms"]
+    assert lw["met"] and lw["accuracy"]["per_seed"] == pytest.approx([0.04, -0.02])
+    assert s["targets"]["split10_cwl"]["met"]
+    c = s["targets"]["central_auroc"]
+    assert c["met"] and c["stats"]["reference"] == 0.7 and c["stats"]["difference"] == pytest.approx(0.01)
+    assert not summarise(runs, "nih1000", (5,), 200, 2)["targets"]["central_auroc"]["target"].startswith("central hosting AUROC >=")
+    assert s["noise"]["binomial_sd_of_accuracy"] == pytest.approx(math.sqrt(0.71 * 0.29 / 200))
     table = results_table(runs)
     assert table[CENTRAL]["all"]["accuracy_mean"] == pytest.approx(0.71)
     assert table["CWT+PLTI"]["5"]["per_seed"]["1"]["accuracy"] == 0.70
@@ -94,28 +108,35 @@ def test_a_tiny_benchmark_writes_its_outputs_and_goes_on_from_the_kept_runs(tmp_
 
     monkeypatch.setattr(bench, "run_cwt", counting)
     settings = BenchSettings(image_size=32, per_class=24, test_per_class=10, val_per_class=6, cycles=1, patience=1,
-                             batch_size=16, augment=False, splits=(5,))
+                             batch_size=16, augment=False, splits=(5,), jobs=1, synthetic_images=240,
+                             synthetic_per_class=20, synthetic_test_per_class=10, synthetic_val_per_class=5,
+                             synthetic_splits=(1,), max_patient_images=4)
     site_config = repo_root / "site_configs" / "nih1000.yaml"
     out = tmp_path / "cwt"
-    result = run_cwt_benchmark(out, 1, settings=settings, site_config=site_config, log=lambda m: None)
-    # central hosting (one site), then vanilla CWT, PLTI and CLR over the 4 institutions of split 5
-    assert trained == [(1, "CWT"), (4, "CWT"), (4, "CWT+PLTI"), (4, "CWT+CLR")]
+    kw = dict(settings=settings, site_config=site_config, data_root=tmp_path / "data", log=lambda m: None)
+    result = run_cwt_benchmark(out, 1, **kw)
+    # real: central hosting (one site), then vanilla CWT, PLTI and CLR over the 4 institutions of split 5;
+    # synthetic: central hosting and split 1 (equal sites: PLTI and CLR are vanilla CWT, not trained again)
+    assert trained == [(1, "CWT"), (4, "CWT"), (4, "CWT+PLTI"), (4, "CWT+CLR"), (1, "CWT"), (4, "CWT")]
     saved = json.loads((out / "results.json").read_text())
-    for method, split in ((CENTRAL, "all"), ("CWT", "5"), ("CWT+PLTI", "5"), ("CWT+CLR", "5")):
-        cell = saved["results"][method][split]
+    for dataset, method, split in (("nih1000", CENTRAL, "all"), ("nih1000", "CWT+CLR", "5"), ("synthetic", CENTRAL, "all"),
+                                   ("synthetic", "CWT+PLTI", "1")):
+        cell = saved["results"][dataset][method][split]
         assert 0 <= cell["accuracy_mean"] <= 1 and 0 <= cell["auroc_mean"] <= 1
         assert set(cell["per_seed"]) == {"0"}
-    assert saved["summary"]["targets"]["split5_plti"]["target"].startswith("split 5")
+    assert saved["results"]["synthetic"]["CWT+PLTI"]["1"]["per_seed"]["0"]["same_as"] == "split 1 CWT"
+    assert saved["datasets"]["synthetic"]["data"]["test_images"] == 20
+    assert saved["datasets"]["nih1000"]["summary"]["targets"]["split5_plti"]["target"].startswith("split 5")
     assert result["results"] == saved["results"]
     report = (out / "report.md").read_text()
-    assert "| 5 |" in report and "split 5: CWT+PLTI closer to central hosting" in report
-    for png in ("cwt.png", "cwt_curves.png"):
+    assert "| 5 |" in report and "split 5: CWT+PLTI closer to central hosting" in report and "## synthetic" in report
+    for png in ("cwt_nih1000.png", "cwt_curves_nih1000.png", "cwt_synthetic.png", "cwt_curves_synthetic.png"):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
-    kept = sorted(p.name for p in (out / "runs").iterdir())
+    kept = sorted(p.name for p in (out / "runs" / "nih1000").iterdir())
     assert kept == ["CWT+CLR__split5__seed0.json", "CWT+PLTI__split5__seed0.json", "CWT__split5__seed0.json",
                     "Central_hosting__split0__seed0.json"]
-    (out / "runs" / "CWT+CLR__split5__seed0.json").unlink()  # as if the benchmark had stopped before it
+    (out / "runs" / "nih1000" / "CWT+CLR__split5__seed0.json").unlink()  # as if the benchmark had stopped before it
     trained.clear()
-    again = run_cwt_benchmark(out, 1, settings=settings, site_config=site_config, log=lambda m: None)
+    again = run_cwt_benchmark(out, 1, **kw)
     assert trained == [(4, "CWT+CLR")]  # only the missing run is trained again
-    assert again["results"][CENTRAL] == saved["results"][CENTRAL]
+    assert again["results"]["nih1000"][CENTRAL] == saved["results"]["nih1000"][CENTRAL]

@@ -177,9 +177,9 @@ def test_job_variants_are_the_committed_jobs(tmp_path, repo_root):
     assert not list((byoc / "app" / "custom").rglob("__pycache__"))
     committed = _configs(repo_root / "jobs" / "surgical_agg")
     assert _configs(pre) == committed and _configs(byoc) == committed
-    small = build_job("surgical_agg_fedbn_plus", tmp_path / "small", overrides=SMALL)
+    small = build_job("surgical_agg_fedbn", tmp_path / "small", overrides=SMALL)
     args = _configs(small)["config_fed_server.json"]["workflows"][0]["args"]
-    assert args["num_rounds"] == 2 and args["train_config"]["max_steps_per_epoch"] == 3 and args["batchnorm"] == "fedbn+"
+    assert args["num_rounds"] == 2 and args["train_config"]["max_steps_per_epoch"] == 3 and args["batchnorm"] == "fedbn"
     with pytest.raises(CxrflError, match="unknown setting"):
         build_job("surgical_agg", tmp_path / "bad", overrides={"num_round": 2})
     for job in (pre, byoc, small):  # nothing about a site's data or classes in what the admin submits
@@ -223,7 +223,7 @@ def test_privacy_options_are_off_by_default_and_written_explicitly(tmp_path, rep
     for job in (repo_root / "jobs").iterdir():
         client = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
         assert client["task_data_filters"] == [] and client["task_result_filters"] == []
-    job = build_job("surgical_agg_fedbn_plus", tmp_path, privacy={"method": "svt", "args": {"epsilon": 0.5}},
+    job = build_job("surgical_agg_fedbn", tmp_path, privacy={"method": "svt", "args": {"epsilon": 0.5}},
                     exclude_batchnorm=True)
     client = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
     (data_chain,) = client["task_data_filters"]
@@ -233,7 +233,8 @@ def test_privacy_options_are_off_by_default_and_written_explicitly(tmp_path, rep
     assert exclude["path"] == "nvflare.app_common.filters.exclude_vars.ExcludeVars"
     assert svt == data_chain["filters"][0] == {
         "path": "cxrfl.fl.privacy.UpdatePrivacy",
-        "args": {"method": "svt", "args": {"fraction": 0.1, "epsilon": 0.5, "noise_var": 0.1, "gamma": 1e-5, "tau": 1e-6}},
+        "args": {"method": "svt", "args": {"fraction": 0.9, "epsilon": 0.5, "noise_var": 10000, "gamma": 0.1, "tau": 1e-6,
+                                           "replace": False}},
     }
     from cxrfl.nn.models import ModelConfig, batchnorm_keys, build_model
 
@@ -252,7 +253,7 @@ def test_exclude_vars_filter_keeps_every_batchnorm_entry_on_the_site():
     from nvflare.apis.shareable import Shareable
     from nvflare.app_common.filters.exclude_vars import ExcludeVars
 
-    from cxrfl.jobs import batchnorm_state_keys
+    from cxrfl.fl.recipes import batchnorm_state_keys
     from cxrfl.nn.models import ModelConfig, build_model
 
     cfg = ModelConfig(image_size=64)

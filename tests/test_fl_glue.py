@@ -107,9 +107,10 @@ def test_clip_limits_a_scaled_update_against_the_previous_global():
     assert np.abs(small.params["body.w"]).max() < 1.0
 
 
-def test_aggregator_checks_while_summing_and_falls_back_after_a_partly_added_update():
-    """The plain mean is summed at accept time; a NaN found part-way through an update rejects it
-    (naming the first bad key) and the aggregation then recomputes from the accepted results."""
+def test_aggregator_checks_before_summing_and_keeps_only_head_rows():
+    """The plain mean is summed at accept time; a NaN anywhere in an update rejects it (naming the
+    first bad key) before any of it is added, so the sum of the accepted results goes on; each
+    accepted result's feature extractor is dropped once summed (only its head rows are kept)."""
     from cxrfl.surgical.aggregation import surgical_aggregate
 
     rng = np.random.default_rng(0)
@@ -123,14 +124,15 @@ def test_aggregator_checks_while_summing_and_falls_back_after_a_partly_added_upd
     shapes = {"body.big": (80, 64), "body.w": (2,), "body.n": ()}
     results = [big_result(s, n) for s, n in (("a", 3), ("b", 5), ("c", 7))]
     bad = big_result("b", 5)
-    bad.params["body.w"][1] = np.nan  # a small array: checked after body.big was already added
+    bad.params["body.w"][1] = np.nan  # a small array, after body.big in the update
     for weighting in ("uniform", "samples"):
         agg = SurgicalAggregator(weighting=weighting)
         agg.expect(shapes, {"a": ["x"], "b": ["x"], "c": ["x"]})
         assert agg.accept_model(results[0]) and not agg.accept_model(bad)
         assert agg.rejected["b"] == "site b: non-finite values (NaN or Inf) in 'body.w'"
-        assert agg.core.running is not None and not agg.core.running.usable
+        assert agg.core.running is not None and agg.core.running.usable and [s for s, _ in agg.core.running.added] == ["a"]
         assert agg.accept_model(results[2])
+        assert all(set(u["params"]) == {"classifier.weight", "classifier.bias"} for u in agg.core.updates)
         out = agg.aggregate_model()
         ups = [{"site": r.meta["client_name"], "classes": ["x"], "params": r.params, "num_samples": r.meta["num_samples"]}
                for r in (results[0], results[2])]
@@ -162,7 +164,7 @@ def test_every_surgical_job_builds_its_workflow_with_the_exported_settings(repo_
         server = json.loads((repo_root / "jobs" / spec.name / "app" / "config" / "config_fed_server.json").read_text())
         args = server["workflows"][0]["args"]
         workflow = SurgicalAggregation(**args)
-        expected = {k: v for k, v in args.items() if k != "task_timeout"}
+        expected = {k: v for k, v in args.items() if k not in ("task_timeout", "analytic_sender_id")}
         assert workflow.config.to_dict() == expected, spec.name
         assert workflow.task_timeout == args["task_timeout"]
 

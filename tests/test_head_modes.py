@@ -10,7 +10,7 @@ import torch
 
 from cxrfl.common.io import to_numpy
 from cxrfl.data.site import SiteData, load_site
-from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, load_checkpoint
+from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, load_checkpoint, save_checkpoint
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.aggregation import aggregate, surgical_aggregate
 from cxrfl.surgical.config import SurgicalConfig
@@ -194,12 +194,20 @@ def test_one_site_run_is_local_training_and_selects_the_lowest_validation_loss(s
             torch.testing.assert_close(best["model"][k], v, msg=k)
 
 
-def test_fedbn_plus_global_model_keeps_the_initial_statistics(sites, tmp_path):
-    init = initial_state(MODEL, 0)
-    res = _run(sites, tmp_path, batchnorm="fedbn+")
-    model = global_model(res, MODEL)
-    state = model.state_dict()
-    keys = [k for k in batchnorm_keys(model) if k in init]
+def test_fedbn_plus_global_model_keeps_the_pretrained_statistics(sites, tmp_path):
+    torch.manual_seed(7)
+    pre = build_model(MODEL, 1)
+    for m in pre.modules():  # pretrained statistics, not torch's initial ones (FedBN+ needs a pretrained network)
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+    save_checkpoint(tmp_path / "pre.pt", pre, classes=["x"], model_config=MODEL)
+    pretrained = ModelConfig(image_size=32, pretrained=str(tmp_path / "pre.pt"))
+    config = SurgicalConfig(num_rounds=1, min_clients=len(sites), model_config=pretrained, train_config=TRAIN,
+                            min_clients_timeout=0, evaluate_test=False, seed=0, batchnorm="fedbn+")
+    state = global_model(run_surgical(sites, config, tmp_path / "run"), pretrained).state_dict()
+    saved = pre.state_dict()
+    keys = [k for k in batchnorm_keys(pre) if k in saved]
     assert keys
     for k in keys:
-        np.testing.assert_array_equal(state[k].numpy(), init[k], err_msg=k)
+        np.testing.assert_array_equal(state[k].numpy(), saved[k].numpy(), err_msg=k)

@@ -1,24 +1,63 @@
-"""The committed job folders are exactly what cxrfl.jobs defines, and carry no site data."""
+"""The committed job folders are exports of the recipes (cxrfl.jobs, job_recipes/*/job.py), carry
+every argument explicitly and no site data."""
 
 from __future__ import annotations
 
+import inspect
 import json
+import subprocess
+import sys
 
-from cxrfl.jobs import JOBS, export_all
+import pytest
+
 from cxrfl.data.labels import KNOWN_CLASSES
+from cxrfl.jobs import JOBS, export_all, job_spec
 
 
-def test_committed_jobs_match_their_python_definition(tmp_path, repo_root):
+def _tree(root):
+    return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_committed_jobs_are_the_exported_recipes(tmp_path, repo_root):
     export_all(tmp_path)
+    assert sorted(p.name for p in (repo_root / "jobs").iterdir()) == sorted(s.name for s in JOBS), (
+        "jobs/ must hold exactly the jobs of cxrfl.jobs.JOBS")
     for spec in JOBS:
-        fresh = sorted(p.relative_to(tmp_path / spec.name) for p in (tmp_path / spec.name).rglob("*") if p.is_file())
-        committed_root = repo_root / "jobs" / spec.name
-        committed = sorted(p.relative_to(committed_root) for p in committed_root.rglob("*") if p.is_file())
-        assert fresh == committed, f"jobs/{spec.name} differs: run `cxrfl jobs export --out jobs`"
-        for rel in fresh:
-            assert (tmp_path / spec.name / rel).read_text() == (committed_root / rel).read_text(), (
-                f"jobs/{spec.name}/{rel} is stale: run `cxrfl jobs export --out jobs`"
-            )
+        assert _tree(tmp_path / spec.name) == _tree(repo_root / "jobs" / spec.name), (
+            f"jobs/{spec.name} is stale: run `cxrfl jobs export --out jobs`")
+
+
+def test_each_methods_job_py_exports_its_committed_demo_job(tmp_path, repo_root):
+    """``python job.py --export --export-dir DIR`` (NVFlare's flags, taken out of sys.argv when
+    nvflare.recipe is imported) writes the committed demo job of its method."""
+    demos = {"surgical": "surgical_agg", "cwt": "cwt", "fedfew": "fedfew"}
+    procs = {m: subprocess.Popen([sys.executable, str(repo_root / "job_recipes" / m / "job.py"), "--export",
+                                  "--export-dir", str(tmp_path / m)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for m in demos}
+    for method, job in demos.items():
+        out, err = procs[method].communicate(timeout=300)
+        assert procs[method].returncode == 0, err[-3000:]
+        assert f"Job exported to: {tmp_path / method}" in out
+        assert _tree(tmp_path / method / job) == _tree(repo_root / "jobs" / job)
+
+
+def test_every_workflow_and_executor_argument_is_written(repo_root):
+    """NVFlare's exporter drops arguments equal to their defaults; the recipes write them all, so a
+    later change of a default never changes what a committed job runs."""
+    for spec in JOBS:
+        config = repo_root / "jobs" / spec.name / "app" / "config"
+        server = json.loads((config / "config_fed_server.json").read_text())
+        client = json.loads((config / "config_fed_client.json").read_text())
+        for entry in (server["workflows"][0], client["executors"][0]["executor"]):
+            cls = _class(entry["path"])
+            params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "resume")]
+            assert list(entry["args"]) == params, (spec.name, entry["path"])
+        assert client["executors"][0]["tasks"] == list(spec.tasks)
+
+
+def _class(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(__import__(module, fromlist=[name]), name)
 
 
 def test_jobs_name_no_class_and_no_data_path(repo_root):
@@ -31,8 +70,19 @@ def test_jobs_name_no_class_and_no_data_path(repo_root):
             assert "site_config" not in text and ".csv" not in text
 
 
-def test_gpu_job_states_its_gpu_need(repo_root):
+def test_gpu_job_states_its_gpu_need_and_trains_from_scratch_at_a_from_scratch_rate(repo_root):
     meta = json.loads((repo_root / "jobs" / "surgical_agg_gpu" / "meta.json").read_text())
     assert meta["resource_spec"]["@ALL"]["num_of_gpus"] == 1
     server = json.loads((repo_root / "jobs" / "surgical_agg_gpu" / "app" / "config" / "config_fed_server.json").read_text())
-    assert server["workflows"][0]["args"]["model_config"]["image_size"] == 224
+    args = server["workflows"][0]["args"]
+    assert args["model_config"]["image_size"] == 224 and args["model_config"]["pretrained"] is None
+    from cxrfl.surgical.config import FROM_SCRATCH_LR, SurgicalConfig
+
+    config = SurgicalConfig.from_dict({k: v for k, v in args.items() if k not in ("task_timeout", "analytic_sender_id")})
+    assert config.train_config.lr == FROM_SCRATCH_LR and config.rate_warning() is None
+
+
+def test_job_spec_names_the_known_jobs():
+    assert job_spec("cwt").name == "cwt"
+    with pytest.raises(KeyError, match="surgical_agg"):
+        job_spec("nope")

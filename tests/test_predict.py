@@ -53,7 +53,7 @@ def test_predict_prints_every_class_for_png_and_dicom(checkpoint, shared_data, t
     dcm = tmp_path / "image.dcm"
     write_dicom(dcm, (np.random.default_rng(0).random((40, 40)) * 4095))
 
-    assert main(["predict", "--model", str(path), str(png), str(dcm), "--json"]) == 0
+    assert main(["predict", "--model", str(path), str(png), str(dcm), "--json", "--precision", "fp32"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["image"] for r in rows] == [str(png), str(dcm)]
     for r in rows:
@@ -65,6 +65,8 @@ def test_predict_prints_every_class_for_png_and_dicom(checkpoint, shared_data, t
     x = build_transforms(config.image_size, train=False)(str(png)).unsqueeze(0)
     expected = torch.sigmoid(model(x)).squeeze(0).tolist()
     np.testing.assert_allclose(list(rows[0]["probabilities"].values()), expected, rtol=1e-5)
+    assert main(["predict", "--model", str(path), str(png), "--json"]) == 0  # the default: this CPU's training path
+    np.testing.assert_allclose(list(json.loads(capsys.readouterr().out)[0]["probabilities"].values()), expected, atol=0.01)
 
     assert main(["predict", "--model", str(path), str(png), "--csv"]) == 0
     table = list(csv.reader(io.StringIO(capsys.readouterr().out)))
@@ -107,7 +109,7 @@ def test_predict_mixed_batch_predicts_the_good_and_names_each_bad_image(checkpoi
     with torch.no_grad():
         expected = {str(g): torch.sigmoid(model(transform(str(g)).unsqueeze(0))).squeeze(0).tolist() for g in good}
 
-    assert main(["predict", "--model", str(path), *map(str, images), "--json"]) == 1
+    assert main(["predict", "--model", str(path), *map(str, images), "--json", "--precision", "fp32"]) == 1
     captured = capsys.readouterr()
     rows = json.loads(captured.out)
     assert [r["image"] for r in rows] == [str(i) for i in images]
@@ -121,7 +123,7 @@ def test_predict_mixed_batch_predicts_the_good_and_names_each_bad_image(checkpoi
     for line, image in zip(lines, bad):
         assert line.startswith(f"cxrfl: cannot read image {image}: ") and bad[image] in line
 
-    assert main(["predict", "--model", str(path), *map(str, images), "--csv"]) == 1
+    assert main(["predict", "--model", str(path), *map(str, images), "--csv", "--precision", "fp32"]) == 1
     table = list(csv.reader(io.StringIO(capsys.readouterr().out)))
     assert table[0] == ["image", *CLASSES, "error"] and len(table) == 1 + len(images)
     for row in table[1:]:

@@ -5,7 +5,9 @@
   duplicated class names, zero / negative sample counts); in round 2 every site's first answer
   is malformed, so the round has no valid result and is run again; hospital-b has corrupt,
   truncated and missing images within its ``max_bad_fraction``; bad-4 reads the same data with
-  a lower ``max_bad_fraction`` and stops at start with a clear error.
+  a lower ``max_bad_fraction`` and stops at start with a clear error; bad-1's head warm-up
+  fails, so it gets it again in round 1's exchange and joins from round 2 (bad-4 gets it in every
+  round, in vain).
 - ``interrupted`` / ``resumed``: the simulator (server included) is killed after round 1; a
   second job with ``resume_from`` finishes rounds 2 and 3 without redoing round 1, starting from
   the weights the first job saved (what the sites receive is compared as tensors).
@@ -38,7 +40,7 @@ from cxrfl.synth import write_profile
 pytestmark = pytest.mark.slow
 
 FAULTS = {
-    "bad-1": {"1": "nan", "2": "inf", "3": "duplicate"},
+    "bad-1": {"warmup": "raise", "2": "inf", "3": "duplicate"},  # joins late: in round 1 it warms up
     "bad-2": {"1": "shape", "2": "missing_key", "3": "zero_samples"},
     "bad-3": {"1": "extra_key", "2": "unannounced", "3": "negative_samples"},
     "hospital-a": {"2": "nan"},
@@ -159,7 +161,7 @@ def test_every_malformed_result_is_rejected_with_its_site_and_reason(faulty):
     log = (faulty["ws"] / "server").rglob("log.txt")
     server_log = "\n".join(p.read_text(errors="replace") for p in log)
     for site in ("bad-1", "bad-2", "bad-3"):
-        assert server_log.count(f"rejected result: site {site}:") == 3, site
+        assert server_log.count(f"rejected result: site {site}:") == len(REJECTED[site]), site
 
 
 def test_valid_results_are_aggregated_beside_the_rejected_ones(faulty):
@@ -217,10 +219,22 @@ def test_a_site_over_the_bad_image_threshold_stops_at_start_and_the_others_go_on
     log = site_log(faulty["ws"], "bad-4")
     assert "cannot take part" in log and "max_bad_fraction" in log
     assert re.search(r"3 of \d+ images of site 'bad-4' are missing or unreadable", log), log[-2000:]
-    assert faulty["records"][0]["phase"] == "warmup" and faulty["records"][0]["sites_failed"] == ["bad-4"]
-    for r in faulty["records"]:  # a site without a warm-up announced no class: it is not asked again
+    assert faulty["records"][0]["phase"] == "warmup" and faulty["records"][0]["sites_failed"] == ["bad-1", "bad-4"]
+    for r in faulty["records"]:  # sent the warm-up in every round, it never answers
         assert "bad-4" not in r["sites_answered"]
     assert load_checkpoint(faulty["app"] / "FL_global_model.pt")["round"] == 4
+
+
+def test_a_site_whose_warmup_failed_joins_at_a_later_round(faulty):
+    records = faulty["records"]
+    joins = [r for r in records if r["phase"] == "join"]
+    assert [r["round"] for r in joins] == [r["round"] for r in records if r["phase"] == "train"]  # every attempt
+    assert (joins[0]["round"], joins[0]["joined"], joins[0]["sites_failed"]) == (1, ["bad-1"], ["bad-4"])
+    assert all(r["joined"] == [] and r["sites_asked"] == ["bad-4"] for r in joins[1:])
+    train = [r for r in records if r["phase"] == "train"]
+    assert "bad-1" not in train[0]["sites_answered"] and "bad-1" in train[1]["sites_answered"]  # rounds 1 and 2
+    assert "site bad-1: task train failed: injected warm-up failure" in site_log(faulty["ws"], "bad-1")
+    assert load_checkpoint(faulty["app"] / "FL_global_model.pt")["classes"] == list(KNOWN_CLASSES)
 
 
 # ---------------------------------------------------------------- server interrupted

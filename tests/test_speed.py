@@ -1,10 +1,13 @@
-"""Pieces of `cxrfl bench speed`: the updates, the three aggregators agree, payload sizes."""
+"""Pieces of `cxrfl bench speed`: the updates, the aggregators agree, payload sizes, the --json
+summaries of the training and aggregation parts (tiny smoke runs), busy-loop load."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from cxrfl.bench.speed import aggregate_with, make_updates, payload_benchmark, speed_verdicts
+from cxrfl.bench.speed import payload_benchmark
+from cxrfl.bench.speed_aggregation import aggregate_with, make_updates
+from cxrfl.bench.speed_report import speed_verdicts
 
 
 def test_surgical_aggregation_of_the_body_equals_nvflare_fedavg():
@@ -12,6 +15,7 @@ def test_surgical_aggregation_of_the_body_equals_nvflare_fedavg():
     assert all(u["params"]["classifier.weight"].shape[0] == len(u["classes"]) for u in updates)
     ours, classes = aggregate_with("surgical", updates, shapes)
     component = aggregate_with("surgical_nvflare", updates, shapes)
+    job = aggregate_with("round_aggregator", updates, shapes)
     theirs = aggregate_with("nvflare_fedavg", updates, shapes)
     from nvflare.apis.dxo import from_shareable
 
@@ -20,6 +24,7 @@ def test_surgical_aggregation_of_the_body_equals_nvflare_fedavg():
         if ours[key].dtype == np.float32:
             np.testing.assert_allclose(ours[key], fedavg[key], rtol=1e-5, atol=1e-6, err_msg=key)
         np.testing.assert_array_equal(component.params[key], ours[key])
+        np.testing.assert_array_equal(job.params[key], ours[key])
     # a head row is the mean over the sites that have the class (NVFlare's FedAvg: over all sites)
     c = classes[0]
     having = [u for u in updates if c in u["classes"]]
@@ -78,3 +83,41 @@ def test_only_some_parts_carries_the_others_over(tmp_path, monkeypatch):
     assert res["carried_over"]["simulator"]["command"] == "cxrfl bench speed --rounds 5" and "payload" in res["carried_over"]
     with pytest.raises(ConfigError, match="--only must name some of"):
         speed.run_speed(speed.SpeedSettings(parts=("throughput",)), tmp_path)
+
+
+def test_training_part_prints_one_json_object_measured_in_this_run(tmp_path, capsys):
+    """`cxrfl bench speed --only training --json` (tiny settings): both settings measured, the ratio theirs."""
+    import json
+
+    from cxrfl.cli import build_parser
+    from cxrfl.nn.precision import resolve
+
+    args = build_parser().parse_args(["bench", "speed", "--out", str(tmp_path), "--only", "training", "--json",
+                                      "--image-size", "32", "--training-batch-size", "4", "--steps", "2", "--rounds", "2",
+                                      "--threads", "1"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == ["training"]
+    tr = out["training"]
+    default = resolve("auto", "auto", "cpu")
+    assert (tr["precision"], tr["channels_last"], tr["threads"]) == (default.precision, default.channels_last, 1)
+    assert tr["fp32_img_s"] > 0 and tr["default_img_s"] > 0 and abs(tr["ratio"] - tr["default_img_s"] / tr["fp32_img_s"]) < 1e-9
+    saved = json.loads((tmp_path / "speed.json").read_text())
+    assert len(saved["training"]["images_per_second"]["fp32"]) == 2 and "carried_over" not in saved
+
+
+def test_aggregation_summary_with_busy_cores():
+    import psutil
+    import torch
+
+    from cxrfl.bench.speed_aggregation import aggregation_benchmark, aggregation_summary, busy_cores
+
+    with busy_cores(2) as pids:
+        assert len(pids) == 2 and all(psutil.Process(p).is_running() for p in pids)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    before = torch.get_num_threads()
+    agg = aggregation_benchmark((2,), 1, busy=1, memory=False, log=lambda m: None)
+    summary = aggregation_summary(agg)
+    assert torch.get_num_threads() == before and summary["threads"] == before and summary["busy"] == 1
+    assert summary["sites"] == 2 and summary["surgical_s"] == agg["sites"]["2"]["round_aggregator"]["median_seconds"]
+    assert summary["ratio"] == summary["surgical_s"] / summary["nvflare_s"]

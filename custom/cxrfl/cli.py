@@ -39,7 +39,7 @@ def _cmd_summary(args: argparse.Namespace) -> int:
 def _cmd_predict(args: argparse.Namespace) -> int:
     from cxrfl.predict import format_predictions, predict_images
 
-    rows = predict_images(args.model, args.images, device=args.device)
+    rows = predict_images(args.model, args.images, device=args.device, precision=args.precision)
     text = format_predictions(rows, fmt="json" if args.json else "csv" if args.csv else "table")
     if text:
         print(text)
@@ -84,6 +84,15 @@ def _cmd_jobs_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export_bundle(args: argparse.Namespace) -> int:
+    from cxrfl.bundle import export_bundle
+
+    out = export_bundle(args.model, args.out, name=args.name)
+    print(f"wrote MONAI bundle {out}; run it with: python -m monai.bundle run --config_file "
+          f"{out / 'configs' / 'inference.json'} --bundle_root {out} --dataset_dir IMAGES --output_dir OUT")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``cxrfl`` command."""
     p = argparse.ArgumentParser(prog="cxrfl", description=__doc__.splitlines()[0])
@@ -114,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json", action="store_true")
     fmt.add_argument("--csv", action="store_true")
     pr.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    pr.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                    help="auto (default): bf16 autocast on a GPU or a CPU with native bf16, as training does; fp32 otherwise")
     pr.set_defaults(func=_cmd_predict)
 
     rp = sub.add_parser("report", help="where a finished run's models are and how it went")
@@ -127,6 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     je = jsub.add_parser("export", help="write every job folder defined in cxrfl.jobs")
     je.add_argument("--out", default="jobs")
     je.set_defaults(func=_cmd_jobs_export)
+
+    export = sub.add_parser("export", help="a trained model in another format")
+    esub = export.add_subparsers(dest="export_command", required=True)
+    eb = esub.add_parser("bundle", help="a MONAI bundle of a global model (python -m monai.bundle run ...)",
+                         description="Write a MONAI bundle of a global model: configs/metadata.json (channel_def: "
+                         "the classes in order), configs/inference.json, models/model.pt, docs/README.md (model card "
+                         "with the run's settings and evaluation).")
+    eb.add_argument("--model", required=True, help="a checkpoint saved by a cxrfl job (best_FL_global_model.pt ...)")
+    eb.add_argument("--out", required=True, help="the bundle folder")
+    eb.add_argument("--name", default=None, help="the model's name in the metadata (default: the checkpoint's)")
+    eb.set_defaults(func=_cmd_export_bundle)
 
     from cxrfl.deploy.cli import add_parser as add_deploy_parser  # stdlib + yaml only; NVFlare loads per command
 

@@ -18,15 +18,19 @@ import torch
 from cxrfl.data.images import ImageError, read_image
 from cxrfl.data.transforms import build_transforms
 from cxrfl.nn.models import model_from_checkpoint, select_device
+from cxrfl.nn.precision import resolve
 
 
-def predict_images(model_path: str | Path, images: Sequence[str | Path], *, device: str = "auto") -> list[dict[str, Any]]:
+def predict_images(model_path: str | Path, images: Sequence[str | Path], *, device: str = "auto",
+                   precision: str = "auto") -> list[dict[str, Any]]:
     """Class probabilities for each image.
 
     Args:
         model_path: a checkpoint written by a cxrfl job (``FL_global_model.pt`` or ``best_...``).
         images: image files (PNG, JPEG or DICOM).
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        precision: ``auto`` (the training loops' inference path on this device:
+            :mod:`cxrfl.nn.precision`), ``fp32``, ``bf16`` or ``fp16``.
 
     Returns:
         one dict per image, in input order: ``image`` and ``probabilities`` (class -> probability,
@@ -34,8 +38,8 @@ def predict_images(model_path: str | Path, images: Sequence[str | Path], *, devi
         unreadable image.
     """
     model, classes, config = model_from_checkpoint(model_path)
-    dev = select_device(device)
-    model.to(dev).eval()
+    compute = resolve(precision, "auto", select_device(device))
+    compute.prepare(model).eval()
     fedfew = _fedfew_model(model_path, model)
     transform = build_transforms(config.image_size, train=False, in_channels=config.in_channels)
     rows: list[dict[str, Any]] = []
@@ -45,12 +49,13 @@ def predict_images(model_path: str | Path, images: Sequence[str | Path], *, devi
         except ImageError as exc:
             rows.append({"image": str(image), "error": exc.reason})
             continue
-        x = transform(gray).unsqueeze(0).to(dev)
-        if fedfew is not None:
-            rows.append({"image": str(image), **_fedfew_row(fedfew, x)})
-            continue
-        with torch.no_grad():
-            probs = torch.sigmoid(model(x)).squeeze(0).cpu().tolist()
+        x = compute.inputs(transform(gray).unsqueeze(0))
+        with torch.no_grad(), compute.autocast():
+            if fedfew is not None:
+                rows.append({"image": str(image), **_fedfew_row(fedfew, x)})
+                continue
+            logits = model(x)
+        probs = torch.sigmoid(logits.float()).squeeze(0).cpu().tolist()
         rows.append({"image": str(image), "probabilities": dict(zip(classes, probs, strict=True))})
     return rows
 

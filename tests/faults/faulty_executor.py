@@ -66,7 +66,8 @@ class FaultyHost(SurgicalSiteHost):
     Args:
         data: the site's data.
         state_root: the site's state folder (its parent holds the markers of injected faults).
-        faults: round (as a string) -> fault of this site.
+        faults: round (as a string) -> fault of this site; ``"warmup": "raise"``: the first head
+            warm-up fails.
         echo: send back what was received instead of training.
         keep_received: save what is received in each federated round.
         kwargs: :class:`cxrfl.surgical.host.SurgicalSiteHost` arguments.
@@ -80,6 +81,11 @@ class FaultyHost(SurgicalSiteHost):
         self.keep_received = keep_received
 
     def handle(self, task: str, params: Mapping[str, Any], meta: Mapping[str, Any]):
+        if task == "train" and meta.get("phase") == "warmup":
+            marker = self.state_root.parent / "fault_injected_warmup"
+            if self.faults.get("warmup") == "raise" and not marker.exists():  # fails once, answers when asked again
+                marker.touch()
+                raise RuntimeError("injected warm-up failure")
         if not (task == "train" and meta.get("phase") == "train"):
             return super().handle(task, params, meta)
         rnd = str(meta.get("round"))
@@ -110,7 +116,7 @@ class FaultyExecutor(SiteExecutor):
     Args:
         faults: site -> {round (as a string): fault}; faults: nan, inf, shape, missing_key,
             extra_key, unannounced, duplicate, zero_samples, negative_samples, scale, raise (an
-            exception in the site's training).
+            exception in the site's training); ``"warmup": "raise"``: the first warm-up fails.
         echo: sites that send back what they received instead of training.
         keep_received: sites that save what they receive in each federated round.
         kwargs: :class:`cxrfl.fl.surgical.SiteExecutor` arguments.

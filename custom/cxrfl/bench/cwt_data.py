@@ -1,9 +1,14 @@
-"""The data of the CWT benchmark: the paper's splits 1-10 drawn from the real NIH images, by patient.
+"""The data of the CWT benchmark: the paper's splits 1-10 drawn from a pool of images, by patient.
+
+The pools: the real NIH images of ``../shared/data/nih1000`` (:data:`DEFAULT_SITE_CONFIG`), and a
+larger synthetic NIH-format cohort (:func:`synthetic_site_config`, :mod:`cxrfl.synth`) with NIH's
+own finding rates and co-occurrence (about 45 % of the images abnormal; the draws below balance
+the labels exactly).
 
 1. every patient keeps at most ``max_patient_images`` images (abnormal ones first: the scarce
-   label); patients (never images) are drawn into a balanced held-out test set, a balanced
-   validation set and a balanced training set of ``per_class`` abnormal + ``per_class`` normal
-   images (the paper's 3,200 + 3,200, scaled down);
+   label; None: all); patients (never images) are drawn into a balanced held-out test set, a
+   balanced validation set and a balanced training set of ``per_class`` abnormal + ``per_class``
+   normal images (the paper's 3,200 + 3,200, scaled down; None: as many as the pool has left);
 2. the training set is partitioned by patient into 4 sites with exactly the paper's per-site
    counts, scaled: Table 1 (splits 1-5: sample-size variability) and Table 3 (splits 6-10:
    label-distribution variability). Every split uses the same training images, so central
@@ -23,6 +28,8 @@ from cxrfl.cwt.config import BINARY_CLASS
 from cxrfl.cwt.site import binary_labels
 from cxrfl.data.site import SiteData, load_site
 from cxrfl.errors import DataError
+from cxrfl.synth.cohort import CaseMix
+from cxrfl.synth.profiles import PROFILES, Profile, nih_site
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_SITE_CONFIG = REPO / "site_configs" / "nih1000.yaml"
@@ -72,12 +79,31 @@ def scale_split(rows: Sequence[tuple[int, int]], per_class: int) -> list[tuple[i
     return out
 
 
-def load_pool(site_config: str | Path = DEFAULT_SITE_CONFIG, max_patient_images: int = 10, seed: int = 0) -> pd.DataFrame:
-    """The real NIH images with the binary label, at most ``max_patient_images`` per patient.
+def synthetic_site_config(folder: str | Path, n_images: int, image_size: int, seed: int = 0) -> Path:
+    """Write (or reuse) a synthetic NIH-format cohort of ``n_images`` images with NIH's own finding
+    rates (no rare finding raised); its site config.
 
     Args:
-        site_config: the nih1000 site config.
-        max_patient_images: cap per patient (abnormal images kept first, then normal, at random).
+        folder: where it is written (reused when already there with these settings).
+        n_images: images in the cohort.
+        image_size: image side in pixels.
+        seed: the cohort's seed.
+    """
+    from cxrfl.synth import write_profile
+
+    name = f"cwt-pool-{n_images}"
+    PROFILES.setdefault(name, Profile(name, "one NIH-like cohort for the CWT benchmark's synthetic table",
+                                      (nih_site("cwt-pool", n_images, mix=CaseMix.make(0.4)),)))
+    (path,) = write_profile(name, Path(folder), image_size=image_size, seed=seed)
+    return path
+
+
+def load_pool(site_config: str | Path = DEFAULT_SITE_CONFIG, max_patient_images: int | None = 10, seed: int = 0) -> pd.DataFrame:
+    """A pool's images with the binary label, at most ``max_patient_images`` per patient.
+
+    Args:
+        site_config: the pool's site config (default: the real nih1000 images).
+        max_patient_images: cap per patient (abnormal images kept first, then normal, at random; None: no cap).
         seed: seed of which images of a large patient are kept.
     """
     data = load_site(site_config, check_images=False)
@@ -87,8 +113,9 @@ def load_pool(site_config: str | Path = DEFAULT_SITE_CONFIG, max_patient_images:
     rng = np.random.default_rng(seed)
     table["_r"] = rng.random(len(table))
     table = table.sort_values(["patient", "y", "_r"], ascending=[True, False, True])
-    table = table.groupby("patient", sort=False).head(max_patient_images).drop(columns="_r").reset_index(drop=True)
-    return table
+    if max_patient_images is not None:
+        table = table.groupby("patient", sort=False).head(max_patient_images)
+    return table.drop(columns="_r").reset_index(drop=True)
 
 
 def _patients(table: pd.DataFrame) -> pd.DataFrame:
@@ -130,8 +157,10 @@ def pick_patients(patients: pd.DataFrame, a: int, b: int, rng: np.random.Generat
 def partition(patients: pd.DataFrame, quotas: Sequence[tuple[int, int]], rng: np.random.Generator, tries: int = 2000) -> dict[str, int]:
     """Assign whole patients to sites so that site i gets exactly ``quotas[i]`` (abnormal, normal) images.
 
-    Random greedy passes, largest patients first: each patient goes to a site it fits in, chosen
-    with probability proportional to the room left there.
+    Random greedy passes, patients with both labels first (the hard ones at sites with few images
+    of one label), then by size: each patient goes to a site it fits in, chosen with probability
+    proportional to the room left there, times ``exp(-4 |d|)`` with d the difference between the
+    patient's abnormal share and the room's.
 
     Args:
         patients: ``patient``, ``a``, ``b``; their sums equal the quotas' sums.
@@ -147,16 +176,19 @@ def partition(patients: pd.DataFrame, quotas: Sequence[tuple[int, int]], rng: np
     if pa.sum() != q[:, 0].sum() or pb.sum() != q[:, 1].sum():
         raise ValueError(f"patients hold {pa.sum()}+{pb.sum()} images, the quotas sum to {q[:, 0].sum()}+{q[:, 1].sum()}")
     size = pa + pb
+    mixed = (pa > 0) & (pb > 0)
     for _ in range(tries):
         jitter = rng.random(len(names))
-        order = np.lexsort((jitter, -size))
+        order = np.lexsort((jitter, -size, ~mixed))
         room = q.copy()
         choice: dict[str, int] = {}
         for i in order:
             fits = np.flatnonzero((room[:, 0] >= pa[i]) & (room[:, 1] >= pb[i]))
             if not len(fits):
                 break
-            weight = (room[fits, 0] - pa[i] + room[fits, 1] - pb[i] + 1).astype(np.float64)
+            left = room[fits].sum(axis=1)
+            share = np.abs(room[fits, 0] / np.maximum(left, 1) - pa[i] / size[i]) if size[i] else np.zeros(len(fits))
+            weight = (left - size[i] + 1) * np.exp(-4.0 * share)
             site = int(rng.choice(fits, p=weight / weight.sum()))
             room[site] -= (pa[i], pb[i])
             choice[names[i]] = site
@@ -203,36 +235,56 @@ def _site_data(name: str, train: pd.DataFrame, val: pd.DataFrame) -> SiteData:
     return SiteData(site=name, classes=[BINARY_CLASS], table=table)
 
 
-def prepare_data(*, per_class: int, test_per_class: int, val_per_class: int, max_patient_images: int = 10,
+def prepare_data(*, per_class: int | None, test_per_class: int, val_per_class: int, max_patient_images: int | None = 10,
                  data_seed: int = 0, splits: Sequence[int] = tuple(PAPER_SPLITS),
                  site_config: str | Path = DEFAULT_SITE_CONFIG) -> BenchData:
     """Draw the test, validation and training sets by patient and partition the training set per split.
 
     Args:
-        per_class: abnormal (= normal) training images over all sites.
+        per_class: abnormal (= normal) training images over all sites (None: every usable image
+            left after the test and validation sets, balanced).
         test_per_class: abnormal (= normal) held-out test images.
         val_per_class: abnormal (= normal) validation images.
-        max_patient_images: at most this many images per patient.
+        max_patient_images: at most this many images per patient (None: no cap).
         data_seed: seed of the draws and the partitions.
         splits: which of the paper's splits 1-10.
-        site_config: the nih1000 site config.
+        site_config: the pool's site config (default: the real nih1000 images).
     """
     pool = load_pool(site_config, max_patient_images, data_seed)
     rng = np.random.default_rng(data_seed)
     left = _patients(pool)
     chosen = {}
-    for name, n in (("test", test_per_class), ("val", val_per_class), ("train", per_class)):
+    for name, n in (("test", test_per_class), ("val", val_per_class)):
         picked = pick_patients(left, n, n, rng)
         chosen[name] = pool[pool["patient"].isin(picked)].reset_index(drop=True)
         left = left[~left["patient"].isin(picked)]
-    train_patients = _patients(chosen["train"])
+    most = int(min(left["a"].sum(), left["b"].sum()))
+    sizes = [per_class] if per_class is not None else range(most, 0, -2)
+    problem = None
+    for n in sizes:  # automatic size: the largest balanced training set every split can partition exactly
+        try:
+            train = pool[pool["patient"].isin(pick_patients(left, n, n, rng))].reset_index(drop=True)
+            quotas, assignment = _partitions(_patients(train), n, splits, data_seed, 2000 if per_class else 200)
+        except DataError as exc:
+            if per_class is not None:
+                raise
+            problem = exc
+            continue
+        return BenchData(test=chosen["test"], val=chosen["val"], train=train, splits=quotas, assignment=assignment)
+    raise DataError(f"no balanced training set can be partitioned into the paper's splits: {problem}")
+
+
+def _partitions(patients: pd.DataFrame, per_class: int, splits: Sequence[int], data_seed: int, tries: int
+                ) -> tuple[dict[int, list[tuple[int, int]]], dict[int, dict[str, int]]]:
+    """Each split's (abnormal, normal) quotas per site and its patient -> site assignment (equal
+    quotas, e.g. splits 1 and 6, share one)."""
     quotas_of, assignment, by_quota = {}, {}, {}
     for split in splits:
         quotas = scale_split(PAPER_SPLITS[split], per_class)
         quotas_of[split] = quotas
         key = tuple(quotas)
-        if key not in by_quota:  # the same counts (splits 1 and 6) get the same partition
+        if key not in by_quota:
             seed = [data_seed, *[x for q in quotas for x in q]]
-            by_quota[key] = partition(train_patients, quotas, np.random.default_rng(seed))
+            by_quota[key] = partition(patients, quotas, np.random.default_rng(seed), tries=tries)
         assignment[split] = by_quota[key]
-    return BenchData(test=chosen["test"], val=chosen["val"], train=chosen["train"], splits=quotas_of, assignment=assignment)
+    return quotas_of, assignment

@@ -15,6 +15,7 @@ import torch
 
 from cxrfl.data.dataset import make_loader
 from cxrfl.data.site import SiteData
+from cxrfl.nn.precision import Compute, as_compute
 
 
 @dataclass
@@ -75,28 +76,37 @@ def load_test_set(
 
 
 @torch.no_grad()
-def predict(model: torch.nn.Module, images: torch.Tensor, batch_size: int = 64) -> np.ndarray:
-    """Sigmoid outputs of ``model`` on ``images`` (eval mode, CPU).
+def predict(model: torch.nn.Module, images: torch.Tensor, batch_size: int = 64,
+            compute: Compute | torch.device = torch.device("cpu")) -> np.ndarray:
+    """Sigmoid outputs of ``model`` on ``images`` (eval mode; the training loops' inference path).
 
     Args:
-        model: the network.
+        model: the network (moved to the device and memory format).
         images: [n, C, H, W].
         batch_size: forward batch size.
+        compute: device, precision and memory format (a device: its ``auto`` settings).
     """
-    model.eval()
-    out = [torch.sigmoid(model(images[i : i + batch_size])).numpy() for i in range(0, len(images), batch_size)]
+    compute = as_compute(compute)
+    compute.prepare(model).eval()
+    out = []
+    for i in range(0, len(images), batch_size):
+        with compute.autocast():
+            logits = model(compute.inputs(images[i : i + batch_size]))
+        out.append(torch.sigmoid(logits.float()).cpu().numpy())
     return np.concatenate(out) if out else np.zeros((0, 0))
 
 
-def scores_on(model: torch.nn.Module, model_classes: Sequence[str], test: TestSet) -> np.ndarray:
+def scores_on(model: torch.nn.Module, model_classes: Sequence[str], test: TestSet,
+              compute: Compute | torch.device = torch.device("cpu")) -> np.ndarray:
     """[n, K_test] scores of ``model`` for the test set's classes; NaN columns for classes it lacks.
 
     Args:
         model: the network.
         model_classes: its output classes.
         test: the test set.
+        compute: device, precision and memory format (a device: its ``auto`` settings).
     """
-    probs = predict(model, test.images)
+    probs = predict(model, test.images, compute=compute)
     index = {c: i for i, c in enumerate(model_classes)}
     out = np.full((test.n, len(test.classes)), np.nan)
     for j, c in enumerate(test.classes):

@@ -5,11 +5,15 @@ Each site of the synthetic ``load-K`` profile (NIH or CheXpert format, 60 patien
 two of its classes, a different pair per site, so no two sites annotate the same label set.
 Peak memory is sampled every 0.2 s: the server side of the simulator (its main process and the
 forked server process, which aggregates and holds the global model) and the whole process tree
-(server plus site workers). Results: ``OUT/load_<K>.json``.
+(server plus site workers); for the server side also its PSS (pages shared by the forked pair
+counted once) and, per process and per phase of the run, RSS, PSS and USS
+(:class:`PeakMemory`). Results: ``OUT/load_<K>.json``. ``--harness`` measures the server loop
+alone instead (:mod:`cxrfl.bench.server_memory`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -86,44 +90,73 @@ def label_sets(contributors: dict[str, list[str]]) -> dict[str, list[str]]:
 
 
 class PeakMemory(threading.Thread):
-    """Sample RSS of the simulator's server side and of its whole process tree until stopped.
+    """Sample the memory of the simulator's server side and of its whole process tree until stopped.
 
     The simulator's main process forks one process that runs the server (aggregation, global
     model) and starts the site workers (``simulator_worker``); the server side is every process
-    of the tree that is not a site worker.
+    of the tree that is not a site worker. A forked process shares pages with its parent, so
+    their summed RSS counts those pages twice: the proportional set size (PSS, shared pages split
+    between their sharers) is the honest sum, and each process's unique set size (USS) what it
+    alone holds. Peaks are also kept per phase, named after the last record in ``rounds.jsonl``
+    (``warm-up``: before the first one; ``after train 1``: while round 2 runs, ...).
 
     Args:
         pid: the simulator's process id.
         every: seconds between samples.
+        records: the server's ``rounds.jsonl`` (None: no phases).
     """
 
-    def __init__(self, pid: int, every: float = 0.2) -> None:
+    def __init__(self, pid: int, every: float = 0.2, records: Path | None = None) -> None:
         import psutil
 
         super().__init__(daemon=True)
         self.psutil = psutil
         self.proc = psutil.Process(pid)
         self.every = every
-        self.server_peak = 0
-        self.tree_peak = 0
+        self.records = records
+        self.server_peak = self.server_pss_peak = self.tree_peak = 0
+        self.processes: dict[int, dict[str, Any]] = {}
+        self.phases: dict[str, dict[str, int]] = {}
         self._halt = threading.Event()
+
+    def _phase(self) -> str:
+        try:
+            lines = self.records.read_text().splitlines() if self.records else []
+            last = json.loads(lines[-1]) if lines else None
+        except (OSError, ValueError):
+            return "warm-up"
+        return "warm-up" if last is None else f"after {last.get('phase')} {last.get('round')}"
+
+    def _sample(self, p: Any) -> tuple[str, Any] | None:
+        try:
+            cmd = " ".join(p.cmdline())
+            return (cmd, p.memory_info()) if "simulator_worker" in cmd else (cmd, p.memory_full_info())
+        except self.psutil.Error:
+            return None
 
     def run(self) -> None:
         while not self._halt.is_set():
-            server = tree = 0
             try:
                 procs = [self.proc, *self.proc.children(recursive=True)]
             except self.psutil.Error:
                 break
+            server = pss = tree = 0
             for p in procs:
-                try:
-                    rss = p.memory_info().rss
-                    worker = "simulator_worker" in " ".join(p.cmdline())
-                except self.psutil.Error:
+                sample = self._sample(p)
+                if sample is None:
                     continue
-                tree += rss
-                server += 0 if worker else rss
-            self.server_peak = max(self.server_peak, server)
+                cmd, mem = sample
+                tree += mem.rss
+                if "simulator_worker" in cmd:
+                    continue
+                server, pss = server + mem.rss, pss + mem.pss
+                peak = self.processes.setdefault(p.pid, {"role": "main" if p.pid == self.proc.pid else "forked",
+                                                         "cmd": cmd[-120:], "rss": 0, "pss": 0, "uss": 0})
+                for key in ("rss", "pss", "uss"):
+                    peak[key] = max(peak[key], getattr(mem, key))
+            phase = self.phases.setdefault(self._phase(), {"rss": 0, "pss": 0})
+            phase["rss"], phase["pss"] = max(phase["rss"], server), max(phase["pss"], pss)
+            self.server_peak, self.server_pss_peak = max(self.server_peak, server), max(self.server_pss_peak, pss)
             self.tree_peak = max(self.tree_peak, tree)
             self._halt.wait(self.every)
 
@@ -131,6 +164,14 @@ class PeakMemory(threading.Thread):
         """Stop sampling (the peaks stay)."""
         self._halt.set()
         self.join()
+
+    def breakdown(self) -> dict[str, Any]:
+        """Peaks in MB: per server-side process (RSS, PSS, USS) and per phase (summed RSS and PSS)."""
+        mb = lambda b: round(b / 2**20, 1)  # noqa: E731
+        return {"processes": [{"pid": pid, "role": p["role"], "cmd": p["cmd"],
+                               **{f"peak_{k}_mb": mb(p[k]) for k in ("rss", "pss", "uss")}}
+                              for pid, p in sorted(self.processes.items()) if p["rss"]],
+                "phases": {name: {"peak_rss_mb": mb(v["rss"]), "peak_pss_mb": mb(v["pss"])} for name, v in self.phases.items()}}
 
 
 def make_job(out: Path, s: LoadSettings) -> Path:
@@ -147,6 +188,11 @@ def make_job(out: Path, s: LoadSettings) -> Path:
         "train_config.warmup_epochs": 1, "train_config.batch_size": 8, "train_config.max_steps_per_epoch": s.steps})
 
 
+def records_path(work: Path) -> Path:
+    """The server's round records of the simulator run under ``work``."""
+    return work / "ws" / "server" / "simulate_job" / "app_server" / "cxrfl" / "rounds.jsonl"
+
+
 def _simulate(job: Path, sites: list[str], work: Path, s: LoadSettings) -> tuple[list[str], int, PeakMemory, float]:
     env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(work / "data"), "OMP_NUM_THREADS": "1"}
     cmd = [str(Path(sys.executable).with_name("nvflare")), "simulator", str(job), "-w", str(work / "ws"),
@@ -154,7 +200,7 @@ def _simulate(job: Path, sites: list[str], work: Path, s: LoadSettings) -> tuple
     start = time.perf_counter()
     with open(work / "simulator.log", "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        peak = PeakMemory(proc.pid)
+        peak = PeakMemory(proc.pid, records=records_path(work))
         peak.start()
         rc = proc.wait()
         peak.stop()
@@ -181,7 +227,7 @@ def run_load(s: LoadSettings, out: str | Path, work: str | Path, *, command: str
     load_before = os.getloadavg()
     log(f"nvflare simulator {job.name}: {len(sites)} sites, {s.rounds} rounds (log: {work / 'simulator.log'})")
     cmd, rc, peak, wall = _simulate(job, sites, work, s)
-    records = read_records(work / "ws" / "server" / "simulate_job" / "app_server" / "cxrfl" / "rounds.jsonl")
+    records = read_records(records_path(work))
     train = [r for r in records if r["phase"] == "train"]
     result = {
         "command": command or f"cxrfl bench load --sites {s.sites} --out {out}",
@@ -194,7 +240,9 @@ def run_load(s: LoadSettings, out: str | Path, work: str | Path, *, command: str
         "sites_per_round": [len(r["sites_aggregated"]) for r in train],
         "classes": len(records[0]["contributors"]) if records else 0,
         "peak_server_rss_mb": round(peak.server_peak / 2**20, 1),
+        "peak_server_pss_mb": round(peak.server_pss_peak / 2**20, 1),
         "peak_tree_rss_mb": round(peak.tree_peak / 2**20, 1),
+        "server_memory": peak.breakdown(),
         "wall_seconds": round(wall, 1),
         "machine": f"{psutil.cpu_count()} CPU cores, {round(psutil.virtual_memory().total / 2**30)} GiB, "
                    f"Python {platform.python_version()}; load average at start {load_before[0]:.1f}",

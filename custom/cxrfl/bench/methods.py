@@ -5,6 +5,10 @@ Every federated method is the surgical-aggregation server loop
 BatchNorm strategy; the individually trained and centralized baselines are the same loop on one
 site (each hospital alone, or every image pooled with missing labels as negatives). The NVFlare
 job that runs a federated method is named in ``job``.
+
+FedBN+ (BatchNorm frozen at the statistics of a pretrained feature extractor, the papers' choice
+from ImageNet weights) is only defined from a pretrained checkpoint: those methods are run only
+with one, and asking for them without one is an error.
 """
 
 from __future__ import annotations
@@ -37,9 +41,19 @@ class Method:
     job: str | None = None
 
     @property
+    def per_site_models(self) -> bool:
+        """Each site ends with a model of its own: a local head (personalized FL) or local BatchNorm (FedBN)."""
+        return self.kind == "federated" and (self.head_mode == "local" or self.batchnorm == "fedbn")
+
+    @property
     def single_global_model(self) -> bool:
         """One model that predicts every class of the federation."""
-        return self.kind == "central" or (self.kind == "federated" and self.head_mode != "local")
+        return self.kind == "central" or (self.kind == "federated" and not self.per_site_models)
+
+    @property
+    def needs_pretrained(self) -> bool:
+        """FedBN+: BatchNorm frozen at the statistics of a pretrained feature extractor."""
+        return self.batchnorm == "fedbn+"
 
 
 METHODS: tuple[Method, ...] = (
@@ -53,7 +67,8 @@ METHODS: tuple[Method, ...] = (
     Method("partial-fedavg", "FL + PL (FedAvg)", "federated", "union", "ignore", job="fl_partial_loss"),
     Method("partial-fedbn+", "FL + PL (FedBN+)", "federated", "union", "ignore", "fedbn+"),
     Method("surgical-fedavg", "FL + SA (FedAvg)", "federated", "surgical", job="surgical_agg"),
-    Method("surgical-fedbn+", "FL + SA (FedBN+)", "federated", "surgical", batchnorm="fedbn+", job="surgical_agg_fedbn_plus"),
+    Method("surgical-fedbn", "FL + SA (FedBN)", "federated", "surgical", batchnorm="fedbn", job="surgical_agg_fedbn"),
+    Method("surgical-fedbn+", "FL + SA (FedBN+)", "federated", "surgical", batchnorm="fedbn+"),
 )
 """Every method, in the papers' table order."""
 
@@ -61,20 +76,39 @@ BY_NAME = {m.name: m for m in METHODS}
 REFERENCE = "surgical-fedavg"
 """The method p-values are computed against (surgical aggregation as the default job runs it)."""
 
+DEFAULT_METHODS: tuple[str, ...] = ("individual", "pfl-fedavg", "centralized", "vanilla-fedavg", "partial-fedavg",
+                                    "surgical-fedavg", "surgical-fedbn")
+"""What a comparison runs by default (issue 14): the baselines, the existing methods and surgical
+aggregation with FedAvg and with FedBN."""
 
-def select(names: list[str] | None) -> list[Method]:
+PRETRAINED_METHODS: tuple[str, ...] = ("vanilla-fedbn+", "partial-fedbn+", "surgical-fedbn+")
+"""Added to the defaults when the feature extractor starts from a pretrained checkpoint (the
+papers' FedBN+ rows of the global models)."""
+
+ABLATION_METHODS: tuple[str, ...] = ("vanilla-fedavg", "partial-fedavg", "surgical-fedavg")
+"""The ablations' methods (the papers leave the baselines without one global model out)."""
+
+
+def select(names: list[str] | tuple[str, ...] | None, *, pretrained: bool = False) -> list[Method]:
     """The methods to run, in table order; the reference is always included.
 
     Args:
-        names: method names (None: all).
+        names: method names (None: :data:`DEFAULT_METHODS`, plus :data:`PRETRAINED_METHODS` when
+            ``pretrained``).
+        pretrained: the feature extractor starts from a pretrained checkpoint.
 
     Raises:
-        ConfigError: an unknown name.
+        ConfigError: an unknown name, or a FedBN+ method without a pretrained checkpoint.
     """
     if not names:
-        return list(METHODS)
+        names = DEFAULT_METHODS + (PRETRAINED_METHODS if pretrained else ())
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         raise ConfigError(f"unknown method(s) {unknown}; available: {', '.join(BY_NAME)}")
+    needs = [n for n in names if BY_NAME[n].needs_pretrained]
+    if needs and not pretrained:
+        raise ConfigError(f"method(s) {', '.join(needs)} use FedBN+, BatchNorm frozen at the statistics of a pretrained "
+                          "feature extractor: give --pretrained CHECKPOINT (e.g. ImageNet DenseNet121 weights), or use "
+                          "the FedAvg / FedBN variants when training from scratch")
     wanted = set(names) | {REFERENCE}
     return [m for m in METHODS if m.name in wanted]

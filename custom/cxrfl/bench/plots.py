@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 from sklearn.metrics import roc_curve  # noqa: E402
 
 
@@ -48,14 +48,14 @@ def auroc_by_method(results: dict[str, Any], view: str, path: Path) -> None:
     plt.close(fig)
 
 
-def roc_curves(results: dict[str, Any], entries: dict[str, Any], tests: dict[str, Any], view: str, path: Path) -> None:
-    """ROC curves (seed 0) of every single-global-model method on one view: one panel per method,
-    a thin curve per class and the macro average.
+def roc_curves(results: dict[str, Any], tests: dict[str, Any], store: Any, view: str, path: Path) -> None:
+    """ROC curves (first reported seed) of every single-global-model method on one view: one panel
+    per method, a thin curve per class and the macro average.
 
     Args:
         results: comparison results.
-        entries: the comparison's entries (scores per view and seed).
         tests: the test sets.
+        store: the stored runs (:class:`cxrfl.bench.runs.RunStore`: their scores).
         view: the view name.
         path: PNG file.
     """
@@ -63,15 +63,19 @@ def roc_curves(results: dict[str, Any], entries: dict[str, Any], tests: dict[str
     test = tests[d["test"]]
     cols = [test.classes.index(c) for c in d["classes"]]
     labels = test.labels[:, cols]
-    names = [n for n, m in results["methods"].items() if m["single_global_model"]]
-    if not names:
+    seed = results["seeds"][0]
+    panels = []
+    for name, m in results["methods"].items():
+        scores = store.scores(name, seed) if m["single_global_model"] else None
+        if scores is not None and f"{d['test']}|*" in scores:
+            panels.append((name, scores[f"{d['test']}|*"][:, cols]))
+    if not panels:
         return
-    ncol = min(3, len(names))
-    nrow = int(np.ceil(len(names) / ncol))
+    ncol = min(3, len(panels))
+    nrow = int(np.ceil(len(panels) / ncol))
     fig, axes = plt.subplots(nrow, ncol, figsize=(4 * ncol, 3.8 * nrow), squeeze=False)
     grid = np.linspace(0, 1, 101)
-    for ax, name in zip(axes.ravel(), names):
-        scores, _ = entries[name].scores[view][0]
+    for ax, (name, scores) in zip(axes.ravel(), panels):
         tprs = []
         for j in range(len(cols)):
             y, s = labels[:, j], scores[:, j]
@@ -84,97 +88,106 @@ def roc_curves(results: dict[str, Any], entries: dict[str, Any], tests: dict[str
         if tprs:
             ax.plot(grid, np.mean(tprs, axis=0), color="black", lw=2, label="macro average")
         ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls=":")
-        mean = results["methods"][name]["test"][view]["mean"]
-        ax.set_title(f"{results['methods'][name]['label']} (mean AUROC {mean:.3f})" if mean is not None else
-                     results["methods"][name]["label"], fontsize=9)
+        method = results["methods"][name]
+        mean = method["test"][view]["mean"]
+        ax.set_title(f"{method['label']} (mean AUROC {mean:.3f})" if mean is not None else method["label"], fontsize=9)
         ax.set_xlabel("false positive rate", fontsize=8)
         ax.set_ylabel("true positive rate", fontsize=8)
         ax.legend(fontsize=7, loc="lower right")
-    for ax in axes.ravel()[len(names):]:
+    for ax in axes.ravel()[len(panels):]:
         ax.axis("off")
-    fig.suptitle(f"{results['profile']}: ROC curves of the global models on {view} (seed 0, one curve per class)", fontsize=10)
+    fig.suptitle(f"{results['profile']}: ROC curves of the global models on {view} (seed {seed}, one curve per class)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def learning_curves(results: dict[str, Any], path: Path) -> None:
-    """Learning curves: the sites' mean validation BCE and mean validation AUROC of the model of
-    each round (mean over seeds) for every method.
+    """Learning curves of every run: the sites' mean validation BCE and mean validation AUROC of the
+    model of each round (one thin line per seed, the method's colour), the selected round marked,
+    so that one can see every model converge and stop.
 
     Args:
-        results: comparison results (each run's ``val_loss`` and ``val_auroc``).
+        results: comparison results (each run's ``curve_rounds``, ``val_loss``, ``val_auroc``, ``best_round``).
         path: PNG file.
     """
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, label in ((axes[0], "val_loss", "mean validation BCE of the sites"),
-                           (axes[1], "val_auroc", "mean validation AUROC of the sites")):
-        for d in results["methods"].values():
-            hist = [r.get(key) or [] for r in d["runs"]]
-            length = max((len(h) for h in hist), default=0)
-            if not length:
-                continue
-            arr = np.full((len(hist), length), np.nan)
-            for i, h in enumerate(hist):
-                arr[i, : len(h)] = [np.nan if v is None else v for v in h]
-            with np.errstate(all="ignore"), warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)  # a round no seed reached: NaN, not drawn
-                mean = np.nanmean(arr, axis=0)
-            ax.plot(range(length), mean, marker=".", label=d["label"])
-        ax.set_xlabel("model of round (0 = after the head warm-up)")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, d in enumerate(results["methods"].values()):
+        colour = colours[i % len(colours)]
+        for k, run in enumerate(d["runs"]):
+            xs = run.get("curve_rounds") or list(range(len(run.get("val_loss") or [])))
+            for ax, key in ((axes[0], "val_loss"), (axes[1], "val_auroc")):
+                ys = [np.nan if v is None else v for v in run.get(key) or []]
+                if not ys:
+                    continue
+                ax.plot(xs, ys, color=colour, lw=0.9, alpha=0.7, label=d["label"] if k == 0 else None)
+                if run.get("best_round") in xs:
+                    j = xs.index(run["best_round"])
+                    ax.plot([xs[j]], [ys[j]], "o", color=colour, markersize=4)
+    for ax, label in ((axes[0], "mean validation BCE of the sites"), (axes[1], "mean validation AUROC of the sites")):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("model of round (0 = after the head warm-up; epoch for one-site baselines)")
         ax.set_ylabel(label)
-    axes[0].set_title(f"{results['profile']}: validation loss per round (mean over seeds)", fontsize=9)
-    axes[1].set_title("validation AUROC per round (mean over seeds)", fontsize=9)
+    n = len(results.get("seeds") or [])
+    axes[0].set_title(f"{results['profile']}: validation loss per round, {n} seed(s); dots: selected round", fontsize=9)
+    axes[1].set_title("validation AUROC per round", fontsize=9)
     axes[0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def write_plots(results: dict[str, Any], entries: dict[str, Any], tests: dict[str, Any], views: list[Any], out: Path) -> list[str]:
+def write_plots(results: dict[str, Any], tests: dict[str, Any], store: Any, out: Path) -> list[str]:
     """Every plot of a comparison; returns their file names (relative to ``out``).
 
     Args:
         results: comparison results.
-        entries: the comparison's entries.
         tests: the test sets.
-        views: the views.
+        store: the stored runs (their scores, for the ROC curves).
         out: output folder.
     """
     files = []
-    for v in views:
-        if v.kind == "external-by-site":
+    views = results["views"]
+    for name, v in views.items():
+        if v["kind"] == "external-by-site":
             continue
-        name = f"auroc_{_safe(v.name)}.png"
-        auroc_by_method(results, v.name, out / name)
-        files.append(name)
-    roc_view = next((v.name for v in views if v.kind == "external"), views[0].name if views else None)
+        file = f"auroc_{_safe(name)}.png"
+        auroc_by_method(results, name, out / file)
+        files.append(file)
+    roc_view = next((name for name, v in views.items() if v["kind"] == "external"), next(iter(views), None))
     if roc_view is not None:
-        name = f"roc_{_safe(roc_view)}.png"
-        roc_curves(results, entries, tests, roc_view, out / name)
-        if (out / name).is_file():
-            files.append(name)
-    learning_curves(results, out / "val_loss.png")
-    files.append("val_loss.png")
+        file = f"roc_{_safe(roc_view)}.png"
+        roc_curves(results, tests, store, roc_view, out / file)
+        if (out / file).is_file():
+            files.append(file)
+    learning_curves(results, out / "learning_curves.png")
+    files.append("learning_curves.png")
     return files
 
 
 def ablation_plot(summary: dict[str, Any], path: Path) -> None:
-    """Mean AUROC per ablation setting and method (the papers' Figure 6).
+    """Mean AUROC on the held-out test set per ablation setting and method, with the SD over seeds
+    (the papers' Figure 6).
 
     Args:
-        summary: the ablation summary.
+        summary: the ablation summary (:func:`cxrfl.bench.statistics.ablation_summary`).
         path: PNG file.
     """
     values = summary["values"]
+    xs = [float(v) for v in values]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    names = list(next(iter(summary["runs"].values())))
-    for name in names:
-        ys = [summary["runs"][str(v)].get(name, {}).get("mean") for v in values]
-        ys = [np.nan if y is None else y for y in ys]
-        ax.plot(values, ys, marker="o", label=summary["runs"][str(values[0])][name]["label"])
-    ax.set_xlabel("number of sites" if summary["ablation"] == "sites" else "number of shared classes (4 sites)")
-    ax.set_ylabel("mean AUROC, held-out test set")
+    for d in summary["methods"].values():
+        means = [d["by_value"][v]["over_seeds"]["mean"] for v in values]
+        sds = [d["by_value"][v]["over_seeds"]["sd"] or 0.0 for v in values]
+        ys = np.array([np.nan if m is None else m for m in means], dtype=float)
+        ax.errorbar(xs, ys, yerr=sds, marker="o", capsize=3, label=d["label"])
+    ax.set_xticks(xs)
+    ax.set_xticklabels(values)
+    sites = summary["ablation"] == "sites"
+    ax.set_xlabel("number of sites (4 shared classes)" if sites else "number of shared classes (4 sites)")
+    ax.set_ylabel("mean AUROC, held-out test set (mean ± SD over seeds)")
     ax.set_title(f"ablation on {summary['profile']}")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

@@ -4,18 +4,21 @@ Profiles:
 
 * ``two-hospitals``: synthetic NIH-like ``hospital-a`` (14 findings) and CheXpert-like
   ``hospital-b`` (13 findings, 7 shared), non-IID styles and case mixes, and a synthetic
-  ``external`` test site with all 20 findings (the papers' MIMIC role).
+  ``external`` test site with all 20 findings (the papers' MIMIC role). By default 2,200 images
+  per hospital split 55/12/33 % by patient (at least 1,000 training and 600 test images each;
+  hospital-b loses its lateral views) and 2,000 external images.
 * ``two-hospitals-shared``: the same images, both hospitals restricted to their 7 shared
   classes (the no-class-heterogeneity control).
 * ``nih1000``: the 1,000 real NIH images of ``../shared/data/nih1000`` (264 patients). The
   pool's stratified test split (20 % of patients) is held out as ``nih-test`` with all 14
   findings; the other patients are split IID into sites whose label sets are pruned at random:
   by default 2 sites with 11 and 7 findings, 4 in common (the MIDL draft's first experiment).
-* ``synth-nih``: the same construction on a synthetic NIH-like pool (1,500 images).
+* ``synth-nih``: the same construction on a synthetic NIH-like pool (3,000 images: 600 held out).
 
 ``n_sites``/``n_shared`` turn the two pool profiles into the papers' ablations: K sites
 (IID, each 1/K of the pool) that all annotate ``n_shared`` random classes and split the other
-classes round-robin, so every class is annotated somewhere.
+classes round-robin, so every class is annotated somewhere. Pool sites split 70/10/20 % (the
+papers' split).
 """
 
 from __future__ import annotations
@@ -33,15 +36,21 @@ from cxrfl.errors import ConfigError
 from cxrfl.data.labels import NIH_CLASSES
 
 PROFILE_NAMES = ("two-hospitals", "two-hospitals-shared", "nih1000", "synth-nih")
-ABLATION_SITES = (2, 3, 4, 5, 6, 8, 10)
-"""The papers' numbers of clients (ablation 1)."""
+ABLATION_SITES = (2, 4, 6, 10)
+"""Numbers of sites of the sites ablation (the papers ran 2, 3, 4, 5, 6, 8, 10; ``--ablation-values``)."""
 ABLATION_SHARED = (0, 1, 2, 4, 8, 12, 14)
 """The papers' numbers of shared classes over 4 clients (ablation 2)."""
 MIDL_UNIQUE = (7, 3)
 """MIDL draft, first experiment: 4 shared classes + 7 and 3 own ones = 11 and 7 findings."""
 MIDL_SHARED = 4
-SYNTH_TRAIN_DEFAULT = 500
-SYNTH_EXTERNAL_DEFAULT = 400
+SYNTH_TRAIN_DEFAULT = 2200
+"""Images per synthetic hospital (two-hospitals profiles)."""
+SYNTH_EXTERNAL_DEFAULT = 2000
+"""Images of the synthetic external test site."""
+SYNTH_SPLIT = (0.55, 0.12, 0.33)
+"""Train/val/test fractions (by patient) of the synthetic hospitals: large test splits for per-class AUROCs."""
+SYNTH_POOL_DEFAULT = 3000
+"""Images of the synthetic NIH-like pool (synth-nih)."""
 
 
 @dataclass
@@ -191,6 +200,48 @@ def _pool_profile(
     return BenchData(f"{name}{tag}", sites, external, notes, configs)
 
 
+def with_split(config: Path, split: tuple[float, ...], seed: int) -> Path:
+    """A copy of a site config beside it (``<name>.compare.yaml``) with other split fractions.
+
+    Args:
+        config: the site config written by the synthetic generator.
+        split: train, val and test fractions.
+        seed: the split seed.
+    """
+    if len(split) != 3 or any(f <= 0 for f in split) or abs(sum(split) - 1) > 1e-6:
+        raise ConfigError(f"split must be three positive train/val/test fractions summing to 1, got {list(split)}")
+    cfg = yaml.safe_load(config.read_text())
+    cfg["split"] = {"train": float(split[0]), "val": float(split[1]), "test": float(split[2]), "seed": int(seed)}
+    path = config.with_name(f"{config.stem}.compare.yaml")
+    path.write_text("# the benchmark's copy of the synthetic site config, with its own split; paths relative to this file\n"
+                    + yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _split_text(s: SiteData) -> str:
+    return f"{s.site}: {len(s.classes)} classes, " + ", ".join(f"{k} {len(s.split_table(k))}" for k in ("train", "val", "test"))
+
+
+def _two_hospitals(profile: str, out: Path, *, image_size: int, n_train: int, n_ext: int, split: tuple[float, ...],
+                   seed: int) -> BenchData:
+    from cxrfl.synth import write_profile
+
+    folder = out / profile
+    cfgs = write_profile(profile, folder, n_per_site=n_train, image_size=image_size, seed=seed,
+                         sites=["hospital-a", "hospital-b"])
+    cfgs = [with_split(c, split, seed) for c in cfgs]
+    cfgs += write_profile(profile, folder, n_per_site=n_ext, image_size=image_size, seed=seed, sites=["external"])
+    loaded = {p.name.split(".")[0]: load_site(p, check_images=False) for p in cfgs}
+    sites = [loaded["hospital-a"], loaded["hospital-b"]]
+    external = {"external": loaded["external"]}
+    notes = [
+        f"{profile}: synthetic, {n_train} images written per hospital ({image_size}x{image_size} px; hospital-b's lateral "
+        f"views are left out), split {'/'.join(f'{100 * f:.0f}' for f in split)} % by patient; {len(external['external'].table)} "
+        f"images in the external test site; " + "; ".join(_split_text(s) for s in sites) + "."
+    ]
+    return BenchData(profile, sites, external, notes, {p.name.split(".")[0]: p for p in cfgs})
+
+
 def prepare(
     profile: str,
     out: Path,
@@ -200,6 +251,7 @@ def prepare(
     n_external: int | None = None,
     n_sites: int | None = None,
     n_shared: int | None = None,
+    split: tuple[float, ...] = SYNTH_SPLIT,
     seed: int = 0,
 ) -> BenchData:
     """Write (or reuse) a profile's data under ``out`` and load its sites.
@@ -208,35 +260,20 @@ def prepare(
         profile: one of :data:`PROFILE_NAMES`.
         out: data folder (synthetic images are reused when already written with the same settings).
         image_size: size the synthetic images are written at (>= the model input).
-        n_per_site: images per synthetic training site (default 500).
-        n_external: images of the synthetic external test site (default 400).
+        n_per_site: images per synthetic hospital (default :data:`SYNTH_TRAIN_DEFAULT`), or of the
+            synth-nih pool (default :data:`SYNTH_POOL_DEFAULT`).
+        n_external: images of the synthetic external test site (default :data:`SYNTH_EXTERNAL_DEFAULT`).
         n_sites: pool profiles: number of sites (ablation); default: the MIDL 2-site split.
         n_shared: pool profiles: classes every site annotates (ablation).
+        split: train/val/test fractions of the synthetic hospitals (pool sites: 70/10/20).
         seed: data seed (images, splits, label-set choice); fixed across training seeds.
     """
     out = Path(out)
     if profile in ("two-hospitals", "two-hospitals-shared"):
         if n_sites is not None or n_shared is not None:
             raise ConfigError("--sites/--shared (ablations) apply to the pool profiles nih1000 and synth-nih")
-        from cxrfl.synth import write_profile
-
-        folder = out / profile
-        n_train = n_per_site or SYNTH_TRAIN_DEFAULT
-        n_ext = n_external or SYNTH_EXTERNAL_DEFAULT
-        cfgs = write_profile(profile, folder, n_per_site=n_train, image_size=image_size, seed=seed,
-                             sites=["hospital-a", "hospital-b"])
-        cfgs += write_profile(profile, folder, n_per_site=n_ext, image_size=image_size, seed=seed, sites=["external"])
-        loaded = {p.stem: load_site(p, check_images=False) for p in cfgs}
-        sites = [loaded["hospital-a"], loaded["hospital-b"]]
-        external = {"external": loaded["external"]}
-        notes = [
-            f"{profile}: synthetic, {n_train} images per hospital ({image_size}x{image_size} px), "
-            f"{n_ext} images in the external test site; "
-            + "; ".join(f"{s.site}: {len(s.classes)} classes, " + ", ".join(
-                f"{k} {len(s.split_table(k))}" for k in ("train", "val", "test")) for s in sites)
-            + "."
-        ]
-        return BenchData(profile, sites, external, notes, {p.stem: p for p in cfgs})
+        return _two_hospitals(profile, out, image_size=image_size, n_train=n_per_site or SYNTH_TRAIN_DEFAULT,
+                              n_ext=n_external or SYNTH_EXTERNAL_DEFAULT, split=tuple(split), seed=seed)
     if profile == "nih1000":
         root = shared_data_root() / "nih1000"
         labels = root / "Data_Entry_2017_v2020.csv"
@@ -256,7 +293,8 @@ def prepare(
         import cxrfl.synth.bench_profiles  # noqa: F401  (registers nih-pool)
         from cxrfl.synth import write_profile
 
-        (cfg,) = write_profile("nih-pool", out / "nih-pool", n_per_site=n_per_site or 1500, image_size=image_size, seed=seed)
+        (cfg,) = write_profile("nih-pool", out / "nih-pool", n_per_site=n_per_site or SYNTH_POOL_DEFAULT,
+                               image_size=image_size, seed=seed)
         pool = load_site(cfg, check_images=False)
         return _pool_profile("synth-nih", pool, out, n_sites=n_sites, n_shared=n_shared, seed=seed)
     raise ConfigError(f"unknown benchmark profile {profile!r}; available: {', '.join(PROFILE_NAMES)}")
@@ -281,9 +319,8 @@ def from_site_configs(site_configs: list[str | Path], external_configs: list[str
     names = [s.site for s in sites] + list(external)
     if len(set(names)) != len(names):
         raise ConfigError(f"site names must differ, got {names}")
-    notes = [f"{name}: " + "; ".join(f"{s.site}: {len(s.classes)} classes, " + ", ".join(
-        f"{k} {len(s.split_table(k))}" for k in ("train", "val", "test")) for s in sites)
-        + "".join(f"; external {k}: {len(v.table)} images, {len(v.classes)} classes" for k, v in external.items()) + "."]
+    notes = [f"{name}: " + "; ".join(_split_text(s) for s in sites)
+             + "".join(f"; external {k}: {len(v.table)} images, {len(v.classes)} classes" for k, v in external.items()) + "."]
     configs = {s.site: Path(p) for s, p in zip(sites, site_configs)}
     configs.update({k: Path(p) for k, p in zip(external, external_configs)})
     return BenchData(name, sites, external, notes, configs)

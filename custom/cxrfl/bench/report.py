@@ -1,11 +1,11 @@
-"""``report.md`` of a comparison: tables shaped like the papers' Tables 1-4, per-class detail,
-the targets, and the plots.
+"""``report.md`` of a comparison: convergence, tables shaped like the papers' Tables 1-4, effect
+sizes and tests against surgical aggregation, per-class detail, the targets, and the plots.
 
-Cells read ``mean +- SD`` over classes (AUROC averaged over seeds per class first) with the
-paired t-test against surgical aggregation as the papers mark it (ns: p > 0.05, *: p <= 0.05,
-**: p <= 0.01, ***: p <= 0.001; ``=``: per-class AUROCs equal to the reference's, no test
-possible); ``-`` where the mean is not defined (the model does not predict every class of the
-column).
+Cells of the papers' tables read ``mean +- SD`` over classes (AUROC averaged over seeds per class
+first) with the paired t-test over classes against surgical aggregation as the papers mark it
+(ns: p > 0.05, *: p <= 0.05, **: p <= 0.01, ***: p <= 0.001; ``=``: per-class AUROCs equal to the
+reference's, no test possible); ``-`` where the mean is not defined (the model does not predict
+every class of the column). Differences are surgical aggregation minus the other method.
 """
 
 from __future__ import annotations
@@ -28,7 +28,16 @@ def _num(v: float | None, digits: int = 3) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def _p(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2g}" if v < 0.001 else f"{v:.3f}"
+
+
+def _ci(ci: Any, digits: int = 3) -> str:
+    return "-" if not ci else f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+
+
 def _cell(summary: dict[str, Any] | None, test: dict[str, Any] | None = None, *, with_p: bool = True) -> str:
+    """``mean ± SD mark``; ``test`` is a comparison over classes (its p marks the cell)."""
     if not summary or summary.get("mean") is None:
         return "-"
     text = _num(summary["mean"])
@@ -36,7 +45,6 @@ def _cell(summary: dict[str, Any] | None, test: dict[str, Any] | None = None, *,
         text += f" ± {summary['sd']:.3f}"
     mark = ""
     if with_p and test is not None:
-        # a t-test needs differences that vary: "=" marks per-class AUROCs equal to the reference's
         mark = stars(test["p"]) if test.get("p") is not None else "=" if test.get("n", 0) >= 2 else ""
     return f"{text} {mark}".strip()
 
@@ -47,104 +55,155 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _p(cell: dict[str, Any]) -> dict[str, Any] | None:
-    return cell.get("p_vs_reference")
+def _vs(cell: dict[str, Any], part: str = "all", over: str = "classes") -> dict[str, Any] | None:
+    """A cell's comparison with the reference (``part``: all, shared, unique; ``over``: classes, seeds)."""
+    comparison = (cell.get("vs_reference") or {}).get(part)
+    return comparison[over] if comparison else None
 
 
 def _views(results: dict[str, Any], kind: str) -> list[str]:
     return [v for v, d in results["views"].items() if d["kind"] == kind]
 
 
-def format_report(results: dict[str, Any], *, summary: bool = False, heading: str = "#") -> str:
-    """The Markdown report of a comparison.
-
-    Args:
-        results: what :func:`cxrfl.bench.compare.run_compare` returns.
-        summary: only the settings, data, the papers' tables and the targets (for BENCHMARKS.md).
-        heading: the Markdown heading prefix of the title (sections get one more ``#``).
-    """
+def _header(results: dict[str, Any]) -> list[str]:
     s = results["settings"]
-    methods = results["methods"]
-    ref = results.get("reference")
-    ref_label = methods[ref]["label"] if ref else "-"
-    site_views, ext_views, by_site = _views(results, "site"), _views(results, "external"), _views(results, "external-by-site")
-    out: list[str] = [f"# Method comparison: `{results['profile']}`", ""]
+    out = [f"# Method comparison: `{results['profile']}`", ""]
     if results.get("command"):
         out += [f"Command: `{results['command']}`", ""]
-    m = results["machine"]
+    steps = (f"capped at {s['steps']} steps per site (a smoke run, not the protocol)" if s.get("steps")
+             else "over whole training splits")
     out += [
-        f"Machine: {m['cpus']} CPU core(s), {m['threads']} torch thread(s), {m['device']}; torch {m['torch']}, "
-        f"Python {m['python']}. Wall time {results['wall_seconds'] / 60:.1f} min.",
-        "",
-        f"Settings: {len(results['seeds'])} seed(s) (model init, data order); DenseNet121 "
-        f"{'from ' + s['pretrained'] if s.get('pretrained') else 'from scratch'} at "
-        f"{s['image_size']}x{s['image_size']} px, batch {s['batch_size']}, Adam lr {s['lr']} (warm-up {s['warmup_lr']}, "
-        f"{s['warmup_epochs']} epoch(s), feature extractor frozen), {s['rounds']} rounds of 1 local epoch capped at "
-        f"{s['steps'] if s['steps'] else 'all'} steps per site (centralized: the sum over sites), model selected on the "
-        f"mean of the sites' validation BCE (patience {s['patience']}); {s['n_boot']} bootstrap resamples per seed.",
-        "",
-        "## Data",
+        f"Protocol: {len(results['seeds'])} seed(s) (model init, data order; data and splits fixed); DenseNet121 "
+        f"{'from ' + s['pretrained'] if s.get('pretrained') else 'from scratch'} at {s['image_size']}x{s['image_size']} px, "
+        f"batch {s['batch_size']}, Adam lr {s['lr']:g}; head warm-up {s['warmup_epochs']} epoch(s) at lr {s['warmup_lr']:g} "
+        f"(feature extractor frozen, shared by the methods of a seed); then rounds of one local epoch {steps} until the "
+        f"mean validation BCE of the sites has not improved by {s['min_delta']:g} for {s['patience']} rounds (at most "
+        f"{s['max_rounds']} rounds, a guard); the model of the lowest mean validation loss is selected. The one-site "
+        f"baselines run the same loop: epochs until their validation loss stops improving. {s['n_boot']} bootstrap "
+        "resamples per seed.",
         "",
     ]
-    out += [f"- {note}" for note in results["data"]["notes"]]
+    for m in results["machines"]:
+        gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""
+        out.append(f"Machine ({m['runs']} run(s)): {m['cpu']}, {m['cores']} core(s) ({m['usable_cores']} usable), "
+                   f"{m['torch_threads']} torch thread(s), device {m['device']}{gpu}; torch {m['torch']}, Python {m['python']}.")
+    for c in results["commits"]:
+        dirty = " with uncommitted changes" if c.get("dirty") else ""
+        out.append(f"Code ({c['runs']} run(s)): commit `{(c.get('commit') or 'unknown')[:10]}`{dirty}.")
+    out += ["", f"Training time, all runs: {results['run_seconds'] / 3600:.2f} h.", ""]
+    return out
+
+
+def _data(results: dict[str, Any]) -> list[str]:
+    out = ["## Data", ""] + [f"- {note}" for note in results["data"]["notes"]]
     out += ["", _table(
         ["test set", "images", "classes", "positives per class"],
         [[k, str(t["n"]), str(len(t["classes"])), ", ".join(f"{c} {n}" for c, n in t["positives"].items())]
          for k, t in results["data"]["test_sets"].items()],
     ), "", f"Shared classes (2+ sites): {', '.join(results['data']['shared_classes']) or 'none'}.", ""]
+    return out
 
-    out += ["## Mean AUROC, all classes (papers' Tables 1 and 2)", "",
-            f"Mean ± SD over classes; marks: paired t-test of per-class AUROCs against {ref_label}.", ""]
+
+def _convergence(results: dict[str, Any]) -> list[str]:
+    rows = []
+    for d in results["methods"].values():
+        runs = d["runs"]
+        early = sum(bool(r["stopped_early"]) for r in runs)
+        rows.append([d["label"], ", ".join(str(r["rounds"]) for r in runs), ", ".join(str(r["best_round"]) for r in runs),
+                     f"{early} of {len(runs)}", ", ".join(f"{r['seconds'] / 60:.1f}" for r in runs)])
+    return ["## Convergence", "",
+            "Every run trains until its validation loss stops improving; a run that reached the max_rounds guard "
+            "instead is not converged and is counted below. Learning curves: `learning_curves.png`.", "",
+            _table(["method", "rounds (epochs) per seed", "selected round per seed", "stopped early", "minutes per seed"],
+                   rows), ""]
+
+
+def _papers_tables(results: dict[str, Any]) -> list[str]:
+    methods = results["methods"]
+    ref = results.get("reference")
+    ref_label = methods[ref]["label"] if ref else "-"
+    site_views, ext_views, by_site = _views(results, "site"), _views(results, "external"), _views(results, "external-by-site")
+    out = ["## Mean AUROC, all classes (papers' Tables 1 and 2)", "",
+           f"Mean ± SD over classes; marks: paired t-test over the classes against {ref_label}.", ""]
     cols = site_views + ext_views
-    rows = [[d["label"]] + [_cell(d["test"][v], _p(d["test"][v]), with_p=name != ref) for v in cols]
+    rows = [[d["label"]] + [_cell(d["test"][v], _vs(d["test"][v]), with_p=name != ref) for v in cols]
             for name, d in methods.items()]
     out += [_table(["method"] + [f"{v} ({'test split' if v in site_views else 'external'})" for v in cols], rows), ""]
-
     if len(site_views) > 1:
-        out += ["## Shared vs unique classes on each site's test split (papers' Table 3)", ""]
-        header = ["method"]
-        for v in site_views:
-            header += [f"{v} shared", f"{v} unique"]
-        rows = []
-        for name, d in methods.items():
-            row = [d["label"]]
-            for v in site_views:
-                cell = d["test"][v]
-                row += [_cell(cell.get("shared")), _cell(cell.get("unique"))]
-            rows.append(row)
-        out += [_table(header, rows), "", "(no marks: the t-test is over all classes of the site, see above)", ""]
+        out += ["## Shared vs unique classes on each site's test split (papers' Table 3)", "",
+                "Marks: paired t-test over the shared (unique) classes against the reference.", ""]
+        header = ["method"] + [f"{v} {part}" for v in site_views for part in ("shared", "unique")]
+        rows = [[d["label"]] + [_cell(d["test"][v].get(part), _vs(d["test"][v], part), with_p=name != ref)
+                                for v in site_views for part in ("shared", "unique")]
+                for name, d in methods.items()]
+        out += [_table(header, rows), ""]
     if by_site:
         out += ["## External set by each site's classes (papers' Table 4)", ""]
-        rows = [[d["label"]] + [_cell(d["test"][v], _p(d["test"][v]), with_p=name != ref) for v in by_site]
+        rows = [[d["label"]] + [_cell(d["test"][v], _vs(d["test"][v]), with_p=name != ref) for v in by_site]
                 for name, d in methods.items()]
         out += [_table(["method"] + [f"{v.split('@')[0]}, {v.split('@')[1]} classes" for v in by_site], rows), ""]
+    return out
 
-    if summary:
-        out += _targets_section(results)
-        return _shift(out, heading)
-    out += ["## Mean AUROC with 95 % bootstrap interval, SD over seeds and tests", "",
-            "CI: percentile interval of the mean over classes, test images resampled (replicates pooled over seeds). "
-            "p: paired t-test of per-class AUROCs against the reference; Shapiro: Shapiro-Wilk p of the differences.", ""]
-    for v in cols:
+
+def _effect_row(label: str, by_class: dict[str, Any] | None, by_seed: dict[str, Any] | None) -> list[str]:
+    c, s = by_class or {}, by_seed or {}
+    return [label, _num(c.get("difference")), _ci(c.get("ci")), _num(c.get("d_z"), 2), _p(c.get("p")), _p(c.get("wilcoxon_p")),
+            str(c.get("n", "-")), _num(s.get("difference")), _ci(s.get("ci")), _num(s.get("d_z"), 2), _p(s.get("p")),
+            str(s.get("n", "-"))]
+
+
+EFFECT_HEADER = ["method", "Δ classes", "95% CI", "d_z", "t-test p", "Wilcoxon p", "classes", "Δ seeds", "95% CI",
+                 "d_z", "t-test p", "seeds"]
+
+
+def _effects(results: dict[str, Any]) -> list[str]:
+    methods = results["methods"]
+    ref = results.get("reference")
+    if ref is None:
+        return []
+    out = ["## Against surgical aggregation: effect sizes and tests", "",
+           f"Δ = {methods[ref]['label']} - method. Over classes: per-class AUROC averaged over seeds, paired t-test "
+           "(the papers' test) and Wilcoxon signed-rank test, t-interval of the mean difference, Cohen's d_z (mean "
+           "difference / SD of the differences). Over seeds: the mean AUROC of each seed, paired by seed.", ""]
+    site_views = _views(results, "site")
+    for v in site_views + _views(results, "external") + _views(results, "external-by-site"):
+        rows = [_effect_row(d["label"], _vs(d["test"][v]), _vs(d["test"][v], over="seeds"))
+                for name, d in methods.items() if name != ref and _vs(d["test"][v]) is not None]
+        if rows:
+            out += [f"### {v}", "", _table(EFFECT_HEADER, rows), ""]
+    for part in ("unique", "shared"):
+        rows = [_effect_row(f"{d['label']} on {v}", _vs(d["test"][v], part), _vs(d["test"][v], part, "seeds"))
+                for v in site_views for name, d in methods.items() if name != ref and _vs(d["test"][v], part) is not None]
+        if rows:
+            out += [f"### {part.capitalize()} classes of each site's test split", "", _table(EFFECT_HEADER, rows), ""]
+    return out
+
+
+def _intervals(results: dict[str, Any]) -> list[str]:
+    methods = results["methods"]
+    out = ["## Mean AUROC: bootstrap interval and spread over seeds", "",
+           "Bootstrap: percentile interval of the mean over classes (test images resampled, the same resamples for "
+           "every method of a seed, replicates pooled over seeds). Seeds: SD and t-interval of the per-seed means.", ""]
+    for v in _views(results, "site") + _views(results, "external"):
         rows = []
-        for name, d in methods.items():
+        for d in methods.values():
             cell = d["test"][v]
-            pt = cell.get("p_vs_reference") or {}
-            ci = cell.get("mean_ci")
-            rows.append([d["label"], _num(cell["mean"]), "-" if not ci else f"{ci[0]:.3f} - {ci[1]:.3f}",
-                         _num(cell.get("mean_seed_sd")), ", ".join(_num(x) for x in cell["mean_by_seed"]),
-                         _num(pt.get("p"), 4), _num(pt.get("shapiro_p"), 3), str(pt.get("n", "-"))])
-        out += [f"### {v}", "", _table(["method", "mean", "95% CI", "SD over seeds", "per seed", "p", "Shapiro", "classes paired"], rows), ""]
+            rows.append([d["label"], _num(cell["mean"]), _ci(cell.get("mean_ci")), _num(cell.get("mean_seed_sd")),
+                         _ci(cell.get("mean_seed_ci")), ", ".join(_num(x) for x in cell["mean_by_seed"])])
+        out += [f"### {v}", "", _table(["method", "mean", "bootstrap 95% CI", "SD over seeds", "t 95% CI", "per seed"], rows), ""]
+    return out
 
-    out += ["## Per-class AUROC (mean over seeds)", ""]
-    for v in cols:
-        names = list(methods)
-        classes = results["views"][v]["classes"]
+
+def _per_class(results: dict[str, Any]) -> list[str]:
+    methods = results["methods"]
+    ref = results.get("reference")
+    out = ["## Per-class AUROC (mean over seeds; bootstrap 95% CI for the reference)", ""]
+    for v in _views(results, "site") + _views(results, "external"):
         rows = []
-        for c in classes:
+        for c in results["views"][v]["classes"]:
             row = [c]
-            for name in names:
-                a = methods[name]["test"][v]
+            for name, d in methods.items():
+                a = d["test"][v]
                 val = a["auroc"].get(c)
                 if val is None:
                     row.append("n/a" if c not in a["model_knows"] else "undef")
@@ -152,17 +211,40 @@ def format_report(results: dict[str, Any], *, summary: bool = False, heading: st
                     ci = a["ci"].get(c)
                     row.append(f"{val:.3f}" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci and name == ref else ""))
             rows.append(row)
-        out += [f"### {v}", "", _table(["class"] + [methods[n]["label"] for n in names], rows), "",
+        out += [f"### {v}", "", _table(["class"] + [d["label"] for d in methods.values()], rows), "",
                 "n/a: the model does not predict the class (not defined); undef: one label value only in the test set.", ""]
+    return out
 
+
+def _runs(results: dict[str, Any]) -> list[str]:
+    rows = []
+    for d in results["methods"].values():
+        for r in d["runs"]:
+            commit = (r.get("code") or {}).get("commit") or "unknown"
+            rows.append([d["label"], str(r["seed"]), str(r["rounds"]), str(r["best_round"]),
+                         "early stop" if r["stopped_early"] else "max_rounds", f"{r['seconds'] / 60:.1f}",
+                         f"{r['images_per_second']:.1f}", commit[:10], r.get("machine", {}).get("device", "-")])
+    return ["## Runs", "", _table(["method", "seed", "rounds", "selected", "ended by", "minutes", "images/s per site",
+                                   "commit", "device"], rows), ""]
+
+
+def format_report(results: dict[str, Any], *, summary: bool = False, heading: str = "#") -> str:
+    """The Markdown report of a comparison.
+
+    Args:
+        results: what :func:`cxrfl.bench.compare.run_compare` returns.
+        summary: only the settings, data, convergence, the papers' tables, the effect sizes and the
+            targets (for BENCHMARKS.md).
+        heading: the Markdown heading prefix of the title (sections get one more ``#``).
+    """
+    out = _header(results) + _data(results) + _convergence(results) + _papers_tables(results) + _effects(results)
+    if not summary:
+        out += _intervals(results) + _per_class(results)
     out += _targets_section(results)
-    if results.get("plots"):
+    if results.get("plots") and not summary:
         out += ["## Plots", ""] + [f"![{p}]({p})" for p in results["plots"]] + [""]
-    out += ["## Runs", "", _table(
-        ["method", "seconds per seed", "best round per seed", "images/s per site"],
-        [[d["label"], ", ".join(f"{r['seconds']:.0f}" for r in d["runs"]), ", ".join(str(r["best_round"]) for r in d["runs"]),
-          ", ".join(f"{r['images_per_second']:.0f}" for r in d["runs"])] for d in methods.values()],
-    ), ""]
+    if not summary:
+        out += _runs(results)
     return _shift(out, heading)
 
 
@@ -182,42 +264,73 @@ def _targets_section(results: dict[str, Any]) -> list[str]:
     return out + [""]
 
 
+def _stats_text(t: dict[str, Any]) -> str:
+    c, s = t.get("classes") or {}, t.get("seeds") or {}
+    parts = []
+    if c.get("n"):
+        parts.append(f"over {c['n']} classes: 95% CI {_ci(c.get('ci'))}, d_z {_num(c.get('d_z'), 2)}, t-test p {_p(c.get('p'))}, "
+                     f"Wilcoxon p {_p(c.get('wilcoxon_p'))}")
+    if (s.get("n") or 0) >= 2:
+        parts.append(f"over {s['n']} seeds: {_num(s.get('difference'))} {_ci(s.get('ci'))}, d_z {_num(s.get('d_z'), 2)}, "
+                     f"p {_p(s.get('p'))}")
+    return "; ".join(parts)
+
+
 def target_sentence(t: dict[str, Any], methods: dict[str, Any]) -> str:
-    """One sentence per target: met or not, by how much.
+    """One sentence per target: met or not, by how much, with effect sizes and p-values.
 
     Args:
-        t: a target record from :func:`cxrfl.bench.compare.evaluate_targets`.
+        t: a target record from :func:`cxrfl.bench.targets.evaluate_targets`.
         methods: the results' methods (for labels).
     """
     a = methods[t["method"]]["label"]
-    b = methods[t["against"]]["label"]
     part = f" ({t['part']} classes)" if t.get("part") else ""
     where = f"on `{t['view']}`{part}"
+    if t["against"] is None:
+        if t["met"] is None:
+            return f"{t['target']}, {a} {where}: not measurable."
+        return (f"{t['target']}, {a} {where}: **{'MET' if t['met'] else 'NOT MET'}** — {t['value']:.3f} "
+                f"(95% CI over seeds {_ci(t.get('value_ci'))}).")
+    b = methods[t["against"]]["label"]
     if t["met"] is None:
         return f"{t['target']} {where}: not measurable ({a} {_num(t['value'])}, {b} {_num(t['other'])})."
-    verdict = "MET" if t["met"] else "NOT MET"
-    p = "" if t.get("p") is None else f", paired t-test over the {t['part'] + ' ' if t.get('part') else ''}classes p = {t['p']:.3g}"
-    return (f"{t['target']} {where}: **{verdict}** — {a} {t['value']:.3f} vs {b} {t['other']:.3f}, "
-            f"difference {t['difference']:+.3f} (rule {t['rule']}{p}).")
+    stats = _stats_text(t)
+    return (f"{t['target']} {where}: **{'MET' if t['met'] else 'NOT MET'}** — {a} {t['value']:.3f} vs {b} {t['other']:.3f}, "
+            f"difference {t['difference']:+.3f} (rule {t['rule']}){'; ' + stats if stats else ''}.")
 
 
 def format_ablation(summary: dict[str, Any]) -> str:
-    """The Markdown table of an ablation (mean AUROC on the held-out test set per setting).
+    """The Markdown tables of an ablation: mean AUROC on the held-out test set per setting, and
+    surgical aggregation against each method paired over the settings (the papers' test) and over
+    every (setting, seed).
 
     Args:
         summary: what :func:`cxrfl.bench.compare.run_ablation` writes to ``ablation.json``.
     """
-    values = [str(v) for v in summary["values"]]
-    names = list(next(iter(summary["runs"].values())))
-    what = "number of sites" if summary["ablation"] == "sites" else "number of shared classes (4 sites)"
+    values = summary["values"]
+    what = "number of sites (4 shared classes)" if summary["ablation"] == "sites" else "number of shared classes (4 sites)"
     rows = []
-    for name in names:
-        label = summary["runs"][values[0]][name]["label"]
-        row = [label]
+    for d in summary["methods"].values():
+        row = [d["label"]]
         for v in values:
-            r = summary["runs"][v].get(name, {})
-            row.append(f"{_num(r.get('mean'))} {stars(r.get('p_vs_reference'))}".strip())
+            r = d["by_value"][v]
+            over = r["over_seeds"]
+            text = f"{_num(over['mean'])}" + (f" ± {over['sd']:.3f}" if over.get("sd") is not None else "")
+            vs = (r.get("vs_reference") or {}).get("seeds") or {}
+            row.append(f"{text} {stars(vs.get('p'))}".strip())
         rows.append(row)
-    return "\n".join([f"# Ablation: {what} ({summary['profile']})", "",
-                      "Mean AUROC on the held-out fully annotated test set; marks: paired t-test against surgical aggregation.", "",
-                      _table(["method"] + values, rows), ""])
+    ref = summary["methods"].get(summary["reference"], {}).get("label", summary["reference"])
+    tests = [_effect_row(d["label"], d["vs_reference"].get("settings"), d["vs_reference"].get("setting_seeds"))
+             for d in summary["methods"].values() if d.get("vs_reference")]
+    header = ["method", "Δ settings", "95% CI", "d_z", "t-test p", "Wilcoxon p", "settings", "Δ (setting, seed)", "95% CI",
+              "d_z", "t-test p", "pairs"]
+    seeds = max((len(d["by_value"][v]["mean_by_seed"]) for d in summary["methods"].values() for v in values), default=0)
+    return "\n".join([
+        f"# Ablation: {what} ({summary['profile']})", "",
+        f"Mean AUROC on the held-out fully annotated test set, mean ± SD over {seeds} seed(s); marks: paired t-test over "
+        f"the seeds against {ref}.", "", _table(["method"] + [str(v) for v in values], rows), "",
+        f"## {ref} against each method", "",
+        f"Δ = {ref} - method. Paired over the settings (each setting's mean over seeds; the papers' test) and over "
+        f"every (setting, seed). With {len(values)} settings the smallest two-sided Wilcoxon p is "
+        f"{2 / 2 ** len(values):.3g}.", "",
+        _table(header, tests) if tests else "(no other method)", ""])

@@ -16,21 +16,44 @@ against ``choices``, ``ge``, ``gt``, ``le``, ``lt``; a wrong value is one
 (and the file, when known). Lists become tuples for tuple fields, texts paths for ``Path`` fields;
 ``from_dict`` builds nested ``Config`` sections from mappings and names a missing required key.
 Cross-field rules stay in the subclass's ``__post_init__`` (call ``super().__post_init__()`` first).
+
+A renamed or replaced key stays readable for one release through ``LEGACY`` (old key ->
+:class:`LegacyKey`): ``from_dict`` checks the old value's type, turns it into the new settings
+(an explicitly given new key wins) and logs one deprecation line per key and process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 from cxrfl.errors import ConfigError
 
 C = TypeVar("C", bound="Config")
+log = logging.getLogger(__name__)
+_WARNED: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class LegacyKey:
+    """An old settings key still accepted for one release.
+
+    Args:
+        type: the annotation the old value must match.
+        translate: old value -> the new settings it stands for.
+        advice: what to write instead (ends the deprecation line).
+    """
+
+    type: Any
+    translate: Callable[[Any], Mapping[str, Any]]
+    advice: str
 
 
 def _describe(tp: Any) -> str:
@@ -106,6 +129,8 @@ class Config:
     """Base of every settings dataclass (see the module docstring)."""
 
     SECTION: ClassVar[str] = "settings"
+    LEGACY: ClassVar[Mapping[str, LegacyKey]] = {}
+    """Old key -> how it is read (see the module docstring)."""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -168,6 +193,7 @@ class Config:
             return data
         if not isinstance(data, Mapping):
             raise ConfigError(f"{cls.SECTION} settings must be a mapping, got {type(data).__name__}{suffix}")
+        data = cls._read_legacy(data, suffix)
         fields = dataclasses.fields(cls)
         known = [f.name for f in fields]
         unknown = sorted(set(data) - set(known))
@@ -186,6 +212,25 @@ class Config:
             return cls(**values)
         except ConfigError as exc:
             raise ConfigError(f"{exc}{suffix}") from None
+
+    @classmethod
+    def _read_legacy(cls, data: Mapping[str, Any], suffix: str) -> Mapping[str, Any]:
+        """``data`` with its legacy keys turned into their new settings (explicit new keys win)."""
+        old = [k for k in cls.LEGACY if k in data]
+        if not old:
+            return data
+        out = {k: v for k, v in data.items() if k not in cls.LEGACY}
+        for key in old:
+            legacy, value = cls.LEGACY[key], data[key]
+            if not matches(value, legacy.type):
+                raise ConfigError(f"{cls.qualified(key)} must be {_describe(legacy.type)}, got {value!r}{suffix}")
+            for new_key, new_value in legacy.translate(value).items():
+                out.setdefault(new_key, new_value)
+            line = f"{cls.qualified(key)} is deprecated and will be removed in the next release; {legacy.advice}"
+            if line not in _WARNED:
+                _WARNED.add(line)
+                log.warning("%s%s", line, suffix)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/YAML-friendly dict (tuples as lists, paths as text)."""

@@ -106,12 +106,14 @@ def torch_save(path: str | Path, obj: Any) -> Path:
 
 
 def to_numpy(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """A state dict as CPU numpy arrays (what travels over the wire).
+    """A state dict as C-contiguous CPU numpy arrays (what travels over the wire; a channels-last
+    tensor becomes a plain row-major array).
 
     Args:
         params: name -> tensor or array.
     """
-    return {k: (v.detach().cpu().numpy() if torch.is_tensor(v) else np.asarray(v)) for k, v in params.items()}
+    return {k: (v.detach().cpu().contiguous().numpy() if torch.is_tensor(v) else np.asarray(v, order="C"))
+            for k, v in params.items()}
 
 
 def params_digest(params: Mapping[str, Any]) -> str:

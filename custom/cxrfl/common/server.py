@@ -23,7 +23,7 @@ import torch
 import cxrfl
 from cxrfl.common.io import append_record, json_default, write_json
 from cxrfl.common.resume import RESUME_ROOT, ResumeStore
-from cxrfl.common.transport import Message, Send
+from cxrfl.common.transport import Message, OnAnswer, Send
 from cxrfl.errors import CxrflError
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,9 @@ class ServerLoop:
         aborted: returns True when the run must stop.
     """
 
+    on_record: Callable[[str, Mapping[str, Any]], None] | None = None
+    """Called with ``(name, record)`` after each :meth:`record` (NVFlare: the job's experiment tracking)."""
+
     def __init__(self, send: Send, *, sites: Sequence[str], out_dir: str | Path, run_id: str = "run",
                  resume_root: str | Path | None = None, resume_from: str | None = None,
                  info: Callable[[str], None] = log.info, warning: Callable[[str], None] = log.warning,
@@ -128,6 +131,8 @@ class ServerLoop:
             name: the ``.jsonl`` file.
         """
         append_record(self.path(RECORDS_DIR, name), dict(record))
+        if self.on_record is not None:
+            self.on_record(name, record)
 
     def write_run_config(self, settings: Mapping[str, Any]) -> Path:
         """``cxrfl/run_config.json``: the settings and the versions that ran them.
@@ -156,18 +161,20 @@ class ServerLoop:
         if self.aborted():
             raise RunAborted()
 
-    def exchange(self, task: str, payloads: dict[str, Message]) -> dict[str, Message]:
+    def exchange(self, task: str, payloads: dict[str, Message], on_answer: OnAnswer | None = None) -> dict[str, Message]:
         """Send one message per site; warn about each site without an answer.
 
         Args:
             task: the task name.
             payloads: site -> its message.
+            on_answer: streams the answers (see :class:`cxrfl.common.transport.Send`): each is
+                handed to it as it arrives and comes back as ``({}, meta)``.
 
         Returns:
             the answers of the sites that succeeded.
         """
         self.check_abort()
-        answers = self.send(task, payloads)
+        answers = self.send(task, payloads) if on_answer is None else self.send(task, payloads, on_answer=on_answer)
         for site in payloads:
             if site not in answers:
                 self.warning(f"{task}: site {site} gave no result (failed, timed out or down; see its log); "

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from cxrfl.common.config import Config
+from cxrfl.nn.precision import LEGACY_AMP, channels_last_field, precision_field
 
 TASKS = ("binary", "multilabel")
 ORDERS = ("fixed", "shuffled")
@@ -54,10 +55,13 @@ class CWTConfig(Config):
         min_delta: smaller improvements do not count.
         augment: random rotation/flip/zoom/contrast on training images.
         seed: seed of the initial weights, the relay order, sampling and augmentation.
-        amp: mixed precision on CUDA (ignored on CPU).
+        precision: ``auto`` (per device, :mod:`cxrfl.nn.precision`), ``fp32``, ``bf16`` or ``fp16``
+            (autocast; weights and optimiser state stay float32).
+        channels_last: ``auto`` (per device), true or false: channels-last memory format.
     """
 
     SECTION: ClassVar[str] = "cwt"
+    LEGACY = LEGACY_AMP
     task: str = field(default="binary", metadata={"choices": TASKS})
     num_cycles: int = field(default=30, metadata={"ge": 1})
     order: str = field(default="fixed", metadata={"choices": ORDERS})
@@ -76,7 +80,8 @@ class CWTConfig(Config):
     min_delta: float = field(default=1e-4, metadata={"ge": 0})
     augment: bool = True
     seed: int = 0
-    amp: bool = True
+    precision: str = precision_field()
+    channels_last: str | bool = channels_last_field()
 
     @property
     def method(self) -> str:

@@ -163,7 +163,8 @@ class CWTSiteHost:
         return None
 
     def scalars(self, task: str, answer: Mapping[str, Any]) -> tuple[dict[str, float], int] | None:
-        """Training loss per visit and validation loss/AUROC per cycle, stepped by cycle.
+        """Training loss per visit and validation loss and AUROC (mean, and ``val_auroc/<class>``) per
+        cycle, stepped by cycle.
 
         Args:
             task: the task answered.
@@ -173,5 +174,6 @@ class CWTSiteHost:
         if task == TRAIN_TASK:
             return {"train_loss": m.get("train_loss"), "lr": m.get("lr")}, int(m.get("cycle") or 0)
         if task == VALIDATE_TASK and m.get("split") == "val":
-            return {"val_loss": m.get("loss"), "val_auroc": m.get("mean_auroc")}, int(m.get("cycle") or 0)
+            per_class = {f"val_auroc/{c}": v for c, v in (m.get("auroc") or {}).items() if v is not None}
+            return {"val_loss": m.get("loss"), "val_auroc": m.get("mean_auroc"), **per_class}, int(m.get("cycle") or 0)
         return None

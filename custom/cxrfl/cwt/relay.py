@@ -103,7 +103,8 @@ def visit_seed(seed: int, cycle: int, site: str) -> int:
 
 
 def optimizer_arrays(optimizer: torch.optim.Optimizer) -> dict[str, np.ndarray]:
-    """Adam's per-parameter state as flat numpy arrays (``__optimizer__.<index>.<name>``).
+    """Adam's per-parameter state as C-contiguous numpy arrays (``__optimizer__.<index>.<name>``;
+    the moments of channels-last weights leave in row-major order).
 
     Args:
         optimizer: the optimiser (one parameter group).
@@ -112,7 +113,7 @@ def optimizer_arrays(optimizer: torch.optim.Optimizer) -> dict[str, np.ndarray]:
     for idx, state in optimizer.state_dict()["state"].items():
         for name, value in state.items():
             out[f"{OPTIMIZER_PREFIX}{idx}.{name}"] = (
-                value.detach().cpu().numpy() if torch.is_tensor(value) else np.asarray(value)
+                value.detach().cpu().contiguous().numpy() if torch.is_tensor(value) else np.asarray(value)
             )
     return out
 

@@ -23,6 +23,7 @@ from cxrfl.data.labels import union_classes
 from cxrfl.data.site import SiteData
 from cxrfl.errors import ConfigError
 from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.precision import compute_for
 from cxrfl.nn.training import EvalResult, evaluate, train_epochs
 
 def binary_labels(table: pd.DataFrame, classes: Sequence[str]) -> pd.Series:
@@ -157,6 +158,7 @@ class CWTSite:
         self.model_config = model_config
         self.device = device or torch.device("cpu")
         self.num_workers = num_workers
+        self.cache_dir = data.cache_dir
         table, self.own_classes = task_table(data, config.task)
         self.classes = list(classes) if classes is not None else list(self.own_classes)
         missing = sorted(set(self.own_classes) - set(self.classes))
@@ -178,6 +180,7 @@ class CWTSite:
         if config.task != self.config.task:
             raise ConfigError(f"site {self.name}: cannot switch the task of a built site ({self.config.task} -> {config.task})")
         self.config = config
+        self.compute = compute_for(config, self.device)
         self.warnings = label_warnings(self.name, self.classes, self.positives, self.known, lwms=config.lwms, cwl=config.cwl)
         weights = lwms_sample_weights(self._labels) if config.lwms else None
         self.sample_weights = weights if weights is not None and weights.sum() > 0 else None
@@ -215,7 +218,7 @@ class CWTSite:
             self._loaders[key] = make_loader(
                 self.tables[split], self.classes, image_size=self.model_config.image_size, train=train and c.augment,
                 batch_size=c.batch_size, num_workers=self.num_workers, seed=c.seed, cache=True, sampler=sampler,
-                in_channels=self.model_config.in_channels,
+                in_channels=self.model_config.in_channels, cache_dir=self.cache_dir, device=self.device,
             )
         loader = self._loaders[key]
         if train:
@@ -249,8 +252,8 @@ class CWTSite:
         pos_weight, class_weight = self.loss_weights
         try:
             stats = train_epochs(
-                model, loader, optimizer, self.device, epochs=1, max_steps=visit.steps, class_weight=class_weight,
-                pos_weight=pos_weight, amp=self.config.amp,
+                model, loader, optimizer, self.compute, epochs=1, max_steps=visit.steps, class_weight=class_weight,
+                pos_weight=pos_weight,
             )
         finally:
             hook.remove()
@@ -264,7 +267,7 @@ class CWTSite:
             model: the network.
             split: ``val`` or ``test``.
         """
-        return evaluate(model, self.loader(split), self.classes, self.device, amp=self.config.amp)
+        return evaluate(model, self.loader(split), self.classes, self.compute)
 
 
 def accuracy(result: EvalResult, threshold: float = 0.5) -> float | None:

@@ -28,6 +28,9 @@ class SiteData:
             (NaN = not annotated, masked out of loss and metrics).
         skipped: ``(image path, reason)`` of images left out as missing or unreadable.
         problems: warnings that do not stop the site (a class without positives in a split ...).
+        cache_dir: the site's preprocessing cache on disk, a folder of its own workspace
+            (:mod:`cxrfl.data.cache`; NVFlare sites: ``<workspace>/cxrfl_state/image_cache``);
+            None: images are decoded every epoch (evaluation splits cached in memory).
     """
 
     site: str
@@ -35,6 +38,7 @@ class SiteData:
     table: pd.DataFrame
     skipped: list[tuple[str, str]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    cache_dir: Path | None = None
 
     def split_table(self, name: str) -> pd.DataFrame:
         """The rows of one split, re-indexed from 0.

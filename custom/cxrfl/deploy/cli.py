@@ -110,8 +110,10 @@ def _cmd_job(args: argparse.Namespace) -> int:
         privacy = {"method": args.privacy, "args": _kv(args.privacy_arg)}
     elif args.privacy_arg:
         raise DeployError("--privacy-arg needs --privacy")
+    tracking = None if args.tracking is None else [t for t in args.tracking.split(",") if t]
     _emit(str(build_job(args.name, args.out, mode=args.mode, overrides=_kv(args.set), privacy=privacy,
-                        exclude_batchnorm=args.exclude_batchnorm, job_name=args.job_name)))
+                        exclude_batchnorm=args.exclude_batchnorm, job_name=args.job_name, tracking=tracking,
+                        tracking_uri=args.tracking_uri)))
     return 0
 
 
@@ -196,6 +198,10 @@ def _add_setup_commands(ds: argparse._SubParsersAction) -> None:
     p.add_argument("--privacy-arg", action="append", metavar="KEY=VALUE", help="its arguments, e.g. gamma=0.05")
     p.add_argument("--exclude-batchnorm", action="store_true", help="ExcludeVars filter of BatchNorm entries (FedBN/FedBN+)")
     p.add_argument("--job-name", help="another job (folder) name")
+    p.add_argument("--tracking", help="experiment trackers, comma-separated: tensorboard, mlflow ('' for none; "
+                                      "default: the job's, tensorboard)")
+    p.add_argument("--tracking-uri", help="MLflow tracking server (default: an SQLite file mlflow.db in the job's "
+                                          "server workspace folder)")
     p.set_defaults(func=_quiet(_cmd_job))
 
 

@@ -1,11 +1,15 @@
-"""Deployable job folders, written from the jobs of :data:`cxrfl.jobs.JOBS`."""
+"""Deployable job folders, written from the recipes of the jobs of :data:`cxrfl.jobs.JOBS`."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from cxrfl.deploy.workspace import DeployError
+from cxrfl.errors import ConfigError
 
 
 def build_job(
@@ -17,23 +21,24 @@ def build_job(
     privacy: dict[str, Any] | None = None,
     exclude_batchnorm: bool = False,
     job_name: str | None = None,
+    tracking: Sequence[str] | None = None,
+    tracking_uri: str | None = None,
 ) -> Path:
-    """Write a deployable job folder from a job in :data:`cxrfl.jobs.JOBS`.
+    """Write a deployable job folder from a job in :data:`cxrfl.jobs.JOBS` (its recipe, exported).
 
     Args:
         name: the job (``surgical_agg``, ...).
         out: parent folder; the job is written to ``out/<job_name or name>`` (must not exist).
         mode: ``preinstalled`` (no ``app/custom``), ``byoc`` (package in ``app/custom``) or
             ``readme`` (as committed under ``jobs/``).
-        overrides: controller arguments to change, dotted for nested ones
-            (``{"num_rounds": 2, "train_config.batch_size": 16}``).
+        overrides: workflow arguments to change, dotted for nested ones
+            (``{"num_rounds": 2, "train_config.batch_size": 16}``); any argument the job writes.
         privacy: ``{"method": "percentile" | "svt", "args": {...}}`` (see :class:`cxrfl.jobs.JobSpec`).
         exclude_batchnorm: add the ExcludeVars filter of every BatchNorm entry (FedBN/FedBN+).
         job_name: another name for the job (folder and meta).
+        tracking: experiment trackers (``tensorboard``, ``mlflow``; empty: none); None: the job's.
+        tracking_uri: MLflow tracking server; None: an SQLite file in the job's server workspace.
     """
-    import copy
-    import dataclasses
-
     from cxrfl.jobs import JOBS, write_job
 
     specs = {s.name: s for s in JOBS}
@@ -43,25 +48,31 @@ def build_job(
     if mode not in modes:
         raise DeployError(f"mode must be one of {sorted(modes)}, got {mode!r}")
     spec = specs[name]
-    args = copy.deepcopy(spec.controller_args)
+    args = {k: v for k, v in copy.deepcopy(spec.recipe().controller_args).items() if k != "analytic_sender_id"}
     for key, value in (overrides or {}).items():
-        node = args
-        parts = key.split(".")
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                raise DeployError(f"cannot set {key!r}: {part!r} is not a group of settings")
-            node = node[part]
-        if parts[-1] not in node:
-            raise DeployError(f"unknown setting {key!r} of job {name}; known: {sorted(node)}")
-        node[parts[-1]] = value
+        _set(args, key, value, name)
     # meta.json's min_clients (sites needed to schedule the job) follows an explicit min_clients override
     meta_min = int(overrides["min_clients"]) if "min_clients" in (overrides or {}) else spec.min_clients
-    try:
-        spec = dataclasses.replace(spec, name=job_name or spec.name, controller_args=args, privacy=privacy,
-                                   exclude_batchnorm=exclude_batchnorm, min_clients=meta_min)
-    except ValueError as exc:
-        raise DeployError(str(exc)) from exc
+    spec = dataclasses.replace(spec, name=job_name or spec.name, controller_args=args, privacy=privacy,
+                               exclude_batchnorm=exclude_batchnorm, min_clients=meta_min, tracking_uri=tracking_uri,
+                               tracking=spec.tracking if tracking is None else tuple(tracking))
     out = Path(out)
     if (out / spec.name).exists():
         raise DeployError(f"{out / spec.name} exists; choose another --out")
-    return write_job(spec, out, custom=modes[mode])
+    try:
+        return write_job(spec, out, custom=modes[mode])
+    except (ConfigError, ValueError) as exc:
+        raise DeployError(str(exc)) from exc
+
+
+def _set(args: dict[str, Any], key: str, value: Any, job: str) -> None:
+    """Set one (dotted) workflow argument; an unknown one is a DeployError naming the known ones."""
+    node = args
+    parts = key.split(".")
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            raise DeployError(f"cannot set {key!r}: {part!r} is not a group of settings")
+        node = node[part]
+    if parts[-1] not in node:
+        raise DeployError(f"unknown setting {key!r} of job {job}; known: {sorted(node)}")
+    node[parts[-1]] = value

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from cxrfl.common.config import Config
+from cxrfl.nn.precision import LEGACY_AMP, channels_last_field, precision_field
 
 ENERGY_OUTPUTS = ("all", "cc")
 """Which outputs the joint energy sums over: ``all`` (the CCs and the extra "no CC" output, so
@@ -42,9 +43,17 @@ class FedFewConfig(Config):
     Stage 2 (energy-based multi-label training over the CCs):
 
     Args:
-        rounds: federated rounds with the energy term (after the warm-up rounds).
-        warmup_rounds: rounds without the energy term that precede them when a margin is not
-            given (the margins are then chosen from the energies of the warm-up model).
+        rounds: most federated rounds with the energy term (after the warm-up rounds).
+        warmup_rounds: most rounds without the energy term that precede them when a margin is
+            not given (the margins are then chosen from the energies of the warm-up model).
+        patience: stage 2's early stopping: after every round the CC sites score the new model
+            on their validation split (BCE over the CCs and "no CC", pooled over the known
+            labels); a phase (warm-up, then energy rounds) ends after ``patience`` rounds without
+            an improvement of ``min_delta``, and its model of lowest loss is kept (the warm-up's
+            starts the energy rounds and chooses the margins; the energy rounds' is stage 2's
+            result). ``rounds`` and ``warmup_rounds`` stay the most rounds. None: no scoring,
+            every round runs and the last model is kept.
+        min_delta: smallest decrease of the validation loss that counts as an improvement.
         local_epochs: local epochs per round (the paper: E = 1).
         lr: Adam learning rate.
         batch_size: images per minibatch (the paper: 64).
@@ -81,11 +90,14 @@ class FedFewConfig(Config):
 
     Args:
         seed: seed of weight initialisation, shuffling and augmentation.
-        amp: mixed precision on CUDA (ignored on CPU).
+        precision: ``auto`` (per device, :mod:`cxrfl.nn.precision`), ``fp32``, ``bf16`` or ``fp16``
+            (autocast; weights and optimiser state stay float32).
+        channels_last: ``auto`` (per device), true or false: channels-last memory format.
         eval_batch_size: images per batch for energies, features and evaluation.
     """
 
     SECTION: ClassVar[str] = "fedfew"
+    LEGACY = LEGACY_AMP
     ssl_rounds: int = field(default=2, metadata={"ge": 0})
     ssl_local_epochs: int = field(default=1, metadata={"ge": 1})
     ssl_lr: float = field(default=1e-3, metadata={"gt": 0})
@@ -96,6 +108,8 @@ class FedFewConfig(Config):
     ssl_splits: tuple[str, ...] = ("train", "val")
     rounds: int = field(default=5, metadata={"ge": 0})
     warmup_rounds: int = field(default=1, metadata={"ge": 0})
+    patience: int | None = field(default=5, metadata={"ge": 1})
+    min_delta: float = field(default=0.0, metadata={"ge": 0})
     local_epochs: int = field(default=1, metadata={"ge": 1})
     lr: float = field(default=1e-3, metadata={"gt": 0})
     batch_size: int = field(default=32, metadata={"ge": 1})
@@ -116,7 +130,8 @@ class FedFewConfig(Config):
     threshold_weighting: str = field(default="count", metadata={"choices": THRESHOLD_WEIGHTINGS})
     threshold_examples: str = field(default="uc_labelled", metadata={"choices": THRESHOLD_EXAMPLES})
     seed: int = 0
-    amp: bool = True
+    precision: str = precision_field()
+    channels_last: str | bool = channels_last_field()
     eval_batch_size: int = field(default=64, metadata={"ge": 1})
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ from cxrfl.common.transport import inprocess_transport
 from cxrfl.data.site import SiteData
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.protocol import SiteHost
+from cxrfl.fedfew.rounds import RoundHook
 from cxrfl.fedfew.server import FedFewOutcome, FedFewServer
 from cxrfl.nn.models import ModelConfig
 
@@ -24,10 +25,11 @@ log = logging.getLogger(__name__)
 
 
 def run_fedfew(data: Mapping[str, SiteData], *, config: FedFewConfig, model_config: ModelConfig, out_dir: str | Path,
-               device: torch.device | None = None, min_clients: int = 1, resume_from: str | Path | None = None,
-               evaluate_test: bool = False, info: Callable[[str], None] = log.info,
-               warning: Callable[[str], None] = log.warning, site_info: Callable[[str], None] | None = None,
-               hosts: Mapping[str, SiteHost] | None = None) -> FedFewOutcome:
+               device: torch.device | None = None, min_clients: int = 1, min_clients_timeout: float = 0,
+               retry_pause: float = 0, resume_from: str | Path | None = None, evaluate_test: bool = False,
+               info: Callable[[str], None] = log.info, warning: Callable[[str], None] = log.warning,
+               site_info: Callable[[str], None] | None = None, hosts: Mapping[str, SiteHost] | None = None,
+               on_round: RoundHook | None = None, aborted: Callable[[], bool] = lambda: False) -> FedFewOutcome:
     """Run the three FedFew stages over in-memory sites.
 
     Args:
@@ -37,6 +39,9 @@ def run_fedfew(data: Mapping[str, SiteData], *, config: FedFewConfig, model_conf
         out_dir: where the stage results and the final model go.
         device: torch device of the sites.
         min_clients: fewest valid results per round.
+        min_clients_timeout: seconds a round with fewer is retried before the run stops (in-process
+            sites do not come back by themselves: 0 stops at once).
+        retry_pause: seconds between two attempts.
         resume_from: an interrupted run's id (its resume folder under ``out_dir/cxrfl_resume``) or a
             folder of stage files (see :mod:`cxrfl.fedfew.server`).
         evaluate_test: evaluate the final model on the sites' test splits.
@@ -44,10 +49,13 @@ def run_fedfew(data: Mapping[str, SiteData], *, config: FedFewConfig, model_conf
         warning: problem logger.
         site_info: where the sites' one line per task goes (None: nowhere).
         hosts: reuse these site hosts (e.g. to keep their caches between runs).
+        on_round: called after every completed round of stages 1-2 (:data:`cxrfl.fedfew.rounds.RoundHook`).
+        aborted: returns True when the run must stop.
     """
     hosts = dict(hosts) if hosts is not None else {s: SiteHost(d, device) for s, d in data.items()}
     server = FedFewServer(inprocess_transport(hosts, warning, site_info), sites=list(data), config=config,
                           model_config=model_config, out_dir=out_dir, min_clients=min_clients,
+                          min_clients_timeout=min_clients_timeout, retry_pause=retry_pause,
                           resume_from=str(resume_from) if resume_from else None, evaluate_test=evaluate_test,
-                          info=info, warning=warning)
+                          info=info, warning=warning, aborted=aborted, on_round=on_round)
     return server.run()

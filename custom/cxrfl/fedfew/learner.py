@@ -28,7 +28,6 @@ term is skipped (no optimiser step).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +36,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score
 
 from cxrfl.common.io import params_digest, to_numpy
 from cxrfl.data.dataset import make_loader
@@ -45,12 +43,12 @@ from cxrfl.data.site import SiteData
 from cxrfl.errors import DataError
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.energy import hinge_in, hinge_out, joint_energy, no_cc_targets, threshold_counts
-from cxrfl.fedfew.prototypes import DualPrototype, PrototypeRefused, dual_prototype, predict_ucs
+from cxrfl.fedfew.prototypes import DualPrototype, PrototypeRefused, dual_prototype, predict_ucs, uc_metrics
 from cxrfl.fedfew.ssl import SimSiam, TwoViewDataset, simsiam_loss
 from cxrfl.nn.losses import masked_bce
 from cxrfl.nn.metrics import per_class_auroc, summarise_auroc
 from cxrfl.nn.models import CXRNet, ModelConfig, build_model
-from cxrfl.nn.training import _autocast
+from cxrfl.nn.precision import backward_step, compute_for
 
 NO_CC = "No common class"
 """Name of the extra output (1 when the image holds none of the CCs)."""
@@ -123,6 +121,7 @@ class FedFewSite:
         self.model_config = ModelConfig.from_dict({**model_config.to_dict(), "pretrained": None})
         self.config = config
         self.device = device or torch.device("cpu")
+        self.compute = compute_for(config, self.device)
         self.num_workers = num_workers
         self.cc_classes: list[str] = []
         self.uc_classes: list[str] = []
@@ -224,7 +223,7 @@ class FedFewSite:
             raise DataError(f"site {self.site}: {len(rows)} image(s) in splits {list(cfg.ssl_splits)}; "
                             "self-supervised training needs at least 2")
         torch.manual_seed(cfg.seed + 1000 * round_num)
-        model = ssl_model(self.model_config, cfg).to(self.device)
+        model = self.compute.prepare(ssl_model(self.model_config, cfg))
         load_state(model, params, f"site {self.site} stage 1")
         paths = rows["path"].tolist()
         key = (tuple(paths), self.model_config.image_size)
@@ -237,6 +236,7 @@ class FedFewSite:
             num_workers=self.num_workers, generator=torch.Generator().manual_seed(cfg.seed + round_num),
         )
         opt = torch.optim.Adam(model.parameters(), lr=cfg.ssl_lr)
+        scaler = self.compute.scaler()
         model.train()
         total, steps = 0.0, 0
         for _ in range(cfg.ssl_local_epochs):
@@ -245,15 +245,14 @@ class FedFewSite:
                     break
                 if x1.shape[0] < 2:  # BatchNorm needs two samples
                     continue
-                x1, x2 = x1.to(self.device), x2.to(self.device)
+                x1, x2 = self.compute.inputs(x1), self.compute.inputs(x2)
                 opt.zero_grad(set_to_none=True)
-                with _autocast(self.device, cfg.amp):
+                with self.compute.autocast():
                     p1, p2, z1, z2 = model(x1, x2)
                 loss = simsiam_loss(p1.float(), p2.float(), z1.float(), z2.float())
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"site {self.site}: SimSiam loss became {loss.item()} at step {steps}")
-                loss.backward()
-                opt.step()
+                backward_step(loss, opt, scaler)
                 total += float(loss.detach())
                 steps += 1
         metrics = {"stage": 1, "round": round_num, "ssl_loss": total / steps if steps else None, "steps": steps,
@@ -266,7 +265,7 @@ class FedFewSite:
         if not self.cc_classes:
             raise ValueError(f"site {self.site}: the CC classes are not set (set_roles)")
         if self._net is None:
-            self._net = build_model(self.model_config, len(self.cc_classes) + 1).to(self.device)
+            self._net = self.compute.prepare(build_model(self.model_config, len(self.cc_classes) + 1))
         if params is not None:
             load_state(self._net, params, f"site {self.site} stage 2")
         return self._net
@@ -304,8 +303,10 @@ class FedFewSite:
         k = len(self.cc_classes)
         loader = make_loader(table, [*self.cc_classes, _IN, _OUT], image_size=self.model_config.image_size,
                              train=cfg.augment, batch_size=cfg.batch_size, num_workers=self.num_workers,
-                             seed=cfg.seed + round_num, in_channels=self.model_config.in_channels)
+                             seed=cfg.seed + round_num, in_channels=self.model_config.in_channels,
+                             cache_dir=self.data.cache_dir, device=self.device)
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        scaler = self.compute.scaler()
         model.train()
         sums = {"loss": 0.0, "bce": 0.0, "hinge_in": 0.0, "hinge_out": 0.0}
         steps = skipped = 0
@@ -321,9 +322,9 @@ class FedFewSite:
                 if not (has_bce or has_energy) or x.shape[0] < 2:
                     skipped += 1
                     continue
-                x, target, mask = x.to(self.device), target.to(self.device), mask.to(self.device)
+                x, target, mask = self.compute.inputs(x), target.to(self.device), mask.to(self.device)
                 opt.zero_grad(set_to_none=True)
-                with _autocast(self.device, cfg.amp):
+                with self.compute.autocast():
                     logits = model(x)
                 logits = logits.float()
                 bce = masked_bce(logits, target, mask)
@@ -336,8 +337,7 @@ class FedFewSite:
                     loss = loss + energy_weight * (h_in + h_out)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"site {self.site}: stage-2 loss became {loss.item()} at step {steps}")
-                loss.backward()
-                opt.step()
+                backward_step(loss, opt, scaler)
                 for name, v in (("loss", loss), ("bce", bce), ("hinge_in", h_in), ("hinge_out", h_out)):
                     sums[name] += float(v.detach())
                 steps += 1
@@ -368,10 +368,11 @@ class FedFewSite:
         if len(table):
             loader = make_loader(table, [*self.cc_classes], image_size=self.model_config.image_size, train=False,
                                  batch_size=self.config.eval_batch_size, num_workers=self.num_workers,
-                                 in_channels=self.model_config.in_channels)
+                                 in_channels=self.model_config.in_channels, cache_dir=self.data.cache_dir,
+                                 device=self.device)
             for x, _, _ in loader:
-                x = x.to(self.device)
-                with _autocast(self.device, self.config.amp):
+                x = self.compute.inputs(x)
+                with self.compute.autocast():
                     f = model.features(x)
                     logits = model.classifier(model.dropout(model.hidden(f)))
                 feats.append(f.float().cpu().numpy())
@@ -438,8 +439,9 @@ class FedFewSite:
     # ------------------------------------------------------------ evaluation
     def evaluate(self, params: Mapping[str, Any], *, threshold: float,
                  prototypes: Mapping[str, Sequence[DualPrototype]], split: str = "test") -> dict[str, Any]:
-        """The final model on one split: AUROC of the CCs the site labels, and accuracy,
-        precision, recall and F1 of each UC it labels (with the prototypes given).
+        """A model on one split: the BCE over the CCs and "no CC" (``cc_loss``, mean over the
+        ``cc_known`` known labels: stage 2's validation loss), AUROC of the CCs the site labels,
+        and accuracy, precision, recall and F1 of each UC it labels (with the prototypes given).
 
         Args:
             params: stage-2 weights.
@@ -455,7 +457,9 @@ class FedFewSite:
         if own_cc and len(table):
             pooled = torch.as_tensor(feats).to(self.device)
             with torch.no_grad():
-                scores = torch.sigmoid(model.classifier(model.hidden(pooled)).float()).cpu().numpy()[:, :k]
+                logits = model.classifier(model.hidden(pooled)).float()
+            result.update(self._cc_loss(logits.cpu(), table))
+            scores = torch.sigmoid(logits).cpu().numpy()[:, :k]
             cols = [self.cc_classes.index(c) for c in own_cc]
             y = table[own_cc].to_numpy(dtype=np.float64)
             aurocs = per_class_auroc(y, scores[:, cols], own_cc)
@@ -471,25 +475,10 @@ class FedFewSite:
                 result["uc"][uc] = uc_metrics(y[known], pred["positive"][known])
         return result
 
-
-def uc_metrics(y_true: np.ndarray, y_pred: np.ndarray) -> dict[str, float | int]:
-    """Accuracy, precision, recall and F1 of binary predictions (scikit-learn; 0 where undefined).
-
-    Args:
-        y_true: [n] labels in {0, 1}.
-        y_pred: [n] predictions (bool or {0, 1}).
-    """
-    y_true = np.asarray(y_true).astype(int)
-    y_pred = np.asarray(y_pred).astype(int)
-    if len(y_true) == 0:
-        return {"accuracy": math.nan, "precision": math.nan, "recall": math.nan, "f1": math.nan, "n": 0,
-                "n_positive": 0, "n_predicted": 0}
-    return {
-        "accuracy": float(accuracy_score(y_true, y_pred)),
-        "precision": float(precision_score(y_true, y_pred, zero_division=0)),
-        "recall": float(recall_score(y_true, y_pred, zero_division=0)),
-        "f1": float(f1_score(y_true, y_pred, zero_division=0)),
-        "n": int(len(y_true)),
-        "n_positive": int(y_true.sum()),
-        "n_predicted": int(y_pred.sum()),
-    }
+    def _cc_loss(self, logits: torch.Tensor, table: pd.DataFrame) -> dict[str, float | int | None]:
+        """Masked BCE of the CC and "no CC" outputs over the known labels of ``table``."""
+        y = torch.tensor(table[self.cc_classes].to_numpy(dtype=np.float32))
+        target, mask = no_cc_targets(torch.nan_to_num(y), (~torch.isnan(y)).float())
+        known = int(mask.sum())
+        loss = float(masked_bce(logits, target, mask)) if known else None
+        return {"cc_loss": loss, "cc_known": known}

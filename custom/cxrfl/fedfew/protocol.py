@@ -19,12 +19,15 @@ fedfew_train        stage-2 weights, ``round``, ``energy_weight``,  weights, ``n
 fedfew_energy       stage-2 weights, ``mode``: ``means`` /          ``stats``: energy sums and counts / range /
                     ``range`` / ``counts`` (with ``grid``)          errors per candidate threshold
 fedfew_prototypes   stage-2 weights                                ``prototypes`` (payloads), ``refused``
-fedfew_validate     stage-2 weights, ``threshold``, ``prototypes``  ``metrics``
+fedfew_validate     stage-2 weights, ``split``, ``threshold`` and   ``metrics`` (``cc_loss``, AUROCs, UC metrics)
+                    ``prototypes`` (both left out when stage 2
+                    scores its rounds on ``val``)
 ==================  =============================================  ==============================================
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -90,7 +93,7 @@ def handle_task(site: FedFewSite, task: str, params: Mapping[str, Any], meta: Ma
         protos: dict[str, list[DualPrototype]] = {}
         for p in meta.get("prototypes") or []:
             protos.setdefault(str(p["uc"]), []).append(DualPrototype.from_payload(p))
-        metrics = site.evaluate(params, threshold=float(meta["threshold"]), prototypes=protos,
+        metrics = site.evaluate(params, threshold=float(meta.get("threshold", math.inf)), prototypes=protos,
                                 split=str(meta.get("split", "test")))
         return {}, {"metrics": metrics}
     raise ValueError(f"unknown FedFew task {task!r}")
@@ -131,7 +134,7 @@ def describe_task(site: str, task: str, meta: Mapping[str, Any], answer: Mapping
         refused = "".join(f"; refused: {reason}" for reason in (answer.get("refused") or {}).values())
         return f"site {site}: sent the prototypes of {sent or 'no class'}{refused}"
     if task == VALIDATE:
-        parts = [f"CC mean AUROC {_num(m.get('cc_mean_auroc'))}"] + [
+        parts = [f"CC loss {_num(m.get('cc_loss'))}", f"CC mean AUROC {_num(m.get('cc_mean_auroc'))}"] + [
             f"{uc} F1 {u['f1']:.3f}" for uc, u in (m.get("uc") or {}).items()]
         return f"site {site} {m.get('split')}: {'; '.join(parts)}"
     return None

@@ -19,7 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import math
+
 import numpy as np
+from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score
 
 from cxrfl.errors import CxrflError
 
@@ -168,3 +171,26 @@ def predict_ucs(features: np.ndarray, energies: np.ndarray, threshold: float,
         m = match_prototypes(features, pairs)
         out[uc] = {**m, "flagged": flagged, "positive": flagged & m["positive"]}
     return out
+
+
+def uc_metrics(y_true: np.ndarray, y_pred: np.ndarray) -> dict[str, float | int]:
+    """Accuracy, precision, recall and F1 of binary predictions (scikit-learn; 0 where undefined).
+
+    Args:
+        y_true: [n] labels in {0, 1}.
+        y_pred: [n] predictions (bool or {0, 1}).
+    """
+    y_true = np.asarray(y_true).astype(int)
+    y_pred = np.asarray(y_pred).astype(int)
+    if len(y_true) == 0:
+        return {"accuracy": math.nan, "precision": math.nan, "recall": math.nan, "f1": math.nan, "n": 0,
+                "n_positive": 0, "n_predicted": 0}
+    return {
+        "accuracy": float(accuracy_score(y_true, y_pred)),
+        "precision": float(precision_score(y_true, y_pred, zero_division=0)),
+        "recall": float(recall_score(y_true, y_pred, zero_division=0)),
+        "f1": float(f1_score(y_true, y_pred, zero_division=0)),
+        "n": int(len(y_true)),
+        "n_positive": int(y_true.sum()),
+        "n_predicted": int(y_pred.sum()),
+    }

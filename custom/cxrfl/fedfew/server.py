@@ -1,9 +1,9 @@
 """The server side of FedFew: the three stages as one workflow, over any transport.
 
-:class:`FedFewServer` is a :class:`cxrfl.common.server.ServerLoop`: it plans and runs the stages
-and talks to the sites only through ``send`` (:mod:`cxrfl.common.transport`). The NVFlare job
-(:mod:`cxrfl.fl.fedfew`) and the benchmark and tests (:mod:`cxrfl.fedfew.inprocess`) run this
-same workflow.
+:class:`FedFewServer` is a :class:`cxrfl.fedfew.rounds.FederatedRounds` (a
+:class:`cxrfl.common.server.ServerLoop`): it plans and runs the stages and talks to the sites only
+through ``send`` (:mod:`cxrfl.common.transport`). The NVFlare job (:mod:`cxrfl.fl.fedfew`) and the
+benchmark and tests (:mod:`cxrfl.fedfew.inprocess`) run this same workflow.
 
 0. ``fedfew_info``: every site's class names and label counts. CCs and UCs are told apart
    (:func:`cxrfl.fedfew.plan.split_classes`); sites without labelled images take part in stage 1 only.
@@ -11,32 +11,43 @@ same workflow.
 2. Energy-based multi-label training over the CCs + "no CC": FedAvg weighted by labelled
    images. Unless both margins are configured, warm-up rounds without the energy term come
    first (CC sites only: the UC sites have no other loss) and the margins are chosen from the
-   warm-up model's mean energies (:func:`cxrfl.fedfew.energy.margins_from_means`).
+   warm-up model's mean energies (:func:`cxrfl.fedfew.energy.margins_from_means`). With
+   ``patience`` set, the CC sites score every new model on their validation split
+   (``fedfew_validate``, ``split: val``): each phase stops early and keeps its model of lowest
+   validation loss (:class:`cxrfl.common.selection.EarlyStopping`).
 3. Energy threshold from the sites' error counts on a common grid (two passes: the sites' energy
    ranges make the grid, then each site counts its errors per candidate; examples: see
    :data:`cxrfl.fedfew.config.THRESHOLD_EXAMPLES`); dual prototypes from the UC sites (each
    refused at the site below the minimum number of images). See :mod:`cxrfl.fedfew.stage3`.
+
+Faults (:mod:`cxrfl.fedfew.rounds`): malformed results are rejected one line each; a round (or
+the start's ``fedfew_info``) with fewer than ``min_clients`` valid results is run again every
+``retry_pause`` seconds until ``min_clients_timeout``, then the run stops with the reason.
 
 Written under ``out_dir`` (the server's app folder in a job):
 
 - ``fedfew/stage1_ssl.pt``, ``fedfew/stage2_model.pt``, ``fedfew/stage3.json``: the stage
   results (:mod:`cxrfl.fedfew.stages`);
 - ``FL_global_model.pt``: the final self-describing model (:mod:`cxrfl.fedfew.model`);
-- ``cxrfl/rounds.jsonl``: one record per round of each stage; ``cxrfl/plan.json``: the classes
-  and roles; ``cxrfl/evaluation.json``: the final model on every site's test split;
-  ``cxrfl/run_config.json``: the settings.
+- ``cxrfl/rounds.jsonl``: one record per round attempt of stages 1-2 and one for stage 3;
+  ``cxrfl/plan.json``: the classes and roles; ``cxrfl/evaluation.json``: the final model on every
+  site's test split; ``cxrfl/run_config.json``: the settings.
 
-Resuming: every finished stage's file is also kept in the run's resume folder
-(``cxrfl_resume/<run id>/`` under ``resume_root``; removed when the run finishes). A run with
-``resume_from`` set to an interrupted run's id (or to a folder of stage files: its resume
-folder, or an earlier run's ``fedfew/`` folder or the app folder holding it) loads the latest
-finished stage there and goes on from the next one; stage 3 also needs stage 2's file. The
-model settings and the CCs must match, otherwise the run stops and says why.
+Resuming: every finished stage's file is kept in the run's resume folder
+(``cxrfl_resume/<run id>/`` under ``resume_root``; removed when the run finishes), and so is the
+stage in progress after each completed round (``state.pt``: its weights, best weights, early
+stopping, margins). A run with ``resume_from`` set to an interrupted run's id (or to a folder of
+stage files: its resume folder, or an earlier run's ``fedfew/`` folder or the app folder holding
+it) loads the latest finished stage there and goes on with the next one, from the round after the
+last completed one when that stage's progress is there (and was made with the same settings);
+stage 3 also needs stage 2's file. The model settings and the CCs must match, otherwise the run
+stops and says why.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,9 +59,8 @@ import torch
 
 from cxrfl.common.io import to_numpy, write_json
 from cxrfl.common.resume import RESUME_ROOT
-from cxrfl.common.server import RunStopped, ServerLoop
-from cxrfl.common.transport import Message, Send
-from cxrfl.errors import UpdateRejected
+from cxrfl.common.server import RunStopped
+from cxrfl.common.transport import Send
 from cxrfl.fedfew import protocol as P
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.energy import margins_from_means, threshold_grid
@@ -58,15 +68,13 @@ from cxrfl.fedfew.learner import ssl_model, stage2_classes
 from cxrfl.fedfew.model import fedfew_extra
 from cxrfl.fedfew.plan import ClassPlan, split_classes
 from cxrfl.fedfew.prototypes import DualPrototype
+from cxrfl.fedfew.rounds import FederatedRounds, Phase, Progress, RoundHook
 from cxrfl.fedfew.ssl import load_encoder
 from cxrfl.fedfew.stage3 import collect_prototypes, threshold_from_counts
 from cxrfl.fedfew.stages import (
     STAGE_DIR, STAGE_FILES, copy_stage, finished_stages, load_stages, write_stage1, write_stage2, write_stage3,
 )
 from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
-from cxrfl.surgical.aggregation import aggregate, surgical_aggregate
-from cxrfl.surgical.head_modes import PLACEHOLDER_CLASS, with_placeholder_head
-from cxrfl.surgical.validation import validate_update
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +98,7 @@ class FedFewOutcome:
     skipped_stages: list[int]
 
 
-class FedFewServer(ServerLoop):
+class FedFewServer(FederatedRounds):
     """The FedFew workflow.
 
     Args:
@@ -99,7 +107,9 @@ class FedFewServer(ServerLoop):
         config: FedFew settings.
         model_config: network settings (``pretrained`` is read here, for the initial encoder).
         out_dir: where results are written.
-        min_clients: fewest valid results that make a round; fewer keep the previous weights.
+        min_clients: fewest valid results that make a round.
+        min_clients_timeout: seconds a round with fewer valid results is retried before the run stops.
+        retry_pause: seconds between two attempts at a round.
         evaluate_test: evaluate the final model on every site's test split.
         run_id: this run's id (NVFlare: the job id); names its resume folder.
         resume_root: folder of resume folders (default ``out_dir/cxrfl_resume``).
@@ -107,21 +117,21 @@ class FedFewServer(ServerLoop):
         info: logger of progress lines.
         warning: logger of problems that do not stop the run.
         aborted: returns True when the run must stop.
+        on_round: called after every completed round of stages 1-2 (:data:`cxrfl.fedfew.rounds.RoundHook`).
     """
 
     def __init__(self, send: Send, *, sites: Sequence[str], config: FedFewConfig, model_config: ModelConfig,
-                 out_dir: str | Path, min_clients: int = 1, evaluate_test: bool = True, run_id: str = "run",
-                 resume_root: str | Path | None = None, resume_from: str | None = None,
-                 info: Callable[[str], None] = log.info, warning: Callable[[str], None] = log.warning,
-                 aborted: Callable[[], bool] = lambda: False) -> None:
-        super().__init__(send, sites=sites, out_dir=out_dir, run_id=run_id, resume_root=resume_root,
+                 out_dir: str | Path, min_clients: int = 1, min_clients_timeout: float = 600, retry_pause: float = 10,
+                 evaluate_test: bool = True, run_id: str = "run", resume_root: str | Path | None = None,
+                 resume_from: str | None = None, info: Callable[[str], None] = log.info,
+                 warning: Callable[[str], None] = log.warning, aborted: Callable[[], bool] = lambda: False,
+                 on_round: RoundHook | None = None) -> None:
+        super().__init__(send=send, sites=sites, out_dir=out_dir, run_id=run_id, resume_root=resume_root,
                          resume_from=str(resume_from) if resume_from else None, info=info, warning=warning,
-                         aborted=aborted)
-        if min_clients < 1:
-            raise ValueError("min_clients must be >= 1")
+                         aborted=aborted, min_clients=min_clients, min_clients_timeout=min_clients_timeout,
+                         retry_pause=retry_pause, on_round=on_round)
         self.config = config
         self.model_config = model_config
-        self.min_clients = min_clients
         self.evaluate_test = evaluate_test
         self._site_config = ModelConfig.from_dict({**model_config.to_dict(), "pretrained": None})
 
@@ -131,34 +141,6 @@ class FedFewServer(ServerLoop):
 
     def _roles(self, plan: ClassPlan, site: str) -> dict[str, Any]:
         return {"cc_classes": plan.cc_classes, "uc_classes": plan.site_ucs.get(site, [])}
-
-    def _fedavg(self, results: dict[str, Message], expected: Mapping[str, tuple], classes: list[str] | None
-                ) -> tuple[dict[str, np.ndarray] | None, dict[str, str], list[str]]:
-        """Weighted FedAvg of the valid results (``classes``: a stage-2 head; None: no head)."""
-        updates, rejected = [], {}
-        shapes = dict(expected)
-        if classes is None:
-            shapes.update({"classifier.weight": (1, 1), "classifier.bias": (1,)})
-        for site, (params, meta) in sorted(results.items()):
-            n = meta.get("num_samples")
-            update = {"site": site, "classes": list(classes or [PLACEHOLDER_CLASS]),
-                      "params": dict(params) if classes else with_placeholder_head(params), "num_samples": n}
-            try:
-                validate_update(update, expected_shapes=shapes)
-            except UpdateRejected as exc:
-                rejected[site] = str(exc)
-                self.warning(f"rejected the update of site {site}: {exc}")
-                continue
-            if classes is None:
-                update["params"] = dict(params)
-            updates.append(update)
-        if len(updates) < self.min_clients:
-            return None, rejected, [u["site"] for u in updates]
-        if classes is None:
-            params, _ = aggregate(updates, head_mode="local", weighting="samples")
-        else:
-            params, _ = surgical_aggregate(updates, weighting="samples", classes=classes)
-        return {k: np.asarray(v) for k, v in params.items()}, rejected, [u["site"] for u in updates]
 
     # ---------------------------------------------------------- stage files
     def _stage_path(self, stage: int) -> Path:
@@ -180,17 +162,21 @@ class FedFewServer(ServerLoop):
                 f"{STAGE_DIR}/ folder), or remove resume_from")
         return folder
 
-    def _load_resume(self, plan: ClassPlan) -> tuple[int, dict[str, Any]]:
-        """The latest finished stage of ``resume_from`` and its data (0 and {} when none)."""
+    def _load_resume(self, plan: ClassPlan) -> tuple[int, dict[str, Any], Progress | None]:
+        """The latest finished stage of ``resume_from``, its data, and the next stage's progress (0, {}, None: none)."""
         if not self.resume_from:
-            return 0, {}
+            return 0, {}, None
         src = self._resume_source()
         done, have = finished_stages(src)
         if 3 in have and done < 3:
             self.warning(f"resume: {src / STAGE_FILES[3]} is there but stage 2's file is not; stage 3 runs again")
+        progress = self.load_progress(src, done + 1) if done < 3 else None
+        if progress is not None:
+            self.save_progress(progress)  # a run resumed in turn finds it in this run's folder
         if done == 0:
-            self.info(f"resume: no stage result in {src}; running every stage")
-            return 0, {}
+            if progress is None:
+                self.info(f"resume: no stage result in {src}; running every stage")
+            return 0, {}, progress
         data = load_stages(src, done, self._site_config, plan.cc_classes)
         for k in range(1, done + 1):
             if k in have:
@@ -199,7 +185,7 @@ class FedFewServer(ServerLoop):
                 self._keep(k)
         self.info(f"resume: stage(s) 1-{done} loaded from {src}; going on with stage {done + 1}" if done < 3
                   else f"resume: all three stages loaded from {src}; writing the final model")
-        return done, data
+        return done, data, progress
 
     # ------------------------------------------------------------------ run
     def run(self) -> FedFewOutcome:
@@ -210,19 +196,24 @@ class FedFewServer(ServerLoop):
             RunAborted: the abort callable said so.
         """
         cfg = self.config
-        self.info(f"FedFew: {len(self.sites)} site(s), {cfg.ssl_rounds} self-supervised round(s), "
-                  f"{cfg.warmup_rounds}+{cfg.rounds} classifier round(s), resume_from={self.resume_from}")
+        self.info(f"FedFew: {len(self.sites)} site(s), {cfg.ssl_rounds} self-supervised round(s), at most "
+                  f"{cfg.warmup_rounds}+{cfg.rounds} classifier round(s) (patience {cfg.patience}), "
+                  f"resume_from={self.resume_from}")
         self.write_run_config({"fedfew_config": cfg.to_dict(), "model_config": self.model_config.to_dict(),
-                               "sites": self.sites, "min_clients": self.min_clients, "run_id": self.run_id,
-                               "resume_from": self.resume_from})
+                               "sites": self.sites, "min_clients": self.min_clients,
+                               "min_clients_timeout": self.clock.timeout, "retry_pause": self.clock.pause,
+                               "run_id": self.run_id, "resume_from": self.resume_from})
         plan = self._plan()
-        done, resumed = self._load_resume(plan)
+        self.progress_settings = {"fedfew_config": cfg.to_dict(), "model_config": self._site_config.to_dict(),
+                                  "cc_classes": plan.cc_classes, "uc_classes": plan.uc_classes}
+        done, resumed, progress = self._load_resume(plan)
         ssl_state = resumed.get("ssl_state")
         if done < 1:
-            ssl_state = self._stage1(plan)
+            ssl_state = self._stage1(plan, progress)
             self._keep(1)
+            progress = None
         if done < 2:
-            model_state, margins = self._stage2(plan, ssl_state)
+            model_state, margins = self._stage2(plan, ssl_state, progress)
             self._keep(2)
         else:
             model_state, margins = resumed["model_state"], resumed["margins"]
@@ -256,11 +247,27 @@ class FedFewServer(ServerLoop):
             self.warning("no UC has a prototype: the final model predicts the CCs only")
         return final
 
+    def _infos(self) -> dict[str, Mapping[str, Any]]:
+        """Every site's ``info`` answer, asked again until ``min_clients`` sites answer or the timeout stops the run."""
+        while True:
+            answers = self.broadcast(P.INFO, self.sites, {}, lambda s: self._meta())
+            infos = {s: m["info"] for s, (_, m) in answers.items() if isinstance(m.get("info"), Mapping)}
+            if infos and len(infos) >= self.min_clients:
+                self.clock.succeeded()
+                return infos
+            waited = self.clock.failed()
+            if self.clock.expired:
+                who = f"only {sorted(infos)}" if infos else "no site"
+                raise RunStopped(f"stopping: {who} answered the info task (min_clients={self.min_clients}) for "
+                                 f"{waited:.0f}s (min_clients_timeout={self.clock.timeout:g}); the others failed at "
+                                 "start or are down: see their logs")
+            self.warning(f"start: {len(infos)} site(s) answered the info task (min_clients={self.min_clients}); "
+                         f"asking again in {self.clock.pause:g}s ({waited:.0f}s of min_clients_timeout={self.clock.timeout:g}s)")
+            self.clock.wait(self.aborted)
+            self.check_abort()
+
     def _plan(self) -> ClassPlan:
-        answers = self.broadcast(P.INFO, self.sites, {}, lambda s: self._meta())
-        infos = {s: m["info"] for s, (_, m) in answers.items() if isinstance(m.get("info"), Mapping)}
-        if not infos:
-            raise RunStopped("no site answered the info task (all failed at start: see their logs); nothing to train")
+        infos = self._infos()
         plan = split_classes(infos, self.config)
         for note in plan.notes:
             self.warning(note)
@@ -275,41 +282,30 @@ class FedFewServer(ServerLoop):
         return plan
 
     # ------------------------------------------------------------ stage 1
-    def _stage1(self, plan: ClassPlan) -> dict[str, np.ndarray] | None:
-        cfg = self.config
-        torch.manual_seed(cfg.seed)
+    def _stage1_start(self) -> dict[str, np.ndarray]:
+        """Stage 1's first weights: seeded, the encoder from ``model_config.pretrained`` when given."""
+        torch.manual_seed(self.config.seed)
         init = build_model(self.model_config, 1)  # reads model_config.pretrained, if any
-        model = ssl_model(self._site_config, cfg)
+        model = ssl_model(self._site_config, self.config)
         model.backbone.load_state_dict(init.backbone.state_dict())
-        state = to_numpy(model.state_dict())
-        del init, model
-        expected = {k: tuple(v.shape) for k, v in state.items()}
-        contributed = False
+        return to_numpy(model.state_dict())
+
+    def _stage1(self, plan: ClassPlan, progress: Progress | None) -> dict[str, np.ndarray] | None:
+        cfg = self.config
+        progress = progress or Progress(1, self._stage1_start())
+        expected = {k: tuple(v.shape) for k, v in progress.params.items()}
         if cfg.ssl_rounds == 0:
             self.info("stage 1 (self-supervised): ssl_rounds = 0, skipped")
         elif not plan.ssl_sites:
             self.warning("stage 1 (self-supervised): no site has images for it; stage 2 starts from the initial weights")
-        for rnd in range(1, cfg.ssl_rounds + 1 if plan.ssl_sites else 1):
-            start = time.perf_counter()
-            results = self.broadcast(P.SSL, plan.ssl_sites, state, lambda s, r=rnd: self._meta(round=r))
-            agg, rejected, used = self._fedavg(results, expected, None)
-            if agg is not None:
-                state = agg
-                contributed = True
-            else:
-                self.warning(f"stage 1 round {rnd}: only {len(used)} valid result(s) (min_clients={self.min_clients}); "
-                             "keeping the previous weights")
-            losses = [m["metrics"].get("ssl_loss") for _, m in results.values() if m.get("metrics", {}).get("ssl_loss") is not None]
-            self.record({"stage": 1, "round": rnd, "sites_answered": sorted(results), "sites_aggregated": used if agg else [],
-                         "rejected": rejected, "site_metrics": {s: m.get("metrics") for s, (_, m) in results.items()},
-                         "seconds": time.perf_counter() - start})
-            self.info(f"stage 1 round {rnd}/{cfg.ssl_rounds}: {len(used) if agg else 0} site(s) aggregated, mean SimSiam loss "
-                      f"{np.mean(losses) if losses else float('nan'):.4f} ({time.perf_counter() - start:.1f}s)")
-        if cfg.ssl_rounds and plan.ssl_sites and not contributed:
-            self.warning("stage 1 (self-supervised): no round had enough valid results; stage 2 starts from the initial weights")
-        path = write_stage1(self._stage_path(1), state, self._site_config, cfg, contributed)
+        else:
+            if progress.round == 0 and self.on_round is not None:
+                self.on_round(1, 0, progress.params)
+            phase = Phase(1, "ssl", P.SSL, cfg.ssl_rounds, tuple(plan.ssl_sites))
+            self.run_phase(phase, progress, lambda s, r: self._meta(round=r), expected, None)
+        path = write_stage1(self._stage_path(1), progress.params, self._site_config, cfg, progress.contributed)
         self.info(f"stage 1 done: {path}")
-        return state
+        return progress.params
 
     # ------------------------------------------------------------ stage 2
     def _stage2_start(self, plan: ClassPlan, ssl_state: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
@@ -320,52 +316,74 @@ class FedFewServer(ServerLoop):
             load_encoder(net, ssl_state)
         return to_numpy(net.state_dict())
 
-    def _stage2(self, plan: ClassPlan, ssl_state: Mapping[str, np.ndarray] | None
+    def _stage2_phases(self, plan: ClassPlan) -> list[Phase]:
+        """Warm-up (when the margins must be chosen), then the energy rounds; or BCE rounds without lambda."""
+        cfg = self.config
+        score = self._validation_loss(plan) if cfg.patience is not None else None
+        common = {"score": score, "patience": cfg.patience or 1, "min_delta": cfg.min_delta}
+        if cfg.energy_weight <= 0:
+            return [Phase(2, "bce", P.TRAIN, cfg.rounds, tuple(plan.cc_sites), **common)]
+        phases = []
+        if not cfg.margins_given and cfg.warmup_rounds:
+            phases.append(Phase(2, "warm-up", P.TRAIN, cfg.warmup_rounds, tuple(plan.cc_sites), **common))
+        if cfg.rounds:
+            phases.append(Phase(2, "energy", P.TRAIN, cfg.rounds, tuple(plan.stage2_sites), cfg.energy_weight, **common))
+        return phases
+
+    def _stage2(self, plan: ClassPlan, ssl_state: Mapping[str, np.ndarray] | None, progress: Progress | None
                 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         cfg = self.config
         if not plan.stage2_sites:
             raise RunStopped("stage 2: no site has labelled training images; nothing to train")
         classes = stage2_classes(plan.cc_classes)
-        state = self._stage2_start(plan, ssl_state)
-        expected = {k: tuple(v.shape) for k, v in state.items()}
-        use_energy = cfg.energy_weight > 0
-        warmup = cfg.warmup_rounds if (use_energy and not cfg.margins_given) else 0
-        margins: dict[str, Any] = {"m_in": cfg.m_in, "m_out": cfg.m_out, "chosen": "config" if cfg.margins_given else None}
-        if not use_energy:
-            margins["chosen"] = "unused (energy_weight = 0)"
-        total = warmup + cfg.rounds
-        aggregated_any = False
-        for rnd in range(1, total + 1):
-            in_warmup = rnd <= warmup
-            if use_energy and not in_warmup and margins["chosen"] is None:
-                margins = self._choose_margins(plan, state)
-            weight = cfg.energy_weight if (use_energy and not in_warmup) else 0.0
-            sites = plan.stage2_sites if weight > 0 else plan.cc_sites
-            start = time.perf_counter()
-            results = self.broadcast(P.TRAIN, sites, state, lambda s, r=rnd, w=weight: self._meta(
-                round=r, energy_weight=w, m_in=margins["m_in"], m_out=margins["m_out"], **self._roles(plan, s)))
-            agg, rejected, used = self._fedavg(results, expected, classes)
-            if agg is not None:
-                state, aggregated_any = agg, True
-            else:
-                self.warning(f"stage 2 round {rnd}: only {len(used)} valid result(s) (min_clients={self.min_clients}); "
-                             "keeping the previous weights")
-            metrics = {s: m.get("metrics") for s, (_, m) in results.items()}
-            losses = [m.get("train_loss") for m in metrics.values() if m and m.get("train_loss") is not None]
-            phase = "warm-up" if in_warmup else ("energy" if weight > 0 else "bce")
-            self.record({"stage": 2, "round": rnd, "phase": phase, "energy_weight": weight, "margins": margins,
-                         "sites_answered": sorted(results), "sites_aggregated": used if agg else [], "rejected": rejected,
-                         "site_metrics": metrics, "seconds": time.perf_counter() - start})
-            self.info(f"stage 2 round {rnd}/{total} ({phase}): {len(used) if agg else 0} site(s) aggregated, mean train loss "
-                      f"{np.mean(losses) if losses else float('nan'):.4f} ({time.perf_counter() - start:.1f}s)")
-        if total and not aggregated_any:
-            raise RunStopped("stage 2: no round had enough valid results (see the sites' logs); there is no classifier")
-        if use_energy and margins["chosen"] is None:  # rounds == 0: margins never needed
+        if progress is None:
+            chosen = "config" if cfg.margins_given else None if cfg.energy_weight > 0 else "unused (energy_weight = 0)"
+            progress = Progress(2, self._stage2_start(plan, ssl_state),
+                                margins={"m_in": cfg.m_in, "m_out": cfg.m_out, "chosen": chosen})
+        expected = {k: tuple(v.shape) for k, v in progress.params.items()}
+        phases = self._stage2_phases(plan)
+        result = progress.params
+        for i, phase in enumerate(phases):
+            if i < progress.phase:
+                continue
+            if phase.name == "energy" and progress.margins.get("chosen") is None:
+                progress.margins = self._choose_margins(plan, progress.params)
+
+            def meta(site: str, rnd: int, w: float = phase.energy_weight) -> dict[str, Any]:
+                return self._meta(round=rnd, energy_weight=w, m_in=progress.margins["m_in"],
+                                  m_out=progress.margins["m_out"], **self._roles(plan, site))
+
+            result = self.run_phase(phase, progress, meta, expected, classes)
+            if i + 1 < len(phases):
+                progress.next_phase(result)
+        margins = dict(progress.margins)
+        if margins.get("chosen") is None:  # rounds == 0: margins never needed
             margins["chosen"] = "unused (no energy round)"
-        path = write_stage2(self._stage_path(2), state, classes=classes, model_config=self.model_config,
-                            cc_classes=plan.cc_classes, margins=margins, rounds=total, config=cfg)
+        path = write_stage2(self._stage_path(2), result, classes=classes, model_config=self.model_config,
+                            cc_classes=plan.cc_classes, margins=margins, rounds=progress.round, config=cfg)
         self.info(f"stage 2 done: {path}")
-        return state, margins
+        return dict(result), margins
+
+    def _validation_loss(self, plan: ClassPlan) -> Callable[[Mapping[str, np.ndarray]], tuple[float | None, dict[str, Any]]]:
+        """A new stage-2 model's CC validation loss: the CC sites' BCE on their validation splits, pooled over the known labels."""
+        def score(params: Mapping[str, np.ndarray]) -> tuple[float | None, dict[str, Any]]:
+            answers = self.broadcast(P.VALIDATE, plan.cc_sites, params,
+                                     lambda s: self._meta(split="val", **self._roles(plan, s)))
+            detail, total, weighted = {}, 0, 0.0
+            for site, (_, meta) in sorted(answers.items()):
+                m = meta.get("metrics") or {}
+                try:
+                    loss, known = m.get("cc_loss"), int(m.get("cc_known") or 0)
+                    loss = None if loss is None else float(loss)
+                except (TypeError, ValueError):
+                    self.warning(f"stage 2: validation answer of site {site} is unusable ({m.get('cc_loss')!r}); left out")
+                    continue
+                detail[site] = {"cc_loss": loss, "cc_known": known, "cc_mean_auroc": m.get("cc_mean_auroc")}
+                if loss is not None and known > 0 and math.isfinite(loss):
+                    total, weighted = total + known, weighted + loss * known
+            return (weighted / total if total else None), detail
+
+        return score
 
     def _choose_margins(self, plan: ClassPlan, state: Mapping[str, np.ndarray]) -> dict[str, Any]:
         cfg = self.config

@@ -16,7 +16,7 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
 
 from cxrfl.nn.models import HEAD_PREFIX
-from cxrfl.surgical.aggregation import RoundAggregator
+from cxrfl.surgical.round_aggregator import RoundAggregator
 
 
 class SurgicalAggregator(ModelAggregator):

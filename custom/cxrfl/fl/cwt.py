@@ -14,6 +14,7 @@ after the interrupted run's last completed one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from cxrfl.cwt.config import CWTConfig, RelayConfig
 from cxrfl.cwt.host import CWTSiteHost
 from cxrfl.cwt.server import CWTServer
 from cxrfl.data.site import SiteData
-from cxrfl.fl.base import TaskController, TaskExecutor
+from cxrfl.fl.base import Scalars, TaskController, TaskExecutor
 from cxrfl.nn.models import ModelConfig
 
 _RELAY = RelayConfig()
@@ -50,6 +51,8 @@ class CyclicWeightTransfer(TaskController):
         evaluate_test: evaluate the best model on every site's test split at the end.
         resume_from: continue an interrupted run of this job: its job id on this server, or
             the path of its ``cxrfl_resume/<job id>`` folder.
+        analytic_sender_id: the server's analytics writer for the pooled validation loss per
+            cycle (:meth:`record_scalars`; "": none).
     """
 
     def __init__(
@@ -64,18 +67,26 @@ class CyclicWeightTransfer(TaskController):
         task_timeout: int = 0,
         evaluate_test: bool = _RELAY.evaluate_test,
         resume_from: str | None = None,
+        analytic_sender_id: str = "analytic_sender",
     ) -> None:
-        super().__init__(task_timeout=task_timeout)
+        super().__init__(task_timeout=task_timeout, analytic_sender_id=analytic_sender_id)
         self.config = CWTConfig.from_dict(cwt_config)
-        self.model_config = ModelConfig.from_dict(model_config or {})
+        self.network = ModelConfig.from_dict(model_config or {})
         self.relay = RelayConfig.from_dict({"site_order": site_order, "min_sites": min_sites,
                                             "min_sites_timeout": min_sites_timeout, "retry_pause": retry_pause,
                                             "evaluate_test": evaluate_test}, where="the CWT controller's arguments")
         self.resume_from = resume_from
 
     def make_server(self, **common: Any) -> ServerLoop:
-        return CWTServer(config=self.config, model_config=self.model_config, relay=self.relay,
+        return CWTServer(config=self.config, model_config=self.network, relay=self.relay,
                          resume_from=self.resume_from, **common)
+
+    def record_scalars(self, name: str, record: Mapping[str, Any]) -> Scalars | None:
+        """Per completed cycle: the validation loss pooled over the sites, and the sites trained."""
+        if name != "cycles.jsonl" or record.get("status") != "completed":
+            return None
+        values = {"val_loss": record.get("val_loss"), "sites_trained": float(len(record.get("trained") or ()))}
+        return values, int(record["cycle"])
 
 
 class CWTExecutor(TaskExecutor):

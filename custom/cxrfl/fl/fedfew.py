@@ -4,8 +4,9 @@ The workflow is :class:`cxrfl.fedfew.server.FedFewServer` (stage planning, FedAv
 threshold, prototypes, resumable stage results, the final self-describing model), run by
 :class:`cxrfl.fl.base.TaskController` over NVFlare; a site answers through
 :class:`cxrfl.fedfew.protocol.SiteHost`, run by :class:`cxrfl.fl.base.TaskExecutor`. A site whose
-task fails or times out is left out of that task with a warning; the run stops (``panic``) only
-when nothing is left to go on with, with the reason.
+task fails or times out is left out of that task with a warning; a round with fewer than
+``min_clients`` valid results is run again until ``min_clients_timeout``; the run stops
+(``panic``) with the reason when nothing is left to go on with.
 
 Tasks: see :mod:`cxrfl.fedfew.protocol`. Written to the server's app folder: see
 :mod:`cxrfl.fedfew.server` (``fedfew/stage*``, ``FL_global_model.pt``, ``cxrfl/*.jsonl|json``).
@@ -17,6 +18,7 @@ of stage files (absolute path); finished stages are loaded, not run again.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from cxrfl.data.site import SiteData
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.protocol import SiteHost
 from cxrfl.fedfew.server import FedFewServer
-from cxrfl.fl.base import TaskController, TaskExecutor
+from cxrfl.fl.base import Scalars, TaskController, TaskExecutor, mean_over_sites
 from cxrfl.nn.models import ModelConfig
 
 
@@ -37,26 +39,37 @@ class FedFew(TaskController):
         fedfew_config: :class:`cxrfl.fedfew.config.FedFewConfig` fields (sent to the sites).
         model_config: :class:`cxrfl.nn.models.ModelConfig` fields (``pretrained`` is read here, on
             the server, for the initial encoder only).
-        min_clients: fewest valid site results that make a round; fewer keep the previous weights.
+        min_clients: fewest valid site results that make a round (stages 1-2) and sites that must
+            answer at the start; a round with fewer is run again.
+        min_clients_timeout: seconds a round (or the start) with fewer than ``min_clients`` valid
+            results is retried; then the job stops with the reason.
+        retry_pause: seconds between two attempts.
         task_timeout: seconds a site may take per task (0: no limit).
         resume_from: go on from an interrupted run: its job id on this server, or a folder of stage
             files; None: run every stage.
         resume: deprecated alias of ``resume_from`` (a folder, relative paths against the new app
             folder); removed in the next release.
         evaluate_test: evaluate the final model on every site's test split.
+        analytic_sender_id: the server's analytics writer for the sites' mean losses per round
+            (:meth:`record_scalars`; "": none).
     """
 
     def __init__(self, *, fedfew_config: dict | None = None, model_config: dict | None = None, min_clients: int = 1,
-                 task_timeout: int = 0, resume_from: str | None = None, resume: str | None = None,
-                 evaluate_test: bool = True) -> None:
-        super().__init__(task_timeout=task_timeout)
+                 min_clients_timeout: float = 600, retry_pause: float = 10, task_timeout: int = 0,
+                 resume_from: str | None = None, resume: str | None = None, evaluate_test: bool = True,
+                 analytic_sender_id: str = "analytic_sender") -> None:
+        super().__init__(task_timeout=task_timeout, analytic_sender_id=analytic_sender_id)
         if isinstance(min_clients, bool) or not isinstance(min_clients, int) or min_clients < 1:
             raise ValueError(f"min_clients must be an integer >= 1, got {min_clients!r}")
         if resume_from and resume:
             raise ValueError("give resume_from only (resume is its deprecated alias)")
         self.config = FedFewConfig.from_dict(fedfew_config)
-        self.model_config = ModelConfig.from_dict(model_config or {})
+        self.network = ModelConfig.from_dict(model_config or {})
+        if min_clients_timeout < 0 or retry_pause < 0:
+            raise ValueError("min_clients_timeout and retry_pause must be >= 0")
         self.min_clients = min_clients
+        self.min_clients_timeout = min_clients_timeout
+        self.retry_pause = retry_pause
         self.resume_from = resume_from
         self.resume = resume
         self.evaluate_test = evaluate_test
@@ -69,8 +82,20 @@ class FedFew(TaskController):
                               f"resume={self.resume!r}")
             path = Path(self.resume).expanduser()
             resume_from = str(path if path.is_absolute() else (Path(common["out_dir"]) / path).resolve())
-        return FedFewServer(config=self.config, model_config=self.model_config, min_clients=self.min_clients,
+        return FedFewServer(config=self.config, model_config=self.network, min_clients=self.min_clients,
+                            min_clients_timeout=self.min_clients_timeout, retry_pause=self.retry_pause,
                             resume_from=resume_from, evaluate_test=self.evaluate_test, **common)
+
+    def record_scalars(self, name: str, record: Mapping[str, Any]) -> Scalars | None:
+        """Per completed stage-1/2 round: the sites' mean SimSiam or training loss and, when stage 2
+        scores its rounds, the pooled validation loss and the sites' mean CC AUROC."""
+        if name != "rounds.jsonl" or record.get("stage") not in (1, 2) or "round" not in record or record.get("status"):
+            return None
+        values = mean_over_sites(record.get("site_metrics") or {}, ("ssl_loss", "train_loss"))
+        values.update(mean_over_sites(record.get("site_validation") or {}, ("cc_mean_auroc",)))
+        if record.get("val_loss") is not None:
+            values["val_loss"] = float(record["val_loss"])
+        return values, int(record["round"])
 
 
 class FedFewExecutor(TaskExecutor):

@@ -15,6 +15,12 @@ previous value: they are filtered as differences from zero, so nothing leaves un
 ``gamma`` accordingly for the percentile method). Integer buffers (BatchNorm's
 ``num_batches_tracked``) are passed through. The job's JSON names the method and its arguments;
 ``cxrfl deploy job ... --privacy percentile`` writes it (see README, "Deploy across hospitals").
+
+The settings are checked when the filter is built at the site (:func:`cxrfl.common.privacy.check_privacy`:
+settings that destroy every update are refused, lossy ones warned about). Every filtered result is
+measured against the true update (:func:`cxrfl.common.privacy.fidelity`: cosine similarity, norm,
+share of changes kept, per part) and logged in one line with the SVT privacy spent; a part whose
+update the filter destroyed gets a warning line instead.
 """
 
 from __future__ import annotations
@@ -23,13 +29,16 @@ import threading
 from typing import Any
 
 import numpy as np
-from nvflare.apis.dxo import DXO, DataKind, from_shareable
+from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
 from nvflare.apis.filter import Filter, FilterChainType, FilterContextKey
 from nvflare.apis.fl_constant import FLContextKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 
-METHODS = ("percentile", "svt")
+from cxrfl.common.privacy import METHODS, check_privacy, destroyed, fidelity
+
+SVT_BUDGET, SVT_ACCOUNTANT = "svt_privacy_budget", "svt_privacy_accountant"
+"""DXO meta keys where NVFlare's SVTPrivacy puts the epsilon of one call and of the run so far."""
 
 _lock = threading.Lock()
 _received: dict[str, dict[str, np.ndarray]] = {}
@@ -61,8 +70,9 @@ class UpdatePrivacy(Filter):
     def __init__(self, method: str = "percentile", args: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.method = method
-        self.args = dict(args or {})
-        self.inner = make_inner_filter(method, self.args)
+        self._args = dict(args or {})  # not ``self.args``: NVFlare's job exporter skips attributes named args
+        check_privacy({"method": method, "args": self._args}, "UpdatePrivacy", warn=self.logger.warning)
+        self.inner = make_inner_filter(method, self._args)
 
     def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
         if self.get_prop(FilterContextKey.CHAIN_TYPE) == FilterChainType.TASK_DATA_CHAIN:
@@ -96,18 +106,51 @@ class UpdatePrivacy(Filter):
         if dxo.data_kind != DataKind.WEIGHTS or not dxo.data:
             return shareable
         filtered, meta = privatize_update(self.inner, dxo.data, received, meta=dxo.meta, shareable=shareable, fl_ctx=fl_ctx)
+        report = fidelity(dxo.data, received, filtered)
+        line = (f"{self.method} privacy applied to {sum(1 for v in filtered.values() if _is_float(v))} parameter arrays "
+                f"({sum(1 for k in filtered if k not in received)} without a received value, filtered from zero); "
+                f"{describe(report, meta)}")
+        lost = destroyed(report)
+        if lost:
+            self.log_warning(fl_ctx, f"{line}. The filter DESTROYS this update's {', '.join(lost)}: change its "
+                                     "settings (README, 'Privacy filters')")
+        else:
+            self.log_info(fl_ctx, line)
         dxo.data = filtered
         dxo.meta.update(meta)
-        self.log_info(
-            fl_ctx,
-            f"{self.method} privacy applied to {sum(1 for v in filtered.values() if _is_float(v))} parameter arrays "
-            f"({sum(1 for k in filtered if k not in received)} without a received value, filtered from zero)",
-        )
         return dxo.update_shareable(shareable)
 
 
 def _is_float(v: Any) -> bool:
     return np.issubdtype(np.asarray(v).dtype, np.floating)
+
+
+def svt_epsilon(meta: dict) -> tuple[float | None, float | None]:
+    """The epsilon NVFlare's SVT accountant spent on one call and over the run so far (None: no SVT).
+
+    Args:
+        meta: the meta :func:`privatize_update` returned.
+    """
+    call, run = meta.get(SVT_BUDGET) or {}, meta.get(SVT_ACCOUNTANT) or {}
+    return call.get("epsilon_total"), run.get("epsilon_total")
+
+
+def describe(report: dict[str, dict[str, Any]], meta: dict) -> str:
+    """One phrase: cosine, norm and share kept per part, and the SVT epsilon.
+
+    Args:
+        report: :func:`cxrfl.common.privacy.fidelity` of the filtered update.
+        meta: the meta :func:`privatize_update` returned.
+    """
+    parts = [f"{part}: cosine {_num(m['cosine'])}, norm {_num(m['relative_norm'])}, kept {_num(m['kept'])}"
+             for part, m in report.items() if m["entries"]]
+    call, run = svt_epsilon(meta)
+    eps = f"; SVT epsilon {call:.4g} this round, {run:.4g} in this run" if call is not None else ""
+    return "vs the true update: " + ("; ".join(parts) or "no change") + eps
+
+
+def _num(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
 
 
 def privatize_update(
@@ -118,6 +161,7 @@ def privatize_update(
     meta: dict | None = None,
     shareable: Shareable | None = None,
     fl_ctx: FLContext | None = None,
+    current_round: int | None = None,
 ) -> tuple[dict[str, np.ndarray], dict]:
     """``received + inner(result - received)`` for every floating-point array of ``result``.
 
@@ -128,6 +172,7 @@ def privatize_update(
         meta: DXO meta passed to the inner filter.
         shareable: the result shareable (the SVT accountant reads its round header).
         fl_ctx: the context (logging).
+        current_round: the round for the SVT accountant when no ``shareable`` is given.
 
     Returns:
         The filtered full parameters (integer arrays unchanged) and the meta the inner filter set
@@ -147,7 +192,11 @@ def privatize_update(
         out[k] = ref
     if diffs:
         diff_dxo = DXO(data_kind=DataKind.WEIGHT_DIFF, data=diffs, meta=dict(meta or {}))
-        filtered = inner.process_dxo(diff_dxo, shareable if shareable is not None else Shareable(), fl_ctx or FLContext())
+        if shareable is None:
+            shareable = Shareable()
+            if current_round is not None:
+                shareable.set_header(MetaKey.CURRENT_ROUND, int(current_round))
+        filtered = inner.process_dxo(diff_dxo, shareable, fl_ctx or FLContext())
         new_diffs = (filtered.data if filtered is not None else diffs) or {}
         for k in diffs:
             d = np.asarray(new_diffs.get(k, np.zeros_like(diffs[k])))

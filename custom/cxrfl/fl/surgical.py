@@ -9,6 +9,7 @@ messages over NVFlare (:mod:`cxrfl.fl.base`). The baselines of the papers are ot
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from cxrfl.common.server import ServerLoop
 from cxrfl.common.transport import SiteHost
 from cxrfl.data.site import SiteData
-from cxrfl.fl.base import TaskController, TaskExecutor
+from cxrfl.fl.base import Scalars, TaskController, TaskExecutor, mean_over_sites
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import SurgicalSiteHost
 from cxrfl.surgical.server import SurgicalServer
@@ -32,6 +33,8 @@ class SurgicalAggregation(TaskController):
     Args:
         task_timeout: seconds a site may take per task (0: no limit; a dead site's task still ends
             when NVFlare deems the site dead).
+        analytic_sender_id: the server's analytics writer for the aggregated metrics
+            (:meth:`record_scalars`; "": none).
         settings: every other argument is the :class:`cxrfl.surgical.config.SurgicalConfig` setting
             of the same name (meaning and default there; ``model_config`` and ``train_config`` as
             dicts of their fields): num_rounds, min_clients, model_config, train_config, batchnorm,
@@ -62,8 +65,9 @@ class SurgicalAggregation(TaskController):
         head_mode: str = _DEFAULTS.head_mode,
         missing: str = _DEFAULTS.missing,
         retry_pause: float = _DEFAULTS.retry_pause,
+        analytic_sender_id: str = "analytic_sender",
     ) -> None:
-        super().__init__(task_timeout=task_timeout)
+        super().__init__(task_timeout=task_timeout, analytic_sender_id=analytic_sender_id)
         self.config = SurgicalConfig.from_dict({
             "num_rounds": num_rounds, "min_clients": min_clients, "model_config": model_config,
             "train_config": train_config, "batchnorm": batchnorm, "weighting": weighting, "robust": robust,
@@ -76,6 +80,17 @@ class SurgicalAggregation(TaskController):
 
     def make_server(self, **common: Any) -> ServerLoop:
         return SurgicalServer(config=self.config, **common)
+
+    def record_scalars(self, name: str, record: Mapping[str, Any]) -> Scalars | None:
+        """Per warm-up or round: the sites' mean training and validation loss, mean AUROC and, per
+        class, the mean AUROC of the sites that have it (the model they received), and how many
+        sites were aggregated; at the round's step as each site's own metrics are."""
+        if name != "rounds.jsonl" or record.get("phase") not in ("warmup", "train"):
+            return None
+        sites = record.get("site_metrics") or {}
+        values = mean_over_sites(sites, ("train_loss", "val_loss", "val_mean_auroc"), per_class="val_auroc")
+        values["sites_aggregated"] = float(len(record.get("sites_aggregated") or ()))
+        return values, int(record["round"])
 
 
 class SiteExecutor(TaskExecutor):

@@ -17,6 +17,7 @@ import torch
 from cxrfl.data.dataset import make_loader
 from cxrfl.data.site import SiteData
 from cxrfl.nn.metrics import summarise_auroc
+from cxrfl.nn.precision import Compute, as_compute
 from cxrfl.nn.training import evaluate
 
 
@@ -28,7 +29,7 @@ def evaluate_on_site(
     image_size: int,
     splits: Iterable[str] | None = ("test",),
     batch_size: int = 32,
-    device: torch.device | None = None,
+    compute: Compute | torch.device | None = None,
 ) -> dict[str, Any]:
     """Per-class AUROC of ``model`` on a site's images.
 
@@ -39,19 +40,20 @@ def evaluate_on_site(
         image_size: model input size.
         splits: which splits to use (None: all images, e.g. an external test site).
         batch_size: evaluation batch size.
-        device: torch device (default CPU).
+        compute: device, precision and memory format (a device: its ``auto`` settings; default:
+            the CPU's).
 
     Returns:
         ``images`` evaluated, ``loss``, ``auroc`` (class -> AUROC or None) and the
         :func:`cxrfl.nn.metrics.summarise_auroc` fields (``n`` = classes with a defined AUROC).
     """
-    device = device or torch.device("cpu")
+    compute = as_compute(compute or torch.device("cpu"))
     table = data.table if splits is None else data.table[data.table["split"].isin(list(splits))]
     frame = pd.DataFrame({"path": table["path"].values, "patient": table["patient"].values})
     for c in model_classes:
         frame[c] = table[c].values if c in data.classes else np.nan
     loader = make_loader(frame, list(model_classes), image_size=image_size, train=False, batch_size=batch_size)
-    result = evaluate(model.to(device), loader, list(model_classes), device)
+    result = evaluate(model, loader, list(model_classes), compute)
     aurocs: dict[str, float | None] = dict(result.aurocs)
     for c in data.classes:
         aurocs.setdefault(c, None)

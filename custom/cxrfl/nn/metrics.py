@@ -1,4 +1,11 @@
-"""Per-class AUROC (scikit-learn), summaries as the papers report them, and their statistics."""
+"""Per-class AUROC (scikit-learn), summaries as the papers report them, and their statistics.
+
+Statistics come from scipy: t-intervals (``scipy.stats.t``), paired t-tests
+(``scipy.stats.ttest_rel``, with the interval of the mean difference), Wilcoxon signed-rank tests
+(``scipy.stats.wilcoxon``) and Shapiro-Wilk normality checks (``scipy.stats.shapiro``); effect
+sizes are the mean paired difference with its interval and Cohen's d_z (mean difference over
+the standard deviation of the differences).
+"""
 
 from __future__ import annotations
 
@@ -270,3 +277,76 @@ def paired_ttest(a: Mapping[str, float | None], b: Mapping[str, float | None]) -
     if varies and n >= 3:
         result["shapiro_p"] = float(stats.shapiro(diff).pvalue)
     return result
+
+
+_TIE = 1e-12
+"""Differences closer than this count as equal (float noise of equal AUROCs averaged in another order)."""
+
+
+def _defined(v: float | None) -> bool:
+    return v is not None and not math.isnan(v)
+
+
+def mean_ci(values: Iterable[float | None], alpha: float = 0.05) -> dict[str, Any]:
+    """Mean, sample SD and Student-t confidence interval of the mean (``scipy.stats.t.interval``).
+
+    Args:
+        values: the values (None / NaN left out), e.g. one mean AUROC per seed.
+        alpha: 1 - confidence level.
+
+    Returns:
+        ``{'mean', 'sd', 'n', 'ci'}``: mean None when no value is defined; sd and ci None below two
+        values; ci ``(mean, mean)`` when every value is the same.
+    """
+    x = np.array([float(v) for v in values if _defined(v)], dtype=float)
+    n = int(x.size)
+    if n == 0:
+        return {"mean": None, "sd": None, "n": 0, "ci": None}
+    mean = float(x.mean())
+    if n < 2:
+        return {"mean": mean, "sd": None, "n": 1, "ci": None}
+    sd = float(x.std(ddof=1))
+    if sd == 0:
+        return {"mean": mean, "sd": 0.0, "n": n, "ci": (mean, mean)}
+    lower, upper = stats.t.interval(1 - alpha, n - 1, loc=mean, scale=sd / math.sqrt(n))
+    return {"mean": mean, "sd": sd, "n": n, "ci": (float(lower), float(upper))}
+
+
+def paired_comparison(
+    a: Mapping[Any, float | None],
+    b: Mapping[Any, float | None],
+    alpha: float = 0.05,
+) -> dict[str, Any]:
+    """Paired comparison of A against B over the keys both define (classes, or seeds).
+
+    Args:
+        a: key -> value of A (e.g. per-class AUROC averaged over seeds, or mean AUROC per seed).
+        b: key -> value of B.
+        alpha: 1 - confidence level of the interval.
+
+    Returns:
+        ``n`` and ``keys`` (sorted), ``difference`` (mean of A - B), ``ci`` (its t-interval, from
+        ``ttest_rel``), ``sd`` (of the differences), ``d_z`` (Cohen's d_z = difference / sd),
+        ``t`` and ``p`` (paired t-test), ``wilcoxon_p`` (signed-rank test; zero differences
+        dropped), ``shapiro_p`` (normality of the differences). Each is None where undefined:
+        fewer than two pairs, differences that do not vary (t-test, interval, d_z), no non-zero
+        difference (Wilcoxon), fewer than three pairs (Shapiro-Wilk).
+    """
+    keys = sorted((k for k in a if k in b and _defined(a[k]) and _defined(b[k])), key=str)
+    x = np.array([a[k] for k in keys], dtype=float)
+    y = np.array([b[k] for k in keys], dtype=float)
+    diff = x - y
+    n = len(keys)
+    out: dict[str, Any] = {"n": n, "keys": keys, "difference": float(diff.mean()) if n else None, "ci": None,
+                           "sd": float(diff.std(ddof=1)) if n >= 2 else None, "d_z": None, "t": None, "p": None,
+                           "wilcoxon_p": None, "shapiro_p": None}
+    if n >= 2 and np.ptp(diff) > _TIE:
+        test = stats.ttest_rel(x, y)
+        lower, upper = test.confidence_interval(1 - alpha)
+        out.update(t=float(test.statistic), p=float(test.pvalue), ci=(float(lower), float(upper)),
+                   d_z=float(diff.mean() / diff.std(ddof=1)))
+        if n >= 3:
+            out["shapiro_p"] = float(stats.shapiro(diff).pvalue)
+    if np.any(np.abs(diff) > _TIE):
+        out["wilcoxon_p"] = float(stats.wilcoxon(x, y).pvalue)
+    return out

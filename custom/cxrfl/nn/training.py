@@ -1,12 +1,12 @@
 """Framework-free local training and evaluation loops (plain PyTorch).
 
 Used by the NVFlare executors, the baselines and the benchmarks alike, so that "inside the
-simulator" and "plain PyTorch" run the very same code.
+simulator" and "plain PyTorch" run the very same code. Precision and memory format come from a
+:class:`cxrfl.nn.precision.Compute` (a plain device means its ``auto`` settings).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import time
@@ -22,6 +22,7 @@ from tqdm import tqdm
 from cxrfl.common.config import Config
 from cxrfl.nn.losses import masked_bce
 from cxrfl.nn.metrics import per_class_auroc, summarise_auroc
+from cxrfl.nn.precision import LEGACY_AMP, Compute, as_compute, backward_step, channels_last_field, precision_field
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,13 @@ class TrainConfig(Config):
         max_steps_per_epoch: cap on optimiser steps per epoch (None: the whole split).
         augment: random rotation/flip/zoom/contrast on training images.
         seed: seed of weight init, shuffling and augmentation.
-        amp: mixed precision on CUDA (ignored on CPU).
+        precision: ``auto`` (per device, :mod:`cxrfl.nn.precision`), ``fp32``, ``bf16`` or ``fp16``
+            (autocast; weights and optimiser state stay float32).
+        channels_last: ``auto`` (per device), true or false: channels-last memory format.
     """
 
     SECTION: ClassVar[str] = "train"
+    LEGACY = LEGACY_AMP
     lr: float = field(default=5e-5, metadata={"gt": 0})
     warmup_lr: float = field(default=5e-3, metadata={"gt": 0})
     warmup_epochs: int = field(default=15, metadata={"ge": 0})
@@ -51,7 +55,8 @@ class TrainConfig(Config):
     max_steps_per_epoch: int | None = field(default=None, metadata={"ge": 1})
     augment: bool = True
     seed: int = 0
-    amp: bool = True
+    precision: str = precision_field()
+    channels_last: str | bool = channels_last_field()
 
 
 @dataclass
@@ -101,12 +106,6 @@ class EvalResult:
         return summarise_auroc(self.aurocs)["mean"]
 
 
-def _autocast(device: torch.device, amp: bool):
-    if amp and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.float16)
-    return contextlib.nullcontext()
-
-
 def _progress(iterable: Iterable, desc: str | None, total: int | None):
     return tqdm(iterable, desc=desc, total=total, leave=False, disable=desc is None or not sys.stderr.isatty())
 
@@ -115,12 +114,11 @@ def train_epochs(
     model: nn.Module,
     loader: torch.utils.data.DataLoader,
     optimizer: torch.optim.Optimizer,
-    device: torch.device,
+    compute: Compute | torch.device,
     *,
     epochs: int = 1,
     max_steps: int | None = None,
     class_weight: torch.Tensor | None = None,
-    amp: bool = True,
     desc: str | None = None,
     train_mode: bool = True,
     pos_weight: torch.Tensor | None = None,
@@ -131,18 +129,20 @@ def train_epochs(
         model: the network (its forward returns logits [B, K]).
         loader: yields (images, targets, mask).
         optimizer: the optimiser over the trainable parameters.
-        device: where to compute.
+        compute: device, precision and memory format (a device: its ``auto`` settings); the
+            model is moved to it.
         epochs: number of passes over the loader.
         max_steps: cap on steps per epoch.
         class_weight: optional per-class loss weights [K].
-        amp: mixed precision on CUDA.
         desc: progress-bar label (None: no bar).
         train_mode: put the model in train mode (False keeps eval mode, e.g. for a frozen backbone).
         pos_weight: optional weight of the positive term per class [K] (with ``class_weight``
             this weighs positives and negatives separately, e.g. a cyclically weighted loss).
     """
-    model.train(train_mode)
-    scaler = torch.amp.GradScaler("cuda") if amp and device.type == "cuda" else None
+    compute = as_compute(compute)
+    device = compute.device
+    compute.prepare(model).train(train_mode)
+    scaler = compute.scaler()
     total_loss, steps, images = 0.0, 0, 0
     start = time.perf_counter()
     cw = class_weight.to(device) if class_weight is not None else None
@@ -152,23 +152,15 @@ def train_epochs(
         for i, (x, y, m) in enumerate(_progress(loader, desc, n)):
             if max_steps is not None and i >= max_steps:
                 break
-            x = x.to(device, non_blocking=True)
-            if device.type == "cuda":
-                x = x.contiguous(memory_format=torch.channels_last)
+            x = compute.inputs(x)
             y, m = y.to(device, non_blocking=True), m.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
-            with _autocast(device, amp):
+            with compute.autocast():
                 logits = model(x)
             loss = masked_bce(logits.float(), y, m, class_weight=cw, pos_weight=pw)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"training loss became {loss.item()} at step {steps}")
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                optimizer.step()
+            backward_step(loss, optimizer, scaler)
             total_loss += float(loss.detach())
             steps += 1
             images += int(x.shape[0])
@@ -180,9 +172,8 @@ def evaluate(
     model: nn.Module,
     loader: torch.utils.data.DataLoader,
     classes: Sequence[str],
-    device: torch.device,
+    compute: Compute | torch.device,
     *,
-    amp: bool = True,
     desc: str | None = None,
 ) -> EvalResult:
     """Masked BCE and per-class AUROC of a model on one split.
@@ -191,18 +182,19 @@ def evaluate(
         model: the network.
         loader: yields (images, targets, mask) without augmentation.
         classes: the class names of the model's outputs, in order.
-        device: where to compute.
-        amp: mixed precision on CUDA.
+        compute: device, precision and memory format (a device: its ``auto`` settings); the
+            model is moved to it.
         desc: progress-bar label (None: no bar).
     """
-    model.eval()
+    compute = as_compute(compute)
+    compute.prepare(model).eval()
     ys, ms, ps = [], [], []
     total, known = 0.0, 0.0
     for x, y, m in _progress(loader, desc, len(loader)):
-        x = x.to(device, non_blocking=True)
-        with _autocast(device, amp):
+        x = compute.inputs(x)
+        with compute.autocast():
             logits = model(x).float()
-        y, m = y.to(device), m.to(device)
+        y, m = y.to(compute.device), m.to(compute.device)
         total += float(masked_bce(logits, y, m, reduction="sum"))
         known += float(m.sum())
         ys.append(y.cpu().numpy())

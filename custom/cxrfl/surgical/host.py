@@ -32,6 +32,7 @@ import torch
 
 from cxrfl.common.io import params_digest
 from cxrfl.common.transport import Message
+from cxrfl.data.cache import IMAGE_CACHE
 from cxrfl.data.site import SiteData
 from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
@@ -224,11 +225,13 @@ class SurgicalSiteHost:
                 f"loss {_fmt(m.get('loss'))} mean AUROC {_fmt(m.get('mean_auroc'))} time {_fmt(m.get('seconds'), 1)}s")
 
     def scalars(self, task: str, answer: Mapping[str, Any]) -> tuple[dict[str, float], int] | None:
-        """Training and validation metrics per round (``train`` tasks only)."""
+        """Training and validation metrics per round (``train`` tasks only): the losses, the mean
+        AUROC and the AUROC of each of the site's classes (``val_auroc/<class>``) on the received model."""
         m = answer.get("metrics") or {}
         if task != TRAIN:
             return None
         values = {k: m[k] for k in ("train_loss", "val_loss", "val_mean_auroc") if m.get(k) is not None}
+        values.update({f"val_auroc/{c}": v for c, v in (m.get("val_auroc") or {}).items() if v is not None})
         return values, int(m.get("round", 0))
 
 
@@ -241,7 +244,8 @@ def prune_states(root: Path, keep: int) -> None:
     """
     if not root.is_dir():
         return
-    runs = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    runs = sorted((p for p in root.iterdir() if p.is_dir() and p.name != IMAGE_CACHE),  # the site's image cache stays
+                  key=lambda p: p.stat().st_mtime, reverse=True)
     for old in runs[keep:]:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cxrfl.common.transport import Message, Send, SiteHost, inprocess_transport
+from cxrfl.common.transport import Message, OnAnswer, Send, SiteHost, inprocess_transport
 from cxrfl.data.site import SiteData
 from cxrfl.nn.models import ModelConfig, build_model
 from cxrfl.surgical.config import SurgicalConfig
@@ -36,7 +36,8 @@ class InProcessResult:
 
     Args:
         outcome: what the server returned (selected model, learning curve, evaluation).
-        site_states: local heads: site -> its whole model at the selected round (None otherwise).
+        site_states: local heads or FedBN: site -> its whole model (own head rows, own BatchNorm) at
+            the selected round (None otherwise).
         seconds: wall time.
         images_per_second: mean local training throughput over sites and rounds.
         comm: site -> bytes it received (``down``) and sent (``up``) in the last training round.
@@ -92,16 +93,26 @@ def nbytes(params: Mapping[str, Any]) -> int:
 def _metered(send: Send, comm: dict[str, dict[str, int]], speeds: list[float]) -> Send:
     """``send`` that notes the bytes of each training round and the sites' training speed."""
 
-    def wrapped(task: str, payloads: dict[str, Message]) -> dict[str, Message]:
-        answers = send(task, payloads)
+    def wrapped(task: str, payloads: dict[str, Message], *, on_answer: OnAnswer | None = None) -> dict[str, Message]:
+        sent: dict[str, int] = {}
+        kept: dict[str, dict[str, Any]] = {}  # whole answers for a caller that does not stream
+
+        def note(site: str, answer: Message) -> None:
+            sent[site] = nbytes(answer[0])
+            if on_answer is None:
+                kept[site] = answer[0]
+            else:
+                on_answer(site, answer)
+
+        answers = send(task, payloads, on_answer=note)
         if task == TRAIN:
-            for site, (params, meta) in answers.items():
+            for site, (_, meta) in answers.items():
                 if payloads[site][1].get("phase") == "train":
-                    comm[site] = {"down": nbytes(payloads[site][0]), "up": nbytes(params)}
+                    comm[site] = {"down": nbytes(payloads[site][0]), "up": sent[site]}
                 speed = (meta.get("metrics") or {}).get("images_per_second")
                 if speed:
                     speeds.append(float(speed))
-        return answers
+        return {s: (kept.get(s, p), m) for s, (p, m) in answers.items()}
 
     return wrapped
 
@@ -155,7 +166,7 @@ def run_surgical(sites: Sequence[SiteData] | Mapping[str, SiteHost], config: Sur
                             info=info, warning=warning, aborted=aborted)
     outcome = server.run()
     site_states = None
-    if config.head_mode == "local":
+    if config.head_mode == "local" or config.batchnorm == "fedbn":  # the sites' own heads or BatchNorm
         messages = server.messages(server.state, outcome.best_params, split="test", model_round=outcome.best_round)
         site_states = {s: hosts[s].model_state(*messages[s]) for s in messages}
     return InProcessResult(outcome, site_states, time.perf_counter() - start,
@@ -177,14 +188,14 @@ def global_model(result: InProcessResult, model_config: ModelConfig) -> torch.nn
 
 
 def site_models(result: InProcessResult, model_config: ModelConfig) -> dict[str, torch.nn.Module]:
-    """Local heads: each site's own model at the selected round.
+    """Local heads or FedBN: each site's own model at the selected round.
 
     Args:
-        result: a run with local heads.
+        result: a run with local heads or local BatchNorm.
         model_config: network settings.
     """
     if result.site_states is None:
-        raise ValueError("the run has a global head, not local ones")
+        raise ValueError("the run has one global model, not a model per site")
     config = ModelConfig.from_dict({**model_config.to_dict(), "pretrained": None})
     out = {}
     for name, state in result.site_states.items():

@@ -51,6 +51,7 @@ from cxrfl.nn.models import (
     freeze_backbone,
     set_batchnorm_frozen,
 )
+from cxrfl.nn.precision import compute_for
 from cxrfl.nn.training import EvalResult, TrainConfig, adam, evaluate, train_epochs
 from cxrfl.surgical.head_modes import check_modes
 
@@ -118,9 +119,11 @@ class SiteLearner:
         self.train_config = train_config
         self.batchnorm = batchnorm
         self.device = device or torch.device("cpu")
+        self.compute = compute_for(train_config, self.device)
         self.num_workers = num_workers
         torch.manual_seed(train_config.seed)
-        self.model = build_model(model_config, len(self.classes)).to(self.device)
+        self.model = self.compute.prepare(build_model(model_config, len(self.classes)))
+        log.info("site %s: training and evaluating in %s", data.site, self.compute.describe())
         if batchnorm == "fedbn+":
             set_batchnorm_frozen(self.model)
         self.bn_keys = set(batchnorm_keys(self.model))
@@ -189,6 +192,9 @@ class SiteLearner:
             num_workers=self.num_workers,
             seed=tc.seed,
             cache=not train,
+            in_channels=self.model_config.in_channels,
+            cache_dir=self.data.cache_dir,
+            device=self.device,
         )
 
     @property
@@ -259,7 +265,7 @@ class SiteLearner:
         Args:
             split: the split name.
         """
-        return evaluate(self.model, self.loader(split, train=False), self.classes, self.device, amp=self.train_config.amp)
+        return evaluate(self.model, self.loader(split, train=False), self.classes, self.compute)
 
     def warmup(self, params: dict[str, Any]) -> SiteUpdate:
         """Head warm-up: feature extractor frozen, head trained, best validation loss kept.
@@ -280,8 +286,8 @@ class SiteLearner:
         best, best_state, last = float("inf"), None, None
         for epoch in range(tc.warmup_epochs):
             last = train_epochs(
-                self.model, train_loader, opt, self.device, max_steps=tc.max_steps_per_epoch,
-                amp=tc.amp, desc=f"{self.data.site} warm-up {epoch + 1}/{tc.warmup_epochs}", train_mode=False,
+                self.model, train_loader, opt, self.compute, max_steps=tc.max_steps_per_epoch,
+                desc=f"{self.data.site} warm-up {epoch + 1}/{tc.warmup_epochs}", train_mode=False,
             )
             val = self.validate("val")
             if np.isfinite(val.loss) and val.loss < best:
@@ -347,8 +353,8 @@ class SiteLearner:
             except ValueError:
                 log.warning("site %s: stored optimizer state does not fit the model; starting afresh", self.data.site)
         stats = train_epochs(
-            self.model, self.loader("train", train=True), opt, self.device, epochs=tc.local_epochs,
-            max_steps=tc.max_steps_per_epoch, amp=tc.amp, desc=f"{self.data.site} round {round_num}",
+            self.model, self.loader("train", train=True), opt, self.compute, epochs=tc.local_epochs,
+            max_steps=tc.max_steps_per_epoch, desc=f"{self.data.site} round {round_num}",
         )
         self._save("optimizer.pt", opt.state_dict())
         metrics = {

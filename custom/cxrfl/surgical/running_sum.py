@@ -38,7 +38,7 @@ class RunningSum:
         self.keys = list(keys)
         self.head_prefix = head_prefix
         self.added: list[tuple[str, float]] = []  # (site, weight of its floating keys)
-        self.usable = True  # False after an update was only partly added
+        self.usable = True  # False once its sums were consumed (or no longer match the updates)
         self._items: list[tuple[list[str], bool, bool]] | None = None  # (keys, flat, floating)
         self._shapes: dict[str, tuple[torch.Size, int]] = {}
         self._accs: list[torch.Tensor] = []
@@ -62,28 +62,28 @@ class RunningSum:
         """Add ``weight`` x the update's arrays (``int_weight`` for integer buffers, default ``weight``).
 
         With ``check_finite``, every array of ``params`` (head and keys not summed included) is
-        checked, each summed array just before it is added, while it is in the cache.
+        checked for NaN/Inf before anything is added (one cheap sum per summed array), so a
+        rejected update leaves the sum as it was.
 
         Returns:
             None, or the first key in ``params`` order holding a NaN/Inf; the update is then
-            not (or only partly) added and this sum is no longer :attr:`usable`.
+            not added.
         """
         if self._items is None:
             self._plan(params)
         assert self._items is not None
         if check_finite:
             rest = [(k, v) for k, v in params.items() if k not in self._shapes]
-            if first_nonfinite(rest) is not None:  # nothing added yet
+            if first_nonfinite(rest) is not None:
                 return first_nonfinite(params.items())
+        xs = [_flat([params[k] for k in ks]) if flat else as_tensor(params[ks[0]]) for ks, flat, _ in self._items]
+        if check_finite and any(is_float and not math.isfinite(float(x.sum())) for (_, _, is_float), x in zip(self._items, xs)):
+            bad = first_nonfinite(params.items())  # exact, in order (the sum may just overflow)
+            if bad is not None:
+                return bad
         iw = weight if int_weight is None else int_weight
         first = not self._accs
-        for i, (ks, flat, is_float) in enumerate(self._items):
-            x = _flat([params[k] for k in ks]) if flat else as_tensor(params[ks[0]])
-            if check_finite and is_float and not math.isfinite(float(x.sum())):
-                bad = first_nonfinite(params.items())  # exact, in order (the sum may just overflow)
-                if bad is not None:
-                    self.usable = False
-                    return bad
+        for i, ((_, _, is_float), x) in enumerate(zip(self._items, xs)):
             w = weight if is_float else iw
             if first:
                 acc_dtype = torch.float64 if x.dtype == torch.float64 or not is_float else torch.float32

@@ -7,7 +7,9 @@ tests (:mod:`cxrfl.surgical.inprocess`) run this same loop. Sites answer with
 
 1. Head warm-up (round 0): every site trains the head rows of its own classes on the initial
    feature extractor and announces its classes with them; the rows are stitched into the global
-   head. A site without a warm-up result takes no part in the run.
+   head. A site without a valid warm-up (failed, timed out, down) gets it again in every round's
+   exchange and joins after the round in which it answers (:mod:`cxrfl.surgical.join`; a
+   ``join`` record; model selection starts again, since earlier models lack its classes).
 2. Federated rounds: each site receives the feature extractor and only the head rows of its own
    classes (one task per site; never a name of another site's classes), evaluates the received
    model on its validation split, trains, and answers; results are validated (one rejection
@@ -61,57 +63,17 @@ from cxrfl.errors import ConfigError, CxrflError
 from cxrfl.nn.evaluation import evaluate_on_site, shared_classes
 from cxrfl.nn.metrics import summarise_auroc
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, save_checkpoint
-from cxrfl.surgical.aggregation import RoundAggregator, RoundResult
+from cxrfl.surgical.round_aggregator import RoundAggregator, RoundResult
 from cxrfl.surgical.config import RESUME_KEYS, SurgicalConfig
-from cxrfl.surgical.head_modes import payload_for
+from cxrfl.surgical.head_modes import drop_head, payload_for
 from cxrfl.surgical.host import TRAIN, VALIDATE
+from cxrfl.surgical.join import add_classes, waiting_sites
+from cxrfl.surgical.state import RunState
 
 GLOBAL_MODEL = "FL_global_model.pt"
 BEST_MODEL = "best_FL_global_model.pt"
 CHECKPOINTS = "checkpoints"
 """Sub-folder of ``cxrfl/`` with every round's global model (``round_NNN.pt``)."""
-
-
-@dataclass
-class RunState:
-    """What a run holds between rounds, and what a resumed run loads.
-
-    Args:
-        round: the last completed round (0: the warm-up).
-        params: the global model after it (``local`` heads: the feature extractor only).
-        classes: the global head's class order ([] for ``local`` heads).
-        announced: site -> the classes it announced in the warm-up (the sites of the run).
-        stopper: model selection and early stopping.
-        best_params: the selected model so far (None: none scored yet).
-        curve: one point per scored model (:meth:`SurgicalServer.curve_point`).
-        run_key: names the sites' state across resumed runs (the first run's id).
-    """
-
-    round: int
-    params: dict[str, np.ndarray]
-    classes: list[str]
-    announced: dict[str, list[str]]
-    stopper: EarlyStopping
-    best_params: dict[str, np.ndarray] | None
-    curve: list[dict[str, Any]]
-    run_key: str
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict for the resume store."""
-        return {"round": self.round, "params": self.params, "classes": self.classes, "announced": self.announced,
-                "stopper": self.stopper.to_dict(), "best_params": self.best_params, "curve": self.curve,
-                "run_key": self.run_key}
-
-    @classmethod
-    def from_dict(cls, saved: Mapping[str, Any]) -> RunState:
-        """Rebuild from :meth:`to_dict`.
-
-        Args:
-            saved: the loaded resume state.
-        """
-        return cls(int(saved["round"]), dict(saved["params"]), list(saved["classes"]), dict(saved["announced"]),
-                   EarlyStopping.from_dict(saved["stopper"]), saved.get("best_params"), list(saved.get("curve") or []),
-                   str(saved["run_key"]))
 
 
 @dataclass
@@ -171,6 +133,8 @@ class SurgicalServer(ServerLoop):
         cfg = self.config
         self.info(f"surgical aggregation: up to {cfg.num_rounds} rounds, batchnorm={cfg.batchnorm}, "
                   f"head_mode={cfg.head_mode}, missing={cfg.missing}, {len(self.sites)} site(s)")
+        if cfg.rate_warning():
+            self.warning(cfg.rate_warning())
         self.write_run_config(cfg.to_dict())
         self._prepare()
         state = self.state = self._resume() if self.resume_from else self._warmup()
@@ -234,9 +198,10 @@ class SurgicalServer(ServerLoop):
         """Round 0: the sites' head warm-ups, stitched; the sites that answered make the run."""
         start = time.perf_counter()
         meta = self.task_meta(self.run_id, phase="warmup", round=0)
-        answers = self.broadcast(TRAIN, self.sites, self.init_params, lambda s: meta)
+        self.aggregator.expect(self.expected)  # answers stream into the aggregator, as in the rounds
+        answers = self.exchange(TRAIN, {s: (dict(self.init_params), meta) for s in self.sites}, on_answer=self._accept)
         self.check_abort()
-        result, rejected = self._aggregate(answers, None, None, None)
+        result, rejected = self._finish()
         record = {**self._round_record(0, "warmup", self.sites, answers, result, rejected),
                   "seconds": time.perf_counter() - start}
         self.record(record)
@@ -270,12 +235,37 @@ class SurgicalServer(ServerLoop):
                              mean_val_loss=state.stopper.best)
         return state
 
+    def _join(self, state: RunState, rnd: int, waiting: Sequence[str], answers: Mapping[str, Message]) -> None:
+        """After round ``rnd``: the sites in ``waiting`` got the head warm-up in its exchange; those
+        with a valid answer join (see :mod:`cxrfl.surgical.join`); one ``join`` record."""
+        if not waiting:
+            return
+        result, rejected = self._aggregate(answers, None, None, None, minimum=1) if answers else (None, {})
+        joined = {s: list(answers[s][1]["classes"]) for s in result.sites} if result else {}
+        added: list[str] = []
+        if joined:
+            if self.config.head_mode != "local":
+                state.params, state.classes, added = add_classes(state.params, state.classes, result.params,
+                                                                 result.classes)
+            state.announced.update(joined)
+            state.joined.update({s: rnd for s in joined})
+            state.stopper, state.best_params = EarlyStopping(self.config.patience, self.config.min_delta), None
+            self._save_model(GLOBAL_MODEL, state.params, state.classes, round=state.round)
+            self.resume.save({**state.to_dict(), "settings": self.config.to_dict()})
+            self.info(f"round {rnd}: site(s) {sorted(joined)} joined late with their warm-up; {len(added)} new class(es) "
+                      f"in the global head (now {len(state.classes)}); model selection starts again")
+        self.record({"round": rnd, "phase": "join", "sites_asked": list(waiting), "sites_answered": sorted(answers),
+                     "sites_failed": sorted(set(waiting) - set(answers)), "joined": sorted(joined),
+                     "new_classes": added, "rejected": rejected})
+
     # ----------------------------------------------------------- rounds
     def _rounds(self, state: RunState) -> bool:
         """Rounds until ``num_rounds`` or early stopping (True); a failed round is run again."""
         rnd = state.round + 1
         while rnd <= self.config.num_rounds and not state.stopper.should_stop:
-            record = self._round(state, rnd)
+            waiting, joins = waiting_sites(self.sites, state.announced), {}
+            record = self._round(state, rnd, waiting, joins)
+            self._join(state, rnd, waiting, joins)
             if not record["aggregated"]:
                 self._retry_or_stop(rnd, record)
                 continue
@@ -287,14 +277,29 @@ class SurgicalServer(ServerLoop):
             return True
         return False
 
-    def _round(self, state: RunState, rnd: int) -> dict[str, Any]:
-        """One attempt at round ``rnd``; returns its record (``aggregated``: it completed)."""
+    def _round(self, state: RunState, rnd: int, waiting: Sequence[str] = (), joins: dict[str, Message] | None = None
+               ) -> dict[str, Any]:
+        """One attempt at round ``rnd``; returns its record (``aggregated``: it completed). The sites
+        in ``waiting`` get the head warm-up on the same feature extractor in the same exchange; their
+        answers go to ``joins``."""
         start = time.perf_counter()
         evaluated = dict(state.params)
-        answers = self.exchange(TRAIN, self.messages(state, evaluated, phase="train", round=rnd))
-        self.check_abort()  # aborted mid-round: the round is not recorded, nothing is written
         announced = {s: state.classes for s in state.announced} if self.config.head_mode == "union" else state.announced
-        result, rejected = self._aggregate(answers, announced, state.classes, evaluated)
+        self.aggregator.expect(self.expected, announced, state.classes, evaluated)
+        payloads = self.messages(state, evaluated, phase="train", round=rnd)
+        warmup = self.task_meta(state.run_key, phase="warmup", round=rnd)
+        payloads.update({s: (drop_head(evaluated), dict(warmup)) for s in waiting})
+
+        def on_answer(site: str, answer: Message) -> None:  # into the aggregator as it arrives (params then dropped)
+            if site in waiting:
+                joins[site] = answer
+            else:
+                self._accept(site, answer)
+
+        answers = self.exchange(TRAIN, payloads, on_answer=on_answer)
+        answers = {s: a for s, a in answers.items() if s not in waiting}
+        self.check_abort()  # aborted mid-round: the round is not recorded, nothing is written
+        result, rejected = self._finish()
         point = self.curve_point(rnd - 1, answers, "val_loss", "val_mean_auroc")
         record = {**self._round_record(rnd, "train", list(state.announced), answers, result, rejected),
                   "evaluated_round": rnd - 1, "mean_val_loss": point["mean_val_loss"],
@@ -332,18 +337,29 @@ class SurgicalServer(ServerLoop):
         self.clock.wait(self.aborted)
 
     def _aggregate(self, answers: Mapping[str, Message], announced: Mapping[str, Sequence[str]] | None,
-                   classes: Sequence[str] | None, reference: Mapping[str, Any] | None
+                   classes: Sequence[str] | None, reference: Mapping[str, Any] | None, minimum: int | None = None
                    ) -> tuple[RoundResult | None, dict[str, str]]:
-        """Validate and aggregate the answers; None when fewer than ``min_clients`` are valid or
-        the aggregation fails (an overflow, ...: a failed round, never a crash)."""
+        """Validate and aggregate the answers; None when fewer than ``minimum`` (default
+        ``min_clients``) are valid or the aggregation fails (an overflow, ...: a failed round, never a crash)."""
+        self.aggregator.expect(self.expected, announced, classes, reference)
+        for site, answer in sorted(answers.items()):
+            self._accept(site, answer)
+        return self._finish(minimum)
+
+    def _accept(self, site: str, answer: Message) -> None:
+        """Hand one site's answer to the aggregator (validated; a rejection is one warning line)."""
+        params, meta = answer
+        self.aggregator.accept({"site": site, "classes": meta.get("classes"), "params": params,
+                                "num_samples": meta.get("num_samples")})
+
+    def _finish(self, minimum: int | None = None) -> tuple[RoundResult | None, dict[str, str]]:
+        """The aggregate of the accepted answers; None when fewer than ``minimum`` (default
+        ``min_clients``) are valid or the aggregation fails."""
+        minimum = self.config.min_clients if minimum is None else minimum
         agg = self.aggregator
-        agg.expect(self.expected, announced, classes, reference)
-        for site, (params, meta) in sorted(answers.items()):
-            agg.accept({"site": site, "classes": meta.get("classes"), "params": params,
-                        "num_samples": meta.get("num_samples")})
         rejected = dict(agg.rejected)
-        if len(agg.accepted_sites) < self.config.min_clients:
-            self.warning(f"only {len(agg.accepted_sites)} valid result(s) (min_clients={self.config.min_clients}); "
+        if len(agg.accepted_sites) < minimum:
+            self.warning(f"only {len(agg.accepted_sites)} valid result(s) (min_clients={minimum}); "
                          "keeping the previous global model")
             agg.reset()
             return None, rejected

@@ -17,7 +17,8 @@ Profiles:
 * ``fedfew``: the FedFew paper's setting, three common-class sites and three sites with one
   rare class each (defined in :mod:`cxrfl.synth.fedfew_profile`, registered here when
   :mod:`cxrfl.synth` is imported, which any import of this module does first).
-* ``load-10``: ten small sites alternating NIH and CheXpert formats (load test).
+* ``load-10``: ten small sites alternating NIH and CheXpert formats (load test); ``load-<K>`` the same
+  with K sites (:func:`get_profile`).
 
 New profiles are a few lines with :func:`nih_site`, :func:`chexpert_site`, :func:`csv_site`
 and :func:`partition_profile`.
@@ -252,9 +253,13 @@ PROFILES: dict[str, Profile] = {
 def get_profile(name: str) -> Profile:
     """The profile called ``name``.
 
+    ``load-<K>`` exists for every K >= 2 (K small sites for ``cxrfl bench load``).
+
     Raises:
         ConfigError: unknown profile.
     """
+    if name.startswith("load-") and name[5:].isdigit() and int(name[5:]) >= 2:
+        return PROFILES.get(name) or _load(int(name[5:]))
     if name not in PROFILES:
-        raise ConfigError(f"unknown demo profile {name!r}; available: {', '.join(PROFILES)}")
+        raise ConfigError(f"unknown demo profile {name!r}; available: {', '.join(PROFILES)}, load-<K>")
     return PROFILES[name]

@@ -4,18 +4,23 @@ Per seed (the seed draws the synthetic cohorts, the unlabelled share of the CC s
 weights and the augmentation):
 
 * data (:mod:`~cxrfl.bench.fedfew.data`): ``cxrfl.synth`` profile ``fedfew``: 3 CC sites, 3 UC
-  sites (Edema, Pneumonia, Hernia; ~20 positives and ~200 negatives each), 3 test sites;
+  sites (Edema, Pneumonia, Hernia; ~20 positives and ~200 negatives each), 3 test sites large
+  enough for 200 positives + 200 negatives per UC;
 * ``fedfew``: the three stages (:func:`cxrfl.fedfew.inprocess.run_fedfew`: the job's own workflow
-  and site code), then the final model file read back as ``cxrfl predict`` does; ``fedfew-no-ebm``
+  and site code; stage 2 until the CC validation loss stops improving), stage 1's encoder probed
+  along the way, then the final model file read back as ``cxrfl predict`` does; ``fedfew-no-ebm``
   (optional): the same with lambda = 0; ``fedfew-balanced``: stage 3 again with the balanced
   threshold rule (:mod:`~cxrfl.bench.fedfew.seed`);
-* ``mlc`` / ``mlc-ssl``: the plain federated multi-label baseline; ``nn-ssl`` / ``nn-mlc-ssl``: the
-  paper's local nearest-neighbour classifier (:mod:`~cxrfl.bench.fedfew.methods`).
+* ``mlc`` / ``mlc-ssl``: the plain federated multi-label baseline (until its validation loss stops
+  improving); ``nn-ssl`` / ``nn-mlc-ssl``: the paper's local nearest-neighbour classifier
+  (:mod:`~cxrfl.bench.fedfew.methods`).
 
 Output (:mod:`~cxrfl.bench.fedfew.run`): ``OUT/results.json`` (settings, machine, every (method,
-seed) run with its ``mean_cc_auroc``, ``mean_uc_f1`` and per-UC metrics, the summary over seeds
-and the target verdicts), ``OUT/report.md`` and the plots (:mod:`~cxrfl.bench.fedfew.report`).
-Each (method, seed) is kept as it finishes, so an interrupted run goes on where it stopped.
+seed) run with its ``mean_cc_auroc``, ``mean_uc_f1``, per-UC metrics and FedFew's stage
+diagnostics, the summary over seeds and the target verdicts with paired statistics),
+``OUT/report.md`` (:mod:`~cxrfl.bench.fedfew.report`) and the plots
+(:mod:`~cxrfl.bench.fedfew.plots`). Each (method, seed) is kept as it finishes, so an interrupted
+run goes on where it stopped.
 """
 
 from cxrfl.bench.fedfew.report import format_markdown

@@ -1,7 +1,9 @@
 """The FedFew benchmark's data for one seed: the synthetic ``fedfew`` profile, partially labelled.
 
 The seed draws the synthetic cohorts, the unlabelled share of the CC sites and the UC test
-samples. Training sites are split ``train_fraction`` / rest (train/val) by patient; a share of
+samples. Training sites are split ``train_fraction`` / rest (train/val) by patient (the UC sites
+are written 1 / ``train_fraction`` times the paper's 220 images, so that their training split has
+about 20 positives and 200 negatives); a share of
 every CC site's training images loses its labels (the paper's partially labelled CC clients: those
 images only serve stage 1). Each UC is tested on a balanced sample of its test site (up to
 ``test_per_class`` positives and as many negatives); the CCs on all test images.
@@ -43,7 +45,9 @@ def prepare_data(settings: BenchSettings, data_dir: Path, seed: int) -> SeedData
     import cxrfl.synth.fedfew_profile as fp
     from cxrfl.synth import write_profile
 
-    profile = fp.fedfew_profile(n_cc=settings.n_cc, name=f"fedfew-bench-{settings.n_cc}")
+    n_uc = round((fp.UC_POSITIVES + fp.UC_NEGATIVES) / settings.train_fraction)  # ~20 + ~200 in the training split
+    profile = fp.fedfew_profile(n_cc=settings.n_cc, n_test=settings.n_test, n_uc=n_uc,
+                                name=f"fedfew-bench-{settings.n_cc}-{n_uc}-{settings.n_test}")
     fp.PROFILES.setdefault(profile.name, profile)
     configs = write_profile(profile.name, data_dir, image_size=settings.data_image_size, seed=seed)
     rng = np.random.default_rng([seed, 17])
@@ -72,6 +76,17 @@ def prepare_data(settings: BenchSettings, data_dir: Path, seed: int) -> SeedData
         uc_test[uc] = pd.concat([pos.sample(k, random_state=seed), neg.sample(k, random_state=seed)], ignore_index=True)
         uc_site[uc] = next(s for s, d in train.items() if d.classes == [uc])
     return SeedData(train, uc_test, test, uc_site)
+
+
+def cc_training_rows(data: SeedData) -> pd.DataFrame:
+    """The CC sites' labelled training images with their CC labels (the linear probe's training set).
+
+    Args:
+        data: the seed's sites.
+    """
+    tables = [d.split_table("train") for d in data.train.values() if set(d.classes) & set(FEDFEW_CCS)]
+    rows = pd.concat(tables, ignore_index=True)
+    return rows[rows[list(FEDFEW_CCS)].notna().any(axis=1)].reset_index(drop=True)
 
 
 def site_counts(data: SeedData) -> dict[str, dict[str, object]]:

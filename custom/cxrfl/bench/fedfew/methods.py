@@ -1,11 +1,13 @@
-"""The FedFew benchmark's methods: the MLC baseline's training, and the evaluation of every method
-on one seed's test sets (UC accuracy, precision, recall, F1; mean CC AUROC).
+"""The FedFew benchmark's methods: the MLC baseline's training, the linear probe of stage 1's
+encoder, and the evaluation of every method on one seed's test sets (UC accuracy, precision,
+recall, F1; mean CC AUROC; for FedFew the diagnostics of each stage-3 step).
 
 * ``fedfew`` and its variants: the final model file, read back as ``cxrfl predict`` reads it
   (:func:`eval_fedfew`);
 * ``mlc`` / ``mlc-ssl``: the plain federated multi-label baseline: a head over all 14 classes,
   FedAvg weighted by labelled images, CheXNet's weighted BCE on the labels a site has, from
-  scratch / from the stage-1 encoder; a UC is positive when its probability is >= 0.5;
+  scratch / from the stage-1 encoder, until the pooled validation loss stops improving; a UC is
+  positive when its probability is >= 0.5;
 * ``nn-ssl`` / ``nn-mlc-ssl``: the paper's hypothetical local nearest-neighbour classifier: each
   UC test image gets the label of its cosine-nearest training image of that UC's site (features
   of the stage-1 encoder / of ``mlc-ssl``); not federated (it needs the images).
@@ -20,18 +22,23 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import roc_auc_score
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
 
-from cxrfl.bench.fedfew.data import SeedData
+from cxrfl.bench.fedfew.data import SeedData, cc_training_rows
 from cxrfl.bench.fedfew.settings import BenchSettings
 from cxrfl.common.io import to_numpy
+from cxrfl.common.selection import EarlyStopping
 from cxrfl.data.dataset import make_loader
-from cxrfl.fedfew.learner import uc_metrics
+from cxrfl.fedfew.prototypes import uc_metrics
 from cxrfl.fedfew.model import FedFewModel
 from cxrfl.fedfew.prototypes import cosine_distance
 from cxrfl.fedfew.ssl import load_encoder
 from cxrfl.nn.metrics import per_class_auroc
 from cxrfl.nn.models import CXRNet, ModelConfig, build_model
-from cxrfl.nn.training import adam, train_epochs
+from cxrfl.nn.training import adam, evaluate, train_epochs
 from cxrfl.surgical.aggregation import surgical_aggregate
 from cxrfl.synth.fedfew_profile import FEDFEW_CCS, FEDFEW_UCS
 
@@ -72,34 +79,60 @@ def _chexnet_weights(table: pd.DataFrame, classes: Sequence[str]) -> tuple[torch
     return torch.tensor(cw), torch.tensor(pw)
 
 
+def _mlc_tables(data: SeedData, split: str, batch_size: int = 0) -> dict[str, pd.DataFrame]:
+    """Per site: its rows of ``split`` with a known label, every MLC class as a column (NaN: not annotated)."""
+    tables = {}
+    for s, d in data.train.items():
+        t = d.split_table(split).copy()
+        for c in MLC_CLASSES:
+            if c not in t.columns:
+                t[c] = np.nan
+        t = t[t[MLC_CLASSES].notna().any(axis=1)].reset_index(drop=True)
+        if batch_size and len(t) % batch_size == 1:  # a last batch of one image breaks BatchNorm in training mode
+            t = t.iloc[:-1]
+        if len(t):
+            tables[s] = t
+    return tables
+
+
+def _pooled_val_loss(model: CXRNet, tables: dict[str, pd.DataFrame], settings: BenchSettings) -> float | None:
+    """The sites' validation BCE (unweighted) pooled over their known labels."""
+    total = known = 0.0
+    for t in tables.values():
+        loader = make_loader(t, MLC_CLASSES, image_size=settings.image_size, train=False,
+                             batch_size=int(settings.fedfew.get("eval_batch_size", 128)))
+        ev = evaluate(model, loader, MLC_CLASSES, torch.device("cpu"))
+        n = float(ev.mask.sum())
+        if n and np.isfinite(ev.loss):
+            total, known = total + ev.loss * n, known + n
+    return total / known if known else None
+
+
 def train_mlc(data: SeedData, settings: BenchSettings, seed: int, ssl_state: dict[str, np.ndarray] | None,
-              log: Callable[[str], None]) -> CXRNet:
-    """The plain federated multi-label baseline: FedAvg of a 14-class network, weighted BCE on known labels.
+              log: Callable[[str], None]) -> tuple[CXRNet, dict[str, Any]]:
+    """The plain federated multi-label baseline: FedAvg of a 14-class network, weighted BCE on known labels,
+    until the pooled validation loss stops improving (:class:`cxrfl.common.selection.EarlyStopping`,
+    ``mlc_patience``; at most ``mlc_rounds``); the round of lowest loss is kept.
 
     Args:
         data: the seed's sites.
-        settings: rounds, epochs, learning rate, batch size.
+        settings: rounds, patience, epochs, learning rate, batch size.
         seed: weights and batch order.
         ssl_state: stage 1's SimSiam weights (its encoder starts the network; None: from scratch).
         log: progress lines.
+
+    Returns:
+        the selected network and its training record (``rounds``, ``best_round``, ``val_loss`` per round).
     """
     classes = MLC_CLASSES
-    mc = ModelConfig(image_size=settings.image_size)
     torch.manual_seed(seed + 2)
-    model = build_model(mc, len(classes))
+    model = build_model(ModelConfig(image_size=settings.image_size), len(classes))
     if ssl_state is not None:
         load_encoder(model, ssl_state)
-    state = to_numpy(model.state_dict())
-    tables = {}
-    for s, d in data.train.items():
-        t = d.split_table("train").copy()
-        for c in classes:
-            if c not in t.columns:
-                t[c] = np.nan
-        t = t[t[classes].notna().any(axis=1)].reset_index(drop=True)
-        if len(t) % settings.mlc_batch_size == 1:  # a last batch of one image breaks BatchNorm in training mode
-            t = t.iloc[:-1]
-        tables[s] = t
+    state = best = to_numpy(model.state_dict())
+    tables, val = _mlc_tables(data, "train", settings.mlc_batch_size), _mlc_tables(data, "val")
+    stopper, curve = EarlyStopping(settings.mlc_patience), []
+    name = "mlc" + (" (ssl)" if ssl_state is not None else "")
     for rnd in range(1, settings.mlc_rounds + 1):
         updates = []
         for s, t in tables.items():
@@ -111,9 +144,51 @@ def train_mlc(data: SeedData, settings: BenchSettings, seed: int, ssl_state: dic
                          class_weight=cw, pos_weight=pw)
             updates.append({"site": s, "classes": classes, "params": to_numpy(model.state_dict()), "num_samples": len(t)})
         state, _ = surgical_aggregate(updates, weighting="samples", classes=classes)
-        log(f"  mlc{' (ssl)' if ssl_state is not None else ''} round {rnd}/{settings.mlc_rounds} done")
-    model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in state.items()})
-    return model
+        model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in state.items()})
+        loss = _pooled_val_loss(model, val, settings)
+        curve.append(loss)
+        if stopper.update(loss, rnd):
+            best = {k: np.asarray(v) for k, v in state.items()}
+        log(f"  {name} round {rnd}/{settings.mlc_rounds}: validation loss {loss if loss is None else round(loss, 4)} "
+            f"(best round {stopper.best_step})")
+        if stopper.should_stop:
+            break
+    model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in best.items()})
+    return model, {"rounds": len(curve), "best_round": stopper.best_step, "val_loss": curve}
+
+
+def linear_probe(ssl_state: dict[str, Any], data: SeedData, settings: BenchSettings) -> dict[str, Any]:
+    """How well stage 1's encoder separates the CCs: a linear probe on its frozen features.
+
+    One logistic regression per CC (scikit-learn, standardised features, L2 with C = 0.1) on the
+    CC sites' labelled training images, scored by AUROC on the CC test set.
+
+    Args:
+        ssl_state: SimSiam weights.
+        data: the seed's sites and test sets.
+        settings: image and batch sizes.
+
+    Returns:
+        ``mean_auroc`` over the CCs with both labels in both sets, ``auroc`` per CC.
+    """
+    model = build_model(ModelConfig(image_size=settings.image_size), 1)
+    load_encoder(model, ssl_state)
+    bs = int(settings.fedfew.get("eval_batch_size", 128))
+    train = cc_training_rows(data)
+    f_train, _ = _features_logits(model, train, settings.image_size, bs)
+    f_test, _ = _features_logits(model, data.cc_test, settings.image_size, bs)
+    aurocs: dict[str, float | None] = {}
+    for c in FEDFEW_CCS:
+        y, yt = train[c].to_numpy(float), data.cc_test[c].to_numpy(float)
+        k, kt = ~np.isnan(y), ~np.isnan(yt)
+        if len(np.unique(y[k])) < 2 or len(np.unique(yt[kt])) < 2:
+            aurocs[c] = None
+            continue
+        probe = make_pipeline(StandardScaler(), LogisticRegression(C=0.1, max_iter=2000))
+        probe.fit(f_train[k], y[k])
+        aurocs[c] = float(roc_auc_score(yt[kt], probe.predict_proba(f_test[kt])[:, 1]))
+    defined = [v for v in aurocs.values() if v is not None]
+    return {"mean_auroc": float(np.mean(defined)) if defined else None, "auroc": aurocs}
 
 
 def eval_mlc(model: CXRNet, data: SeedData, settings: BenchSettings) -> dict[str, Any]:
@@ -197,8 +272,6 @@ def eval_fedfew(final: Path, data: SeedData, settings: BenchSettings) -> dict[st
 def _auroc(y: np.ndarray, score: np.ndarray) -> float | None:
     """AUROC of a score for a binary label (None with one label value): how well the energy or
     the prototype margin alone ranks a UC's positives above its negatives."""
-    from sklearn.metrics import roc_auc_score
-
     return float(roc_auc_score(y, score)) if len(np.unique(y)) == 2 else None
 
 

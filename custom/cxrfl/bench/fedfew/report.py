@@ -1,16 +1,25 @@
-"""The FedFew benchmark's summary (mean and SD over seeds), targets, ``report.md`` and plots."""
+"""The FedFew benchmark's summary (mean and SD over seeds), targets with paired statistics, and ``report.md``.
+
+Beside each method's F1 and CC AUROC, the summary keeps what tells which FedFew stage limits the
+result: stage 1's linear-probe AUROC per round budget, stage 2's rounds and best round, and per
+UC the AUROC of the energy alone (can stage 2's energy tell UC-positive images from negatives?),
+of the prototype margin alone (can the features?), and the share of positives and negatives the
+threshold flags (does the rule use what the energy knows?).
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from cxrfl.bench.fedfew.settings import BASELINES, LABELS, METHODS
+from cxrfl.bench.paired import against, format_stats, paired
 from cxrfl.synth.fedfew_profile import FEDFEW_UCS
 
 UC_METRICS = ("accuracy", "precision", "recall", "f1")
+DIAGNOSTICS = ("energy_auroc", "prototype_margin_auroc")
+FLAGGED = ("flagged_positives", "flagged_negatives")
 
 
 def _ms(values: list[float | None]) -> dict[str, float | None]:
@@ -20,16 +29,32 @@ def _ms(values: list[float | None]) -> dict[str, float | None]:
     return {"mean": float(np.mean(kept)), "sd": float(np.std(kept, ddof=1)) if len(kept) > 1 else None, "n": len(kept)}
 
 
+def _fedfew_extras(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stage diagnostics of a FedFew method over seeds."""
+    diag = {uc: {k: _ms([r["test_energy"][uc].get(k) for r in rs if uc in r.get("test_energy", {})]) for k in DIAGNOSTICS}
+            for uc in FEDFEW_UCS}
+    flagged = {uc: {k: _ms([r["uc"][uc].get(k) for r in rs if uc in r["uc"]]) for k in FLAGGED} for uc in FEDFEW_UCS}
+    seen = {p for r in rs for p in r.get("stage2", {})}
+    phases = [p for p in ("warm-up", "energy", "bce") if p in seen] + sorted(seen - {"warm-up", "energy", "bce"})
+    stage2 = {p: {k: _ms([r["stage2"][p].get(k) for r in rs if p in r.get("stage2", {})])
+                  for k in ("rounds", "best_round", "best_val_loss")} for p in phases}
+    out: dict[str, Any] = {"diagnostics": diag, "flagged": flagged, "stage2": stage2}
+    rounds = sorted({p["round"] for r in rs for p in r.get("ssl_probe", [])})
+    if rounds:
+        out["ssl_probe"] = {str(k): _ms([p["mean_auroc"] for r in rs for p in r.get("ssl_probe", []) if p["round"] == k])
+                            for k in rounds}
+    return out
+
+
 def _summarise_method(method: str, rs: list[dict[str, Any]]) -> dict[str, Any]:
     entry: dict[str, Any] = {"label": LABELS[method], "seeds": len(rs), "mean_uc_f1": _ms([r["mean_uc_f1"] for r in rs]),
                              "mean_cc_auroc": _ms([r.get("mean_cc_auroc") for r in rs]), "uc": {}}
     for uc in FEDFEW_UCS:
         entry["uc"][uc] = {k: _ms([r["uc"][uc][k] for r in rs if uc in r["uc"]]) for k in UC_METRICS}
     if method.startswith("fedfew"):
-        entry["diagnostics"] = {uc: {k: _ms([r["test_energy"][uc].get(k) for r in rs if uc in r.get("test_energy", {})])
-                                     for k in ("energy_auroc", "prototype_margin_auroc")} for uc in FEDFEW_UCS}
-        entry["flagged"] = {uc: {k: _ms([r["uc"][uc].get(k) for r in rs if uc in r["uc"]])
-                                 for k in ("flagged_positives", "flagged_negatives")} for uc in FEDFEW_UCS}
+        entry.update(_fedfew_extras(rs))
+    if any("training" in r for r in rs):
+        entry["training"] = {k: _ms([r["training"].get(k) for r in rs if "training" in r]) for k in ("rounds", "best_round")}
     return entry
 
 
@@ -40,30 +65,40 @@ def summarise(runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         runs: method -> seed (as text) -> that run's results.
     """
     table = {m: _summarise_method(m, list(runs[m].values())) for m in METHODS if runs.get(m)}
-    return {"methods": table, "targets": targets(table)}
+    return {"methods": table, "targets": targets(table, runs)}
 
 
-def targets(table: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets on the ``fedfew`` profile, each with the numbers it is judged on.
+def _per_seed(runs: dict[str, dict[str, dict[str, Any]]], method: str, key: str) -> dict[str, float | None]:
+    return {s: r.get(key) for s, r in runs.get(method, {}).items()}
+
+
+def targets(table: dict[str, Any], runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The issue's targets on the ``fedfew`` profile, each with its numbers and paired statistics over seeds.
 
     Args:
         table: the summary per method (:func:`summarise`).
+        runs: method -> seed -> results (for the paired differences).
     """
     out: dict[str, Any] = {}
     ff = table.get("fedfew")
     if ff is None:
         return out
-    f1 = ff["mean_uc_f1"]["mean"]
-    out["uc_f1_at_least_0.5"] = {"value": f1, "met": f1 is not None and f1 >= 0.5}
+    f1, auc = ff["mean_uc_f1"]["mean"], ff["mean_cc_auroc"]["mean"]
+    f1_seeds, auc_seeds = _per_seed(runs, "fedfew", "mean_uc_f1"), _per_seed(runs, "fedfew", "mean_cc_auroc")
+    out["cc_auroc_at_least_0.7"] = {"value": auc, "met": auc is not None and auc >= 0.7, "stats": against(auc_seeds, 0.7)}
+    out["uc_f1_at_least_0.5"] = {"value": f1, "met": f1 is not None and f1 >= 0.5, "stats": against(f1_seeds, 0.5)}
     for b in BASELINES:
         if b not in table:
             continue
-        bf1 = table[b]["mean_uc_f1"]["mean"]
-        out[f"uc_f1_0.3_above_{b}"] = {"fedfew": f1, "baseline": bf1, "difference": (f1 - bf1) if None not in (f1, bf1) else None,
-                                      "met": None not in (f1, bf1) and f1 - bf1 >= 0.3}
-        a, ba = ff["mean_cc_auroc"]["mean"], table[b]["mean_cc_auroc"]["mean"]
-        out[f"cc_auroc_within_0.01_of_{b}"] = {"fedfew": a, "baseline": ba, "difference": (a - ba) if None not in (a, ba) else None,
-                                              "met": None not in (a, ba) and a >= ba - 0.01}
+        bf1, ba = table[b]["mean_uc_f1"]["mean"], table[b]["mean_cc_auroc"]["mean"]
+        out[f"uc_f1_0.3_above_{b}"] = {
+            "fedfew": f1, "baseline": bf1, "difference": (f1 - bf1) if None not in (f1, bf1) else None,
+            "met": None not in (f1, bf1) and f1 - bf1 >= 0.3,
+            "stats": paired(_per_seed(runs, b, "mean_uc_f1"), f1_seeds, margin=0.3)}
+        out[f"cc_auroc_within_0.01_of_{b}"] = {
+            "fedfew": auc, "baseline": ba, "difference": (auc - ba) if None not in (auc, ba) else None,
+            "met": None not in (auc, ba) and auc >= ba - 0.01,
+            "stats": paired(_per_seed(runs, b, "mean_cc_auroc"), auc_seeds, margin=-0.01)}
     return out
 
 
@@ -81,22 +116,26 @@ def _header(result: dict[str, Any], commit: str) -> list[str]:
     seed_minutes = sum(r.get("seconds", 0) for by_seed in result["runs"].values() for r in by_seed.values()) / 60
     return [
         f"Command: `{result['command']}`. Commit: {commit}. "
-        f"Machine: {machine['cpus']} CPU cores shared with other jobs, {s['threads']} torch thread(s), "
+        f"Machine: {machine['cpus']} CPU cores, {s['threads']} torch thread(s) per seed, "
         f"{'a GPU' if machine.get('cuda') else 'no GPU'}; {len(seeds)} seed(s) ({', '.join(map(str, seeds))}), "
         f"{s.get('jobs', 1)} in parallel: {result.get('wall_seconds_total', 0) / 60:.0f} min wall "
         f"({seed_minutes:.0f} min of method time); load average {machine.get('load_average_at_start') or 0:.1f} at the "
-        "start (other jobs on the same cores)." + (f" {result['note']}" if result.get("note") else ""),
+        "start." + (f" {result['note']}" if result.get("note") else ""),
         "",
         f"Settings: DenseNet121 from scratch at {s['image_size']}x{s['image_size']} (images written at {s['data_image_size']}); "
-        f"3 CC sites of {s['n_cc']} images ({s['cc_label_fraction']:.0%} of training images labelled), 3 UC sites of ~220 images "
-        f"(~20 positives), 90/10 train/val; UC test sets balanced, up to {s['test_per_class']} positives + as many negatives; "
-        f"CC AUROC on all 600 test images. FedFew: {ff['ssl_rounds']} SimSiam round(s) of <= {ff['ssl_max_steps']} steps/site, "
-        f"{ff['warmup_rounds']} warm-up + {ff['rounds']} energy round(s) ({ff['local_epochs']} local epoch(s), batch {ff['batch_size']}, "
-        f"Adam {ff['lr']}), T={ff['temperature']}, lambda={ff['energy_weight']}, margins from the warm-up (widen "
-        f"{ff['margin_widen']}), min {ff['min_prototype_images']} images per prototype, threshold rule "
-        f"`{ff['threshold_weighting']}` on `{ff['threshold_examples']}` examples. MLC: {s['mlc_rounds']} rounds x "
-        f"{s.get('mlc_local_epochs', 1)} local epoch(s), CheXNet weighted BCE, batch {s['mlc_batch_size']}. These are CPU-sized "
-        "settings, far below the paper's (100 SSL epochs, 224 px, thousands of images).",
+        f"3 CC sites of {s['n_cc']} images ({s['cc_label_fraction']:.0%} of training images labelled), 3 UC sites with ~20 "
+        f"positives and ~200 negatives in their training split, {s['train_fraction']:.0%} train / rest validation by patient; "
+        f"UC test sets balanced, "
+        f"up to {s['test_per_class']} positives + as many negatives; CC AUROC on all {3 * s.get('n_test', 200)} test images. "
+        f"FedFew: {ff['ssl_rounds']} SimSiam round(s) (batch {ff['ssl_batch_size']}, projector {ff['ssl_proj_dim']}, "
+        f"predictor {ff['ssl_pred_dim']}), linear probe of the encoder every {s.get('probe_every', '-')} round(s); stage 2 "
+        f"at most {ff['warmup_rounds']} warm-up + {ff['rounds']} energy round(s), each phase stopped after "
+        f"{ff.get('patience')} round(s) without a lower CC validation loss and its best round kept ({ff['local_epochs']} "
+        f"local epoch(s), batch {ff['batch_size']}, Adam {ff['lr']}), T={ff['temperature']}, lambda={ff['energy_weight']}, "
+        f"margins from the warm-up (widen {ff['margin_widen']}), min {ff['min_prototype_images']} images per prototype, "
+        f"threshold rule `{ff['threshold_weighting']}` (the paper's) on `{ff['threshold_examples']}` examples. MLC: at most "
+        f"{s['mlc_rounds']} rounds x {s.get('mlc_local_epochs', 1)} local epoch(s), stopped after {s.get('mlc_patience', '-')} "
+        f"round(s) without a lower validation loss, CheXNet weighted BCE, batch {s['mlc_batch_size']}.",
     ]
 
 
@@ -110,27 +149,68 @@ def _table(table: dict[str, Any]) -> list[str]:
     if "fedfew-balanced" in table:
         lines.append("\\* Not the paper's rule: the same stage-2 model, stage 3 re-run (through `resume_from`) with "
                      "`threshold_weighting: balanced` instead of the most correctly classified training examples.")
+    return lines
+
+
+def _diagnostics(table: dict[str, Any]) -> list[str]:
     ff = table.get("fedfew")
-    if ff and ff.get("diagnostics"):
-        diag = "; ".join(f"{uc} {_fmt(d['energy_auroc'])} / {_fmt(d['prototype_margin_auroc'])}" for uc, d in ff["diagnostics"].items())
-        flag = "; ".join(f"{uc} {_fmt(d['flagged_positives'])} / {_fmt(d['flagged_negatives'])}" for uc, d in ff["flagged"].items())
-        lines += ["", f"Diagnostics of FedFew w/ EBM on the UC test sets: AUROC of the energy alone / of the prototype margin "
-                      f"alone: {diag}. Share of positives / negatives flagged by the energy threshold: {flag}."]
+    if not ff or not ff.get("diagnostics"):
+        return []
+    lines = ["", "Which stage limits FedFew w/ EBM (UC test sets, mean ± SD over seeds): the AUROC of the energy alone "
+                 "(stage 2: does the energy rank UC positives above negatives?), of the prototype margin alone (stage 2's "
+                 "features: are positives nearer their prototype?), and the share of positives and of negatives the "
+                 "threshold flags (stage 3's rule)" + (", also under the balanced rule*" if "fedfew-balanced" in table else "")
+             + ".", "",
+             "| UC | energy AUROC | prototype-margin AUROC | flagged positives | flagged negatives | "
+             + ("flagged pos. / neg. (balanced*) | " if "fedfew-balanced" in table else "") + "F1 |",
+             "| --- | --- | --- | --- | --- | " + ("--- | " if "fedfew-balanced" in table else "") + "--- |"]
+    for uc in FEDFEW_UCS:
+        d, f = ff["diagnostics"][uc], ff["flagged"][uc]
+        cells = [_fmt(d["energy_auroc"]), _fmt(d["prototype_margin_auroc"]), _fmt(f["flagged_positives"]),
+                 _fmt(f["flagged_negatives"])]
+        if "fedfew-balanced" in table:
+            fb = table["fedfew-balanced"]["flagged"][uc]
+            cells.append(f"{_fmt(fb['flagged_positives'])} / {_fmt(fb['flagged_negatives'])}")
+        lines.append(f"| {uc} | {' | '.join(cells)} | {_fmt(ff['uc'][uc]['f1'])} |")
+    return lines
+
+
+def _convergence(table: dict[str, Any]) -> list[str]:
+    ff = table.get("fedfew") or {}
+    lines = []
+    probe = ff.get("ssl_probe")
+    if probe:
+        rounds = list(probe)
+        lines += ["", "Stage 1: linear-probe AUROC of the SimSiam encoder's features (one logistic regression per CC on the "
+                      "CC sites' labelled training images, mean AUROC over the CCs on the CC test set), per SimSiam round "
+                      "budget; 0 = the initial weights:", "",
+                  "| rounds | " + " | ".join(rounds) + " |", "| --- |" + " --- |" * len(rounds),
+                  "| probe AUROC | " + " | ".join(_fmt(probe[r], 3) for r in rounds) + " |"]
+    parts = [f"{p} {_fmt(v['rounds'], 1)} round(s) (best: stage-2 round {_fmt(v['best_round'], 1)}, CC validation loss "
+             f"{_fmt(v['best_val_loss'], 3)})" for p, v in (ff.get("stage2") or {}).items()]
+    parts += [f"{table[m]['label']} {_fmt(table[m]['training']['rounds'], 1)} round(s) (best "
+              f"{_fmt(table[m]['training']['best_round'], 1)})" for m in BASELINES if m in table and "training" in table[m]]
+    if parts:
+        lines += ["", "Rounds run (mean ± SD over seeds): FedFew stage 2: " + "; ".join(parts) + "."]
     return lines
 
 
 def _targets(t: dict[str, Any]) -> list[str]:
-    lines = ["", "Targets:", ""]
-    if "uc_f1_at_least_0.5" in t:
-        v = t["uc_f1_at_least_0.5"]
-        lines.append(f"- FedFew mean F1 over the UCs >= 0.5: **{'met' if v['met'] else 'not met'}** ({v['value']:.3f}).")
+    lines = ["", "Targets (statistics over seeds: the mean difference with its 95% CI, Cohen's d_z, paired t-test "
+                 "p-values):", ""]
+    for key, text in (("cc_auroc_at_least_0.7", "FedFew mean CC AUROC >= 0.70 (the models learned)"),
+                      ("uc_f1_at_least_0.5", "FedFew mean F1 over the UCs >= 0.5")):
+        if key in t and t[key]["value"] is not None:
+            v = t[key]
+            lines.append(f"- {text}: **{'met' if v['met'] else 'not met'}** ({v['value']:.3f}; against "
+                         f"{v['stats']['reference']}: {format_stats(v['stats'])}).")
     for b in BASELINES:
-        for key, text in ((f"uc_f1_0.3_above_{b}", f"... at least 0.3 above {LABELS[b]}"),
-                          (f"cc_auroc_within_0.01_of_{b}", f"Mean CC AUROC no worse than {LABELS[b]} by more than 0.01")):
+        for key, text in ((f"uc_f1_0.3_above_{b}", f"FedFew mean UC F1 at least 0.3 above {LABELS[b]}"),
+                          (f"cc_auroc_within_0.01_of_{b}", f"FedFew mean CC AUROC no worse than {LABELS[b]} by more than 0.01")):
             v = t.get(key)
             if v and v["difference"] is not None:
                 lines.append(f"- {text}: **{'met' if v['met'] else 'not met'}** ({v['fedfew']:.3f} vs {v['baseline']:.3f}, "
-                             f"difference {v['difference']:+.3f}).")
+                             f"difference {v['difference']:+.3f}; paired: {format_stats(v['stats'])}).")
     return lines
 
 
@@ -142,62 +222,10 @@ def format_markdown(result: dict[str, Any], commit: str | None = None) -> str:
         commit: the commit named as the code that ran (default: the one the results name).
     """
     summary = result.get("summary", {})
+    methods = summary.get("methods", {})
     lines = ["## FedFew: underrepresented classes held by few sites (synthetic `fedfew` profile)", "",
-             *_header(result, commit or result.get("commit") or "unknown"), "", *_table(summary.get("methods", {})), *_targets(summary.get("targets", {}))]
+             *_header(result, commit or result.get("commit") or "unknown"), "", *_table(methods), *_diagnostics(methods),
+             *_convergence(methods), *_targets(summary.get("targets", {}))]
     if result.get("plots"):
         lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in result["plots"]) + "."]
     return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------------------- plots
-def write_plots(result: dict[str, Any], out: Path) -> list[str]:
-    """``uc_f1.png`` (F1 of each UC and the mean, per method) and ``cc_auroc.png`` (mean CC AUROC per method).
-
-    Args:
-        result: the benchmark's results (with a summary).
-        out: the output folder.
-
-    Returns:
-        The file names written.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    table = result.get("summary", {}).get("methods", {})
-    methods = [m for m in METHODS if m in table]
-    if not methods:
-        return []
-    groups = [*FEDFEW_UCS, "mean"]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    width = 0.8 / len(methods)
-    for i, m in enumerate(methods):
-        cells = [table[m]["uc"][uc]["f1"] for uc in FEDFEW_UCS] + [table[m]["mean_uc_f1"]]
-        x = np.arange(len(groups)) + (i - (len(methods) - 1) / 2) * width
-        ax.bar(x, [c["mean"] or 0.0 for c in cells], width, yerr=[c["sd"] or 0.0 for c in cells], capsize=2,
-               label=table[m]["label"])
-    ax.set_xticks(np.arange(len(groups)), groups)
-    ax.set_ylabel("F1 on the balanced UC test set")
-    ax.set_ylim(0, 1)
-    ax.set_title("FedFew benchmark: UC F1 per method (mean ± SD over seeds)")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(out / "uc_f1.png", dpi=110)
-    plt.close(fig)
-    names = ["uc_f1.png"]
-    with_cc = [m for m in methods if table[m]["mean_cc_auroc"]["mean"] is not None]
-    if with_cc:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        cells = [table[m]["mean_cc_auroc"] for m in with_cc]
-        ax.bar(range(len(with_cc)), [c["mean"] for c in cells], yerr=[c["sd"] or 0.0 for c in cells], capsize=3)
-        ax.axhline(0.5, color="grey", lw=0.8, ls=":")
-        ax.set_xticks(range(len(with_cc)), [table[m]["label"] for m in with_cc], rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel("mean CC AUROC (all test images)")
-        ax.set_ylim(0, 1)
-        ax.set_title("FedFew benchmark: CC AUROC per method")
-        fig.tight_layout()
-        fig.savefig(out / "cc_auroc.png", dpi=110)
-        plt.close(fig)
-        names.append("cc_auroc.png")
-    return names

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from cxrfl.bench.fedfew.data import prepare_data, site_counts
-from cxrfl.bench.fedfew.report import format_markdown, summarise, write_plots
+from cxrfl.bench.fedfew.plots import write_plots
+from cxrfl.bench.fedfew.report import format_markdown, summarise
 from cxrfl.bench.fedfew.seed import RUN_ORDER, SeedRun
 from cxrfl.bench.fedfew.settings import BenchSettings
 from cxrfl.common.io import write_json

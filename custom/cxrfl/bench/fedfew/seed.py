@@ -1,7 +1,9 @@
 """One seed of the FedFew benchmark: each method run once, with what it needs from another kept on disk.
 
 ``fedfew`` runs the three stages in-process (:func:`cxrfl.fedfew.inprocess.run_fedfew`: the job's
-own workflow and site code) in ``WORK/seed<k>/fedfew``; ``fedfew-balanced`` re-runs stage 3 on
+own workflow and site code) in ``WORK/seed<k>/fedfew``, probing stage 1's encoder
+(:func:`~cxrfl.bench.fedfew.methods.linear_probe`) after the rounds of
+:attr:`~cxrfl.bench.fedfew.settings.BenchSettings.probe_rounds`; ``fedfew-balanced`` re-runs stage 3 on
 its stage-2 model with ``threshold_weighting: balanced`` and ``fedfew-no-ebm`` stages 2-3 with
 lambda = 0 from its stage 1 (both through ``resume_from``); ``nn-ssl`` and ``mlc-ssl`` start from
 its stage-1 encoder; ``nn-mlc-ssl`` uses the ``mlc-ssl`` network (kept as
@@ -22,14 +24,15 @@ from typing import Any
 import torch
 
 from cxrfl.bench.fedfew.data import SeedData
-from cxrfl.bench.fedfew.methods import MLC_CLASSES, eval_fedfew, eval_mlc, eval_nn, mean_uc_f1, train_mlc
+from cxrfl.bench.fedfew.methods import MLC_CLASSES, eval_fedfew, eval_mlc, eval_nn, linear_probe, mean_uc_f1, train_mlc
 from cxrfl.bench.fedfew.settings import BenchSettings
-from cxrfl.common.io import to_numpy
+from cxrfl.common.io import read_records, to_numpy
+from cxrfl.common.server import RECORDS_DIR
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.inprocess import run_fedfew
 from cxrfl.fedfew.ssl import load_encoder
 from cxrfl.fedfew.stages import STAGE_DIR, STAGE_FILES
-from cxrfl.nn.models import CXRNet, ModelConfig, build_model, model_from_checkpoint, save_checkpoint
+from cxrfl.nn.models import CXRNet, ModelConfig, build_model, load_checkpoint, model_from_checkpoint, save_checkpoint
 
 RUN_ORDER = ("fedfew", "fedfew-balanced", "fedfew-no-ebm", "nn-ssl", "mlc", "mlc-ssl", "nn-mlc-ssl")
 """The order a seed's methods run in (each after what it reuses)."""
@@ -83,11 +86,13 @@ class SeedRun:
             load_encoder(encoder, self._ssl_state())
             result = eval_nn(encoder, self.data, self.settings)
         elif method == "mlc":
-            result = eval_mlc(train_mlc(self.data, self.settings, self.seed, None, self.log), self.data, self.settings)
+            model, training = train_mlc(self.data, self.settings, self.seed, None, self.log)
+            result = {**eval_mlc(model, self.data, self.settings), "training": training}
         elif method == "mlc-ssl":
-            result = eval_mlc(self._mlc_ssl(), self.data, self.settings)
+            model, training = self._mlc_ssl()
+            result = {**eval_mlc(model, self.data, self.settings), "training": training}
         elif method == "nn-mlc-ssl":
-            result = eval_nn(self._mlc_ssl(), self.data, self.settings)
+            result = eval_nn(self._mlc_ssl()[0], self.data, self.settings)
         else:
             raise ValueError(f"unknown method {method!r}; available: {list(RUN_ORDER)}")
         result["seconds"] = round(time.perf_counter() - start, 1)
@@ -104,12 +109,23 @@ class SeedRun:
     def _fedfew(self, evaluate: bool = True) -> dict[str, Any]:
         out = self.folder / "fedfew"
         shutil.rmtree(out, ignore_errors=True)
+        probes: list[dict[str, Any]] = []
+
+        def probe(stage: int, rnd: int, params: Any) -> None:
+            if stage == 1 and rnd in self.settings.probe_rounds:
+                start = time.perf_counter()
+                p = {"round": rnd, **linear_probe(params, self.data, self.settings)}
+                probes.append({**p, "seconds": round(time.perf_counter() - start, 1)})
+                self.log(f"  stage-1 linear probe after {rnd} round(s): mean CC AUROC {p['mean_auroc']:.3f}")
+
         outcome = run_fedfew(self.data.train, config=self.config, model_config=self.model_config, out_dir=out,
-                             info=lambda m: self.log("  " + m), warning=lambda m: self.log("  WARNING " + m))
+                             info=lambda m: self.log("  " + m), warning=lambda m: self.log("  WARNING " + m),
+                             on_round=probe)
         if not evaluate:
             return {}
         result = eval_fedfew(outcome.final_path, self.data, self.settings)
-        result.update(margins=outcome.margins, threshold_stats=outcome.threshold_stats,
+        result.update(margins=outcome.margins, threshold_stats=outcome.threshold_stats, ssl_probe=probes,
+                      stage2=stage2_summary(out),
                       prototypes={uc: [(p.n_positive, p.n_negative) for p in ps] for uc, ps in outcome.prototypes.items()})
         return result
 
@@ -126,7 +142,7 @@ class SeedRun:
                              out_dir=out, resume_from=str(source.resolve()), info=lambda m: None,
                              warning=lambda m: self.log("  WARNING " + m))
         result = eval_fedfew(outcome.final_path, self.data, self.settings)
-        result["threshold_stats"] = outcome.threshold_stats
+        result.update(threshold_stats=outcome.threshold_stats, stage2=stage2_summary(out))
         return result
 
     def _ssl_state(self) -> dict[str, Any]:
@@ -134,12 +150,32 @@ class SeedRun:
         return to_numpy(obj["ssl_state"])
 
     # --------------------------------------------------------------------- MLC
-    def _mlc_ssl(self) -> CXRNet:
-        """The MLC network trained from the stage-1 encoder (trained once per seed, then read back)."""
+    def _mlc_ssl(self) -> tuple[CXRNet, dict[str, Any]]:
+        """The MLC network trained from the stage-1 encoder and its training record (trained once per
+        seed, then read back)."""
         path = self.folder / "mlc-ssl.pt"
         if path.is_file():
             model, _, _ = model_from_checkpoint(path)
-            return model
-        model = train_mlc(self.data, self.settings, self.seed, self._ssl_state(), self.log)
-        save_checkpoint(path, model, classes=list(MLC_CLASSES), model_config=self.model_config)
-        return model
+            return model, dict(load_checkpoint(path).get("training") or {})
+        model, training = train_mlc(self.data, self.settings, self.seed, self._ssl_state(), self.log)
+        save_checkpoint(path, model, classes=list(MLC_CLASSES), model_config=self.model_config,
+                        extra={"training": training})
+        return model, training
+
+
+def stage2_summary(out: Path) -> dict[str, Any]:
+    """Stage 2's rounds per phase from a run's records: how many ran, the best round and its CC validation loss.
+
+    Args:
+        out: the run's output folder.
+    """
+    phases: dict[str, dict[str, Any]] = {}
+    for r in read_records(out / RECORDS_DIR / "rounds.jsonl"):
+        if r.get("stage") != 2 or r.get("status"):
+            continue
+        p = phases.setdefault(r["phase"], {"rounds": 0, "best_round": None, "best_val_loss": None})
+        p["rounds"] += 1
+        loss = r.get("val_loss")
+        if loss is not None and (p["best_val_loss"] is None or loss < p["best_val_loss"]):
+            p["best_round"], p["best_val_loss"] = r["round"], loss
+    return phases

@@ -18,8 +18,12 @@ BASELINES = ("mlc", "mlc-ssl")
 
 
 def _default_fedfew() -> dict[str, Any]:
-    return FedFewConfig(ssl_rounds=1, ssl_max_steps=4, ssl_batch_size=32, ssl_proj_dim=512, ssl_pred_dim=128,
-                        rounds=2, warmup_rounds=1, local_epochs=2, batch_size=32, lr=1e-3, min_prototype_images=10,
+    """The paper's recipe where it gives one (SimSiam's head sizes, batch 64, Adam at a fixed rate,
+    T = 1, lambda = 0.1, margins from the warm-up), run until converged: 50 SimSiam rounds, stage 2's
+    phases until the CC validation loss stops improving (patience 5; at most 20 warm-up and 40
+    energy rounds)."""
+    return FedFewConfig(ssl_rounds=50, ssl_batch_size=64, ssl_proj_dim=2048, ssl_pred_dim=512, warmup_rounds=20,
+                        rounds=40, patience=5, local_epochs=1, batch_size=64, lr=1e-3, min_prototype_images=10,
                         eval_batch_size=128).to_dict()
 
 
@@ -31,10 +35,15 @@ class BenchSettings:
         image_size: training input side (the images are written at ``data_image_size``).
         data_image_size: side of the written synthetic images.
         n_cc: images per CC site.
+        n_test: images per test site (half positive for its UC).
         cc_label_fraction: share of a CC site's training images that keep their labels.
-        train_fraction: train share of the training sites (the rest is validation).
+        train_fraction: train share of the training sites (the rest is validation: stage 2's and
+            the MLC baselines' early stopping).
         fedfew: :class:`FedFewConfig` fields (the seed is set per run).
-        mlc_rounds: federated rounds of the MLC baselines.
+        probe_every: stage-1 rounds between two linear probes of the encoder (round 0 and the
+            last round always).
+        mlc_rounds: most federated rounds of the MLC baselines.
+        mlc_patience: their early stopping (rounds without a lower pooled validation loss).
         mlc_local_epochs: their local epochs per round.
         mlc_lr: their Adam learning rate.
         mlc_batch_size: their minibatch size.
@@ -45,17 +54,20 @@ class BenchSettings:
         jobs: seeds run in parallel processes.
     """
 
-    image_size: int = 32
+    image_size: int = 64
     data_image_size: int = 64
     n_cc: int = 240
+    n_test: int = 500
     cc_label_fraction: float = 0.75
-    train_fraction: float = 0.9
+    train_fraction: float = 0.8
     fedfew: dict[str, Any] = field(default_factory=_default_fedfew)
-    mlc_rounds: int = 3
-    mlc_local_epochs: int = 2
+    probe_every: int = 5
+    mlc_rounds: int = 40
+    mlc_patience: int = 5
+    mlc_local_epochs: int = 1
     mlc_lr: float = 1e-3
-    mlc_batch_size: int = 32
-    test_per_class: int = 100
+    mlc_batch_size: int = 64
+    test_per_class: int = 200
     methods: tuple[str, ...] = ("mlc", "mlc-ssl", "nn-ssl", "nn-mlc-ssl", "fedfew", "fedfew-balanced")
     threads: int = 1
     jobs: int = 2
@@ -64,6 +76,8 @@ class BenchSettings:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise ValueError(f"unknown method(s) {unknown}; available: {list(METHODS)}")
+        if self.probe_every < 1 or self.mlc_patience < 1:
+            raise ValueError("probe_every and mlc_patience must be >= 1")
         object.__setattr__(self, "methods", tuple(self.methods))
         FedFewConfig.from_dict(self.fedfew)
 
@@ -72,6 +86,12 @@ class BenchSettings:
         """The methods run per seed, in report order (``fedfew`` always)."""
         return tuple(m for m in METHODS if m in self.methods or m == "fedfew")
 
+    @property
+    def probe_rounds(self) -> tuple[int, ...]:
+        """The stage-1 rounds after which the encoder is probed (0: the initial weights)."""
+        last = int(self.fedfew["ssl_rounds"])
+        return tuple(sorted({*range(0, last + 1, self.probe_every), last}))
+
     def to_dict(self) -> dict[str, Any]:
         """The settings as JSON-friendly values."""
         d = asdict(self)
@@ -79,7 +99,9 @@ class BenchSettings:
         return d
 
 
-QUICK = BenchSettings(n_cc=120, fedfew={**_default_fedfew(), "ssl_rounds": 1, "ssl_max_steps": 2, "rounds": 1,
-                                        "local_epochs": 1, "min_prototype_images": 3}, mlc_rounds=1, mlc_local_epochs=1,
-                      test_per_class=30, jobs=1)
+QUICK = BenchSettings(image_size=32, data_image_size=32, n_cc=120, n_test=80, probe_every=1,
+                      fedfew={**_default_fedfew(), "ssl_rounds": 1, "ssl_max_steps": 2, "ssl_batch_size": 32,
+                              "ssl_proj_dim": 64, "ssl_pred_dim": 16, "warmup_rounds": 1, "rounds": 2, "batch_size": 32,
+                              "min_prototype_images": 3},
+                      mlc_rounds=2, mlc_patience=1, mlc_batch_size=32, test_per_class=30, jobs=1)
 """A few-minute smoke setting (not for reporting)."""

@@ -1,0 +1,196 @@
+"""What a server does with one round's results as they arrive: :class:`RoundAggregator`.
+
+Each result is validated (one rejection line per bad result, :mod:`cxrfl.surgical.validation`);
+for the plain mean its feature extractor is added to a running sum
+(:class:`cxrfl.surgical.running_sum.RunningSum`) and dropped, and at the end the head rows are
+stitched by :func:`cxrfl.surgical.aggregation.surgical_aggregate`. Used by
+:class:`cxrfl.surgical.server.SurgicalServer` and, inside NVFlare's own workflows, by
+:class:`cxrfl.fl.aggregator.SurgicalAggregator`. Validation and aggregation run on one torch
+thread (:func:`cxrfl.nn.threads.single_threaded`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cxrfl.errors import UpdateRejected
+from cxrfl.nn.threads import single_threaded
+from cxrfl.surgical.aggregation import check_options, surgical_aggregate
+from cxrfl.surgical.head_modes import PLACEHOLDER_CLASS, check_modes, drop_head, with_placeholder_head
+from cxrfl.surgical.running_sum import RunningSum
+from cxrfl.surgical.validation import HEAD_PREFIX, Array, first_nonfinite, normalize_shapes, validate_update
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundResult:
+    """One aggregated round.
+
+    Args:
+        params: the global parameters (``local`` heads: the feature extractor only).
+        classes: the global head's class order ([] for ``local`` heads).
+        contributors: class -> the sites whose rows were averaged into it.
+        sites: the sites whose results were aggregated.
+    """
+
+    params: dict[str, Array]
+    classes: list[str]
+    contributors: dict[str, list[str]]
+    sites: list[str]
+
+
+class RoundAggregator:
+    """One round's results, validated as they arrive and aggregated at the end.
+
+    For the plain mean (``robust`` off) each accepted result's feature extractor is added to a
+    running sum while it is checked for NaN/Inf (:class:`RunningSum`) and then dropped: the
+    aggregator keeps one model-sized sum and the accepted head rows, however many sites answer
+    (a server that streams its answers, :class:`cxrfl.common.transport.Send`, holds one site's
+    update at a time); the head rows are stitched by :meth:`aggregate`.
+
+    Args:
+        weighting: ``uniform`` (the papers) or ``samples`` (weighted by ``num_samples``).
+        batchnorm: ``fedavg``, ``fedbn`` or ``fedbn+`` (see :func:`surgical_aggregate`).
+        bn_keys: BatchNorm parameter and buffer names (:func:`cxrfl.nn.models.batchnorm_keys`).
+        robust: None, ``median`` or ``clip``. ``clip`` bounds each update relative to the
+            previous global model, so an aggregation without a reference is a plain mean.
+        clip_norm: update norm bound for ``clip``.
+        head_mode: ``surgical``/``union`` (results carry head rows) or ``local`` (results carry
+            the feature extractor only; the aggregate has no head).
+        head_prefix: state-dict prefix of the classification head.
+        warning: where each rejection line goes.
+    """
+
+    def __init__(self, *, weighting: str = "uniform", batchnorm: str = "fedavg", bn_keys: Sequence[str] = (),
+                 robust: str | None = None, clip_norm: float | None = None, head_mode: str = "surgical",
+                 head_prefix: str = HEAD_PREFIX, warning: Callable[[str], None] = log.warning) -> None:
+        check_options(weighting, batchnorm, robust, clip_norm if robust == "clip" else None)
+        check_modes(head_mode, "negative", batchnorm)
+        self.weighting = weighting
+        self.batchnorm = batchnorm
+        self.bn_keys = tuple(bn_keys)
+        self.robust = robust
+        self.clip_norm = clip_norm
+        self.head_mode = head_mode
+        self.head_prefix = head_prefix
+        self.warning = warning
+        self.expected_shapes: Mapping[str, tuple[int, ...]] | None = None
+        self.announced: dict[str, list[str]] = {}
+        self.classes: list[str] | None = None
+        self.reference: Mapping[str, Array] | None = None
+        self.rejected: dict[str, str] = {}
+        self.updates: list[dict[str, Any]] = []
+        self.running: RunningSum | None = None  # the plain mean's sum, fed at accept time
+
+    def expect(self, shapes: Mapping[str, Sequence[int]] | None, announced: Mapping[str, Sequence[str]] | None = None,
+               classes: Sequence[str] | None = None, reference: Mapping[str, Array] | None = None) -> None:
+        """Set what valid results look like for the next aggregation (and forget earlier results).
+
+        Args:
+            shapes: non-head parameter name -> shape every site must send.
+            announced: site -> the classes it announced; rows for other classes are rejected.
+            classes: the global class order; a class no valid site sent keeps its ``reference`` row.
+            reference: the previous global parameters (needed with ``classes`` and for ``clip``).
+        """
+        self.reset()
+        local = self.head_mode == "local"
+        self.expected_shapes = normalize_shapes(shapes) if shapes is not None else None  # once, not per result
+        self.announced = {s: [PLACEHOLDER_CLASS] if local else list(c) for s, c in (announced or {}).items()}
+        self.classes = None if local or classes is None else list(classes)
+        self.reference = None if local else reference
+
+    @single_threaded
+    def accept(self, update: Mapping[str, Any]) -> bool:
+        """Validate one site's result and keep it for aggregation (its head rows; with the plain
+        mean its feature extractor goes into the running sum).
+
+        Args:
+            update: ``{"site", "classes", "params", "num_samples"}``.
+
+        Returns:
+            True if accepted; False if rejected (one warning line with the site and reason,
+            kept in :attr:`rejected`).
+        """
+        update = dict(update)
+        site = str(update.get("site") or "unknown-site")
+        if self.head_mode == "local" and isinstance(update.get("params"), Mapping):
+            update["params"] = with_placeholder_head(drop_head(update["params"], self.head_prefix), self.head_prefix)
+            update["classes"] = [PLACEHOLDER_CLASS]
+        update["classes"] = list(update.get("classes") or [])
+        update["params"] = update.get("params") or {}
+        streaming = self.robust is None  # the plain mean: sum while checking, each array read once
+        try:
+            validate_update(update, expected_shapes=self.expected_shapes, head_prefix=self.head_prefix,
+                            announced_classes=self.announced.get(site) if self.announced else None,
+                            check_finite=not streaming)
+            if streaming:
+                self._add_checked(update)
+        except UpdateRejected as exc:
+            self.rejected[site] = str(exc)
+            self.warning(f"rejected result: {exc}")
+            return False
+        if streaming and self.running is not None and self.running.usable:  # summed: keep the head rows only
+            update["params"] = {k: v for k, v in update["params"].items() if k.startswith(self.head_prefix)}
+        self.updates.append(update)
+        return True
+
+    def _add_checked(self, update: dict[str, Any]) -> None:
+        """NaN/Inf check of a structurally valid update, adding it to the running sum on the way."""
+        params = update["params"]
+        drop = set(self.bn_keys) if self.batchnorm != "fedavg" else set()
+        keys = [k for k in params if not k.startswith(self.head_prefix) and k not in drop]
+        if self.running is None:
+            self.running = RunningSum(keys, self.head_prefix)
+        running = self.running
+        if running.usable and running.keys != keys:  # no expected shapes given: aggregation will say why
+            running.usable = False
+        weight = float(update["num_samples"]) if self.weighting == "samples" else 1.0
+        bad = running.add(update["site"], params, weight, check_finite=True) if running.usable else first_nonfinite(params.items())
+        if bad is not None:
+            raise UpdateRejected(f"site {update['site']}: non-finite values (NaN or Inf) in {bad!r}")
+
+    @property
+    def accepted_sites(self) -> list[str]:
+        """The sites whose results were accepted since :meth:`expect`."""
+        return [u["site"] for u in self.updates]
+
+    def contributors(self) -> dict[str, list[str]]:
+        """class -> the sites whose rows were averaged into it (accepted results only)."""
+        out: dict[str, list[str]] = {}
+        for u in self.updates:
+            for c in u["classes"]:
+                out.setdefault(c, []).append(u["site"])
+        return {c: sorted(s) for c, s in sorted(out.items())}
+
+    @single_threaded
+    def aggregate(self) -> RoundResult:
+        """Stitch the accepted results (and forget them).
+
+        Raises:
+            UpdateRejected: no accepted result, or a site's values make the mean non-finite.
+            ValueError: finite values whose mean overflows, or a class nobody sent and no reference.
+        """
+        try:
+            if not self.updates:
+                raise UpdateRejected("no valid site result to aggregate")
+            clip = self.robust == "clip" and self.reference is not None
+            params, classes = surgical_aggregate(
+                self.updates, head_prefix=self.head_prefix, classes=self.classes, weighting=self.weighting,
+                batchnorm=self.batchnorm, bn_keys=self.bn_keys, robust=self.robust if clip or self.robust != "clip" else None,
+                clip_norm=self.clip_norm if clip else None, reference=self.reference, running=self.running,
+            )
+            if self.head_mode == "local":
+                return RoundResult(drop_head(params, self.head_prefix), [], {}, sorted(self.accepted_sites))
+            return RoundResult(params, classes, self.contributors(), sorted(self.accepted_sites))
+        finally:
+            self.reset()
+
+    def reset(self) -> None:
+        """Forget the accepted results and rejections of the current round."""
+        self.updates = []
+        self.rejected = {}
+        self.running = None

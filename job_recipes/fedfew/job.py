@@ -1,0 +1,53 @@
+"""FedFew (rare classes held by few sites) as an NVFlare 2.9 recipe.
+
+    python job.py                                    # simulator, sites site-1 and site-2 (the demo hospitals)
+    python job.py --ssl_rounds 5 --rounds 20
+    python job.py --tracking tensorboard,mlflow      # MLflow too (an SQLite store in the job's server folder)
+    python job.py --env poc | --env prod --startup_kit KIT
+    python job.py --export --export-dir jobs         # write the job folder instead: jobs/fedfew
+
+The defaults are those of the committed ``jobs/fedfew`` (CPU demo settings).
+"""
+
+import argparse
+
+# importing the recipes imports nvflare.recipe, which takes --export/--export-dir out of sys.argv
+from cxrfl.fl.recipes import FedFewRecipe, add_run_arguments, run_recipe
+from cxrfl.jobs import job_spec
+
+DEMO = job_spec("fedfew")
+SETTINGS = DEMO.controller_args
+FEDFEW = SETTINGS["fedfew_config"]
+
+
+def define_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--name", default=DEMO.name, help="job name")
+    p.add_argument("--ssl_rounds", type=int, default=FEDFEW["ssl_rounds"], help="stage 1: federated SimSiam rounds")
+    p.add_argument("--rounds", type=int, default=FEDFEW["rounds"], help="stage 2: energy rounds after the warm-up")
+    p.add_argument("--warmup_rounds", type=int, default=FEDFEW["warmup_rounds"])
+    p.add_argument("--image_size", type=int, default=SETTINGS["model_config"]["image_size"])
+    add_run_arguments(p)
+    return p
+
+
+def main() -> None:
+    args = define_parser().parse_args()
+    recipe = FedFewRecipe(
+        name=args.name,
+        description=DEMO.description,
+        min_clients=DEMO.min_clients,
+        min_results=SETTINGS["min_clients"],
+        fedfew_config={**FEDFEW, "ssl_rounds": args.ssl_rounds, "rounds": args.rounds,
+                       "warmup_rounds": args.warmup_rounds},
+        model_config={**SETTINGS["model_config"], "image_size": args.image_size},
+        task_timeout=SETTINGS["task_timeout"],
+        num_threads=args.num_threads,
+        tracking=args.tracking,
+        tracking_uri=args.tracking_uri,
+    )
+    run_recipe(recipe, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The converged protocol of `cxrfl bench compare` on a tiny profile: early stopping really stops a run
+whose validation loss has stopped improving (losses scripted by a host wrapper, the rest real
+training), the learning curves reach results.json, and an interrupted comparison continues
+where it stopped (finished runs kept, the run in progress resumed from its last round, other
+settings refused)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import cxrfl.bench.runs as runs
+from cxrfl.bench.compare import run_compare
+from cxrfl.bench.protocol import CompareSettings
+from cxrfl.errors import ConfigError
+
+TINY = {"profile": "two-hospitals", "image_size": 32, "data_image_size": 32, "n_per_site": 30, "n_external": 24,
+        "batch_size": 8, "n_boot": 10, "threads": 1}
+"""A tiny profile; otherwise the protocol's code path (whole training splits, max_rounds only a guard)."""
+
+
+class ScriptedHost:
+    """A real site host whose reported validation losses follow a script (by model round)."""
+
+    def __init__(self, host, losses, calls: list, interrupt=None) -> None:
+        self.host, self.losses, self.calls, self.interrupt = host, losses, calls, interrupt
+        self.tasks = host.tasks
+
+    def handle(self, task, params, meta):
+        seed = meta["train_config"]["seed"]
+        self.calls.append((seed, self.host.data.site, task, meta.get("phase"), meta.get("round")))
+        if self.interrupt is not None and self.interrupt(seed, task, meta):
+            raise KeyboardInterrupt  # Ctrl-C in the middle of a run
+        out, answer = self.host.handle(task, params, meta)
+        metrics = answer["metrics"]
+        if task == "train" and meta.get("phase") == "train":
+            metrics["val_loss"] = self.losses(int(meta["round"]) - 1)
+        elif task == "validate" and meta.get("split") == "val":
+            metrics["loss"] = self.losses(int(meta["model_round"]))
+        return out, answer
+
+    def describe(self, task, meta, answer):
+        return self.host.describe(task, meta, answer)
+
+    def scalars(self, task, answer):
+        return self.host.scalars(task, answer)
+
+
+REAL_MAKE_HOSTS = runs.make_hosts
+
+
+def script(monkeypatch, losses, calls: list, interrupt=None) -> None:
+    """Make the comparison's runs use scripted hosts."""
+
+    def make_hosts(*args, **kwargs):
+        return {k: ScriptedHost(h, losses, calls, interrupt) for k, h in REAL_MAKE_HOSTS(*args, **kwargs).items()}
+
+    monkeypatch.setattr(runs, "make_hosts", make_hosts)
+
+
+SCRIPT = {0: 1.0, 1: 0.9, 2: 0.8}  # then 0.85 for ever: the model of round 2 stays the best
+
+
+def test_early_stopping_ends_every_run_and_the_curves_reach_results(tmp_path, monkeypatch):
+    calls: list = []
+    script(monkeypatch, lambda r: SCRIPT.get(r, 0.85), calls)
+    settings = CompareSettings.from_dict({**TINY, "seeds": 1, "patience": 2, "methods": ["individual"]})
+    assert settings.max_rounds == 40 and settings.steps is None  # the protocol's guard, whole splits
+    res = run_compare(settings, tmp_path / "out", data_dir=tmp_path / "data", log=lambda m: None)
+    assert set(res["methods"]) == {"individual:hospital-a", "individual:hospital-b", "surgical-fedavg"}
+    for name, m in res["methods"].items():
+        (run,) = m["runs"]
+        # rounds 1-3 score models 0-2 (each better); rounds 4 and 5 score no improvement: patience 2 -> stop
+        assert run["rounds"] == 5 and run["stopped_early"] is True, name
+        assert run["best_round"] == 2
+        assert run["curve_rounds"] == [0, 1, 2, 3, 4]
+        assert run["val_loss"] == pytest.approx([1.0, 0.9, 0.8, 0.85, 0.85])
+        assert len(run["val_auroc"]) == 5 and all(v is None or 0 <= v <= 1 for v in run["val_auroc"])
+    trained = [c for c in calls if c[2] == "train" and c[3] == "train"]
+    assert max(c[4] for c in trained) == 5  # no round 6 was asked of any site
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["methods"]["surgical-fedavg"]["runs"][0]["val_loss"] == pytest.approx([1.0, 0.9, 0.8, 0.85, 0.85])
+    assert "learning_curves.png" in saved["plots"] and (tmp_path / "out" / "learning_curves.png").stat().st_size > 5000
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| FL + SA (FedAvg) | 5 | 2 | 1 of 1 |" in report
+
+
+def test_an_interrupted_comparison_continues_where_it_stopped(tmp_path, monkeypatch):
+    calls: list = []
+    settings = CompareSettings.from_dict({**TINY, "seeds": 2, "max_rounds": 3, "patience": 5,
+                                          "methods": ["surgical-fedavg"], "steps": 1})
+    out, data = tmp_path / "out", tmp_path / "data"
+    lines: list[str] = []
+
+    def ctrl_c(seed, task, meta):  # seed 1 is interrupted when its round 2 starts (round 1 done and saved)
+        return seed == 1 and task == "train" and meta.get("round") == 2 and meta.get("phase") == "train"
+
+    script(monkeypatch, lambda r: 1.0 - 0.1 * r, calls, ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        run_compare(settings, out, data_dir=data, log=lines.append)
+    store = runs.RunStore(out)
+    assert store.done("surgical-fedavg", 0) and not store.done("surgical-fedavg", 1)
+    assert any("run the same command again to continue" in line for line in lines)
+    first = store.record_path("surgical-fedavg", 0).read_text()
+    assert (store.work("surgical-fedavg", 1) / "cxrfl_resume" / "run" / "state.pt").is_file()
+
+    calls.clear()
+    script(monkeypatch, lambda r: 1.0 - 0.1 * r, calls)
+    res = run_compare(settings, out, data_dir=data, log=lines.append)
+    assert {c[0] for c in calls} == {1}  # seed 0 was not trained again
+    seed1 = [(c[2], c[3], c[4]) for c in calls if c[1] == "hospital-a"]
+    assert seed1 == [("train", "train", 2), ("train", "train", 3), ("validate", None, None)]  # no warm-up, no round 1
+    assert store.record_path("surgical-fedavg", 0).read_text() == first
+    rec = store.load("surgical-fedavg", 1)
+    assert rec["rounds"] == 3 and rec["curve_rounds"] == [0, 1, 2, 3] and rec["resumed_after_seconds"] > 0
+    assert rec["seconds"] > rec["resumed_after_seconds"]
+    assert res["seeds"] == [0, 1] and len(res["methods"]["surgical-fedavg"]["test"]["hospital-a"]["auroc_by_seed"]) == 2
+    assert not (out / "runs" / ".work").exists()  # nothing in progress any more
+
+    with pytest.raises(ConfigError, match=r"other settings \(protocol.patience differ\).*--restart"):
+        run_compare(settings.replace(patience=2), out, data_dir=data, log=lines.append)
+    report_only = run_compare(settings.replace(seeds=3), out, data_dir=data, log=lines.append, report_only=True)
+    assert report_only["seeds"] == [0, 1]  # seed 2 not trained: statistics over the finished seeds
+
+
+def test_restart_sets_runs_of_other_settings_aside(tmp_path):
+    store = runs.RunStore(tmp_path)
+    store.check({"patience": 5}, {"sites": 2}, restart=False, log=print)
+    store.record_path("x", 0).parent.mkdir(parents=True)
+    store.record_path("x", 0).write_text("{}")
+    with pytest.raises(ConfigError, match="data.sites differ"):
+        store.check({"patience": 5}, {"sites": 3}, restart=False, log=print)
+    lines: list[str] = []
+    store.check({"patience": 5}, {"sites": 3}, restart=True, log=lines.append)
+    (aside,) = tmp_path.glob("runs-set-aside-*")
+    assert (aside / "x" / "seed-0.json").is_file() and not store.done("x", 0)
+    assert "moved to" in lines[0]
+    assert json.loads((tmp_path / "runs" / "protocol.json").read_text())["data"] == {"sites": 3}

@@ -1,0 +1,209 @@
+"""Privacy filters measured, not just run (fast): cxrfl's defaults keep a real DenseNet121 update
+(trained on real NIH images), settings that destroy it are refused when a job is built and when the
+filter starts at a site, lossy ones are warned about, and a site warns when its update is destroyed.
+The full measurement (per round, SVT epsilon, final AUROC) is ``cxrfl bench privacy``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from cxrfl.bench.privacy import filter_update, sample_updates
+from cxrfl.common import privacy
+from cxrfl.common.privacy import NVFLARE_DEFAULTS, PRIVACY_DEFAULTS, check_privacy, destroyed, fidelity
+from cxrfl.data.site import load_site
+from cxrfl.errors import ConfigError
+from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.training import TrainConfig
+
+BOUND_WEIGHTS_AND_HEAD = 0.9
+"""The stated bound: cxrfl's defaults keep at least this cosine similarity for the feature
+extractor's weights and the head rows (warm-up and round)."""
+BOUND_STATISTICS = 0.7
+"""... and for the BatchNorm running statistics (clipped to +-gamma)."""
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(privacy, "_WARNED", set())  # every test sees its warnings
+
+
+@pytest.fixture(scope="module")
+def updates(shared_data, tmp_path_factory):
+    """A real warm-up and round of DenseNet121 on the real NIH images (32 px, 20 steps, the default lr)."""
+    tmp = tmp_path_factory.mktemp("privacy")
+    root = shared_data / "nih1000"
+    cfg = tmp / "nih.yaml"
+    cfg.write_text(yaml.safe_dump({"site": "nih", "dataset": {"format": "nih", "labels": str(root / "Data_Entry_2017_v2020.csv"),
+                                                               "images": str(root / "images")}}))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train = TrainConfig(warmup_epochs=1, batch_size=8, max_steps_per_epoch=20, augment=False)
+        return sample_updates(load_site(cfg, check_images=False), ModelConfig(image_size=32), train, tmp / "state")
+    finally:
+        torch.set_num_threads(before)
+
+
+def filtered(method: str, args: dict, updates) -> dict[str, dict]:
+    from cxrfl.fl.privacy import make_inner_filter
+
+    inner = make_inner_filter(method, args)
+    np.random.seed(0)  # NVFlare's filters draw from numpy's global generator
+    return {phase: filter_update(inner, result, received, rnd)[1] for rnd, (phase, received, result) in enumerate(updates)}
+
+
+# ------------------------------------------------------------------ measurement
+def test_fidelity_compares_the_sent_with_the_true_update_per_part():
+    received = {"backbone.w": np.array([1.0, 1.0, 1.0]), "backbone.norm.running_var": np.array([1.0])}
+    result = {"backbone.w": np.array([2.0, 1.0, 3.0]), "backbone.norm.running_var": np.array([3.0]),
+              "backbone.norm.num_batches_tracked": np.array(5), "classifier.weight": np.array([[0.5, -0.5]])}
+    sent = {"backbone.w": np.array([2.0, 1.0, 1.0]), "backbone.norm.running_var": np.array([1.5]),
+            "backbone.norm.num_batches_tracked": np.array(5), "classifier.weight": np.array([[0.5, 0.0]])}
+    report = fidelity(result, received, sent)
+    assert set(report) == {"feature_extractor", "batchnorm_statistics", "head"}  # the integer buffer is left out
+    fe = report["feature_extractor"]  # true change (1, 0, 2), sent (1, 0, 0)
+    assert fe["cosine"] == pytest.approx(1 / math.sqrt(5)) and fe["relative_norm"] == pytest.approx(1 / math.sqrt(5))
+    assert (fe["kept"], fe["entries"]) == (0.5, 2)
+    assert report["batchnorm_statistics"]["relative_norm"] == pytest.approx(0.25)
+    head = report["head"]  # no received value: measured from zero
+    assert head["cosine"] == pytest.approx(1 / math.sqrt(2)) and head["kept"] == 0.5
+    assert destroyed(report) == ["feature_extractor"]  # cosine 0.45 < 0.5; the head's 0.71 and a quarter of the norm pass
+    assert destroyed(fidelity(result, received, received)) == ["feature_extractor", "batchnorm_statistics", "head"]
+
+
+# --------------------------------------------------------------- a real update
+@pytest.mark.parametrize("method", ["percentile", "svt"])
+def test_the_defaults_keep_a_real_update(method, updates):
+    report = filtered(method, PRIVACY_DEFAULTS[method], updates)
+    assert report["warmup"]["parts"]["head"]["cosine"] >= BOUND_WEIGHTS_AND_HEAD  # whole values, from zero
+    for phase, row in report.items():
+        parts = row["parts"]
+        assert destroyed(parts) == [], (phase, parts)
+        for part in ("feature_extractor", "head"):
+            if parts[part]["entries"]:
+                assert parts[part]["cosine"] >= BOUND_WEIGHTS_AND_HEAD, (phase, part, parts[part])
+        stats = parts["batchnorm_statistics"]
+        if stats["entries"]:
+            assert stats["cosine"] >= BOUND_STATISTICS, (phase, stats)
+    if method == "svt":  # the price: NVFlare's accountant, epsilon + n_upload * noise_var per call
+        assert report["train"]["epsilon"] > 1e9 and report["train"]["epsilon_run"] > report["train"]["epsilon"]
+
+
+def test_nvflare_svt_defaults_destroy_a_real_update_and_are_refused(updates):
+    row = filtered("svt", NVFLARE_DEFAULTS["svt"], updates)["train"]
+    for part in ("feature_extractor", "head"):
+        assert abs(row["parts"][part]["cosine"]) < 0.05, row["parts"][part]
+        assert row["parts"][part]["kept"] < 0.12  # about 9 % of the changes sent
+    assert row["epsilon"] > 5e4  # and epsilon about 70,000 for that
+    with pytest.raises(ConfigError, match="every update is destroyed"):
+        check_privacy({"method": "svt", "args": NVFLARE_DEFAULTS["svt"]}, "job x")
+
+
+def test_a_high_percentile_strips_the_head_and_is_refused(updates):
+    row = filtered("percentile", {"percentile": 95, "gamma": 0.1}, updates)["train"]
+    head, weights = row["parts"]["head"], row["parts"]["feature_extractor"]
+    assert head["kept"] < 0.3 and head["cosine"] < 0.8 and weights["kept"] < 0.06, row["parts"]
+    with pytest.raises(ConfigError, match="lose most or all of theirs"):
+        check_privacy({"method": "percentile", "args": {"percentile": 95}}, "job x")
+
+
+def test_nvflare_percentile_gamma_clips_the_warmup_head(updates):
+    head = filtered("percentile", NVFLARE_DEFAULTS["percentile"], updates)["warmup"]["parts"]["head"]
+    assert head["relative_norm"] < 0.8  # whole values clipped to +-0.01
+    said: list[str] = []
+    check_privacy({"method": "percentile", "args": NVFLARE_DEFAULTS["percentile"]}, "job x", warn=said.append)
+    assert len(said) == 1 and "clips the head rows of the warm-up" in said[0]
+
+
+# ------------------------------------------------------------------ the settings check
+@pytest.mark.parametrize("args, words", [
+    ({"method": "percentile", "args": {"percentile": 101}}, "UNFILTERED"),
+    ({"method": "percentile", "args": {"gamma": 0}}, "UNFILTERED"),
+    ({"method": "percentile", "args": {"percentile": 90}}, "lose most or all"),
+    ({"method": "percentile", "args": {"gamma": "big"}}, "finite number"),
+    ({"method": "svt", "args": {"noise_var": 2}}, "destroyed"),
+    ({"method": "svt", "args": {"fraction": 0}}, "0 < fraction <= 1"),
+    ({"method": "svt", "args": {"epsilon": -1}}, "epsilon, noise_var, gamma > 0"),
+    ({"method": "svt", "args": {"delta": 1}}, "unknown svt privacy argument"),
+    ({"method": "laplace"}, "method must be one of"),
+    ({"method": "svt", "arg": {}}, "unknown privacy key"),
+])
+def test_settings_that_cannot_work_are_refused_with_one_line(args, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        check_privacy(args, "job surgical_agg")
+    assert "\n" not in str(err.value) and str(err.value).startswith("job surgical_agg")
+
+
+@pytest.mark.parametrize("args, words", [
+    ({"method": "percentile", "args": {"percentile": 60}}, "lose most of their change"),
+    ({"method": "svt", "args": {"noise_var": 10}}, "lose much of their direction"),
+    ({"method": "svt", "args": {"fraction": 0.3}}, "sends 30% of the entries"),
+])
+def test_lossy_settings_are_warned_about_once(args, words):
+    said: list[str] = []
+    check_privacy(args, "job x", warn=said.append)
+    check_privacy(args, "job x", warn=said.append)  # the job builds its filter several times
+    assert len(said) == 1 and words in said[0], said
+
+
+def test_the_defaults_pass_without_a_warning():
+    said: list[str] = []
+    for method in PRIVACY_DEFAULTS:
+        check_privacy({"method": method}, "job x", warn=said.append)
+    assert said == []
+
+
+def test_jobs_and_sites_refuse_destroying_settings(tmp_path):
+    from cxrfl.deploy.jobs import build_job
+    from cxrfl.errors import CxrflError
+    from cxrfl.fl.privacy import UpdatePrivacy
+
+    with pytest.raises(CxrflError, match="every update is destroyed"):
+        build_job("surgical_agg", tmp_path / "job", privacy={"method": "svt", "args": {"noise_var": 0.1}})
+    assert not (tmp_path / "job").exists()
+    with pytest.raises(ConfigError, match="lose most or all of theirs"):
+        UpdatePrivacy("percentile", {"percentile": 99, "gamma": 0.1})  # the site builds the filter from the job's JSON
+
+
+# ---------------------------------------------------------- the site's warning per update
+def _through(update_privacy, received: dict, result: dict) -> dict:
+    from nvflare.apis.filter import FilterChainType, FilterContextKey
+    from nvflare.apis.fl_constant import FLContextKey
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+    from nvflare.app_common.utils.fl_model_utils import FLModelUtils
+
+    ctx = FLContext()
+    ctx.set_prop(FLContextKey.TASK_ID, "task-1", private=True, sticky=False)
+    update_privacy.set_prop(FilterContextKey.CHAIN_TYPE, FilterChainType.TASK_DATA_CHAIN)
+    update_privacy.process(FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=received)), ctx)
+    update_privacy.set_prop(FilterContextKey.CHAIN_TYPE, FilterChainType.TASK_RESULT_CHAIN)
+    reply = FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=result, meta={"classes": ["a"]}))
+    return FLModelUtils.from_shareable(update_privacy.process(reply, ctx)).params
+
+
+@pytest.mark.parametrize("args, destroys", [({"percentile": 10, "gamma": 0.1}, False), ({"percentile": 10, "gamma": 1e-6}, True)])
+def test_the_site_logs_each_filtered_update_and_warns_when_it_is_destroyed(args, destroys):
+    from cxrfl.fl.privacy import UpdatePrivacy
+
+    rng = np.random.default_rng(0)
+    received = {"backbone.w": rng.normal(size=(40, 30)).astype(np.float32)}
+    result = {"backbone.w": received["backbone.w"] + rng.normal(scale=1e-3, size=(40, 30)).astype(np.float32),
+              "classifier.weight": rng.normal(scale=0.05, size=(2, 30)).astype(np.float32)}
+    lines: dict[str, list[str]] = {"info": [], "warning": []}
+    f = UpdatePrivacy("percentile", args)
+    f.log_info = lambda ctx, msg: lines["info"].append(msg)
+    f.log_warning = lambda ctx, msg: lines["warning"].append(msg)
+    _through(f, received, result)
+    assert len(lines["info"] + lines["warning"]) == 1
+    line = (lines["info"] + lines["warning"])[0]
+    assert "feature_extractor: cosine" in line and "head: cosine" in line
+    assert bool(lines["warning"]) == destroys
+    if destroys:
+        assert "DESTROYS this update's feature_extractor, head" in line

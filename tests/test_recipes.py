@@ -1,0 +1,184 @@
+"""The recipes (cxrfl.fl.recipes): NVFlare recipes with validated arguments, the tracking switch,
+and the metrics the sites and the server track (fast; the simulator runs are in test_recipes_sim.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from nvflare.recipe.spec import Recipe
+
+from cwt_helpers import tiny_site
+from cxrfl.common.server import ServerLoop
+from cxrfl.errors import ConfigError
+from cxrfl.fl.base import mean_over_sites, track, write_every_arg
+from cxrfl.fl.recipes import CWTRecipe, FedFewRecipe, SurgicalAggregationRecipe
+
+
+def export(recipe, tmp_path) -> dict[str, dict]:
+    recipe.export(str(tmp_path))
+    config = tmp_path / recipe.name / "app" / "config"
+    return {"server": json.loads((config / "config_fed_server.json").read_text()),
+            "client": json.loads((config / "config_fed_client.json").read_text()),
+            "meta": json.loads((tmp_path / recipe.name / "meta.json").read_text())}
+
+
+def test_recipes_are_nvflare_recipes_whose_arguments_land_in_the_job(tmp_path):
+    recipe = SurgicalAggregationRecipe(name="vanilla", num_rounds=3, head_mode="union", missing="negative",
+                                       model_config={"image_size": 64}, train_config={"lr": 1e-3}, patience=2,
+                                       min_clients=3, description="d", num_threads=2)
+    assert isinstance(recipe, Recipe)
+    job = export(recipe, tmp_path)
+    args = job["server"]["workflows"][0]["args"]
+    assert (args["num_rounds"], args["head_mode"], args["missing"], args["patience"], args["min_clients"]) == (
+        3, "union", "negative", 2, 3)
+    assert args["model_config"]["image_size"] == 64 and args["model_config"]["arch"] == "densenet121"  # in full
+    assert args["train_config"]["lr"] == 1e-3 and args["train_config"]["warmup_epochs"] == 15
+    assert job["meta"]["min_clients"] == 3 and job["meta"]["description"] == "d"
+    assert job["client"]["executors"][0]["executor"]["args"]["num_threads"] == 2
+    cwt = export(CWTRecipe(name="c", cwt_config={"clr": True}, min_sites=2), tmp_path)["server"]["workflows"][0]["args"]
+    assert cwt["cwt_config"]["clr"] is True and cwt["min_sites"] == 2
+    fedfew = export(FedFewRecipe(name="f", min_results=2, fedfew_config={"rounds": 3}), tmp_path)
+    assert fedfew["server"]["workflows"][0]["args"]["min_clients"] == 2 and fedfew["meta"]["min_clients"] == 2
+    assert fedfew["server"]["workflows"][0]["args"]["fedfew_config"]["rounds"] == 3
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: SurgicalAggregationRecipe(num_rounds=-1), "surgical.num_rounds must be >= 0"),
+    (lambda: SurgicalAggregationRecipe(paitence=3), r"unknown SurgicalAggregation argument\(s\) \['paitence'\]"),
+    (lambda: SurgicalAggregationRecipe(head_mode="all"), "surgical.head_mode must be one of"),
+    (lambda: SurgicalAggregationRecipe(exclude_batchnorm=True), "exclude_batchnorm needs batchnorm"),
+    (lambda: SurgicalAggregationRecipe(tracking=("tensorboard", "wandb")), "job.tracking must list distinct trackers"),
+    (lambda: SurgicalAggregationRecipe(tracking_uri="http://x:5000"), "job.tracking_uri is MLflow's"),
+    (lambda: SurgicalAggregationRecipe(num_workers=-1), "num_workers must be 'auto' or an integer >= 0"),
+    (lambda: SurgicalAggregationRecipe(privacy={"method": "dp"}), "privacy method must be one of"),
+    (lambda: CWTRecipe(cwt_config={"task": "detect"}), "task must be one of"),
+    (lambda: FedFewRecipe(model_config={"image_size": 8}), "model.image_size must be >= 32"),
+])
+def test_bad_recipe_arguments_fail_at_construction_naming_the_setting(make, match):
+    with pytest.raises(ConfigError, match=match):
+        make()
+
+
+def _components(part: dict) -> dict[str, dict]:
+    return {c["id"]: c for c in part.get("components", [])}
+
+
+def test_tracking_is_switched_in_the_recipe(tmp_path):
+    off = export(SurgicalAggregationRecipe(name="off", tracking=()), tmp_path / "off")
+    assert _components(off["server"]) == {} and _components(off["client"]) == {}
+    assert off["server"]["workflows"][0]["args"]["analytic_sender_id"] == ""
+    assert off["client"]["executors"][0]["executor"]["args"]["analytic_sender_id"] == ""
+
+    both = export(SurgicalAggregationRecipe(name="both", tracking=("tensorboard", "mlflow"),
+                                            tracking_uri="http://mlflow.example:5000"), tmp_path / "both")
+    server, client = _components(both["server"]), _components(both["client"])
+    events = ["fed.analytix_log_stats", "analytix_log_stats"]  # the sites' events and the server's own
+    assert server["tb_receiver"]["args"] == {"tb_folder": "tb_events", "events": events}
+    assert server["mlflow_receiver"]["path"] == "cxrfl.fl.tracking.MLflowReceiver"
+    assert server["mlflow_receiver"]["args"]["tracking_uri"] == "http://mlflow.example:5000"
+    assert server["mlflow_receiver"]["args"]["events"] == events
+    assert server["analytic_sender"]["path"] == client["analytic_sender"]["path"] == (
+        "nvflare.app_opt.tracking.tb.tb_writer.TBWriter")
+    assert client["event_to_fed"]["args"] == {"events_to_convert": ["analytix_log_stats"], "fed_event_prefix": "fed."}
+    assert both["server"]["workflows"][0]["args"]["analytic_sender_id"] == "analytic_sender"
+
+    mlflow_only = _components(export(SurgicalAggregationRecipe(name="m", tracking=("mlflow",)), tmp_path / "m")["server"])
+    assert "tb_receiver" not in mlflow_only and mlflow_only["mlflow_receiver"]["args"]["tracking_uri"] is None
+
+
+def test_mean_over_sites_leaves_out_missing_and_undefined_values():
+    sites = {"a": {"loss": 1.0, "auroc": {"X": 0.5, "Y": None}}, "b": {"loss": 3.0, "auroc": {"X": 0.9}},
+             "c": {"loss": math.nan}, "d": None}
+    assert mean_over_sites(sites, ["loss"], per_class="auroc") == pytest.approx({"loss": 2.0, "auroc/X": 0.7})
+
+
+def test_the_workflows_track_their_aggregated_metrics():
+    from cxrfl.fl.cwt import CyclicWeightTransfer
+    from cxrfl.fl.fedfew import FedFew
+    from cxrfl.fl.surgical import SurgicalAggregation
+
+    record = {"round": 2, "phase": "train", "sites_aggregated": ["a", "b"], "site_metrics": {
+        "a": {"train_loss": 0.4, "val_loss": 0.2, "val_mean_auroc": 0.6, "val_auroc": {"X": 0.6, "Y": None}},
+        "b": {"train_loss": 0.6, "val_loss": 0.4, "val_mean_auroc": 0.8, "val_auroc": {"X": 0.8, "Z": 0.7}}}}
+    values, step = SurgicalAggregation().record_scalars("rounds.jsonl", record)
+    assert step == 2 and values == pytest.approx({"train_loss": 0.5, "val_loss": 0.3, "val_mean_auroc": 0.7,
+                                                  "val_auroc/X": 0.7, "val_auroc/Z": 0.7, "sites_aggregated": 2})
+    assert SurgicalAggregation().record_scalars("rounds.jsonl", {"round": 3, "phase": "stopped"}) is None
+    cycle = {"cycle": 4, "status": "completed", "val_loss": 0.25, "trained": ["a", "b", "c"]}
+    assert CyclicWeightTransfer().record_scalars("cycles.jsonl", cycle) == ({"val_loss": 0.25, "sites_trained": 3}, 4)
+    assert CyclicWeightTransfer().record_scalars("visits.jsonl", cycle) is None
+    stage2 = {"stage": 2, "round": 5, "site_metrics": {"a": {"train_loss": 1.0}, "b": {"train_loss": 2.0}},
+              "val_loss": 0.9, "site_validation": {"a": {"cc_mean_auroc": 0.5}, "b": {"cc_mean_auroc": 0.7}}}
+    assert FedFew().record_scalars("rounds.jsonl", stage2) == (pytest.approx(
+        {"train_loss": 1.5, "cc_mean_auroc": 0.6, "val_loss": 0.9}), 5)
+    assert FedFew().record_scalars("rounds.jsonl", {"stage": 3, "threshold": 1.0}) is None
+
+
+def test_the_sites_track_the_auroc_of_each_of_their_own_classes(tmp_path):
+    from cxrfl.cwt.host import CWTSiteHost
+    from cxrfl.surgical.host import SurgicalSiteHost
+
+    data = tiny_site(tmp_path, "a", {"X": [1.0, 0.0], "Y": [0.0, 1.0]}, ["train", "val"])
+    answer = {"metrics": {"round": 3, "train_loss": 0.5, "val_loss": 0.4, "val_mean_auroc": 0.6,
+                          "val_auroc": {"X": 0.6, "Y": None}}}
+    assert SurgicalSiteHost(data, tmp_path / "state").scalars("train", answer) == (
+        {"train_loss": 0.5, "val_loss": 0.4, "val_mean_auroc": 0.6, "val_auroc/X": 0.6}, 3)
+    validated = {"metrics": {"split": "val", "cycle": 2, "loss": 0.3, "mean_auroc": 0.7, "auroc": {"X": 0.7}}}
+    assert CWTSiteHost(data).scalars("validate", validated) == ({"val_loss": 0.3, "val_auroc": 0.7, "val_auroc/X": 0.7}, 2)
+
+
+class Writer:
+    def __init__(self):
+        self.calls = []
+
+    def add_scalar(self, tag, value, global_step):
+        self.calls.append((tag, value, global_step))
+
+
+def test_records_reach_the_writer_after_they_are_written(tmp_path):
+    writer = Writer()
+    loop = ServerLoop(lambda task, payloads: {}, sites=["a"], out_dir=tmp_path)
+    seen = []
+    loop.on_record = lambda name, record: (seen.append((tmp_path / "cxrfl" / name).read_text().count("\n")),
+                                           track(writer, ({"loss": record["loss"], "none": None}, record["round"])))
+    loop.record({"round": 1, "loss": 0.5})
+    loop.record({"round": 2, "loss": 0.25})
+    assert seen == [1, 2]  # the record is on disk before it is tracked
+    assert writer.calls == [("loss", 0.5, 1), ("loss", 0.25, 2)]  # missing values are not sent
+
+
+def test_write_every_arg_refuses_an_attribute_that_would_hide_the_argument():
+    class Component:
+        def __init__(self, size: int = 1) -> None:
+            self.size = str(size)
+
+    with pytest.raises(ValueError, match="Component.size does not hold its argument"):
+        write_every_arg(Component(2), {"size": 2})
+    kept = write_every_arg(Component(2), {"size": "2"})
+    assert kept._always_serialize_args == ("size",) and kept._size == "2"
+
+
+def test_job_py_arguments_choose_nvflares_execution_environment(tmp_path, monkeypatch):
+    import argparse
+
+    from nvflare.recipe import PocEnv, ProdEnv, SimEnv
+
+    from cxrfl.fl.recipes import add_run_arguments, env_from_args
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    sim = env_from_args(parser.parse_args(["--clients", "hospital-a,hospital-b", "--workspace", str(tmp_path)]))
+    assert isinstance(sim, SimEnv) and sim.clients == ["hospital-a", "hospital-b"] and sim.num_threads == 2
+    assert sim.workspace_root == str(tmp_path)
+    assert env_from_args(parser.parse_args([])).num_clients == 2
+    poc = env_from_args(parser.parse_args(["--env", "poc", "--clients", "a,b,c"]))
+    assert isinstance(poc, PocEnv) and poc.num_clients == 3
+    prod = env_from_args(parser.parse_args(["--env", "prod", "--startup_kit", str(tmp_path)]))
+    assert isinstance(prod, ProdEnv) and prod.startup_kit_location == str(tmp_path)
+    with pytest.raises(SystemExit, match="needs --startup_kit"):
+        env_from_args(parser.parse_args(["--env", "prod"]))
+    assert parser.parse_args(["--tracking", "tensorboard,mlflow"]).tracking == ("tensorboard", "mlflow")
+    assert parser.parse_args(["--tracking", ""]).tracking == ()
