@@ -187,7 +187,7 @@ JOBS: tuple[JobSpec, ...] = (
     JobSpec(
         name="surgical_agg",
         controller=SURGICAL,
-        controller_args=surgical_args(DEMO_MODEL, DEMO_TRAIN, num_rounds=6, patience=3),
+        controller_args=surgical_args(DEMO_MODEL, DEMO_TRAIN, num_rounds=20, patience=3),
         description="Surgical aggregation (FedAvg feature extractor), CPU-sized demo settings",
     ),
     JobSpec(

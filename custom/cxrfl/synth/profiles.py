@@ -223,9 +223,9 @@ def partition_profile(name: str, n_sites: int, n_shared: int, n_images: int = 30
 
 def _two_hospitals() -> Profile:
     sites = (
-        nih_site("hospital-a"),
-        chexpert_site("hospital-b"),
-        csv_site("external", role="test"),
+        nih_site("hospital-a", 2000),
+        chexpert_site("hospital-b", 2000),
+        csv_site("external", n_images=1000, role="test"),
     )
     return Profile("two-hospitals", "NIH-like hospital-a (14 classes), CheXpert-like hospital-b (13), external test (20)", sites)
 
