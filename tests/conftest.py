@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -33,3 +34,13 @@ def names_in(path: Path, names: list[str]) -> list[str]:
             if re.search(rb"(?<![A-Za-z])" + re.escape(spelling.encode()) + rb"(?![A-Za-z])", data):
                 found.append(spelling)
     return found
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): on a
+    shared 2-core machine two threads make a tiny DenseNet step up to 20x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

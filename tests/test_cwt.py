@@ -22,13 +22,7 @@ from cxrfl.nn.models import ModelConfig, build_model
 from cxrfl.nn.training import adam
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: on a shared 2-core machine two threads make a tiny DenseNet step 20x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # The paper's split 5 (Table 1), both labels: the most unequal sample sizes.

@@ -28,13 +28,7 @@ class Crash(BaseException):
     """The server process dies (not an Exception: no transport catches it)."""
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: on a shared 2-core machine two threads make a tiny DenseNet step 20x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
