@@ -24,8 +24,10 @@ from cxrfl.nn.training import TrainConfig
 BOUND_WEIGHTS_AND_HEAD = 0.9
 """The stated bound: cxrfl's defaults keep at least this cosine similarity for the feature
 extractor's weights and the head rows (warm-up and round)."""
-BOUND_STATISTICS = 0.7
-"""... and for the BatchNorm running statistics (clipped to +-gamma)."""
+BOUND_STATISTICS = 0.9
+"""... and for the BatchNorm running statistics (clipped to +-gamma) ..."""
+BOUND_STATISTICS_NORM = 0.8
+"""... with at least this share of their norm (clipped, they lose it first)."""
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +92,7 @@ def test_the_defaults_keep_a_real_update(method, updates):
                 assert parts[part]["cosine"] >= BOUND_WEIGHTS_AND_HEAD, (phase, part, parts[part])
         stats = parts["batchnorm_statistics"]
         if stats["entries"]:
-            assert stats["cosine"] >= BOUND_STATISTICS, (phase, stats)
+            assert stats["cosine"] >= BOUND_STATISTICS and stats["relative_norm"] >= BOUND_STATISTICS_NORM, (phase, stats)
     if method == "svt":  # the price: NVFlare's accountant, epsilon + n_upload * noise_var per call
         assert report["train"]["epsilon"] > 1e9 and report["train"]["epsilon_run"] > report["train"]["epsilon"]
 
@@ -113,12 +115,20 @@ def test_a_high_percentile_strips_the_head_and_is_refused(updates):
         check_privacy({"method": "percentile", "args": {"percentile": 95}}, "job x")
 
 
-def test_nvflare_percentile_gamma_clips_the_warmup_head(updates):
+@pytest.mark.parametrize("method", ["percentile", "svt"])
+def test_a_small_gamma_clips_the_batchnorm_statistics_and_is_refused(method, updates):
+    args = {**PRIVACY_DEFAULTS[method], "gamma": 0.1}  # cxrfl's first default: the model stayed at chance
+    stats = filtered(method, args, updates)["train"]["parts"]["batchnorm_statistics"]
+    assert stats["relative_norm"] < 0.5, stats  # the running statistics move by more than 0.1
+    with pytest.raises(ConfigError, match="keep a fraction of theirs"):
+        check_privacy({"method": method, "args": args}, "job x")
+
+
+def test_nvflare_percentile_gamma_clips_the_warmup_head_and_is_refused(updates):
     head = filtered("percentile", NVFLARE_DEFAULTS["percentile"], updates)["warmup"]["parts"]["head"]
     assert head["relative_norm"] < 0.8  # whole values clipped to +-0.01
-    said: list[str] = []
-    check_privacy({"method": "percentile", "args": NVFLARE_DEFAULTS["percentile"]}, "job x", warn=said.append)
-    assert len(said) == 1 and "clips the head rows of the warm-up" in said[0]
+    with pytest.raises(ConfigError, match="gamma=0.01 clips every change"):
+        check_privacy({"method": "percentile", "args": NVFLARE_DEFAULTS["percentile"]}, "job x")
 
 
 # ------------------------------------------------------------------ the settings check
@@ -144,6 +154,9 @@ def test_settings_that_cannot_work_are_refused_with_one_line(args, words):
     ({"method": "percentile", "args": {"percentile": 60}}, "lose most of their change"),
     ({"method": "svt", "args": {"noise_var": 10}}, "lose much of their direction"),
     ({"method": "svt", "args": {"fraction": 0.3}}, "sends 30% of the entries"),
+    ({"method": "percentile", "args": {"gamma": 0.3}}, "clips the BatchNorm running statistics' changes"),
+    ({"method": "svt", "args": {"gamma": 0.3}}, "clips the BatchNorm running statistics' changes"),
+    ({"method": "svt", "args": {"noise_var": 10000}}, "as large as a round's changes"),
 ])
 def test_lossy_settings_are_warned_about_once(args, words):
     said: list[str] = []
@@ -188,14 +201,15 @@ def _through(update_privacy, received: dict, result: dict) -> dict:
     return FLModelUtils.from_shareable(update_privacy.process(reply, ctx)).params
 
 
-@pytest.mark.parametrize("args, destroys", [({"percentile": 10, "gamma": 0.1}, False), ({"percentile": 10, "gamma": 1e-6}, True)])
-def test_the_site_logs_each_filtered_update_and_warns_when_it_is_destroyed(args, destroys):
+@pytest.mark.parametrize("args, scale, destroys", [({"percentile": 10, "gamma": 1.0}, 1e-3, False),
+                                                   ({"percentile": 10, "gamma": 0.5}, 10.0, True)])
+def test_the_site_logs_each_filtered_update_and_warns_when_it_is_destroyed(args, scale, destroys):
     from cxrfl.fl.privacy import UpdatePrivacy
 
     rng = np.random.default_rng(0)
     received = {"backbone.w": rng.normal(size=(40, 30)).astype(np.float32)}
-    result = {"backbone.w": received["backbone.w"] + rng.normal(scale=1e-3, size=(40, 30)).astype(np.float32),
-              "classifier.weight": rng.normal(scale=0.05, size=(2, 30)).astype(np.float32)}
+    result = {"backbone.w": received["backbone.w"] + rng.normal(scale=scale, size=(40, 30)).astype(np.float32),
+              "classifier.weight": rng.normal(scale=50 * scale, size=(2, 30)).astype(np.float32)}  # at scale 10: clipped to +-0.5
     lines: dict[str, list[str]] = {"info": [], "warning": []}
     f = UpdatePrivacy("percentile", args)
     f.log_info = lambda ctx, msg: lines["info"].append(msg)

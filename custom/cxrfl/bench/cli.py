@@ -351,9 +351,11 @@ def _add_speed(bsub: argparse._SubParsersAction) -> None:
 def _cmd_privacy(args: argparse.Namespace) -> int:
     from cxrfl.bench.privacy import OPTIONS, PrivacyBenchSettings, run_privacy
 
-    settings = PrivacyBenchSettings(profile=args.profile, seeds=args.seeds, rounds=args.rounds, image_size=args.image_size,
-                                    steps=args.steps or None, options=tuple(_methods(args.options) or OPTIONS),
-                                    threads=args.threads)
+    given = {k: getattr(args, k) for k in ("profile", "seeds", "rounds", "image_size", "steps", "patience", "threads")
+             if getattr(args, k) is not None}  # the rest: the settings' defaults
+    if "steps" in given:
+        given["steps"] = given["steps"] or None
+    settings = PrivacyBenchSettings(**given, options=tuple(_methods(args.options) or OPTIONS))
     run_privacy(settings, Path(args.out), log=_stamped, data_dir=args.data_dir)
     return 0
 
@@ -362,13 +364,14 @@ def _add_privacy(bsub: argparse._SubParsersAction) -> None:
     pr = bsub.add_parser("privacy", help="NVFlare's privacy filters on surgical aggregation: fidelity of the sent "
                                          "update, SVT epsilon, mean AUROC against the unfiltered run")
     pr.add_argument("--out", default="benchmarks/results/privacy", help="output folder (default benchmarks/results/privacy)")
-    pr.add_argument("--profile", default="nih1000", help="data profile (default nih1000: the real NIH images)")
-    pr.add_argument("--seeds", type=int, default=3)
-    pr.add_argument("--rounds", type=int, default=8)
-    pr.add_argument("--image-size", type=int, default=64)
-    pr.add_argument("--steps", type=int, default=10, help="max steps per local epoch and site; 0: whole split")
+    pr.add_argument("--profile", help="data profile (default nih1000: the real NIH images)")
+    pr.add_argument("--seeds", type=int, help="training seeds 0 ... seeds-1 (default 3)")
+    pr.add_argument("--rounds", type=int, help="max rounds after the warm-up, a guard (default 15)")
+    pr.add_argument("--patience", type=int, help="rounds without a better validation loss before stopping (default 3)")
+    pr.add_argument("--image-size", type=int, help="model input size (default 64)")
+    pr.add_argument("--steps", type=int, help="max steps per local epoch and site (default 0: the whole split)")
     pr.add_argument("--options", default=None, help="comma-separated subset of the options (default: all; none always runs)")
-    pr.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    pr.add_argument("--threads", type=int, help="torch CPU threads (default 1)")
     pr.add_argument("--data-dir", default=None, help="where profile data is written (default OUT/data)")
     pr.set_defaults(func=_cmd_privacy)
 

@@ -52,13 +52,15 @@ def _option(method: str, args: Mapping[str, Any]) -> dict[str, Any]:
 OPTIONS: dict[str, dict[str, Any] | None] = {
     "none": None,
     "percentile": _option("percentile", PRIVACY_DEFAULTS["percentile"]),
+    "percentile-gamma-0.5": _option("percentile", {**PRIVACY_DEFAULTS["percentile"], "gamma": 0.5}),
+    "percentile-gamma-0.1": _option("percentile", {**PRIVACY_DEFAULTS["percentile"], "gamma": 0.1}),
     "percentile-nvflare": _option("percentile", NVFLARE_DEFAULTS["percentile"]),
-    "percentile-gamma-1": _option("percentile", {**PRIVACY_DEFAULTS["percentile"], "gamma": 1.0}),
-    "percentile-50": _option("percentile", {**PRIVACY_DEFAULTS["percentile"], "percentile": 50}),
     "percentile-95": _option("percentile", {**PRIVACY_DEFAULTS["percentile"], "percentile": 95}),
     "svt": _option("svt", PRIVACY_DEFAULTS["svt"]),
-    "svt-nvflare": _option("svt", NVFLARE_DEFAULTS["svt"]),
+    "svt-noise-var-1e4": _option("svt", {**PRIVACY_DEFAULTS["svt"], "noise_var": 10000}),
+    "svt-gamma-0.1": _option("svt", {**PRIVACY_DEFAULTS["svt"], "gamma": 0.1, "noise_var": 10000}),
     "svt-half": _option("svt", {**PRIVACY_DEFAULTS["svt"], "fraction": 0.5}),
+    "svt-nvflare": _option("svt", NVFLARE_DEFAULTS["svt"]),
 }
 """The measured options: off, cxrfl's defaults, NVFlare's defaults, and settings that keep less."""
 
@@ -84,14 +86,14 @@ class PrivacyBenchSettings:
 
     profile: str = "nih1000"
     seeds: int = 3
-    rounds: int = 8
+    rounds: int = 15
     image_size: int = 64
-    steps: int | None = 10
+    steps: int | None = None
     warmup_epochs: int = 1
     batch_size: int = 16
     lr: float = 1e-3
     warmup_lr: float = 5e-3
-    patience: int = 5
+    patience: int = 3
     options: tuple[str, ...] = tuple(OPTIONS)
     threads: int = 1
 
