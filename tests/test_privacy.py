@@ -221,3 +221,26 @@ def test_the_site_logs_each_filtered_update_and_warns_when_it_is_destroyed(args,
     assert bool(lines["warning"]) == destroys
     if destroys:
         assert "DESTROYS this update's feature_extractor, head" in line
+
+
+# ------------------------------------------------------------------ the benchmark end to end
+def test_privacy_benchmark_writes_its_table_curves_and_checks(tmp_path):
+    """``cxrfl bench privacy`` on the real NIH images (tiny budget): every option is run and measured,
+    the reference row is the unfiltered run, each option carries the job check's verdict."""
+    import json
+
+    from cxrfl.bench.privacy import PrivacyBenchSettings, run_privacy
+
+    settings = PrivacyBenchSettings(seeds=1, rounds=1, image_size=32, steps=2, options=("percentile-gamma-0.1", "svt"))
+    results = run_privacy(settings, tmp_path, log=lambda _: None)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert list(saved["options"]) == ["none", "percentile-gamma-0.1", "svt"]  # none first: the reference
+    assert saved["options"]["none"]["auroc_change"] == 0 and saved["options"]["none"]["check"] == "off"
+    assert saved["options"]["percentile-gamma-0.1"]["check"].startswith("refused: percentile privacy gamma=0.1")
+    assert saved["options"]["svt"]["check"] == "ok" and saved["options"]["svt"]["epsilon_per_round"] > 1e9
+    clipped = saved["options"]["percentile-gamma-0.1"]["fidelity"]["train"]["batchnorm_statistics"]
+    assert clipped["relative_norm"] < 0.9  # clipped even in 2 steps; measured per site answer, as in the job
+    assert {r["option"] for r in results["runs"]} == {"none", "percentile-gamma-0.1", "svt"}
+    assert all(len(r["val_loss"]) == len(r["val_auroc"]) == 2 for r in results["runs"])  # warm-up model + round 1
+    assert "| svt | fraction=0.9" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "learning_curves.png").stat().st_size > 10_000

@@ -113,7 +113,7 @@ def learning_curves(results: dict[str, Any], path: Path) -> None:
         path: PNG file.
     """
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # repeats after 10 methods: lines then dash
     for i, d in enumerate(results["methods"].values()):
         colour = colours[i % len(colours)]
         for k, run in enumerate(d["runs"]):
@@ -122,7 +122,8 @@ def learning_curves(results: dict[str, Any], path: Path) -> None:
                 ys = [np.nan if v is None else v for v in run.get(key) or []]
                 if not ys:
                     continue
-                ax.plot(xs, ys, color=colour, lw=0.9, alpha=0.7, label=d["label"] if k == 0 else None)
+                ax.plot(xs, ys, color=colour, lw=0.9, alpha=0.7, ls="-" if i < len(colours) else "--",
+                        label=d["label"] if k == 0 else None)
                 if run.get("best_round") in xs:
                     j = xs.index(run["best_round"])
                     ax.plot([xs[j]], [ys[j]], "o", color=colour, markersize=4)

@@ -10,8 +10,9 @@ round, per part (feature extractor weights, BatchNorm statistics, head rows;
 :func:`cxrfl.common.privacy.fidelity`): cosine similarity and relative norm of the sent vs the
 true update and the share of changed entries sent; the epsilon NVFlare's SVT accountant spends
 per round and over the run; and the selected model's mean AUROC on the external test set against
-the unfiltered run. The sites' warm-ups are trained once per seed and shared by the options (the
-filter acts on what leaves the site). Writes ``results.json`` and ``report.md``.
+the unfiltered run, and every run's learning curve. The sites' warm-ups are trained once per
+seed and shared by the options (the filter acts on what leaves the site). Writes ``results.json``,
+``report.md`` and ``learning_curves.png``.
 """
 
 from __future__ import annotations
@@ -234,7 +235,8 @@ def run_privacy(settings: PrivacyBenchSettings, out: str | Path, *, log: Log = p
                "runs": runs, "measurements": rows, "seconds": time.perf_counter() - start}
     (out / "results.json").write_text(json.dumps(results, indent=1, default=json_default))
     (out / "report.md").write_text(format_report(results))
-    log(f"wrote {out / 'results.json'} and {out / 'report.md'}")
+    plot_curves(results, out / "learning_curves.png")
+    log(f"wrote {out / 'results.json'}, {out / 'report.md'} and {out / 'learning_curves.png'}")
     return results
 
 
@@ -249,7 +251,23 @@ def _run_option(name: str, seed: int, settings: PrivacyBenchSettings, sites: Seq
     result = run_surgical(hosts, config, work / name / str(seed) / "server")
     shutil.rmtree(work / name / str(seed), ignore_errors=True)
     return {"option": name, "seed": seed, "best_round": result.best_round, "rounds": result.rounds,
-            "mean_auroc": _mean_auroc(result, config.model_config, tests), "val_loss": result.curve("mean_val_loss")}
+            "mean_auroc": _mean_auroc(result, config.model_config, tests), "val_loss": result.curve("mean_val_loss"),
+            "val_auroc": result.curve("mean_val_auroc")}
+
+
+def plot_curves(results: Mapping[str, Any], path: Path) -> None:
+    """Every run's learning curve (the sites' mean validation loss and AUROC per round), one colour per option.
+
+    Args:
+        results: what :func:`run_privacy` writes.
+        path: PNG file.
+    """
+    from cxrfl.bench.plots import learning_curves
+
+    methods = {name: {"label": name, "runs": [r for r in results["runs"] if r["option"] == name]}
+               for name in results["options"]}
+    learning_curves({"profile": f"{results['profile']}, privacy options", "seeds": list(range(results["settings"]["seeds"])),
+                     "methods": methods}, path)
 
 
 def _check(privacy: Mapping[str, Any] | None) -> str:
@@ -304,7 +322,8 @@ def format_report(results: Mapping[str, Any]) -> str:
     """
     s = results["settings"]
     lines = [f"# Privacy filters on surgical aggregation ({results['profile']})", "",
-             f"{s['seeds']} seed(s), {s['rounds']} rounds, {s['image_size']} px, {s['steps']} steps per round, lr {s['lr']:g}; "
+             f"{s['seeds']} seed(s), {s['image_size']} px, rounds of {_steps(s['steps'])} until the mean validation loss has not "
+             f"improved for {s['patience']} (at most {s['rounds']}), lr {s['lr']:g}; "
              f"test images: {results['tests']}. Cosine and norm: the sent vs the true update of each site answer "
              "(mean over sites, rounds and seeds); kept: share of the changed entries sent; epsilon: NVFlare's "
              "SVT accountant per round and over the run (per site); AUROC: the selected model on the external "
@@ -323,6 +342,10 @@ def format_report(results: Mapping[str, Any]) -> str:
                      f"{_num(head['kept'])} | {_eps(o['epsilon_per_round'])} | {_eps(o['epsilon_run'])} | "
                      f"{_num(o['mean_auroc'])} | {change} |")
     return "\n".join(lines + [""] + [f"- {n}" for n in results["notes"]]) + "\n"
+
+
+def _steps(steps: int | None) -> str:
+    return "one epoch over each site's split" if steps is None else f"at most {steps} steps per site"
 
 
 def _mean(values: Any) -> float | None:
