@@ -22,10 +22,10 @@ and the head rows, >= 0.9 and most of the norm for the BatchNorm statistics). Wh
 no formal guarantee. ``svt`` sends a random 90 % of the changes, clipped to +-1, with Laplace noise
 of scale ``2 * gamma / noise_var`` = 2e-5 (at 2e-4 the weights' cosine fell to 0.63: a round's
 changes at the default learning rate are of that size); its accountant spends
-``epsilon + 0.9 * entries * noise_var`` per round (about 6e11 for DenseNet121's 7 M entries): no meaningful differential privacy. No setting of NVFlare's SVT
-found both a useful model and a meaningful epsilon on a model of this size. :func:`check_privacy`
-refuses settings that destroy the update or silently send it unfiltered, and warns about those
-that lose much of it.
+``epsilon + 0.9 * entries * noise_var`` per round (about 6e11 for DenseNet121's 7 M entries): no
+meaningful differential privacy. No setting of NVFlare's SVT found both a useful model and a
+meaningful epsilon on a model of this size. :func:`check_privacy` refuses settings that destroy
+the update or silently send it unfiltered, and warns about those that lose much of it.
 """
 
 from __future__ import annotations
