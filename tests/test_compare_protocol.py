@@ -137,3 +137,25 @@ def test_restart_sets_runs_of_other_settings_aside(tmp_path):
     assert (aside / "x" / "seed-0.json").is_file() and not store.done("x", 0)
     assert "moved to" in lines[0]
     assert json.loads((tmp_path / "runs" / "protocol.json").read_text())["data"] == {"sites": 3}
+
+
+@pytest.mark.slow
+def test_jobs_train_the_same_runs_in_worker_processes(tmp_path):
+    """``--jobs 2``: the (method, seed) runs trained side by side in spawned workers (each repeating its
+    seed's head warm-up) equal the runs of one process, score for score."""
+    import numpy as np
+
+    settings = CompareSettings.from_dict({**TINY, "seeds": 1, "max_rounds": 2, "patience": 5, "steps": 2,
+                                          "methods": ["individual"]})
+    lines: list[str] = []
+    one = run_compare(settings, tmp_path / "one", data_dir=tmp_path / "data", log=lambda m: None)
+    two = run_compare(settings.replace(jobs=2), tmp_path / "two", data_dir=tmp_path / "data", log=lines.append)
+    assert any("training 3 in 2 worker process(es)" in line for line in lines)
+    assert set(two["methods"]) == set(one["methods"]) == {"individual:hospital-a", "individual:hospital-b", "surgical-fedavg"}
+    for name in one["methods"]:
+        a, b = runs.RunStore(tmp_path / "one"), runs.RunStore(tmp_path / "two")
+        assert a.load(name, 0)["val_loss"] == pytest.approx(b.load(name, 0)["val_loss"], rel=1e-6), name
+        sa, sb = a.scores(name, 0), b.scores(name, 0)
+        assert set(sa) == set(sb) and all(np.allclose(sa[k], sb[k], atol=1e-6) for k in sa), name
+    assert json.loads((tmp_path / "two" / "runs" / "protocol.json").read_text())["protocol"] == \
+        json.loads((tmp_path / "one" / "runs" / "protocol.json").read_text())["protocol"]  # jobs decides no model

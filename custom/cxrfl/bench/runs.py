@@ -321,11 +321,21 @@ def run_all(entries: list[Entry], *, settings: CompareSettings, data: BenchData,
                                        work=work, log=lambda msg, t=tag: log(f"{t}: {msg}"))
             store.save(entry.name, seed, record, scores)
             stored += 1
-            means = ", ".join(f"{name} {_fmt(_mean(record, test))}" for name, test in tests.items())
-            log(f"{tag}: stored ({stored}/{total}); selected round {record['best_round']} of {record['rounds']} "
-                f"({'early stop' if record['stopped_early'] else 'max_rounds reached'}), {record['seconds']:.0f}s; "
-                f"mean test AUROC {means}")
+            log(f"{tag}: stored ({stored}/{total}); {outcome_line(record, tests)}")
     store.tidy()
+
+
+def outcome_line(record: Mapping[str, Any], tests: Mapping[str, TestSet]) -> str:
+    """How a stored run ended: its selected round, why it stopped, its time and mean test AUROCs.
+
+    Args:
+        record: the run's record.
+        tests: the test sets.
+    """
+    means = ", ".join(f"{name} {_fmt(_mean(record, test))}" for name, test in tests.items())
+    return (f"selected round {record['best_round']} of {record['rounds']} "
+            f"({'early stop' if record['stopped_early'] else 'max_rounds reached'}), {record['seconds']:.0f}s; "
+            f"mean test AUROC {means}")
 
 
 def _mean(record: Mapping[str, Any], test: TestSet) -> float | None:
