@@ -159,3 +159,30 @@ def test_jobs_train_the_same_runs_in_worker_processes(tmp_path):
         assert set(sa) == set(sb) and all(np.allclose(sa[k], sb[k], atol=1e-6) for k in sa), name
     assert json.loads((tmp_path / "two" / "runs" / "protocol.json").read_text())["protocol"] == \
         json.loads((tmp_path / "one" / "runs" / "protocol.json").read_text())["protocol"]  # jobs decides no model
+
+
+def test_a_run_is_trained_by_one_process_at_a_time(tmp_path, monkeypatch):
+    """Two invocations on one folder (or --jobs workers) never train the same (method, seed) at once:
+    the claim is an OS lock (released however its process ends); a held or stored run is left alone."""
+    store = runs.RunStore(tmp_path)
+    with store.claim("surgical-fedavg", 0) as first:
+        assert first
+        with store.claim("surgical-fedavg", 0) as second:  # a second open file description: another process's view
+            assert not second
+        with store.claim("surgical-fedavg", 1) as other_seed:
+            assert other_seed
+    with store.claim("surgical-fedavg", 0) as again:
+        assert again
+
+    def never(*args, **kwargs):
+        raise AssertionError("trained a run another process holds or stored")
+
+    monkeypatch.setattr(runs, "train_run", never)
+    lines: list[str] = []
+    kwargs = {"settings": None, "data": None, "tests": {}, "warmups": None, "store": store, "log": lines.append}
+    with store.claim("surgical-fedavg", 0):
+        assert runs.train_and_store(runs.Entry("surgical-fedavg", "FL + SA", None), 0, **kwargs) is None
+    store.record_path("surgical-fedavg", 0).parent.mkdir(parents=True, exist_ok=True)
+    store.record_path("surgical-fedavg", 0).write_text("{}")
+    assert runs.train_and_store(runs.Entry("surgical-fedavg", "FL + SA", None), 0, **kwargs) is None
+    assert lines == ["being trained by another process: left to it", "stored by another process"]

@@ -28,7 +28,7 @@ from cxrfl.bench.evaluate import TestSet, load_test_set
 from cxrfl.bench.methods import ABLATION_METHODS, REFERENCE, select
 from cxrfl.bench.profiles import ABLATION_SHARED, ABLATION_SITES, BenchData, from_site_configs, prepare
 from cxrfl.bench.protocol import CompareSettings, code_version, machine
-from cxrfl.bench.runs import Entry, RunStore, entries_for, outcome_line, run_all, train_run
+from cxrfl.bench.runs import Entry, RunStore, entries_for, outcome_line, run_all, train_and_store
 from cxrfl.bench.statistics import Bootstrap, View, ablation_summary, make_views, versus, view_cell
 from cxrfl.bench.targets import evaluate_targets
 from cxrfl.common.io import write_json
@@ -187,13 +187,11 @@ def _job(settings: CompareSettings, data_dir: Path, out: Path, entry: str, seed:
     tests = _tests(data, settings.image_size)
     (row,) = [e for e in entries_for(select(settings.methods, pretrained=settings.pretrained is not None), data)
               if e.name == entry]
-    store = RunStore(out)
     clock = _Clock(_print)
     tag = f"seed {seed + 1}/{settings.seeds} {entry}"
-    record, scores = train_run(row, seed, settings=settings, data=data, tests=tests, warmups=WarmupCache(),
-                               work=store.work(entry, seed), log=lambda msg: clock(f"{tag}: {msg}"))
-    store.save(entry, seed, record, scores)
-    return outcome_line(record, tests)
+    record = train_and_store(row, seed, settings=settings, data=data, tests=tests, warmups=WarmupCache(),
+                             store=RunStore(out), log=lambda msg: clock(f"{tag}: {msg}"))
+    return "left to another process" if record is None else outcome_line(record, tests)
 
 
 def _run_summary(record: dict[str, Any]) -> dict[str, Any]:
