@@ -137,3 +137,52 @@ def test_restart_sets_runs_of_other_settings_aside(tmp_path):
     assert (aside / "x" / "seed-0.json").is_file() and not store.done("x", 0)
     assert "moved to" in lines[0]
     assert json.loads((tmp_path / "runs" / "protocol.json").read_text())["data"] == {"sites": 3}
+
+
+@pytest.mark.slow
+def test_jobs_train_the_same_runs_in_worker_processes(tmp_path):
+    """``--jobs 2``: the (method, seed) runs trained side by side in spawned workers (each repeating its
+    seed's head warm-up) equal the runs of one process, score for score."""
+    import numpy as np
+
+    settings = CompareSettings.from_dict({**TINY, "seeds": 1, "max_rounds": 2, "patience": 5, "steps": 2,
+                                          "methods": ["individual"]})
+    lines: list[str] = []
+    one = run_compare(settings, tmp_path / "one", data_dir=tmp_path / "data", log=lambda m: None)
+    two = run_compare(settings.replace(jobs=2), tmp_path / "two", data_dir=tmp_path / "data", log=lines.append)
+    assert any("training 3 in 2 worker process(es)" in line for line in lines)
+    assert set(two["methods"]) == set(one["methods"]) == {"individual:hospital-a", "individual:hospital-b", "surgical-fedavg"}
+    for name in one["methods"]:
+        a, b = runs.RunStore(tmp_path / "one"), runs.RunStore(tmp_path / "two")
+        assert a.load(name, 0)["val_loss"] == pytest.approx(b.load(name, 0)["val_loss"], rel=1e-6), name
+        sa, sb = a.scores(name, 0), b.scores(name, 0)
+        assert set(sa) == set(sb) and all(np.allclose(sa[k], sb[k], atol=1e-6) for k in sa), name
+    assert json.loads((tmp_path / "two" / "runs" / "protocol.json").read_text())["protocol"] == \
+        json.loads((tmp_path / "one" / "runs" / "protocol.json").read_text())["protocol"]  # jobs decides no model
+
+
+def test_a_run_is_trained_by_one_process_at_a_time(tmp_path, monkeypatch):
+    """Two invocations on one folder (or --jobs workers) never train the same (method, seed) at once:
+    the claim is an OS lock (released however its process ends); a held or stored run is left alone."""
+    store = runs.RunStore(tmp_path)
+    with store.claim("surgical-fedavg", 0) as first:
+        assert first
+        with store.claim("surgical-fedavg", 0) as second:  # a second open file description: another process's view
+            assert not second
+        with store.claim("surgical-fedavg", 1) as other_seed:
+            assert other_seed
+    with store.claim("surgical-fedavg", 0) as again:
+        assert again
+
+    def never(*args, **kwargs):
+        raise AssertionError("trained a run another process holds or stored")
+
+    monkeypatch.setattr(runs, "train_run", never)
+    lines: list[str] = []
+    kwargs = {"settings": None, "data": None, "tests": {}, "warmups": None, "store": store, "log": lines.append}
+    with store.claim("surgical-fedavg", 0):
+        assert runs.train_and_store(runs.Entry("surgical-fedavg", "FL + SA", None), 0, **kwargs) is None
+    store.record_path("surgical-fedavg", 0).parent.mkdir(parents=True, exist_ok=True)
+    store.record_path("surgical-fedavg", 0).write_text("{}")
+    assert runs.train_and_store(runs.Entry("surgical-fedavg", "FL + SA", None), 0, **kwargs) is None
+    assert lines == ["being trained by another process: left to it", "stored by another process"]

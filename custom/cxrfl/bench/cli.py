@@ -49,7 +49,7 @@ def _compare_settings(args: argparse.Namespace) -> CompareSettings:
         "n_external": args.n_external, "split": _floats(args.split), "steps": args.steps,
         "warmup_epochs": args.warmup_epochs, "batch_size": args.batch_size, "lr": args.lr, "warmup_lr": args.warmup_lr,
         "methods": _methods(args.methods), "n_boot": args.n_boot, "n_sites": args.sites, "n_shared": args.shared,
-        "threads": args.threads, "device": args.device, "pretrained": args.pretrained,
+        "threads": args.threads, "jobs": args.jobs, "device": args.device, "pretrained": args.pretrained,
         "site_configs": args.site_config, "external_configs": args.external_config,
     }
     values = {"profile": args.profile or "two-hospitals", **(QUICK if args.quick else {})}
@@ -236,7 +236,10 @@ def _add_compare(bsub: argparse._SubParsersAction) -> None:
                         "0..14 over 4 sites (methods: vanilla-fedavg, partial-fedavg, surgical-fedavg; 3 seeds)")
     c.add_argument("--ablation-values", default=None, help="comma-separated ablation settings (e.g. 2,3,4,5,6,8,10)")
     c.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's, every core; 1 on a busy machine)")
+                   help="torch CPU threads per process (default: torch's, every core; 1 on a busy machine)")
+    c.add_argument("--jobs", type=int, default=None,
+                   help="(method, seed) runs trained side by side in worker processes (default 1; with --threads 1, "
+                        "one job per core)")
     c.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help="default auto: CUDA when available")
     c.add_argument("--site-config", action="append", default=None,
                    help="your own training site (its site config YAML; repeat per site) instead of a built-in profile")

@@ -28,12 +28,13 @@ from cxrfl.bench.evaluate import TestSet, load_test_set
 from cxrfl.bench.methods import ABLATION_METHODS, REFERENCE, select
 from cxrfl.bench.profiles import ABLATION_SHARED, ABLATION_SITES, BenchData, from_site_configs, prepare
 from cxrfl.bench.protocol import CompareSettings, code_version, machine
-from cxrfl.bench.runs import Entry, RunStore, entries_for, run_all
+from cxrfl.bench.runs import Entry, RunStore, entries_for, outcome_line, run_all, train_and_store
 from cxrfl.bench.statistics import Bootstrap, View, ablation_summary, make_views, versus, view_cell
 from cxrfl.bench.targets import evaluate_targets
 from cxrfl.common.io import write_json
 from cxrfl.errors import ConfigError
 from cxrfl.nn.evaluation import shared_classes
+from cxrfl.surgical.host import WarmupCache
 
 Log = Callable[[str], None]
 
@@ -130,7 +131,10 @@ def run_compare(settings: CompareSettings, out: Path, *, log: Log = _print, data
           f"patience {settings.patience}; device {settings.torch_device()}, {torch.get_num_threads()} torch thread(s)")
     if not report_only:
         try:
-            run_all(entries, settings=settings, data=data, tests=tests, store=store, log=clock)
+            if settings.jobs > 1:
+                run_jobs(entries, settings, store, Path(data_dir) if data_dir else default_data_dir(), clock)
+            else:
+                run_all(entries, settings=settings, data=data, tests=tests, store=store, log=clock)
         except KeyboardInterrupt:
             clock(f"interrupted: the finished runs are stored in {store.root}; run the same command again to continue")
             raise
@@ -146,6 +150,48 @@ def run_compare(settings: CompareSettings, out: Path, *, log: Log = _print, data
     (out / "report.md").write_text(format_report(results))
     clock(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(results['plots'])} plot(s)")
     return results
+
+
+def run_jobs(entries: list[Entry], settings: CompareSettings, store: RunStore, data_dir: Path, log: Log) -> None:
+    """Every (entry, seed) not stored yet, ``settings.jobs`` at a time in worker processes, seed by
+    seed; each stored by its worker as it finishes.
+
+    Args:
+        entries: the table rows.
+        settings: the comparison's settings.
+        store: where runs are stored.
+        data_dir: where the profile's data was written (the workers read it there).
+        log: progress callback (the workers print their own round lines).
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    todo = [(e.name, s) for s in range(settings.seeds) for e in entries if not store.done(e.name, s)]
+    log(f"{settings.seeds * len(entries) - len(todo)} of {settings.seeds * len(entries)} runs already stored; "
+        f"training {len(todo)} in {min(settings.jobs, max(len(todo), 1))} worker process(es)")
+    if todo:
+        with ProcessPoolExecutor(min(settings.jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(_job, settings, data_dir, store.root.parent, name, seed): (name, seed)
+                       for name, seed in todo}
+            for n, fut in enumerate(as_completed(futures), 1):
+                name, seed = futures[fut]
+                log(f"seed {seed + 1}/{settings.seeds} {name}: stored ({n}/{len(todo)} of this call); {fut.result()}")
+    store.tidy()
+
+
+def _job(settings: CompareSettings, data_dir: Path, out: Path, entry: str, seed: int) -> str:
+    """One (entry, seed) in a worker process: train, store, and say how it ended."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    data = _data(settings, data_dir)
+    tests = _tests(data, settings.image_size)
+    (row,) = [e for e in entries_for(select(settings.methods, pretrained=settings.pretrained is not None), data)
+              if e.name == entry]
+    clock = _Clock(_print)
+    tag = f"seed {seed + 1}/{settings.seeds} {entry}"
+    record = train_and_store(row, seed, settings=settings, data=data, tests=tests, warmups=WarmupCache(),
+                             store=RunStore(out), log=lambda msg: clock(f"{tag}: {msg}"))
+    return "left to another process" if record is None else outcome_line(record, tests)
 
 
 def _run_summary(record: dict[str, Any]) -> dict[str, Any]:

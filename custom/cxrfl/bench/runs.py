@@ -12,7 +12,9 @@ this process) followed by the scoring of its selected model(s) on every test set
 - ``<entry>/seed-<k>.npz``: its scores per test set and model (bootstrap intervals, ROC curves;
   the statistics without intervals need only the JSON records);
 - ``.work/<entry>/seed-<k>``: a run in progress (server state saved after every round): an
-  interrupted run goes on from its last completed round; removed when the run is stored.
+  interrupted run goes on from its last completed round; removed when the run is stored;
+- ``.claims/<entry>/seed-<k>``: held (``flock``) by the process training that run, so that two
+  invocations on the same folder (or ``--jobs`` workers) never train one run twice at once.
 
 Runs go seed by seed (every method of seed 0, then seed 1 ...): the sites' head warm-ups are
 trained once per seed and shared by its methods (:class:`cxrfl.surgical.host.WarmupCache`).
@@ -20,11 +22,13 @@ trained once per seed and shared by its methods (:class:`cxrfl.surgical.host.War
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +52,7 @@ from cxrfl.surgical.inprocess import InProcessResult, global_model, make_hosts, 
 
 Log = Callable[[str], None]
 RUNS_DIR = "runs"
+CLAIMS_DIR = ".claims"
 WORK_DIR = ".work"
 PROTOCOL_FILE = "protocol.json"
 RUN_ID = "run"
@@ -142,6 +147,28 @@ class RunStore:
     def work(self, entry: str, seed: int) -> Path:
         """The folder of a run in progress."""
         return self.root / WORK_DIR / _safe(entry) / f"seed-{seed}"
+
+    @contextmanager
+    def claim(self, entry: str, seed: int) -> Iterator[bool]:
+        """Hold a run for this process while the block runs: yields False when another process
+        holds it (the OS releases a claim when its process ends, however it ends).
+
+        Args:
+            entry: the entry name.
+            seed: the seed.
+        """
+        path = self.root / CLAIMS_DIR / _safe(entry) / f"seed-{seed}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def done(self, entry: str, seed: int) -> bool:
         """Whether the run is stored."""
@@ -315,17 +342,54 @@ def run_all(entries: list[Entry], *, settings: CompareSettings, data: BenchData,
         warmups = WarmupCache()  # one head warm-up per site and seed, shared by the methods
         for entry in todo:
             tag = f"seed {seed + 1}/{settings.seeds} {entry.name}"
-            work = store.work(entry.name, seed)
-            log(f"{tag}: {'continuing the interrupted run' if (work / RESUME_ROOT).is_dir() else 'start'}")
-            record, scores = train_run(entry, seed, settings=settings, data=data, tests=tests, warmups=warmups,
-                                       work=work, log=lambda msg, t=tag: log(f"{t}: {msg}"))
-            store.save(entry.name, seed, record, scores)
-            stored += 1
-            means = ", ".join(f"{name} {_fmt(_mean(record, test))}" for name, test in tests.items())
-            log(f"{tag}: stored ({stored}/{total}); selected round {record['best_round']} of {record['rounds']} "
-                f"({'early stop' if record['stopped_early'] else 'max_rounds reached'}), {record['seconds']:.0f}s; "
-                f"mean test AUROC {means}")
+            record = train_and_store(entry, seed, settings=settings, data=data, tests=tests, warmups=warmups,
+                                     store=store, log=lambda msg, t=tag: log(f"{t}: {msg}"))
+            if record is not None:
+                stored += 1
+                log(f"{tag}: stored ({stored}/{total}); {outcome_line(record, tests)}")
     store.tidy()
+
+
+def train_and_store(entry: Entry, seed: int, *, settings: CompareSettings, data: BenchData, tests: Mapping[str, TestSet],
+                    warmups: WarmupCache, store: RunStore, log: Log) -> dict[str, Any] | None:
+    """Train one (entry, seed) and store it, unless another process holds it or has stored it.
+
+    Args:
+        entry: the table row.
+        seed: the training seed.
+        settings: the comparison's settings.
+        data: the profile's data.
+        tests: the test sets.
+        warmups: the seed's shared head warm-ups.
+        store: where runs are stored.
+        log: progress callback of this run.
+
+    Returns:
+        the stored record, or None when the run was left to another process.
+    """
+    with store.claim(entry.name, seed) as mine:
+        if not mine or store.done(entry.name, seed):
+            log("being trained by another process: left to it" if not mine else "stored by another process")
+            return None
+        work = store.work(entry.name, seed)
+        log("continuing the interrupted run" if (work / RESUME_ROOT).is_dir() else "start")
+        record, scores = train_run(entry, seed, settings=settings, data=data, tests=tests, warmups=warmups,
+                                   work=work, log=log)
+        store.save(entry.name, seed, record, scores)
+        return record
+
+
+def outcome_line(record: Mapping[str, Any], tests: Mapping[str, TestSet]) -> str:
+    """How a stored run ended: its selected round, why it stopped, its time and mean test AUROCs.
+
+    Args:
+        record: the run's record.
+        tests: the test sets.
+    """
+    means = ", ".join(f"{name} {_fmt(_mean(record, test))}" for name, test in tests.items())
+    return (f"selected round {record['best_round']} of {record['rounds']} "
+            f"({'early stop' if record['stopped_early'] else 'max_rounds reached'}), {record['seconds']:.0f}s; "
+            f"mean test AUROC {means}")
 
 
 def _mean(record: Mapping[str, Any], test: TestSet) -> float | None:

@@ -202,15 +202,16 @@ def _targets(t: dict[str, Any]) -> list[str]:
                       ("uc_f1_at_least_0.5", "FedFew mean F1 over the UCs >= 0.5")):
         if key in t and t[key]["value"] is not None:
             v = t[key]
-            lines.append(f"- {text}: **{'met' if v['met'] else 'not met'}** ({v['value']:.3f}; against "
-                         f"{v['stats']['reference']}: {format_stats(v['stats'])}).")
+            against = f"; against {v['stats']['reference']}: {format_stats(v['stats'])}" if v.get("stats") else ""
+            lines.append(f"- {text}: **{'met' if v['met'] else 'not met'}** ({v['value']:.3f}{against}).")
     for b in BASELINES:
         for key, text in ((f"uc_f1_0.3_above_{b}", f"FedFew mean UC F1 at least 0.3 above {LABELS[b]}"),
                           (f"cc_auroc_within_0.01_of_{b}", f"FedFew mean CC AUROC no worse than {LABELS[b]} by more than 0.01")):
             v = t.get(key)
             if v and v["difference"] is not None:
+                paired = f"; paired: {format_stats(v['stats'])}" if v.get("stats") else ""
                 lines.append(f"- {text}: **{'met' if v['met'] else 'not met'}** ({v['fedfew']:.3f} vs {v['baseline']:.3f}, "
-                             f"difference {v['difference']:+.3f}; paired: {format_stats(v['stats'])}).")
+                             f"difference {v['difference']:+.3f}{paired}).")
     return lines
 
 
