@@ -156,7 +156,7 @@ def test_jobs_train_the_same_runs_in_worker_processes(tmp_path):
         a, b = runs.RunStore(tmp_path / "one"), runs.RunStore(tmp_path / "two")
         assert a.load(name, 0)["val_loss"] == pytest.approx(b.load(name, 0)["val_loss"], rel=1e-6), name
         sa, sb = a.scores(name, 0), b.scores(name, 0)
-        assert set(sa) == set(sb) and all(np.allclose(sa[k], sb[k], atol=1e-6) for k in sa), name
+        assert set(sa) == set(sb) and all(np.allclose(sa[k], sb[k], atol=1e-6, equal_nan=True) for k in sa), name
     assert json.loads((tmp_path / "two" / "runs" / "protocol.json").read_text())["protocol"] == \
         json.loads((tmp_path / "one" / "runs" / "protocol.json").read_text())["protocol"]  # jobs decides no model
 

@@ -242,5 +242,7 @@ def test_privacy_benchmark_writes_its_table_curves_and_checks(tmp_path):
     assert clipped["relative_norm"] < 0.9  # clipped even in 2 steps; measured per site answer, as in the job
     assert {r["option"] for r in results["runs"]} == {"none", "percentile-gamma-0.1", "svt"}
     assert all(len(r["val_loss"]) == len(r["val_auroc"]) == 2 for r in results["runs"])  # warm-up model + round 1
+    assert saved["code"]["commit"] and saved["machine"]["torch_threads"] >= 1  # traceable to a commit and machine
+    assert f"Commit {saved['code']['commit'][:7]}" in (tmp_path / "report.md").read_text()
     assert "| svt | fraction=0.9" in (tmp_path / "report.md").read_text()
     assert (tmp_path / "learning_curves.png").stat().st_size > 10_000

@@ -228,6 +228,19 @@ def test_runs_sharing_a_warmup_cache_train_each_site_warmup_once(sites, tmp_path
     assert second.curve("mean_val_loss") == pytest.approx(first.curve("mean_val_loss"))
 
 
+def test_a_round_trains_alike_after_a_cached_warmup_or_a_trained_one(sites, tmp_path):
+    """A round's shuffle order and augmentations depend on the seed and the round only, not on what
+    the site's loader did before: a run taking its warm-ups from a cache (a benchmark's later
+    methods, a --jobs worker) trains the same weights as one that trained them."""
+    augmented = TRAIN.replace(augment=True, max_steps_per_epoch=2)
+    cache = WarmupCache()
+    run_surgical(sites, settings(num_rounds=0, train_config=augmented), tmp_path / "warmup", warmups=cache)
+    run_surgical(sites, settings(num_rounds=1, train_config=augmented), tmp_path / "cached", warmups=cache)
+    run_surgical(sites, settings(num_rounds=1, train_config=augmented), tmp_path / "trained")
+    assert_same_model(tmp_path / "cached" / "FL_global_model.pt", tmp_path / "trained" / "FL_global_model.pt")
+    assert differs(tmp_path / "warmup" / "FL_global_model.pt", tmp_path / "trained" / "FL_global_model.pt")
+
+
 # ------------------------------------------------------------------ faults
 def test_a_round_with_too_few_valid_results_is_retried_then_stops_with_the_reason(sites, tmp_path):
     fails = lambda task, meta: task == "train" and meta.get("round", 0) >= 2  # noqa: E731

@@ -31,6 +31,7 @@ import torch
 
 from cxrfl.bench.evaluate import load_test_set, scores_on
 from cxrfl.bench.profiles import prepare
+from cxrfl.bench.protocol import code_version, machine
 from cxrfl.common.io import json_default
 from cxrfl.common.privacy import NVFLARE_DEFAULTS, PARTS, PRIVACY_DEFAULTS, check_privacy, fidelity
 from cxrfl.data.site import SiteData
@@ -231,6 +232,7 @@ def run_privacy(settings: PrivacyBenchSettings, out: str | Path, *, log: Log = p
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results = {"settings": asdict(settings), "profile": data.profile, "notes": data.notes,
+               "code": code_version(), "machine": machine(torch.device("cpu")),
                "tests": {n: t.n for n, t in tests.items()}, "options": summarise(settings, rows, runs),
                "runs": runs, "measurements": rows, "seconds": time.perf_counter() - start}
     (out / "results.json").write_text(json.dumps(results, indent=1, default=json_default))
@@ -341,6 +343,11 @@ def format_report(results: Mapping[str, Any]) -> str:
                      f"{_num(bn['relative_norm'])} | {_num(head['cosine'])} / {_num(head['relative_norm'])} / "
                      f"{_num(head['kept'])} | {_eps(o['epsilon_per_round'])} | {_eps(o['epsilon_run'])} | "
                      f"{_num(o['mean_auroc'])} | {change} |")
+    code, where = results.get("code"), results.get("machine")
+    if code and where:  # results written before they recorded both have neither
+        lines += ["", f"Commit {(code['commit'] or '?')[:7]}{' (modified)' if code['dirty'] else ''}; {where['cpu']}, "
+                      f"{where['usable_cores']} usable cores, {where['torch_threads']} torch thread(s); "
+                      f"wall time {results['seconds'] / 60:.0f} min."]
     return "\n".join(lines + [""] + [f"- {n}" for n in results["notes"]]) + "\n"
 
 

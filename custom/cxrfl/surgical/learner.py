@@ -127,20 +127,29 @@ class SiteLearner:
         if batchnorm == "fedbn+":
             set_batchnorm_frozen(self.model)
         self.bn_keys = set(batchnorm_keys(self.model))
-        self._loaders: dict[tuple[str, bool], torch.utils.data.DataLoader] = {}
+        self._loaders: dict[str, torch.utils.data.DataLoader] = {}
 
     # ----------------------------------------------------------------- data
-    def loader(self, split: str, *, train: bool) -> torch.utils.data.DataLoader:
-        """A loader over one split of this site's data, built once (evaluation images are cached).
+    def loader(self, split: str) -> torch.utils.data.DataLoader:
+        """An evaluation loader over one split of this site's data, built once (images cached).
 
         Args:
             split: ``train``, ``val`` or ``test``.
-            train: shuffle and augment.
         """
-        key = (split, train)
-        if key not in self._loaders:
-            self._loaders[key] = self._make_loader(split, train)
-        return self._loaders[key]
+        if split not in self._loaders:
+            self._loaders[split] = self._make_loader(split, train=False, seed=self.train_config.seed)
+        return self._loaders[split]
+
+    def train_loader(self, round_num: int) -> torch.utils.data.DataLoader:
+        """A fresh shuffling, augmenting loader over the training split for one round (0: the
+        warm-up): its order and augmentations depend on the seed and the round only, so a round
+        trains alike after a warm-up taken from a cache, after an interruption, or in another process.
+
+        Args:
+            round_num: the round number.
+        """
+        seed = int(np.random.SeedSequence([self.train_config.seed, round_num]).generate_state(1)[0])
+        return self._make_loader("train", train=True, seed=seed)
 
     def split_table(self, split: str) -> pd.DataFrame:
         """One split with a column per head class; classes the site does not annotate (a union
@@ -181,7 +190,7 @@ class SiteLearner:
         self.classes = classes
         self._loaders.clear()
 
-    def _make_loader(self, split: str, train: bool) -> torch.utils.data.DataLoader:
+    def _make_loader(self, split: str, *, train: bool, seed: int) -> torch.utils.data.DataLoader:
         tc = self.train_config
         return make_loader(
             self.split_table(split),
@@ -190,7 +199,7 @@ class SiteLearner:
             train=train and tc.augment,
             batch_size=tc.batch_size,
             num_workers=self.num_workers,
-            seed=tc.seed,
+            seed=seed,
             cache=not train,
             in_channels=self.model_config.in_channels,
             cache_dir=self.data.cache_dir,
@@ -265,7 +274,7 @@ class SiteLearner:
         Args:
             split: the split name.
         """
-        return evaluate(self.model, self.loader(split, train=False), self.classes, self.compute)
+        return evaluate(self.model, self.loader(split), self.classes, self.compute)
 
     def warmup(self, params: dict[str, Any]) -> SiteUpdate:
         """Head warm-up: feature extractor frozen, head trained, best validation loss kept.
@@ -282,7 +291,7 @@ class SiteLearner:
         self.load_params(params, restore_local=False)
         freeze_backbone(self.model, True)
         opt = adam(self.model, tc.warmup_lr, tc.weight_decay)
-        train_loader = self.loader("train", train=True)
+        train_loader = self.train_loader(0)
         best, best_state, last = float("inf"), None, None
         for epoch in range(tc.warmup_epochs):
             last = train_epochs(
@@ -353,7 +362,7 @@ class SiteLearner:
             except ValueError:
                 log.warning("site %s: stored optimizer state does not fit the model; starting afresh", self.data.site)
         stats = train_epochs(
-            self.model, self.loader("train", train=True), opt, self.compute, epochs=tc.local_epochs,
+            self.model, self.train_loader(round_num), opt, self.compute, epochs=tc.local_epochs,
             max_steps=tc.max_steps_per_epoch, desc=f"{self.data.site} round {round_num}",
         )
         self._save("optimizer.pt", opt.state_dict())
