@@ -14,9 +14,10 @@ Rewrites two blocks of ``--out``, each between its ``<!-- BEGIN name ... -->`` a
   framework overhead from ``RESULTS/speed/speed.json`` (``cxrfl bench speed``);
 * ``fedfew`` (issue 5): the table and targets of ``RESULTS/fedfew/results.json`` (``cxrfl bench fedfew``).
 
-The commit named for each results file comes from git: the commit that added the file (the run
-used that commit's working tree) and, when the file changed later, the last commit that changed
-it; a file with uncommitted changes is credited to the commit that adds them.
+A comparison's ``results.json`` records the commit and machine of every run, and its section
+says so; for the other results files the commit named comes from git: the commit that added the
+file (the run used that commit's working tree) and, when the file changed later, the last commit
+that changed it; a file with uncommitted changes is credited to the commit that adds them.
 """
 
 from __future__ import annotations
@@ -114,12 +115,15 @@ def comparison_section(name: str, path: Path) -> list[str]:
     if "machines" not in res:  # written by the short-budget protocol this one replaced
         return [f"### `{name}`", "", f"`{path}` holds results of the earlier short-budget protocol (issue 4); rerun "
                 "`cxrfl bench compare` with the converged protocol (issue 14) to report it here.", ""]
+    c = commits(path)
+    origin = (f"Every run's commit and machine are recorded with it (Code and Machine below); `{path.name}` "
+              f"as shown here: {c['current']}.")
     text = format_report(res, summary=True, heading="###")
     if name != res["profile"]:  # e.g. the same profile from a pretrained feature extractor, or on a GPU
         text = text.replace(f"`{res['profile']}`", f"`{res['profile']}` ({name})", 1)
     title, _, rest = text.partition("\n")
     curves = path.parent / "learning_curves.png"
-    return [title, "", provenance(path), rest, "",
+    return [title, "", origin, rest, "",
             *([f"![learning curves of every run, {name}]({curves})", ""] if curves.is_file() else []),
             f"Full report with per-class AUROCs, intervals and plots: `{path.parent / 'report.md'}`.", ""]
 
