@@ -116,8 +116,8 @@ def comparison_section(name: str, path: Path) -> list[str]:
         return [f"### `{name}`", "", f"`{path}` holds results of the earlier short-budget protocol (issue 4); rerun "
                 "`cxrfl bench compare` with the converged protocol (issue 14) to report it here.", ""]
     c = commits(path)
-    origin = (f"Every run's commit and machine are recorded with it (Code and Machine below); `{path.name}` "
-              f"as shown here: {c['current']}.")
+    origin = (f"Every run's commit and machine are recorded with it (Code and Machine below); this summary is of "
+              f"`{path.name}` as committed in {c['current']}.")
     text = format_report(res, summary=True, heading="###")
     if name != res["profile"]:  # e.g. the same profile from a pretrained feature extractor, or on a GPU
         text = text.replace(f"`{res['profile']}`", f"`{res['profile']}` ({name})", 1)
