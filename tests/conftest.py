@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,20 @@ def names_in(path: Path, names: list[str]) -> list[str]:
             if re.search(rb"(?<![A-Za-z])" + re.escape(spelling.encode()) + rb"(?![A-Za-z])", data):
                 found.append(spelling)
     return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_tmp_cleanup(request, tmp_path_factory):
+    """Remove a module's ``tmp_path_factory`` folders once its tests all passed: the suite writes many
+    DenseNet checkpoints (about 14 GB kept to the session's end otherwise, more than a CI disk may
+    have free). Per-test ``tmp_path`` folders go right after a passing test
+    (``tmp_path_retention_policy = "failed"`` in pyproject.toml); a failing module keeps everything."""
+    base = tmp_path_factory.getbasetemp()
+    before, failed = set(base.iterdir()), request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        for path in set(base.iterdir()) - before:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
