@@ -6,8 +6,9 @@
 Rewrites two blocks of ``--out``, each between its ``<!-- BEGIN name ... -->`` and
 ``<!-- END name -->`` lines; everything outside them is hand-written and left alone:
 
-* ``compare`` (issues 4 and 14): ``--intro`` (protocol, caveats, the framework-overhead verdict rows
-  filled in from ``speed.json`` at ``<!-- speed verdict rows -->``), the summary of every
+* ``compare`` (issues 4 and 14): ``--intro`` (protocol, caveats, one verdict row per binding target
+  of every converged comparison at ``<!-- comparison verdict rows -->``, the framework-overhead
+  verdict rows from ``speed.json`` at ``<!-- speed verdict rows -->``), the summary of every
   ``RESULTS/compare/<profile>/results.json`` (``cxrfl bench compare``: settings, machine, commit,
   time, convergence, the papers' Tables 1-4, effect sizes and tests, targets, the learning-curve
   plot), every ablation ``RESULTS/compare/<name>/ablation.json`` (``--ablation``), then the
@@ -31,10 +32,12 @@ from typing import Any
 
 from cxrfl.bench.report import format_ablation, format_report
 from cxrfl.bench.speed import format_speed
+from cxrfl.bench.targets import TARGET_PROFILES
 from cxrfl.bench.fedfew import format_markdown
 
 ORDER = ("two-hospitals", "two-hospitals-shared", "nih1000", "ablation-sites", "two-hospitals-gpu")
 SPEED_ROWS = "<!-- speed verdict rows -->"
+TARGET_ROWS = "<!-- comparison verdict rows -->"
 
 
 def _git(*args: str) -> str:
@@ -105,6 +108,48 @@ def speed_verdict_rows(res: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _p_text(stats: dict[str, Any] | None, over: str) -> str:
+    if not stats or (stats.get("n") or 0) < 2 or stats.get("p") is None:
+        return ""
+    return f"p {stats['p']:.2g} over {stats['n']} {over}"
+
+
+def target_verdict_rows(name: str, res: dict[str, Any]) -> list[str]:
+    """One verdicts-table row per binding target of a converged comparison's ``results.json``."""
+    rows = []
+    for t in res.get("targets") or []:
+        if not t.get("binding"):
+            continue
+        methods = res["methods"]
+        where = f"`{t['view']}`" + (f", {t['part']} classes" if t.get("part") else "")
+        verdict = "not measurable" if t["met"] is None else _met(t["met"])
+        a = methods[t["method"]]["label"]
+        if t["met"] is None:
+            measured = ""
+        elif t["against"] is None:
+            lo, hi = t.get("value_ci") or (None, None)
+            measured = f"{a} {t['value']:.3f}" + (f" (95% CI {lo:.3f}-{hi:.3f})" if lo is not None else "")
+        else:
+            tests = "; ".join(x for x in (_p_text(t.get("classes"), "classes"), _p_text(t.get("seeds"), "seeds")) if x)
+            measured = (f"{a} {t['value']:.3f} vs {methods[t['against']]['label']} {t['other']:.3f}: "
+                        f"{t['difference']:+.3f}" + (f" ({tests})" if tests else ""))
+        rows.append(f"| `{name}` | {t['target']} | {where} | {verdict} | {measured} |")
+    return rows
+
+
+def verdict_rows(root: Path) -> list[str]:
+    """The comparison rows of the verdicts table: every binding target, or why a profile has none yet."""
+    rows = []
+    for name in ORDER:
+        path = root / "compare" / name / "results.json"
+        res = json.loads(path.read_text()) if path.is_file() else {}
+        if "machines" in res:
+            rows += target_verdict_rows(name, res)
+        elif name in TARGET_PROFILES:
+            rows.append(f"| `{name}` | every target | | pending | not yet run to the end with the converged protocol |")
+    return rows
+
+
 def comparison_section(name: str, path: Path) -> list[str]:
     """One comparison's summary (``results.json``) or ablation (``ablation.json``), with its provenance."""
     res = json.loads(path.read_text())
@@ -135,6 +180,7 @@ def compare_block(root: Path, intro: Path | None) -> str:
     parts = ["## Method comparison (issues 4 and 14)", ""]
     if intro:
         text = demote(intro.read_text().rstrip())
+        text = text.replace(TARGET_ROWS, "\n".join(verdict_rows(root)))
         parts += [text.replace(SPEED_ROWS, "\n".join(speed_verdict_rows(speed) if speed else [])), ""]
     found = {}
     for d in sorted((root / "compare").glob("*")):
