@@ -9,7 +9,7 @@ import torch
 from cxrfl.data.site import SiteData, load_site
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model
 from cxrfl.common.io import to_numpy
-from cxrfl.surgical.learner import SiteLearner
+from cxrfl.surgical.learner import OPTIMIZER_ROUNDS, SiteLearner
 from cxrfl.nn.training import TrainConfig
 
 MODEL = ModelConfig(image_size=32)
@@ -46,17 +46,35 @@ def test_warmup_trains_only_the_head_and_returns_own_rows(small_site, tmp_path):
     assert np.isfinite(update.metrics["val_loss"])
 
 
+def optimizer_rounds(state_dir) -> dict[int, dict]:
+    folder = state_dir / OPTIMIZER_ROUNDS
+    return {int(p.stem.split("_")[1]): torch.load(p, weights_only=False) for p in folder.glob("round_*.pt")}
+
+
 def test_optimizer_state_survives_a_rebuilt_learner(small_site, tmp_path):
     first = learner(small_site, tmp_path)
     u1 = first.train_round(first.warmup(backbone()).params, 1)
-    assert (tmp_path / "optimizer.pt").is_file()
+    assert set(optimizer_rounds(tmp_path)) == {1}
     rebuilt = learner(small_site, tmp_path)  # what the simulator does with -t 1
-    rebuilt.train_round(u1.params, 2)
-    state = torch.load(tmp_path / "optimizer.pt", weights_only=False)["state"]
-    steps = {int(s["step"]) for s in state.values()}
+    rebuilt.train_round(u1.params, 3)  # round 2 skipped (the site was away): round 3 starts from round 1's state
+    stored = optimizer_rounds(tmp_path)
+    assert set(stored) == {1, 3}
+    steps = {int(s["step"]) for s in stored[3]["state"].values()}
     assert steps == {2 * TRAIN.max_steps_per_epoch}
     moved = [k for k in u1.params if not np.array_equal(u1.params[k], rebuilt.outgoing_params()[k])]
     assert any(k.startswith("backbone") or "features" in k for k in moved)
+    learner(small_site, tmp_path).train_round(u1.params, 4)
+    assert set(optimizer_rounds(tmp_path)) == {3, 4}  # only the latest two are kept
+
+
+def test_a_redone_round_trains_exactly_as_the_first_time(small_site, tmp_path):
+    first = learner(small_site, tmp_path)
+    u1 = first.train_round(first.warmup(backbone()).params, 1)
+    u2 = first.train_round(u1.params, 2)
+    redone = learner(small_site, tmp_path).train_round(u1.params, 2)  # interrupted before aggregation, resumed
+    assert set(redone.params) == set(u2.params)
+    for k, v in u2.params.items():
+        np.testing.assert_array_equal(redone.params[k], v, err_msg=k)
 
 
 def test_fedbn_keeps_batchnorm_local(small_site, tmp_path):

@@ -21,7 +21,10 @@ only here and in the label policy for classes a site does not annotate):
 
 What never travels (the head in ``local`` mode, BatchNorm under FedBN) is kept per evaluated
 model round (``local_rounds/round_NNN.pt``), so evaluating the model of round r later (the
-selected model, on the test split) uses the site's own parts as they were in round r.
+selected model, on the test split) uses the site's own parts as they were in round r. The
+optimizer state is kept per trained round (``optimizer_rounds/round_NNN.pt``): round r starts
+from the state after the latest earlier round, so a round redone after an interruption (or a
+retried task) trains exactly as the first time.
 
 The head warm-up is the same in every mode (own classes, feature extractor frozen): it is the
 starting point that all methods share.
@@ -59,6 +62,9 @@ log = logging.getLogger(__name__)
 
 LOCAL_ROUNDS = "local_rounds"
 """Sub-folder of ``state_dir`` with the site's own parts per evaluated model round."""
+
+OPTIMIZER_ROUNDS = "optimizer_rounds"
+"""Sub-folder of ``state_dir`` with the optimizer state after each trained round (the last two kept)."""
 
 
 @dataclass
@@ -246,7 +252,8 @@ class SiteLearner:
 
     def outgoing_params(self) -> dict[str, np.ndarray]:
         """The parameters this site sends: everything but local BatchNorm under FedBN/FedBN+
-        and, in ``local`` head mode, everything but the head (kept in ``state_dir``)."""
+        and, in ``local`` head mode, everything but the head (kept in ``state_dir``). Copies:
+        later training does not change an update already returned."""
         state = self.model.state_dict()
         if self.batchnorm == "fedbn":
             self._save("local_bn.pt", {k: v.clone() for k, v in state.items() if k in self.bn_keys})
@@ -258,7 +265,7 @@ class SiteLearner:
             for k, v in state.items()
             if (self.batchnorm == "fedavg" or k not in self.bn_keys) and not (local_head and self._is_head(k))
         }
-        return to_numpy(keep)
+        return {k: np.array(v, copy=True) for k, v in to_numpy(keep).items()}
 
     def _save(self, name: str, obj: Any) -> None:
         torch_save(self.state_dir / name, obj)
@@ -355,17 +362,12 @@ class SiteLearner:
         self.receive(params, classes, model_round=round_num - 1, keep_rounds=keep_rounds)
         received = self.validate("val")
         opt = adam(self.model, tc.lr, tc.weight_decay)
-        opt_state = self._load("optimizer.pt")
-        if opt_state is not None:
-            try:
-                opt.load_state_dict(opt_state)
-            except ValueError:
-                log.warning("site %s: stored optimizer state does not fit the model; starting afresh", self.data.site)
+        self._restore_optimizer(opt, round_num)
         stats = train_epochs(
             self.model, self.train_loader(round_num), opt, self.compute, epochs=tc.local_epochs,
             max_steps=tc.max_steps_per_epoch, desc=f"{self.data.site} round {round_num}",
         )
-        self._save("optimizer.pt", opt.state_dict())
+        self._store_optimizer(opt, round_num)
         metrics = {
             "phase": "train",
             "round": round_num,
@@ -377,6 +379,42 @@ class SiteLearner:
             "seconds": time.perf_counter() - start,
         }
         return SiteUpdate(self.outgoing_params(), self.classes, self.num_train, metrics)
+
+    def _optimizer_rounds(self) -> dict[int, Path]:
+        folder = self.state_dir / OPTIMIZER_ROUNDS
+        return {int(p.stem.split("_")[1]): p for p in folder.glob("round_*.pt")} if folder.is_dir() else {}
+
+    def _restore_optimizer(self, opt: torch.optim.Optimizer, round_num: int) -> None:
+        """Load the optimizer state stored after the latest round before ``round_num`` (if any).
+
+        Args:
+            opt: a fresh optimizer over this model.
+            round_num: the round about to be trained.
+        """
+        stored = self._optimizer_rounds()
+        earlier = [r for r in stored if r < round_num]
+        if not earlier:
+            return
+        path = stored[max(earlier)]
+        try:
+            opt.load_state_dict(torch.load(path, map_location=self.device, weights_only=False))
+        except ValueError:
+            log.warning("site %s: stored optimizer state %s does not fit the model; starting afresh",
+                        self.data.site, path)
+
+    def _store_optimizer(self, opt: torch.optim.Optimizer, round_num: int) -> None:
+        """Save the optimizer state after ``round_num``; keep it and the latest earlier one only.
+
+        Args:
+            opt: the optimizer after the round's training.
+            round_num: the round just trained.
+        """
+        torch_save(self.state_dir / OPTIMIZER_ROUNDS / f"round_{int(round_num):03d}.pt", opt.state_dict())
+        stored = self._optimizer_rounds()
+        keep = {round_num, max((r for r in stored if r < round_num), default=round_num)}
+        for r, path in stored.items():
+            if r not in keep:
+                path.unlink(missing_ok=True)
 
     def _prepare_head(self, params: dict[str, Any], classes: list[str] | None) -> None:
         if self.head_mode == "union":
