@@ -7,12 +7,13 @@ settings refused)."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
 import cxrfl.bench.runs as runs
 from cxrfl.bench.compare import run_compare
-from cxrfl.bench.protocol import CompareSettings
+from cxrfl.bench.protocol import RESULTS_PATH, CompareSettings, code_version
 from cxrfl.errors import ConfigError
 
 TINY = {"profile": "two-hospitals", "image_size": 32, "data_image_size": 32, "n_per_site": 30, "n_external": 24,
@@ -186,3 +187,23 @@ def test_a_run_is_trained_by_one_process_at_a_time(tmp_path, monkeypatch):
     store.record_path("surgical-fedavg", 0).write_text("{}")
     assert runs.train_and_store(runs.Entry("surgical-fedavg", "FL + SA", None), 0, **kwargs) is None
     assert lines == ["being trained by another process: left to it", "stored by another process"]
+
+
+def test_the_recorded_commit_is_dirty_for_code_changes_but_not_for_stored_results(tmp_path):
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "custom").mkdir()
+    (tmp_path / RESULTS_PATH).mkdir(parents=True)
+    (tmp_path / "custom" / "m.py").write_text("x = 1\n")
+    (tmp_path / RESULTS_PATH / "r.json").write_text("{}\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert code_version(tmp_path) == {"commit": head, "dirty": False}
+    (tmp_path / RESULTS_PATH / "r.json").unlink()  # a benchmark rewrites or removes its stored runs
+    (tmp_path / "new_untracked.txt").write_text("scratch\n")
+    assert code_version(tmp_path) == {"commit": head, "dirty": False}
+    (tmp_path / "custom" / "m.py").write_text("x = 2\n")
+    assert code_version(tmp_path) == {"commit": head, "dirty": True}

@@ -170,9 +170,18 @@ def file_digest(path: str | Path) -> str | None:
     return h.hexdigest()
 
 
-def code_version() -> dict[str, Any]:
-    """The git commit of the checkout this package runs from, and whether tracked files differ from it."""
-    root = Path(__file__).resolve().parents[3]
+RESULTS_PATH = "benchmarks/results"
+"""Stored benchmark results: rewritten while a benchmark runs, so not code changes."""
+
+
+def code_version(root: str | Path | None = None) -> dict[str, Any]:
+    """The git commit of a checkout, and whether tracked files other than stored benchmark
+    results (:data:`RESULTS_PATH`) differ from it.
+
+    Args:
+        root: the checkout (None: the one this package runs from).
+    """
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[3]
 
     def git(*args: str) -> str | None:
         try:
@@ -182,7 +191,7 @@ def code_version() -> dict[str, Any]:
         return proc.stdout.strip() if proc.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){RESULTS_PATH}") if commit else None
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
