@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from cxrfl.common.io import to_numpy, torch_save
+from cxrfl.common.io import torch_save
 from cxrfl.data.dataset import make_loader
 from cxrfl.data.site import SiteData
 from cxrfl.nn.models import (
@@ -65,6 +65,23 @@ LOCAL_ROUNDS = "local_rounds"
 
 OPTIMIZER_ROUNDS = "optimizer_rounds"
 """Sub-folder of ``state_dir`` with the optimizer state after each trained round (the last two kept)."""
+
+
+def _round_file(folder: Path, round_num: int) -> Path:
+    """The file of one round's state in ``folder``."""
+    return folder / f"round_{int(round_num):03d}.pt"
+
+
+def _stored_rounds(folder: Path) -> dict[int, Path]:
+    """The rounds stored in ``folder`` (none if it does not exist), by round number."""
+    return {int(p.stem.split("_")[1]): p for p in folder.glob("round_*.pt")}
+
+
+def _prune_rounds(folder: Path, keep: set[int]) -> None:
+    """Delete every round file in ``folder`` whose round is not in ``keep``."""
+    for r, path in _stored_rounds(folder).items():
+        if r not in keep:
+            path.unlink(missing_ok=True)
 
 
 @dataclass
@@ -265,7 +282,9 @@ class SiteLearner:
             for k, v in state.items()
             if (self.batchnorm == "fedavg" or k not in self.bn_keys) and not (local_head and self._is_head(k))
         }
-        return {k: np.array(v, copy=True) for k, v in to_numpy(keep).items()}
+        # one copy to row-major CPU memory (to_numpy would share a CPU tensor's memory)
+        return {k: v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True).numpy()
+                for k, v in keep.items()}
 
     def _save(self, name: str, obj: Any) -> None:
         torch_save(self.state_dir / name, obj)
@@ -380,10 +399,6 @@ class SiteLearner:
         }
         return SiteUpdate(self.outgoing_params(), self.classes, self.num_train, metrics)
 
-    def _optimizer_rounds(self) -> dict[int, Path]:
-        folder = self.state_dir / OPTIMIZER_ROUNDS
-        return {int(p.stem.split("_")[1]): p for p in folder.glob("round_*.pt")} if folder.is_dir() else {}
-
     def _restore_optimizer(self, opt: torch.optim.Optimizer, round_num: int) -> None:
         """Load the optimizer state stored after the latest round before ``round_num`` (if any).
 
@@ -391,7 +406,7 @@ class SiteLearner:
             opt: a fresh optimizer over this model.
             round_num: the round about to be trained.
         """
-        stored = self._optimizer_rounds()
+        stored = _stored_rounds(self.state_dir / OPTIMIZER_ROUNDS)
         earlier = [r for r in stored if r < round_num]
         if not earlier:
             return
@@ -409,12 +424,10 @@ class SiteLearner:
             opt: the optimizer after the round's training.
             round_num: the round just trained.
         """
-        torch_save(self.state_dir / OPTIMIZER_ROUNDS / f"round_{int(round_num):03d}.pt", opt.state_dict())
-        stored = self._optimizer_rounds()
-        keep = {round_num, max((r for r in stored if r < round_num), default=round_num)}
-        for r, path in stored.items():
-            if r not in keep:
-                path.unlink(missing_ok=True)
+        folder = self.state_dir / OPTIMIZER_ROUNDS
+        torch_save(_round_file(folder, round_num), opt.state_dict())
+        earlier = [r for r in _stored_rounds(folder) if r < round_num]
+        _prune_rounds(folder, {round_num, max(earlier, default=round_num)})
 
     def _prepare_head(self, params: dict[str, Any], classes: list[str] | None) -> None:
         if self.head_mode == "union":
@@ -445,17 +458,15 @@ class SiteLearner:
         local = self.local_keys()
         if model_round is None or not local:
             return
-        path = self.state_dir / LOCAL_ROUNDS / f"round_{int(model_round):03d}.pt"
+        folder = self.state_dir / LOCAL_ROUNDS
+        path = _round_file(folder, model_round)
         if path.is_file():
             state = self.model.state_dict()
             state.update(torch.load(path, map_location=self.device, weights_only=False))
             self.model.load_state_dict(state)
         else:
             torch_save(path, {k: v.detach().clone() for k, v in self.model.state_dict().items() if k in local})
-        keep = {path.name} | {f"round_{int(r):03d}.pt" for r in keep_rounds}
-        for old in path.parent.glob("round_*.pt"):
-            if old.name not in keep:
-                old.unlink(missing_ok=True)
+        _prune_rounds(folder, {int(model_round), *(int(r) for r in keep_rounds)})
 
     def local_keys(self) -> set[str]:
         """The state entries that never travel: the head in ``local`` mode, BatchNorm under FedBN."""
