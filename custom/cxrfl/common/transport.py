@@ -72,7 +72,8 @@ def copy_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     Args:
         params: name -> array or tensor.
     """
-    return {k: (v.detach().cpu().contiguous().numpy().copy() if torch.is_tensor(v) else np.array(v, copy=True, order="C"))
+    return {k: (v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True).numpy() if torch.is_tensor(v)
+                else np.array(v, copy=True, order="C"))
             for k, v in params.items()}
 
 

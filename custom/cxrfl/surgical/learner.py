@@ -44,6 +44,7 @@ import pandas as pd
 import torch
 
 from cxrfl.common.io import torch_save
+from cxrfl.common.transport import copy_params
 from cxrfl.data.dataset import make_loader
 from cxrfl.data.site import SiteData
 from cxrfl.nn.models import (
@@ -282,9 +283,7 @@ class SiteLearner:
             for k, v in state.items()
             if (self.batchnorm == "fedavg" or k not in self.bn_keys) and not (local_head and self._is_head(k))
         }
-        # one copy to row-major CPU memory (to_numpy would share a CPU tensor's memory)
-        return {k: v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True).numpy()
-                for k, v in keep.items()}
+        return copy_params(keep)
 
     def _save(self, name: str, obj: Any) -> None:
         torch_save(self.state_dir / name, obj)
