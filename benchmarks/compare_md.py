@@ -150,13 +150,45 @@ def verdict_rows(root: Path) -> list[str]:
     return rows
 
 
+def ablation_settings(res: dict[str, Any], folder: Path) -> list[str]:
+    """Per setting of an ablation: the selected round of every run, training time, commits and
+    machine (from each setting's ``results.json``), with a link to its learning curves.
+
+    Args:
+        res: the ablation's ``ablation.json``.
+        folder: the folder holding it and the settings' folders.
+    """
+    rows = []
+    for value in res["values"]:
+        setting = folder / f"{res['ablation']}-{value}"
+        r = json.loads((setting / "results.json").read_text())
+        runs = [run for d in r["methods"].values() for run in d["runs"]]
+        rounds = "; ".join(f"{d['label']} {', '.join(str(run['best_round']) for run in d['runs'])}"
+                           for d in r["methods"].values())
+        early = sum(bool(run["stopped_early"]) for run in runs)
+        commits_ = ", ".join(f"`{c['commit'][:7]}`" + (" (dirty)" if c["dirty"] else "") for c in r["commits"])
+        machines = "; ".join(f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} thread(s), {m['device']}"
+                             for m in r["machines"])
+        rows.append([str(value), str(len(runs)), rounds, f"{early} of {len(runs)}", f"{r['run_seconds'] / 3600:.2f}",
+                     commits_, machines, f"[curves]({setting / 'learning_curves.png'})"])
+    header = [res["ablation"], "runs", "selected round per seed", "stopped early", "training (h)", "commits", "machine",
+              "learning curves"]
+    return ["Convergence and provenance per setting (each run trains until the mean validation loss has not "
+            "improved for the protocol's patience; a run that reached the max-rounds guard did not stop early):", "",
+            "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows), ""]
+
+
 def comparison_section(name: str, path: Path) -> list[str]:
     """One comparison's summary (``results.json``) or ablation (``ablation.json``), with its provenance."""
     res = json.loads(path.read_text())
     if path.name == "ablation.json":
         title, _, rest = demote(format_ablation(res), 2).partition("\n")
-        return [title, "", provenance(path), rest, "",
-                f"Each setting's full report: `{path.parent}/{res['ablation']}-<value>/report.md`.", ""]
+        plot = path.parent / f"ablation_{res['ablation']}.png"
+        return [title, "", provenance(path), rest, "", *ablation_settings(res, path.parent),
+                *([f"![mean AUROC per setting, {name}]({plot})", ""] if plot.is_file() else []),
+                f"Each setting's full report (per-class AUROCs, intervals, plots): "
+                f"`{path.parent}/{res['ablation']}-<value>/report.md`.", ""]
     if "machines" not in res:  # written by the short-budget protocol this one replaced
         return [f"### `{name}`", "", f"`{path}` holds results of the earlier short-budget protocol (issue 4); rerun "
                 "`cxrfl bench compare` with the converged protocol (issue 14) to report it here.", ""]
