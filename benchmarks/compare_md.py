@@ -229,8 +229,9 @@ def compare_block(root: Path, intro: Path | None) -> str:
         def names(parts: list[str]) -> str:
             return " and ".join(parts) + (" parts were" if len(parts) > 1 else " part was")
 
-        note = f"Commits: the {names(ran)} measured with the working tree of {c['current']}"
-        note += f"; the {names(kept)} measured with that of {c['added']}." if kept else "."
+        done = [f"the {names(ran)} measured with the working tree of {c['current']}"] if ran else []
+        done += [f"the {names(kept)} measured with the working tree of {c['added']}"] if kept else []
+        note = "Commits: " + "; ".join(done) + "."
         title, _, rest = format_speed(speed).partition("\n")
         parts += [title, "", note, rest, ""]
     return "\n".join(parts).rstrip() + "\n"
