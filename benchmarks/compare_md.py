@@ -30,7 +30,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from cxrfl.bench.report import format_ablation, format_report
+from cxrfl.bench.report import format_ablation, format_report, markdown_table
 from cxrfl.bench.speed import format_speed
 from cxrfl.bench.targets import TARGET_PROFILES
 from cxrfl.bench.fedfew import format_markdown
@@ -175,8 +175,7 @@ def ablation_settings(res: dict[str, Any], folder: Path) -> list[str]:
               "learning curves"]
     return ["Convergence and provenance per setting (each run trains until the mean validation loss has not "
             "improved for the protocol's patience; a run that reached the max-rounds guard did not stop early):", "",
-            "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(row) + " |" for row in rows), ""]
+            markdown_table(header, rows), ""]
 
 
 def comparison_section(name: str, path: Path) -> list[str]:

@@ -49,7 +49,13 @@ def _cell(summary: dict[str, Any] | None, test: dict[str, Any] | None = None, *,
     return f"{text} {mark}".strip()
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table.
+
+    Args:
+        header: the column names.
+        rows: the cells of each row, as text.
+    """
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
@@ -96,7 +102,7 @@ def _header(results: dict[str, Any]) -> list[str]:
 
 def _data(results: dict[str, Any]) -> list[str]:
     out = ["## Data", ""] + [f"- {note}" for note in results["data"]["notes"]]
-    out += ["", _table(
+    out += ["", markdown_table(
         ["test set", "images", "classes", "positives per class"],
         [[k, str(t["n"]), str(len(t["classes"])), ", ".join(f"{c} {n}" for c, n in t["positives"].items())]
          for k, t in results["data"]["test_sets"].items()],
@@ -114,7 +120,7 @@ def _convergence(results: dict[str, Any]) -> list[str]:
     return ["## Convergence", "",
             "Every run trains until its validation loss stops improving; a run that reached the max_rounds guard "
             "instead is not converged and is counted below. Learning curves: `learning_curves.png`.", "",
-            _table(["method", "rounds (epochs) per seed", "selected round per seed", "stopped early", "minutes per seed"],
+            markdown_table(["method", "rounds (epochs) per seed", "selected round per seed", "stopped early", "minutes per seed"],
                    rows), ""]
 
 
@@ -128,7 +134,7 @@ def _papers_tables(results: dict[str, Any]) -> list[str]:
     cols = site_views + ext_views
     rows = [[d["label"]] + [_cell(d["test"][v], _vs(d["test"][v]), with_p=name != ref) for v in cols]
             for name, d in methods.items()]
-    out += [_table(["method"] + [f"{v} ({'test split' if v in site_views else 'external'})" for v in cols], rows), ""]
+    out += [markdown_table(["method"] + [f"{v} ({'test split' if v in site_views else 'external'})" for v in cols], rows), ""]
     if len(site_views) > 1:
         out += ["## Shared vs unique classes on each site's test split (papers' Table 3)", "",
                 "Marks: paired t-test over the shared (unique) classes against the reference.", ""]
@@ -136,12 +142,12 @@ def _papers_tables(results: dict[str, Any]) -> list[str]:
         rows = [[d["label"]] + [_cell(d["test"][v].get(part), _vs(d["test"][v], part), with_p=name != ref)
                                 for v in site_views for part in ("shared", "unique")]
                 for name, d in methods.items()]
-        out += [_table(header, rows), ""]
+        out += [markdown_table(header, rows), ""]
     if by_site:
         out += ["## External set by each site's classes (papers' Table 4)", ""]
         rows = [[d["label"]] + [_cell(d["test"][v], _vs(d["test"][v]), with_p=name != ref) for v in by_site]
                 for name, d in methods.items()]
-        out += [_table(["method"] + [f"{v.split('@')[0]}, {v.split('@')[1]} classes" for v in by_site], rows), ""]
+        out += [markdown_table(["method"] + [f"{v.split('@')[0]}, {v.split('@')[1]} classes" for v in by_site], rows), ""]
     return out
 
 
@@ -170,12 +176,12 @@ def _effects(results: dict[str, Any]) -> list[str]:
         rows = [_effect_row(d["label"], _vs(d["test"][v]), _vs(d["test"][v], over="seeds"))
                 for name, d in methods.items() if name != ref and _vs(d["test"][v]) is not None]
         if rows:
-            out += [f"### {v}", "", _table(EFFECT_HEADER, rows), ""]
+            out += [f"### {v}", "", markdown_table(EFFECT_HEADER, rows), ""]
     for part in ("unique", "shared"):
         rows = [_effect_row(f"{d['label']} on {v}", _vs(d["test"][v], part), _vs(d["test"][v], part, "seeds"))
                 for v in site_views for name, d in methods.items() if name != ref and _vs(d["test"][v], part) is not None]
         if rows:
-            out += [f"### {part.capitalize()} classes of each site's test split", "", _table(EFFECT_HEADER, rows), ""]
+            out += [f"### {part.capitalize()} classes of each site's test split", "", markdown_table(EFFECT_HEADER, rows), ""]
     return out
 
 
@@ -190,7 +196,7 @@ def _intervals(results: dict[str, Any]) -> list[str]:
             cell = d["test"][v]
             rows.append([d["label"], _num(cell["mean"]), _ci(cell.get("mean_ci")), _num(cell.get("mean_seed_sd")),
                          _ci(cell.get("mean_seed_ci")), ", ".join(_num(x) for x in cell["mean_by_seed"])])
-        out += [f"### {v}", "", _table(["method", "mean", "bootstrap 95% CI", "SD over seeds", "t 95% CI", "per seed"], rows), ""]
+        out += [f"### {v}", "", markdown_table(["method", "mean", "bootstrap 95% CI", "SD over seeds", "t 95% CI", "per seed"], rows), ""]
     return out
 
 
@@ -211,7 +217,7 @@ def _per_class(results: dict[str, Any]) -> list[str]:
                     ci = a["ci"].get(c)
                     row.append(f"{val:.3f}" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci and name == ref else ""))
             rows.append(row)
-        out += [f"### {v}", "", _table(["class"] + [d["label"] for d in methods.values()], rows), "",
+        out += [f"### {v}", "", markdown_table(["class"] + [d["label"] for d in methods.values()], rows), "",
                 "n/a: the model does not predict the class (not defined); undef: one label value only in the test set.", ""]
     return out
 
@@ -224,7 +230,7 @@ def _runs(results: dict[str, Any]) -> list[str]:
             rows.append([d["label"], str(r["seed"]), str(r["rounds"]), str(r["best_round"]),
                          "early stop" if r["stopped_early"] else "max_rounds", f"{r['seconds'] / 60:.1f}",
                          f"{r['images_per_second']:.1f}", commit[:10], r.get("machine", {}).get("device", "-")])
-    return ["## Runs", "", _table(["method", "seed", "rounds", "selected", "ended by", "minutes", "images/s per site",
+    return ["## Runs", "", markdown_table(["method", "seed", "rounds", "selected", "ended by", "minutes", "images/s per site",
                                    "commit", "device"], rows), ""]
 
 
@@ -328,9 +334,9 @@ def format_ablation(summary: dict[str, Any]) -> str:
     return "\n".join([
         f"# Ablation: {what} ({summary['profile']})", "",
         f"Mean AUROC on the held-out fully annotated test set, mean ± SD over {seeds} seed(s); marks: paired t-test over "
-        f"the seeds against {ref}.", "", _table(["method"] + [str(v) for v in values], rows), "",
+        f"the seeds against {ref}.", "", markdown_table(["method"] + [str(v) for v in values], rows), "",
         f"## {ref} against each method", "",
         f"Δ = {ref} - method. Paired over the settings (each setting's mean over seeds; the papers' test) and over "
         f"every (setting, seed). With {len(values)} settings the smallest two-sided Wilcoxon p is "
         f"{2 / 2 ** len(values):.3g}.", "",
-        _table(header, tests) if tests else "(no other method)", ""])
+        markdown_table(header, tests) if tests else "(no other method)", ""])
