@@ -20,8 +20,8 @@ BASELINES = ("mlc", "mlc-ssl")
 def _default_fedfew() -> dict[str, Any]:
     """The paper's recipe where it gives one (SimSiam's head sizes, batch 64, Adam at a fixed rate,
     T = 1, lambda = 0.1, margins from the warm-up), run until converged: 30 SimSiam rounds (each an
-    epoch over the 6 sites' 3,660 images; the linear probes show the encoder's features per round
-    budget), stage 2's phases until the CC validation loss stops improving (patience 5; at most 20
+    epoch over the 6 training sites' images; the linear probes show the encoder's features per
+    round budget), stage 2's phases until the CC validation loss stops improving (patience 5; at most 20
     warm-up and 40 energy rounds)."""
     return FedFewConfig(ssl_rounds=30, ssl_batch_size=64, ssl_proj_dim=2048, ssl_pred_dim=512, warmup_rounds=20,
                         rounds=40, patience=5, local_epochs=1, batch_size=64, lr=1e-3, min_prototype_images=10,
@@ -36,8 +36,8 @@ class BenchSettings:
         image_size: training input side (the images are written at ``data_image_size``).
         data_image_size: side of the written synthetic images.
         n_cc: images per CC site (1,000: 3 sites give about 1,800 labelled training images,
-            enough for DenseNet121 at 64 px to reach a CC AUROC above 0.75 when trained centrally;
-            240 (about 440) left it below 0.68).
+            enough for DenseNet121 at 64 px to reach a CC AUROC above 0.75 when trained centrally in
+            a one-off check on seed 0's data; 240 (about 440) left it below 0.68).
         n_test: images per test site (half positive for its UC: at least 200 positives per UC test set).
         cc_label_fraction: share of a CC site's training images that keep their labels.
         train_fraction: train share of the training sites (the rest is validation: stage 2's and
