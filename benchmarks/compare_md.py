@@ -13,7 +13,9 @@ Rewrites two blocks of ``--out``, each between its ``<!-- BEGIN name ... -->`` a
   time, convergence, the papers' Tables 1-4, effect sizes and tests, targets, the learning-curve
   plot), every ablation ``RESULTS/compare/<name>/ablation.json`` (``--ablation``), then the
   framework overhead from ``RESULTS/speed/speed.json`` (``cxrfl bench speed``);
-* ``fedfew`` (issue 5): the table and targets of ``RESULTS/fedfew/results.json`` (``cxrfl bench fedfew``).
+* ``fedfew`` (issue 5): the table and targets of ``RESULTS/fedfew/results.json`` (``cxrfl bench fedfew``);
+* ``cwt`` (issue 15): ``RESULTS/cwt/results.json`` (``cxrfl bench cwt``): command, code, machine and time of the
+  runs, per dataset the tables, the targets with paired statistics and the plots.
 
 A comparison's ``results.json`` records the commit and machine of every run, and its section
 says so; for the other results files the commit named comes from git: the commit that added the
@@ -33,6 +35,7 @@ from typing import Any
 from cxrfl.bench.report import format_ablation, format_report, markdown_table
 from cxrfl.bench.speed import format_speed
 from cxrfl.bench.targets import TARGET_PROFILES
+from cxrfl.bench.cwt_report import report_markdown as cwt_markdown
 from cxrfl.bench.fedfew import format_markdown
 
 ORDER = ("two-hospitals", "two-hospitals-shared", "nih1000", "ablation-sites", "two-hospitals-gpu")
@@ -246,6 +249,23 @@ def fedfew_block(root: Path) -> str:
     return demote(format_markdown(res, commit=commit).rstrip()) + "\n"
 
 
+def relink(markdown: str, folder: Path) -> str:
+    """Relative image links of a report written in ``folder`` made relative to the repository root."""
+    return re.sub(r"(!\[[^\]]*\]\()(?![a-z]+:|/)([^)]+\))", lambda m: f"{m.group(1)}{folder}/{m.group(2)}", markdown)
+
+
+def cwt_block(root: Path) -> str:
+    """The ``cwt`` block: the CWT benchmark's report, its headings under the hand-written section."""
+    path = root / "cwt" / "results.json"
+    if not path.is_file():
+        return "(no `cwt/results.json` yet: run `cxrfl bench cwt --seeds 5 --out benchmarks/results/cwt`)\n"
+    res = json.loads(path.read_text())
+    title, _, rest = demote(relink(cwt_markdown(res), path.parent), 2).partition("\n")
+    origin = (f"The runs went on across sessions; each names the commit it was trained with (Code below). This summary "
+              f"is of `{path}` as committed in {commits(path)['current']}.")
+    return "\n".join([title, "", origin, rest.rstrip(), ""])
+
+
 def fill(document: str, blocks: dict[str, str]) -> str:
     """``document`` with the text between each block's BEGIN and END markers replaced."""
     for name, body in blocks.items():
@@ -264,7 +284,8 @@ def main() -> None:
     args = p.parse_args()
     root = Path(args.results)
     out = Path(args.out)
-    blocks = {"compare": compare_block(root, Path(args.intro) if args.intro else None), "fedfew": fedfew_block(root)}
+    blocks = {"compare": compare_block(root, Path(args.intro) if args.intro else None), "fedfew": fedfew_block(root),
+              "cwt": cwt_block(root)}
     out.write_text(fill(out.read_text(), blocks))
     print(f"wrote the generated blocks of {out}")
 

@@ -13,8 +13,9 @@ import pytest
 
 import cxrfl.bench.cwt as bench
 from cxrfl.bench.cwt import BenchSettings, run_cwt_benchmark
-from cxrfl.bench.cwt_report import CENTRAL, results_table, summarise
+from cxrfl.bench.cwt_report import CENTRAL, provenance, results_table, summarise
 from cxrfl.bench.cwt_data import TABLE_1, TABLE_3, partition, prepare_data, scale_split
+from cxrfl.bench.protocol import code_version
 from cxrfl.errors import DataError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -98,6 +99,21 @@ def test_summary_reports_percent_of_central_and_the_targets_with_paired_statisti
     assert table["CWT+LWMS"]["10"]["auroc_mean"] == pytest.approx(0.62) and table["CWT"]["10"]["n_seeds"] == 2
 
 
+def test_provenance_counts_the_code_machine_and_time_of_each_trained_run():
+    m = {"cpu": "Xeon", "cores": 2, "torch_threads": 1}
+    runs = [{"seconds": 10.0, "code": {"commit": "abcdef0123", "dirty": False}, "machine": m},
+            {"seconds": 20.5, "code": {"commit": "abcdef0123", "dirty": False}, "machine": m},
+            {"seconds": 5.0, "code": {"commit": "1234567890", "dirty": True}, "machine": m},
+            {"seconds": 20.5, "code": {"commit": "abcdef0123", "dirty": False}, "machine": m, "same_as": "split 1 CWT"},
+            {"seconds": 7.0}]  # kept before runs recorded their code and machine
+    p = provenance(runs)
+    assert (p["trained_runs"], p["reused_runs"], p["training_seconds"]) == (4, 1, 42.5)
+    assert p["code"] == [{"commit": "abcdef0", "dirty": False, "runs": 2}, {"commit": "1234567", "dirty": True, "runs": 1},
+                         {"commit": "unknown", "dirty": False, "runs": 1}]
+    assert p["machines"] == [{"machine": "Xeon, 2 cores, 1 torch thread(s)", "runs": 3},
+                             {"machine": "not recorded", "runs": 1}]
+
+
 def test_a_tiny_benchmark_writes_its_outputs_and_goes_on_from_the_kept_runs(tmp_path, shared_data, repo_root, monkeypatch):
     trained = []
     real = bench.run_cwt
@@ -128,7 +144,11 @@ def test_a_tiny_benchmark_writes_its_outputs_and_goes_on_from_the_kept_runs(tmp_
     assert saved["datasets"]["synthetic"]["data"]["test_images"] == 20
     assert saved["datasets"]["nih1000"]["summary"]["targets"]["split5_plti"]["target"].startswith("split 5")
     assert result["results"] == saved["results"]
+    code = code_version()
+    assert saved["provenance"]["code"] == [{"commit": code["commit"][:7], "dirty": code["dirty"], "runs": 6}]
+    assert (saved["provenance"]["trained_runs"], saved["provenance"]["reused_runs"]) == (6, 2)
     report = (out / "report.md").read_text()
+    assert f"- Code: `{code['commit'][:7]}`" in report and "6 runs trained (2 more reported as an identical run)" in report
     assert "| 5 |" in report and "split 5: CWT+PLTI closer to central hosting" in report and "## synthetic" in report
     for png in ("cwt_nih1000.png", "cwt_curves_nih1000.png", "cwt_synthetic.png", "cwt_curves_synthetic.png"):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC

@@ -19,6 +19,7 @@ import numpy as np
 
 from cxrfl.bench.cwt_data import TABLE_1, TABLE_3
 from cxrfl.bench.paired import against, format_stats, paired
+from cxrfl.bench.report import markdown_table
 
 CENTRAL = "Central hosting"
 CENTRAL_SPLIT = "all"
@@ -232,18 +233,18 @@ def result_tables(summary: dict[str, Any]) -> str:
         if not splits:
             continue
         methods = SPLIT_METHODS[splits[0]]
-        lines += [f"**{title}** - test accuracy % / AUROC x 100, mean +- SD over seeds; (% of central accuracy)", "",
-                  "| split | " + " | ".join([CENTRAL, *methods]) + " |", "|" + " --- |" * (len(methods) + 2)]
+        rows = []
         for s in splits:
             row = summary["splits"][str(s)]
-            cells = [f"{f(c['accuracy'])} / {f(c['auroc'])}"]
+            cells = [str(s), f"{f(c['accuracy'])} / {f(c['auroc'])}"]
             for m in methods:
                 r = row[m]
                 pct = r["percent_of_central_accuracy"]
                 same = f" [= {', '.join(r['reused'])}]" if r["reused"] else ""
                 cells.append(f"{f(r['accuracy'])} / {f(r['auroc'])} ({pct:.1f}%){same}" if pct is not None else "n/a")
-            lines.append(f"| {s} | " + " | ".join(cells) + " |")
-        lines.append("")
+            rows.append(cells)
+        lines += [f"**{title}** - test accuracy % / AUROC x 100, mean +- SD over seeds; (% of central accuracy)", "",
+                  markdown_table(["split", CENTRAL, *methods], rows), ""]
     return "\n".join(lines)
 
 
@@ -283,6 +284,45 @@ def dataset_markdown(name: str, part: dict[str, Any]) -> list[str]:
     return lines
 
 
+def provenance(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Which code and machines trained the runs, and their summed training time.
+
+    A benchmark that goes on across sessions trains its runs under several invocations (and perhaps
+    commits); each trained run keeps the ``code`` and ``machine`` of the process that trained it.
+    Runs reported as another one (``same_as``) are not counted.
+
+    Args:
+        runs: every run record of ``results.json``.
+    """
+    trained = [r for r in runs if not r.get("same_as")]
+    code: dict[tuple[str, bool], int] = {}
+    machines: dict[str, int] = {}
+    for r in trained:
+        c = r.get("code") or {}
+        key = ((c.get("commit") or "unknown")[:7], bool(c.get("dirty")))
+        code[key] = code.get(key, 0) + 1
+        m = r.get("machine")
+        where = f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s)" if m else "not recorded"
+        machines[where] = machines.get(where, 0) + 1
+    return {"trained_runs": len(trained), "reused_runs": len(runs) - len(trained),
+            "training_seconds": round(sum(r["seconds"] for r in trained), 1),
+            "code": [{"commit": c, "dirty": d, "runs": n} for (c, d), n in code.items()],
+            "machines": [{"machine": m, "runs": n} for m, n in machines.items()]}
+
+
+def _provenance_lines(result: dict[str, Any]) -> list[str]:
+    prov = result["provenance"]
+    code = "; ".join(f"`{c['commit']}`{' with uncommitted changes' if c['dirty'] else ''} ({c['runs']} runs)"
+                     for c in prov["code"])
+    where = "; ".join(f"{m['machine']} ({m['runs']} runs)" for m in prov["machines"])
+    jobs = result["settings"].get("jobs", 1)
+    return [f"- Code: {code}", f"- Machine: {where}",
+            f"- Time: {prov['trained_runs']} runs trained ({prov['reused_runs']} more reported as an identical run), "
+            f"{prov['training_seconds'] / 3600:.1f} h of run time in {jobs} parallel process(es), so about "
+            f"{prov['training_seconds'] / 3600 / jobs:.1f} h of wall time; the last invocation {result['seconds']:.0f} s "
+            f"(load average at its start {result['machine']['load_average_at_start']})"]
+
+
 def report_markdown(result: dict[str, Any]) -> str:
     """``report.md``: what ran and where, per dataset the result tables, the targets with paired statistics, the plots.
 
@@ -291,9 +331,8 @@ def report_markdown(result: dict[str, Any]) -> str:
     """
     machine = result["machine"]
     lines = ["# Cyclical weight transfer: the paper's splits 1-10", "",
-             f"- Command: `{result['command']}`",
-             f"- Machine: {machine['cpus']} CPUs, {machine['platform']}, torch {machine['torch']}, load average at start "
-             f"{machine['load_average_at_start']}; wall time {result['seconds']:.0f} s",
+             f"- Command: `{result['command']}`", *_provenance_lines(result),
+             f"- Software: {machine['platform']}, Python {machine['python']}, torch {machine['torch']}",
              f"- Settings: `{json.dumps(result['settings'])}`",
              "- Targets are paired over seeds (same seed: same partition, same initial weights): mean difference "
              "[95% CI], Cohen's d_z, t-test p-values.", ""]

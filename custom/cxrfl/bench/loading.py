@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from cxrfl.bench.report import markdown_table
+
 logger = logging.getLogger(__name__)
 
 FORMATS = {"png": "1024x1024 8-bit PNG", "dicom": "2500x2048 16-bit MONOCHROME1 DICOM (12 bits stored, windowed)"}
@@ -272,13 +274,11 @@ def format_loading(res: dict[str, Any]) -> list[str]:
              f"synthetic images per format, on {load['device']} (`auto` = {load['auto_workers']} worker(s) here); "
              f"the model (DenseNet121, {model['compute']}) trains at **{model['images_per_second']:.1f} images/s** "
              "from in-memory tensors. `files`: no cache (decoded every epoch); `cold`: first epoch, cache empty; "
-             f"`warm`: later epochs (mean of {s['warm_epochs']}).", "",
-             "| images | workers | files (img/s) | cold (img/s) | warm (img/s) | warm / model |",
-             "|---|---|---|---|---|---|"]
-    for fmt, f in load["formats"].items():
-        for w, r in f["workers"].items():
-            lines.append(f"| {fmt} | {w} | {r['files']:.1f} | {r['cold']:.1f} | {r['warm_mean']:.1f} | "
-                         f"{r['warm_mean'] / model['images_per_second']:.1f}x |")
+             f"`warm`: later epochs (mean of {s['warm_epochs']}).", ""]
+    rows = [[fmt, str(w), f"{r['files']:.1f}", f"{r['cold']:.1f}", f"{r['warm_mean']:.1f}",
+             f"{r['warm_mean'] / model['images_per_second']:.1f}x"]
+            for fmt, f in load["formats"].items() for w, r in f["workers"].items()]
+    lines.append(markdown_table(["images", "workers", "files (img/s)", "cold (img/s)", "warm (img/s)", "warm / model"], rows))
     sizes = "; ".join(f"{fmt}: {f['file_mb_per_image']:.2f} MB per source file, cache "
                       f"{f['cache_mb_per_1000_images']:.0f} MB per 1,000 images" for fmt, f in load["formats"].items()
                       if f["cache_mb_per_1000_images"] is not None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from cxrfl.bench.loading import format_loading, loading_verdicts
+from cxrfl.bench.report import markdown_table
 
 
 def _settings_of(res: dict[str, Any], part: str) -> dict[str, Any]:
@@ -28,16 +29,16 @@ def _simulator(res: dict[str, Any]) -> list[str]:
         return []
     s = _settings_of(res, "simulator")
 
-    def row(label: str, rates: list[float], mean: float) -> str:
-        return f"| {label} | {', '.join(f'{x:.1f}' for x in rates)} | {mean:.1f} |"
+    def row(label: str, rates: list[float], mean: float) -> list[str]:
+        return [label, ", ".join(f"{x:.1f}" for x in rates), f"{mean:.1f}"]
 
     return ["### Local training inside the simulator vs a plain PyTorch loop", "",
             f"DenseNet121, {s['image_size']}x{s['image_size']} px, batch {s['batch_size']}, {s['steps']} steps per round, "
             f"{s['rounds']} rounds, one synthetic site; `{sim['command']}`.", "",
-            "| loop | images/s per round | mean |", "|---|---|---|",
-            row("plain, before", sim["plain_before"]["images_per_second"], sim["plain_before"]["mean"]),
-            row("simulator (site metrics)", sim["simulator_images_per_second"], sim["simulator_mean"]),
-            row("plain, after", sim["plain_after"]["images_per_second"], sim["plain_after"]["mean"]),
+            markdown_table(["loop", "images/s per round", "mean"], [
+                row("plain, before", sim["plain_before"]["images_per_second"], sim["plain_before"]["mean"]),
+                row("simulator (site metrics)", sim["simulator_images_per_second"], sim["simulator_mean"]),
+                row("plain, after", sim["plain_after"]["images_per_second"], sim["plain_after"]["mean"])]),
             "", f"Ratio simulator / plain: **{sim['ratio']:.2f}x** (simulator run took {sim['simulator_wall_seconds']:.0f} s "
             "wall time, mostly start-up).", ""]
 
@@ -52,10 +53,10 @@ def _training(res: dict[str, Any]) -> list[str]:
             f"DenseNet121 training steps (forward, backward, Adam), {tr['image_size']} px, batch {tr['batch_size']}, "
             f"{tr['steps']} steps per repeat, {tr['threads']} torch thread(s), the same in-memory batches; the settings take "
             f"turns ({tr['repeats']} repeats each). Default on this machine: {default}.", "",
-            "| setting | images/s per repeat | mean |", "|---|---|---|",
-            f"| float32, NCHW | {', '.join(f'{x:.1f}' for x in tr['images_per_second']['fp32'])} | {tr['fp32_img_s']:.1f} |",
-            f"| default ({default}) | {', '.join(f'{x:.1f}' for x in tr['images_per_second']['default'])} | "
-            f"{tr['default_img_s']:.1f} |", "", f"Ratio default / float32: **{tr['ratio']:.2f}x**.", ""]
+            markdown_table(["setting", "images/s per repeat", "mean"], [
+                ["float32, NCHW", ", ".join(f"{x:.1f}" for x in tr["images_per_second"]["fp32"]), f"{tr['fp32_img_s']:.1f}"],
+                [f"default ({default})", ", ".join(f"{x:.1f}" for x in tr["images_per_second"]["default"]),
+                 f"{tr['default_img_s']:.1f}"]]), "", f"Ratio default / float32: **{tr['ratio']:.2f}x**.", ""]
 
 
 def _accuracy(res: dict[str, Any]) -> list[str]:
@@ -70,10 +71,10 @@ def _accuracy(res: dict[str, Any]) -> list[str]:
             f"DenseNet121 from scratch on the {acc['site']} split of two-hospitals ({acc['train_images']} training, "
             f"{acc['test_images']} test images) at {acc['image_size']} px, {acc['epochs']} epochs, Adam {acc['lr']:g}, batch "
             f"{acc['batch_size']}, {acc['seeds']} seeds; mean test AUROC, each setting evaluated on its own inference path.", "",
-            "| setting | per seed | mean |", "|---|---|---|",
-            f"| float32, NCHW | {cells(acc['auroc']['fp32'])} | {acc['fp32_mean_auroc']:.3f} |",
-            f"| default ({acc['precision']}, {'channels-last' if acc['channels_last'] else 'NCHW'}) | "
-            f"{cells(acc['auroc']['default'])} | {acc['default_mean_auroc']:.3f} |", ""]
+            markdown_table(["setting", "per seed", "mean"], [
+                ["float32, NCHW", cells(acc["auroc"]["fp32"]), f"{acc['fp32_mean_auroc']:.3f}"],
+                [f"default ({acc['precision']}, {'channels-last' if acc['channels_last'] else 'NCHW'})",
+                 cells(acc["auroc"]["default"]), f"{acc['default_mean_auroc']:.3f}"]]), ""]
 
 
 def _aggregation(res: dict[str, Any]) -> list[str]:
@@ -87,24 +88,24 @@ def _aggregation(res: dict[str, Any]) -> list[str]:
              "FedAvg sites send all 20 rows, surgical sites the 7 shared classes plus a random third of the others). Median of "
              f"{repeats} repeats, the methods taking turns within each repeat (in brackets: the ratio of the fastest "
              f"repeats); torch at {agg.get('threads', 1)} thread(s) in the process, {busy}; peak extra memory in a fresh "
-             "process. The job's path is the server's `RoundAggregator` (validation + aggregation).", "",
-             "| K | NVFlare FedAvg (s) | job's path (s) | ratio | surgical_aggregate (s) | ratio | SurgicalAggregator (s) | ratio "
-             "| peak extra: NVFlare | surgical_aggregate | SurgicalAggregator |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "process. The job's path is the server's `RoundAggregator` (validation + aggregation).", ""]
+    rows = []
     for k, row in agg["sites"].items():
         def extra(method: str) -> str:
             v = row[method]["extra_model_sizes"]
             return "-" if v is None else f"{row[method]['memory']['extra'] / 1e6:.0f} MB ({v:.2f} models)"
 
-        def timed(method: str) -> str:
+        def timed(method: str) -> list[str]:
             if method not in row:
-                return "- | -"
+                return ["-", "-"]
             r, q = row[method]["ratio_to_nvflare_fedavg"], row[method].get("ratio_of_minima")
-            return f"{row[method]['median_seconds']:.3f} | {r:.2f}" + (f" ({q:.2f})" if q is not None else "")
+            return [f"{row[method]['median_seconds']:.3f}", f"{r:.2f}" + (f" ({q:.2f})" if q is not None else "")]
 
-        lines.append(f"| {k} | {row['nvflare_fedavg']['median_seconds']:.3f} | {timed('round_aggregator')} | "
-                     f"{timed('surgical')} | {timed('surgical_nvflare')} | {extra('nvflare_fedavg')} | {extra('surgical')} | "
-                     f"{extra('surgical_nvflare')} |")
-    return lines + [""]
+        rows.append([k, f"{row['nvflare_fedavg']['median_seconds']:.3f}", *timed("round_aggregator"), *timed("surgical"),
+                     *timed("surgical_nvflare"), extra("nvflare_fedavg"), extra("surgical"), extra("surgical_nvflare")])
+    header = ["K", "NVFlare FedAvg (s)", "job's path (s)", "ratio", "surgical_aggregate (s)", "ratio",
+              "SurgicalAggregator (s)", "ratio", "peak extra: NVFlare", "surgical_aggregate", "SurgicalAggregator"]
+    return lines + [markdown_table(header, rows), ""]
 
 
 def _payload(res: dict[str, Any]) -> list[str]:
@@ -114,13 +115,11 @@ def _payload(res: dict[str, Any]) -> list[str]:
     lines = ["### Bytes per site per round", "",
              f"Full model: {pay['full_model_bytes'] / 1e6:.2f} MB raw ({pay['full_model_wire_bytes'] / 1e6:.2f} MB as FOBS task "
              f"data); feature extractor {pay['feature_extractor_bytes'] / 1e6:.2f} MB; one head row {pay['head_row_bytes']} "
-             "bytes. Down = up for every mode (a site sends back what it received, trained).", "",
-             "| site | head mode | head rows | raw MB | FOBS MB | of the full model |", "|---|---|---|---|---|---|"]
-    for site, rows in pay["sites"].items():
-        for mode, r in rows.items():
-            lines.append(f"| {site} | {mode} | {r['head_rows']} | {r['raw_bytes'] / 1e6:.3f} | {r['wire_bytes'] / 1e6:.3f} | "
-                         f"{r['fraction_of_full_model']:.4f} |")
-    return lines + [""]
+             "bytes. Down = up for every mode (a site sends back what it received, trained).", ""]
+    rows = [[site, mode, str(r["head_rows"]), f"{r['raw_bytes'] / 1e6:.3f}", f"{r['wire_bytes'] / 1e6:.3f}",
+             f"{r['fraction_of_full_model']:.4f}"] for site, modes in pay["sites"].items() for mode, r in modes.items()]
+    header = ["site", "head mode", "head rows", "raw MB", "FOBS MB", "of the full model"]
+    return lines + [markdown_table(header, rows), ""]
 
 
 def format_speed(res: dict[str, Any]) -> str:
