@@ -12,15 +12,19 @@ import pytest
 
 from cxrfl.bench.fedfew import run as bench_run
 from cxrfl.bench.fedfew.methods import mean_uc_f1
+from cxrfl.bench.fedfew.seed import SeedRun, stage2_summary
 from cxrfl.bench.fedfew.settings import BenchSettings
+from cxrfl.common.server import RECORDS_DIR
 from cxrfl.errors import ConfigError
 from cxrfl.synth.fedfew_profile import FEDFEW_UCS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # per (method, seed) the F1 of Edema, Pneumonia, Hernia; mean UC F1: fedfew 0.4 and 0.5, mlc 0.2 and 0.25
-F1 = {("fedfew", 0): (0.2, 0.4, 0.6), ("fedfew", 1): (0.3, 0.5, 0.7), ("mlc", 0): (0.1, 0.2, 0.3), ("mlc", 1): (0.15, 0.25, 0.35)}
+F1 = {("fedfew", 0): (0.2, 0.4, 0.6), ("fedfew", 1): (0.3, 0.5, 0.7), ("mlc", 0): (0.1, 0.2, 0.3), ("mlc", 1): (0.15, 0.25, 0.35),
+      ("fedfew-lambda1", 0): (0.5, 0.5, 0.5), ("fedfew-lambda1", 1): (0.6, 0.6, 0.6)}
 PROBE = {0: [(0, 0.55), (5, 0.65)], 1: [(0, 0.57), (5, 0.71)]}
-AUROC = {("fedfew", 0): 0.70, ("fedfew", 1): 0.74, ("mlc", 0): 0.60, ("mlc", 1): 0.66}
+AUROC = {("fedfew", 0): 0.70, ("fedfew", 1): 0.74, ("mlc", 0): 0.60, ("mlc", 1): 0.66, ("fedfew-lambda1", 0): 0.71,
+         ("fedfew-lambda1", 1): 0.73}
 
 
 class FakeSeedRun:
@@ -43,6 +47,9 @@ class FakeSeedRun:
             run["ssl_probe"] = [{"round": r, "mean_auroc": a} for r, a in PROBE[self.seed]]
             run["test_energy"] = {u: {"energy_auroc": 0.9, "prototype_margin_auroc": 0.6 + 0.1 * self.seed} for u in FEDFEW_UCS}
             run["stage2"] = {"warm-up": {"rounds": 8 + self.seed, "best_round": 3, "best_val_loss": 0.3}}
+        elif method == "fedfew-lambda1":
+            run["test_energy"] = {u: {"energy_auroc": 0.8 + 0.1 * self.seed, "prototype_margin_auroc": 0.7} for u in FEDFEW_UCS}
+            run["stage2"] = {"energy": {"rounds": 10, "best_round": 12, "best_val_loss": 0.3, "uc_energy_gap": 0.2 + 0.2 * self.seed}}
         else:
             run["training"] = {"rounds": 10, "best_round": 5}
         return mean_uc_f1(run)
@@ -120,3 +127,66 @@ def test_other_settings_are_refused_or_start_over(tmp_path, fake_methods):
     bench_run.run_fedfew_benchmark(out, 1, settings=other, data_root=tmp_path / "data", log=lambda m: None, resume=False)
     assert fake_methods.calls == [("fedfew", 0), ("mlc", 0)]
     assert json.loads((out / "runs" / "settings.json").read_text())["mlc_rounds"] == 1
+
+
+def test_a_variant_added_to_a_finished_benchmark_runs_alone_and_joins_its_report(tmp_path, fake_methods):
+    out = tmp_path / "out"
+    bench_run.run_fedfew_benchmark(out, 2, settings=SETTINGS, data_root=tmp_path / "data", log=lambda m: None)
+    # a store written before the methods and jobs stopped counting (they were part of its settings.json)
+    marker = out / "runs" / "settings.json"
+    marker.write_text(json.dumps(SETTINGS.to_dict()))
+    fake_methods.calls = []
+    more = BenchSettings(methods=("fedfew-lambda1",), jobs=1)  # the stored methods are not named again
+    result = bench_run.run_fedfew_benchmark(out, 2, settings=more, data_root=tmp_path / "data", log=lambda m: None)
+    assert fake_methods.calls == [("fedfew-lambda1", 0), ("fedfew-lambda1", 1)]
+    assert set(result["runs"]) == {"fedfew", "mlc", "fedfew-lambda1"} and result["complete"]
+    table = result["summary"]["methods"]
+    assert table["mlc"]["mean_uc_f1"]["mean"] == pytest.approx(0.225)  # the baseline stays in the report
+    variant = table["fedfew-lambda1"]
+    assert variant["label"] == "FedFew w/ EBM, lambda = 1*" and variant["mean_uc_f1"]["mean"] == pytest.approx(0.55)
+    assert variant["stage2"]["energy"]["uc_energy_gap"]["mean"] == pytest.approx(0.3)
+    report = (out / "report.md").read_text()
+    assert "| FedFew w/ EBM, lambda = 1* | 0.85 ± 0.07 | 0.85 ± 0.07 | 0.85 ± 0.07 | 0.30 ± 0.14 | 0.55 ± 0.07 | 0.720 ± 0.014 |" in report
+    assert "| FedFew w/ EBM | 0.90 ± 0.00 | 0.90 ± 0.00 | 0.90 ± 0.00 | - | 0.45 ± 0.07 | 0.720 ± 0.028 |" in report
+    assert "weighted by lambda = 1 instead of 0.1" in report
+    assert "\\* FedFew w/ EBM, lambda = 1: labelled variants of stage 2" in report
+    assert "jobs" not in json.loads(marker.read_text()) and "methods" not in json.loads(marker.read_text())
+
+
+def test_the_work_folder_is_kept_for_other_methods_and_emptied_for_other_settings(tmp_path):
+    def kept(settings):
+        SeedRun(settings, 0, None, tmp_path, lambda m: None)
+        return (tmp_path / "seed0" / "stage.pt").is_file()
+
+    SeedRun(SETTINGS, 0, None, tmp_path, lambda m: None)
+    (tmp_path / "seed0" / "stage.pt").write_bytes(b"x")
+    assert kept(BenchSettings(methods=("fedfew", "fedfew-neg-in"), jobs=2))
+    (tmp_path / "seed0" / "settings.json").write_text(json.dumps(SETTINGS.to_dict(), sort_keys=True))  # an older marker
+    assert kept(SETTINGS)
+    assert not kept(BenchSettings(methods=("mlc", "fedfew"), jobs=1, mlc_rounds=1))
+
+
+def test_stage2_summary_reads_the_sites_training_energies_per_round(tmp_path):
+    def site(**energies):
+        return {f"train_energy_{k}": v for k, v in energies.items()}
+
+    rounds = [
+        {"stage": 2, "phase": "warm-up", "round": 1, "val_loss": 0.5,
+         "site_metrics": {"cc-1": site(**{"in": -2.0, "out": None, "uc_neg": None}), "cc-2": site(**{"in": -3.0})}},
+        {"stage": 2, "phase": "energy", "round": 2, "val_loss": 0.4,
+         "site_metrics": {"cc-1": site(**{"in": -2.5}), "uc-a": site(out=-1.0, uc_neg=-2.0), "uc-b": site(out=-2.0, uc_neg=-2.0)}},
+        {"stage": 2, "phase": "energy", "round": 3, "val_loss": 0.45,
+         "site_metrics": {"uc-a": site(out=-0.5, uc_neg=-2.5)}},
+        {"stage": 2, "phase": "energy", "round": 4, "status": "stopped"},
+        {"stage": 3, "threshold": {}},
+    ]
+    (tmp_path / RECORDS_DIR).mkdir()
+    (tmp_path / RECORDS_DIR / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    phases = stage2_summary(tmp_path)
+    assert phases["warm-up"] == {"rounds": 1, "best_round": 1, "best_val_loss": 0.5, "uc_energy_gap": None,
+                                 "energy": [{"round": 1, "in": -2.5, "out": None, "uc_neg": None}]}
+    energy = phases["energy"]
+    assert (energy["rounds"], energy["best_round"], energy["best_val_loss"]) == (2, 2, 0.4)
+    assert energy["energy"] == [{"round": 2, "in": -2.5, "out": -1.5, "uc_neg": -2.0},
+                                {"round": 3, "in": None, "out": -0.5, "uc_neg": -2.5}]
+    assert energy["uc_energy_gap"] == pytest.approx(0.5)  # at the kept round 2: -1.5 - (-2.0)

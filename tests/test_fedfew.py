@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from cxrfl.cli import main
+from cxrfl.data.dataset import make_loader
 from cxrfl.data.site_config import SplitConfig, site_config_from_dict
 from cxrfl.data.site import SiteData, load_site
 from cxrfl.errors import ConfigError, DataError
@@ -262,6 +263,10 @@ def test_config_validation():
         FedFewConfig(m_in=-1.0, m_out=-2.0)
     with pytest.raises(ConfigError, match="min_prototype_images"):
         FedFewConfig(min_prototype_images=0)
+    with pytest.raises(ConfigError, match="fedfew.uc_negatives 'in' pushes .* fedfew.uc_energy_on 'all' pushes them up"):
+        FedFewConfig(uc_negatives="in", uc_energy_on="all")
+    with pytest.raises(ConfigError, match="uc_negatives"):
+        FedFewConfig(uc_negatives="out")
 
 
 def _info(classes, pos, neg, n_labelled=100, n_ssl=120):
@@ -385,6 +390,35 @@ def test_site_roles_losses_and_threshold_examples(tmp_path):
     assert all_site.energy_range(params)["n_in"] == len(cc.split_table("train"))
     means = cc_site.energy_means(params)
     assert means["n_in"] == len(cc.split_table("train")) and means["n_out"] == 0
+
+
+def test_stage2_round_reports_the_mean_energy_of_each_role_from_the_weights_it_received(tmp_path):
+    """One batch (no augmentation, float32): the energies it reports are those of the received weights on
+    that batch in training mode, -sum softplus(logits), averaged over the UC positives and negatives."""
+    uc = _csv_site(tmp_path, "uc", {"Hernia": [1.0] * 4 + [0.0] * 8}, 12, seed=2)
+    site = _site(uc, FedFewConfig(batch_size=64, augment=False, precision="fp32"))
+    params = _params()
+    metrics = site.train_round(params, 1, energy_weight=0.1, m_in=-3.0, m_out=-1.0).metrics
+    table = site.stage2_table()
+    net = build_model(ModelConfig(image_size=32), 2)
+    net.load_state_dict({k: torch.as_tensor(v) for k, v in params.items()})
+    net.train()
+    (x, _, _), = make_loader(table, [], image_size=32, train=False, batch_size=64)
+    with torch.no_grad():
+        energy = -torch.nn.functional.softplus(net(x)).sum(dim=1).numpy()
+    pos = table["Hernia"].to_numpy() == 1.0
+    assert 0 < pos.sum() < len(pos)
+    assert metrics["train_energy_out"] == pytest.approx(float(energy[pos].mean()), abs=1e-4)
+    assert metrics["train_energy_uc_neg"] == pytest.approx(float(energy[~pos].mean()), abs=1e-4)
+    assert metrics["train_energy_in"] is None and metrics["train_hinge_in"] == 0.0
+    # uc_negatives "in": the same negatives are also "in" images, pushed below m_in (E ~ -1.4 > -3 at init)
+    site = _site(uc, FedFewConfig(batch_size=64, augment=False, precision="fp32", uc_negatives="in"))
+    t = site.role_table("train")
+    assert (t["__fedfew_in__"] == (t["Hernia"] == 0.0)).all() and (t["__fedfew_out__"] == (t["Hernia"] == 1.0)).all()
+    metrics = site.train_round(params, 1, energy_weight=0.1, m_in=-3.0, m_out=-1.0).metrics
+    assert metrics["train_energy_in"] == pytest.approx(float(energy[~pos].mean()), abs=1e-4)
+    assert metrics["train_hinge_in"] == pytest.approx(float(((energy[~pos] + 3.0) ** 2).mean()), rel=1e-3)
+    assert site.energy_means(params)["n_in"] == (~pos).sum()
 
 
 # ------------------------------------------------------------------------------ model file

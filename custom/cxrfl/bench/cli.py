@@ -295,7 +295,8 @@ def _add_fedfew(bsub: argparse._SubParsersAction) -> None:
     f.add_argument("--probe-every", type=int, default=None, help="stage-1 rounds between two linear probes")
     f.add_argument("--mlc-rounds", type=int, default=None)
     f.add_argument("--methods", default=None, help="comma-separated subset of mlc,mlc-ssl,nn-ssl,nn-mlc-ssl,fedfew-no-ebm,"
-                                                   "fedfew,fedfew-balanced (fedfew always runs)")
+                                                   "fedfew,fedfew-balanced,fedfew-lambda1,fedfew-neg-in (fedfew always runs; "
+                                                   "added to a finished benchmark, only the new ones run)")
     f.add_argument("--threads", type=int, default=None, help="torch CPU threads per seed (default 1: fastest on a shared machine)")
     f.add_argument("--jobs", type=int, default=None, help="seeds run in parallel processes (default 2)")
     f.add_argument("--quick", action="store_true", help="a few-minute smoke setting (not for reporting)")

@@ -14,6 +14,11 @@ that an image with no CC at all is also "in"; the default) or ``cc`` (the CC out
 UC_ENERGY_ON = ("positives", "all")
 """Which images of a UC site get the hinge pushing the energy above ``m_out``: its UC positives
 (the default: they are the paper's x_out) or all its labelled images."""
+UC_NEGATIVES = ("none", "in")
+"""What a UC site's negatives (known to hold none of its UCs) get in stage 2: ``none`` (no loss,
+the default: the paper names no term for them) or ``in`` (the hinge pushing their energy below
+``m_in``, as images without a UC: a labelled variant that puts both sides of the energy gap
+at every UC site)."""
 THRESHOLD_EXAMPLES = ("uc_labelled", "all")
 """The training examples the threshold is chosen on: ``uc_labelled`` (the images whose UC status
 is known: the UC sites' positives, which should be above it, and negatives, which should be
@@ -66,6 +71,7 @@ class FedFewConfig(Config):
         energy_weight: lambda, the weight of the hinge terms (Liu et al.: 0.1).
         energy_outputs: see :data:`ENERGY_OUTPUTS`.
         uc_energy_on: see :data:`UC_ENERGY_ON`.
+        uc_negatives: see :data:`UC_NEGATIVES`.
         augment: random rotation/flip/zoom/contrast of training images.
 
     Classes:
@@ -121,6 +127,7 @@ class FedFewConfig(Config):
     energy_weight: float = field(default=0.1, metadata={"ge": 0})
     energy_outputs: str = field(default="all", metadata={"choices": ENERGY_OUTPUTS})
     uc_energy_on: str = field(default="positives", metadata={"choices": UC_ENERGY_ON})
+    uc_negatives: str = field(default="none", metadata={"choices": UC_NEGATIVES})
     augment: bool = True
     uc_classes: tuple[str, ...] | None = None
     cc_min_sites: int = field(default=2, metadata={"ge": 1})
@@ -138,6 +145,9 @@ class FedFewConfig(Config):
         super().__post_init__()
         if self.m_in is not None and self.m_out is not None and self.m_in >= self.m_out:
             self.fail("m_in", f"({self.m_in}) must be below fedfew.m_out ({self.m_out})")
+        if self.uc_negatives == "in" and self.uc_energy_on == "all":
+            self.fail("uc_negatives", "'in' pushes a UC site's negatives down while fedfew.uc_energy_on 'all' pushes "
+                      "them up; choose one")
         if not self.ssl_splits or any(s not in ("train", "val", "test") for s in self.ssl_splits):
             self.fail("ssl_splits", f"must name train/val/test splits, got {list(self.ssl_splits)!r}")
         if self.uc_classes is not None and (not self.uc_classes or len(set(self.uc_classes)) != len(self.uc_classes)):

@@ -7,8 +7,8 @@ fresh Adam optimiser, as the paper's fixed-learning-rate Adam allows), so execut
 task (NVFlare simulator with ``-t`` < ``-n``) lose nothing.
 
 What leaves the site: model weights and the number of labelled images (FedAvg), its class
-names with per-class label counts (to tell CCs from UCs), energy sums/ranges and per-threshold
-error counts (never an energy per image), and for each of its UCs the two mean features, only
+names with per-class label counts (to tell CCs from UCs), energy sums/ranges, each stage-2
+round's mean energy per role, and per-threshold error counts (never an energy per image), and for each of its UCs the two mean features, only
 when each is averaged over at least ``min_prototype_images`` images.
 
 Roles of the site's training images (``split == "train"``):
@@ -17,9 +17,9 @@ Roles of the site's training images (``split == "train"``):
   pushing E below ``m_in`` (unless the image is positive for a UC the site labels);
 * UC positive: positive for a UC the site labels. The hinge pushing E above ``m_out``; an
   "out" example for the threshold, a positive for the prototypes;
-* UC negative: negative for the site's UCs. No loss (``uc_energy_on="all"``: the ``m_out``
-  hinge too, when it has no CC label); an "in" example for the threshold, a negative for the
-  prototypes;
+* UC negative: negative for the site's UCs. No loss (``uc_negatives="in"``: the ``m_in``
+  hinge; ``uc_energy_on="all"``: the ``m_out`` hinge, when it has no CC label); an "in" example
+  for the threshold, a negative for the prototypes;
 * unlabelled: no known label at all. Self-supervised stage only.
 
 A local epoch of stage 2 passes over every labelled training image; a batch without any loss
@@ -52,7 +52,9 @@ from cxrfl.nn.precision import backward_step, compute_for
 
 NO_CC = "No common class"
 """Name of the extra output (1 when the image holds none of the CCs)."""
-_IN, _OUT = "__fedfew_in__", "__fedfew_out__"
+_IN, _OUT, _UC_NEG = "__fedfew_in__", "__fedfew_out__", "_uc_neg"
+_GROUPS = {"in": _IN, "out": _OUT, "uc_neg": _UC_NEG}
+"""The training images whose mean energy a stage-2 round reports, by metric suffix."""
 
 
 
@@ -188,16 +190,17 @@ class FedFewSite:
             uc_pos = uc_neg = pd.Series(False, index=out.index)
         for c in self.uc_classes:
             out[c] = table[c]
-        out[_IN] = (cc_known & ~uc_pos).astype(np.float32)
+        in_flag = cc_known & ~uc_pos
+        out[_IN] = (in_flag | uc_neg if self.config.uc_negatives == "in" else in_flag).astype(np.float32)
         out_flag = uc_pos | (uc_neg & ~cc_known) if self.config.uc_energy_on == "all" else uc_pos
         out[_OUT] = out_flag.astype(np.float32)
-        out["_uc_neg"] = uc_neg.astype(np.float32)
+        out[_UC_NEG] = uc_neg.astype(np.float32)
         return out
 
     def stage2_table(self) -> pd.DataFrame:
         """The labelled training rows (any CC or own-UC label known): a local epoch of stage 2
-        passes over them; the UC negatives carry no loss (unless ``uc_energy_on="all"``) but
-        keep the BatchNorm statistics of a UC site representative."""
+        passes over them; the UC negatives carry no loss (unless ``uc_negatives="in"`` or
+        ``uc_energy_on="all"``) but keep the BatchNorm statistics of a UC site representative."""
         t = self.role_table("train")
         cols = [*self.cc_classes, *self.uc_classes]
         known = t[cols].notna().any(axis=1) if cols else pd.Series(False, index=t.index)
@@ -281,7 +284,10 @@ class FedFewSite:
 
         CC-labelled images: masked BCE over the CC and "no CC" outputs + ``energy_weight`` *
         ``relu(E - m_in)^2``; UC images: ``energy_weight`` * ``relu(m_out - E)^2`` only.
-        A batch with no loss term is skipped (no optimiser step).
+        A batch with no loss term is skipped (no optimiser step). The metrics hold the mean
+        training-time energy (train mode, augmented, as the weights move) of the in, out and UC
+        negative images (``train_energy_in``/``_out``/``_uc_neg``; None without such images):
+        whether the round opens the gap the threshold needs.
 
         Args:
             params: the global stage-2 weights.
@@ -301,7 +307,7 @@ class FedFewSite:
         torch.manual_seed(cfg.seed + 1000 * round_num + 1)
         model = self.network(params)
         k = len(self.cc_classes)
-        loader = make_loader(table, [*self.cc_classes, _IN, _OUT], image_size=self.model_config.image_size,
+        loader = make_loader(table, [*self.cc_classes, *_GROUPS.values()], image_size=self.model_config.image_size,
                              train=cfg.augment, batch_size=cfg.batch_size, num_workers=self.num_workers,
                              seed=cfg.seed + round_num, in_channels=self.model_config.in_channels,
                              cache_dir=self.data.cache_dir, device=self.device)
@@ -309,6 +315,7 @@ class FedFewSite:
         scaler = self.compute.scaler()
         model.train()
         sums = {"loss": 0.0, "bce": 0.0, "hinge_in": 0.0, "hinge_out": 0.0}
+        energy_sums, energy_counts = dict.fromkeys(_GROUPS, 0.0), dict.fromkeys(_GROUPS, 0)
         steps = skipped = 0
         for _ in range(cfg.local_epochs):
             for i, (x, y, m) in enumerate(loader):
@@ -326,25 +333,49 @@ class FedFewSite:
                 opt.zero_grad(set_to_none=True)
                 with self.compute.autocast():
                     logits = model(x)
-                logits = logits.float()
-                bce = masked_bce(logits, target, mask)
-                loss = bce
-                h_in = h_out = torch.zeros((), device=self.device)
-                if energy_weight > 0:
-                    energy = self._energy(logits)
-                    h_in = hinge_in(energy[is_in.to(self.device)], m_in)
-                    h_out = hinge_out(energy[is_out.to(self.device)], m_out)
-                    loss = loss + energy_weight * (h_in + h_out)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"site {self.site}: stage-2 loss became {loss.item()} at step {steps}")
-                backward_step(loss, opt, scaler)
-                for name, v in (("loss", loss), ("bce", bce), ("hinge_in", h_in), ("hinge_out", h_out)):
+                parts, energy = self._stage2_loss(logits.float(), target, mask, is_in.to(self.device),
+                                                  is_out.to(self.device), energy_weight, m_in, m_out)
+                if not torch.isfinite(parts["loss"]):
+                    raise FloatingPointError(f"site {self.site}: stage-2 loss became {parts['loss'].item()} at step {steps}")
+                backward_step(parts["loss"], opt, scaler)
+                for name, v in parts.items():
                     sums[name] += float(v.detach())
+                for j, g in enumerate(_GROUPS):
+                    rows = (y[:, k + j] == 1).to(self.device)
+                    energy_sums[g] += float(energy.detach()[rows].sum())
+                    energy_counts[g] += int(rows.sum())
                 steps += 1
         metrics = {"stage": 2, "round": round_num, "energy_weight": energy_weight, "steps": steps, "skipped_batches": skipped,
                    "images": len(table), "seconds": time.perf_counter() - start,
-                   **{f"train_{name}": (v / steps if steps else None) for name, v in sums.items()}}
+                   **{f"train_{name}": (v / steps if steps else None) for name, v in sums.items()},
+                   **{f"train_energy_{g}": (energy_sums[g] / energy_counts[g] if energy_counts[g] else None)
+                      for g in _GROUPS}}
         return StageUpdate(to_numpy(model.state_dict()), n, metrics)
+
+    def _stage2_loss(self, logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, is_in: torch.Tensor,
+                     is_out: torch.Tensor, energy_weight: float, m_in: float | None,
+                     m_out: float | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """One batch's loss (Eq. 6, or Eq. 7 where no CC label is known) and its parts, with its energies.
+
+        Args:
+            logits: [n, K+1] float logits.
+            target: "no CC" targets (:func:`cxrfl.fedfew.energy.no_cc_targets`).
+            mask: their known entries.
+            is_in: [n] the images pushed below ``m_in``.
+            is_out: [n] the images pushed above ``m_out``.
+            energy_weight: lambda (0: BCE only).
+            m_in: the in margin.
+            m_out: the out margin.
+
+        Returns:
+            ``loss``, ``bce``, ``hinge_in``, ``hinge_out`` and the [n] joint energies.
+        """
+        bce = masked_bce(logits, target, mask)
+        energy = self._energy(logits)
+        h_in = h_out = torch.zeros((), device=logits.device)
+        if energy_weight > 0:
+            h_in, h_out = hinge_in(energy[is_in], m_in), hinge_out(energy[is_out], m_out)
+        return {"loss": bce + energy_weight * (h_in + h_out), "bce": bce, "hinge_in": h_in, "hinge_out": h_out}, energy
 
     # ---------------------------------------------------- energies, features
     @torch.no_grad()
@@ -388,7 +419,7 @@ class FedFewSite:
         with ``threshold_examples="all"`` the CC-labelled images) and with one (UC positives)."""
         _, energies, table = self.embed(params, "train")
         uc_pos = table[self.uc_classes].eq(1.0).any(axis=1).to_numpy() if self.uc_classes else np.zeros(len(table), bool)
-        is_in = table["_uc_neg"].to_numpy() == 1.0
+        is_in = table[_UC_NEG].to_numpy() == 1.0
         if self.config.threshold_examples == "all":
             is_in = is_in | (table[_IN].to_numpy() == 1.0)
         return energies[is_in], energies[uc_pos]

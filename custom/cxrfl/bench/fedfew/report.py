@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from cxrfl.bench.fedfew.settings import BASELINES, LABELS, METHODS
+from cxrfl.bench.fedfew.settings import BASELINES, ENERGY_VARIANTS, LABELS, METHODS
 from cxrfl.bench.paired import against, format_stats, paired
 from cxrfl.synth.fedfew_profile import FEDFEW_UCS
 
@@ -37,7 +37,7 @@ def _fedfew_extras(rs: list[dict[str, Any]]) -> dict[str, Any]:
     seen = {p for r in rs for p in r.get("stage2", {})}
     phases = [p for p in ("warm-up", "energy", "bce") if p in seen] + sorted(seen - {"warm-up", "energy", "bce"})
     stage2 = {p: {k: _ms([r["stage2"][p].get(k) for r in rs if p in r.get("stage2", {})])
-                  for k in ("rounds", "best_round", "best_val_loss")} for p in phases}
+                  for k in ("rounds", "best_round", "best_val_loss", "uc_energy_gap")} for p in phases}
     out: dict[str, Any] = {"diagnostics": diag, "flagged": flagged, "stage2": stage2}
     rounds = sorted({p["round"] for r in rs for p in r.get("ssl_probe", [])})
     if rounds:
@@ -149,6 +149,9 @@ def _table(table: dict[str, Any]) -> list[str]:
     if "fedfew-balanced" in table:
         lines.append("\\* Not the paper's rule: the same stage-2 model, stage 3 re-run (through `resume_from`) with "
                      "`threshold_weighting: balanced` instead of the most correctly classified training examples.")
+    if any(m in table for m in ENERGY_VARIANTS):
+        lines.append("\\* " + "; ".join(LABELS[m].rstrip("*") for m in ENERGY_VARIANTS if m in table)
+                     + ": labelled variants of stage 2, not the paper's recipe (below: what they change).")
     return lines
 
 
@@ -172,6 +175,33 @@ def _diagnostics(table: dict[str, Any]) -> list[str]:
             fb = table["fedfew-balanced"]["flagged"][uc]
             cells.append(f"{_fmt(fb['flagged_positives'])} / {_fmt(fb['flagged_negatives'])}")
         lines.append(f"| {uc} | {' | '.join(cells)} | {_fmt(ff['uc'][uc]['f1'])} |")
+    return lines
+
+
+VARIANT_NOTES = {
+    "fedfew-lambda1": "stages 2-3 re-run from the same stage-1 encoder with the hinge terms weighted by lambda = 1 "
+                      "instead of 0.1",
+    "fedfew-neg-in": "stages 2-3 re-run from the same stage-1 encoder with the UC sites' negatives also pushed below "
+                     "`m_in` (`uc_negatives: in`; the paper names no loss for them)"}
+"""What each energy variant changes (:data:`~cxrfl.bench.fedfew.settings.ENERGY_VARIANTS`)."""
+
+
+def _energy_variants(table: dict[str, Any]) -> list[str]:
+    """FedFew against its energy variants: does the energy separate a UC's positives from its negatives?"""
+    shown = [m for m in ("fedfew", *ENERGY_VARIANTS) if m in table]
+    if len(shown) < 2:
+        return []
+    lines = ["", "What opens the energy gap (mean ± SD over seeds): the energy AUROC per UC test set, the training-time "
+                 "energy of the UC sites' positives minus their negatives at stage 2's kept round (> 0: positives above), "
+                 "F1 and CC AUROC. " + " ".join(f"{LABELS[m]}: {VARIANT_NOTES[m]}." for m in shown if m in VARIANT_NOTES),
+             "", "| Method | " + " | ".join(f"{uc} energy AUROC" for uc in FEDFEW_UCS)
+             + " | UC training energy gap | mean UC F1 | mean CC AUROC |", "| --- |" + " --- |" * (len(FEDFEW_UCS) + 3)]
+    for m in shown:
+        e = table[m]
+        cells = [_fmt(e["diagnostics"][uc]["energy_auroc"]) for uc in FEDFEW_UCS]
+        gap = (e.get("stage2") or {}).get("energy", {}).get("uc_energy_gap")
+        lines.append(f"| {e['label']} | {' | '.join(cells)} | {_fmt(gap)} | {_fmt(e['mean_uc_f1'])} | "
+                     f"{_fmt(e['mean_cc_auroc'], 3)} |")
     return lines
 
 
@@ -226,7 +256,7 @@ def format_markdown(result: dict[str, Any], commit: str | None = None) -> str:
     methods = summary.get("methods", {})
     lines = ["## FedFew: underrepresented classes held by few sites (synthetic `fedfew` profile)", "",
              *_header(result, commit or result.get("commit") or "unknown"), "", *_table(methods), *_diagnostics(methods),
-             *_convergence(methods), *_targets(summary.get("targets", {}))]
+             *_energy_variants(methods), *_convergence(methods), *_targets(summary.get("targets", {}))]
     if result.get("plots"):
         lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in result["plots"]) + "."]
     return "\n".join(lines) + "\n"

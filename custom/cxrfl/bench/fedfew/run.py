@@ -2,10 +2,11 @@
 
 ``OUT/runs/seed<k>/<method>.json`` holds one finished (method, seed); ``OUT/runs/settings.json``
 the settings they ran with. A later call with the same settings runs only what is missing (an
-interrupted benchmark goes on); other settings are refused unless ``resume=False``, which starts
-over. After every seed (and every method when seeds run one at a time) ``OUT/results.json``
-(settings, machine, every run, the summary and targets), ``OUT/report.md`` and the plots are
-written again from the finished runs.
+interrupted benchmark goes on, or methods are added to a finished one: the methods to run and the
+number of parallel seeds do not count); other settings are refused unless ``resume=False``, which
+starts over. After every seed (and every method when seeds run one at a time) ``OUT/results.json``
+(settings, machine, every stored run of these seeds, also of methods this call did not name, the
+summary and targets), ``OUT/report.md`` and the plots are written again from the finished runs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from cxrfl.bench.fedfew.data import prepare_data, site_counts
 from cxrfl.bench.fedfew.plots import write_plots
 from cxrfl.bench.fedfew.report import format_markdown, summarise
 from cxrfl.bench.fedfew.seed import RUN_ORDER, SeedRun
-from cxrfl.bench.fedfew.settings import BenchSettings
+from cxrfl.bench.fedfew.settings import METHODS, BenchSettings, identity
 from cxrfl.common.io import write_json
 from cxrfl.errors import ConfigError
 
@@ -54,8 +55,8 @@ class RunStore:
             resume: keep finished runs.
         """
         marker = self.root / "settings.json"
-        wanted = json.loads(json.dumps(settings.to_dict()))
-        if marker.is_file() and resume and json.loads(marker.read_text()) != wanted:
+        wanted = settings.identity()
+        if marker.is_file() and resume and identity(json.loads(marker.read_text())) != wanted:
             raise ConfigError(f"{self.root} holds runs of other settings; use another --out, the same settings, "
                               "or --no-resume to start over")
         if not resume:
@@ -216,7 +217,7 @@ def run_fedfew_benchmark(out: str | Path, seeds: int | Sequence[int] = 3, *, set
 
     def write(complete: bool = False) -> dict[str, Any]:
         base["data"] = store.runs(seeds, ["data"]).get("data", {})
-        return write_results(out, base, store.runs(seeds, methods), complete, time.perf_counter() - start)
+        return write_results(out, base, store.runs(seeds, METHODS), complete, time.perf_counter() - start)
 
     torch.set_num_threads(settings.threads)
     if settings.jobs > 1 and len(todo) > 1:

@@ -4,12 +4,14 @@
 own workflow and site code) in ``WORK/seed<k>/fedfew``, probing stage 1's encoder
 (:func:`~cxrfl.bench.fedfew.methods.linear_probe`) after the rounds of
 :attr:`~cxrfl.bench.fedfew.settings.BenchSettings.probe_rounds`; ``fedfew-balanced`` re-runs stage 3 on
-its stage-2 model with ``threshold_weighting: balanced`` and ``fedfew-no-ebm`` stages 2-3 with
-lambda = 0 from its stage 1 (both through ``resume_from``); ``nn-ssl`` and ``mlc-ssl`` start from
+its stage-2 model with ``threshold_weighting: balanced``, ``fedfew-no-ebm`` stages 2-3 with
+lambda = 0 from its stage 1, and the energy variants stages 2-3 with lambda = 1 / ``uc_negatives: in``
+(all through ``resume_from``); ``nn-ssl`` and ``mlc-ssl`` start from
 its stage-1 encoder; ``nn-mlc-ssl`` uses the ``mlc-ssl`` network (kept as
 ``WORK/seed<k>/mlc-ssl.pt``). A method whose input is not on disk (a fresh work folder) makes it
 first, so any method can run alone, e.g. when an interrupted benchmark goes on. The folder is
-emptied when it holds files of other settings (``WORK/seed<k>/settings.json``).
+emptied when it holds files of other settings (``WORK/seed<k>/settings.json``; the methods to run
+and the number of parallel seeds do not count).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from cxrfl.bench.fedfew.data import SeedData
 from cxrfl.bench.fedfew.methods import MLC_CLASSES, eval_fedfew, eval_mlc, eval_nn, linear_probe, mean_uc_f1, train_mlc
-from cxrfl.bench.fedfew.settings import BenchSettings
+from cxrfl.bench.fedfew.settings import BenchSettings, identity
 from cxrfl.common.io import read_records, to_numpy
 from cxrfl.common.server import RECORDS_DIR
 from cxrfl.fedfew.config import FedFewConfig
@@ -34,9 +36,11 @@ from cxrfl.fedfew.ssl import load_encoder
 from cxrfl.fedfew.stages import STAGE_DIR, STAGE_FILES
 from cxrfl.nn.models import CXRNet, ModelConfig, build_model, load_checkpoint, model_from_checkpoint, save_checkpoint
 
-RUN_ORDER = ("fedfew", "fedfew-balanced", "fedfew-no-ebm", "nn-ssl", "mlc", "mlc-ssl", "nn-mlc-ssl")
+RUN_ORDER = ("fedfew", "fedfew-balanced", "fedfew-no-ebm", "nn-ssl", "mlc", "mlc-ssl", "nn-mlc-ssl", "fedfew-lambda1",
+             "fedfew-neg-in")
 """The order a seed's methods run in (each after what it reuses)."""
-VARIANTS = {"fedfew-balanced": ((1, 2), {"threshold_weighting": "balanced"}), "fedfew-no-ebm": ((1,), {"energy_weight": 0.0})}
+VARIANTS = {"fedfew-balanced": ((1, 2), {"threshold_weighting": "balanced"}), "fedfew-no-ebm": ((1,), {"energy_weight": 0.0}),
+            "fedfew-lambda1": ((1,), {"energy_weight": 1.0}), "fedfew-neg-in": ((1,), {"uc_negatives": "in"})}
 """A FedFew variant: the stages it reuses from ``fedfew`` and the settings it changes."""
 
 
@@ -60,11 +64,11 @@ class SeedRun:
         self.model_config = ModelConfig(image_size=settings.image_size)
         self.config = FedFewConfig.from_dict({**settings.fedfew, "seed": seed})
         marker = self.folder / "settings.json"
-        wanted = json.dumps(settings.to_dict(), sort_keys=True)
-        if not marker.is_file() or marker.read_text() != wanted:  # files of other settings are never reused
+        wanted = settings.identity()
+        if not marker.is_file() or identity(json.loads(marker.read_text())) != wanted:  # other settings' files are never reused
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder.mkdir(parents=True)
-            marker.write_text(wanted)
+            marker.write_text(json.dumps(wanted, sort_keys=True))
 
     def run(self, method: str) -> dict[str, Any]:
         """Run one method and evaluate it.
@@ -164,7 +168,10 @@ class SeedRun:
 
 
 def stage2_summary(out: Path) -> dict[str, Any]:
-    """Stage 2's rounds per phase from a run's records: how many ran, the best round and its CC validation loss.
+    """Stage 2's rounds per phase from a run's records: how many ran, the best round and its CC validation
+    loss, and per round the sites' mean training-time energies (``energy``: ``in``, ``out``, ``uc_neg``, each
+    the mean over the sites that have such images) with ``uc_energy_gap``, UC positives minus UC negatives
+    at the best round (does stage 2 open the gap the threshold needs, on the UC sites' own images?).
 
     Args:
         out: the run's output folder.
@@ -173,9 +180,23 @@ def stage2_summary(out: Path) -> dict[str, Any]:
     for r in read_records(out / RECORDS_DIR / "rounds.jsonl"):
         if r.get("stage") != 2 or r.get("status"):
             continue
-        p = phases.setdefault(r["phase"], {"rounds": 0, "best_round": None, "best_val_loss": None})
+        p = phases.setdefault(r["phase"], {"rounds": 0, "best_round": None, "best_val_loss": None, "energy": []})
         p["rounds"] += 1
         loss = r.get("val_loss")
         if loss is not None and (p["best_val_loss"] is None or loss < p["best_val_loss"]):
             p["best_round"], p["best_val_loss"] = r["round"], loss
+        p["energy"].append({"round": r["round"], **_site_energies(r.get("site_metrics") or {})})
+    for p in phases.values():
+        best = next((e for e in p["energy"] if e["round"] == p["best_round"]), {})
+        gap = None if best.get("out") is None or best.get("uc_neg") is None else best["out"] - best["uc_neg"]
+        p["uc_energy_gap"] = gap
     return phases
+
+
+def _site_energies(site_metrics: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """One round's training-time energies (``train_energy_<group>``), each the mean over the sites reporting it."""
+    means: dict[str, float | None] = {}
+    for group in ("in", "out", "uc_neg"):
+        values = [m[f"train_energy_{group}"] for m in site_metrics.values() if m.get(f"train_energy_{group}") is not None]
+        means[group] = sum(values) / len(values) if values else None
+    return means

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cxrfl.fedfew.config import FedFewConfig
 
-METHODS = ("mlc", "mlc-ssl", "nn-ssl", "nn-mlc-ssl", "fedfew-no-ebm", "fedfew", "fedfew-balanced")
+METHODS = ("mlc", "mlc-ssl", "nn-ssl", "nn-mlc-ssl", "fedfew-no-ebm", "fedfew", "fedfew-balanced", "fedfew-lambda1",
+           "fedfew-neg-in")
 """Every method, in report order."""
 LABELS = {"mlc": "MLC w/o FSSL", "mlc-ssl": "MLC w/ FSSL", "nn-ssl": "NN (FSSL)", "nn-mlc-ssl": "NN (MLC w/ FSSL)",
           "fedfew-no-ebm": "FedFew w/o EBM", "fedfew": "FedFew w/ EBM",
-          "fedfew-balanced": "FedFew w/ EBM, balanced threshold*"}
-"""The paper's names of the methods."""
+          "fedfew-balanced": "FedFew w/ EBM, balanced threshold*", "fedfew-lambda1": "FedFew w/ EBM, lambda = 1*",
+          "fedfew-neg-in": "FedFew w/ EBM, UC negatives pushed in*"}
+"""The paper's names of the methods (``*``: a labelled variant, not the paper's recipe)."""
+ENERGY_VARIANTS = ("fedfew-lambda1", "fedfew-neg-in")
+"""Variants of stage 2 that test what opens the energy gap between a UC's positives and negatives:
+lambda 1 instead of 0.1, and the hinge below ``m_in`` on the UC sites' negatives (``uc_negatives: in``)."""
+IDENTITY_EXCLUDES = ("methods", "jobs")
+"""Settings that change which runs happen or how many at once, not any run's numbers."""
 BASELINES = ("mlc", "mlc-ssl")
 """The baselines the targets compare FedFew with."""
 
@@ -95,11 +103,25 @@ class BenchSettings:
         last = int(self.fedfew["ssl_rounds"])
         return tuple(sorted({*range(0, last + 1, self.probe_every), last}))
 
+    def identity(self) -> dict[str, Any]:
+        """The settings that decide a run's numbers (:meth:`to_dict` less :data:`IDENTITY_EXCLUDES`): runs and
+        stage files of an equal identity are reused, so methods can be added to a finished benchmark."""
+        return identity(self.to_dict())
+
     def to_dict(self) -> dict[str, Any]:
         """The settings as JSON-friendly values."""
         d = asdict(self)
         d["methods"] = list(self.methods)
         return d
+
+
+def identity(settings: dict[str, Any]) -> dict[str, Any]:
+    """Stored settings (a :meth:`BenchSettings.to_dict`, as JSON) less :data:`IDENTITY_EXCLUDES`.
+
+    Args:
+        settings: the settings.
+    """
+    return json.loads(json.dumps({k: v for k, v in settings.items() if k not in IDENTITY_EXCLUDES}))
 
 
 QUICK = BenchSettings(image_size=32, data_image_size=32, n_cc=120, n_test=80, probe_every=1,
