@@ -116,12 +116,16 @@ class BenchSettings:
 
 
 def identity(settings: dict[str, Any]) -> dict[str, Any]:
-    """Stored settings (a :meth:`BenchSettings.to_dict`, as JSON) less :data:`IDENTITY_EXCLUDES`.
+    """Stored settings (a :meth:`BenchSettings.to_dict`, as JSON) less :data:`IDENTITY_EXCLUDES`, with the
+    defaults of the fields added since they were stored (a new option's default keeps the old behaviour, so
+    it does not invalidate earlier runs).
 
     Args:
         settings: the settings.
     """
-    return json.loads(json.dumps({k: v for k, v in settings.items() if k not in IDENTITY_EXCLUDES}))
+    full = {**BenchSettings().to_dict(), **settings}
+    full["fedfew"] = FedFewConfig.from_dict(full["fedfew"]).to_dict()
+    return json.loads(json.dumps({k: v for k, v in full.items() if k not in IDENTITY_EXCLUDES}))
 
 
 QUICK = BenchSettings(image_size=32, data_image_size=32, n_cc=120, n_test=80, probe_every=1,
