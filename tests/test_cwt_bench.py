@@ -114,6 +114,26 @@ def test_provenance_counts_the_code_machine_and_time_of_each_trained_run():
                              {"machine": "not recorded", "runs": 1}]
 
 
+def test_kept_runs_are_reused_under_a_higher_cycle_cap_only_where_early_stopping_ended_them(tmp_path):
+    key = BenchSettings(cycles=80).run_key("nih1000", 530)
+    old = {**key, "cycles": 40}
+
+    def keep(name, settings, stopped_early, cycles_run):
+        run = {"seed": 0, "split": 5, "method": name, "stopped_early": stopped_early, "cycles_run": cycles_run}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"settings": settings, "run": run}))
+
+    keep("stopped-at-23", old, True, 23)          # the cap of 40 never bound it: the same run under 80
+    keep("patience-at-the-cap", old, True, 40)    # early stopping fired at cycle 40 itself
+    keep("hit-the-cap", old, False, 40)           # still improving at 40: must be trained again
+    keep("same-cap", key, False, 80)
+    keep("stopped-beyond-cap", {**key, "cycles": 120}, True, 95)  # would have been cut at 80
+    keep("other-lr", {**old, "lr": 1e-4}, True, 12)
+    (tmp_path / "broken.json").write_text("{")
+    assert sorted(m for _, _, m in bench.load_runs(tmp_path, key)) == ["patience-at-the-cap", "same-cap", "stopped-at-23"]
+    assert sorted(m for _, _, m in bench.load_runs(tmp_path, old)) == ["hit-the-cap", "patience-at-the-cap",
+                                                                        "stopped-at-23"]
+
+
 def test_a_tiny_benchmark_writes_its_outputs_and_goes_on_from_the_kept_runs(tmp_path, shared_data, repo_root, monkeypatch):
     trained = []
     real = bench.run_cwt

@@ -264,7 +264,7 @@ def _add_cwt(bsub: argparse._SubParsersAction) -> None:
     c.add_argument("--image-size", type=int, default=None, help="model input side (default 64)")
     c.add_argument("--per-class", type=int, default=None,
                    help="abnormal (= normal) real training images over all sites (default: every usable image)")
-    c.add_argument("--cycles", type=int, default=None, help="most cycles, one epoch over all sites each (default 40)")
+    c.add_argument("--cycles", type=int, default=None, help="most cycles, one epoch over all sites each (default 80)")
     c.add_argument("--patience", type=int, default=None, help="cycles without a lower validation loss (default 10)")
     c.add_argument("--batch-size", type=int, default=None)
     c.add_argument("--lr", type=float, default=None)

@@ -106,7 +106,7 @@ class BenchSettings:
     test_per_class: int = 100
     val_per_class: int = 50
     max_patient_images: int | None = 20
-    cycles: int = 40
+    cycles: int = 80
     patience: int = 10
     batch_size: int = 32
     lr: float = 1e-3
@@ -222,6 +222,10 @@ def run_file(folder: Path, method: str, split: int, seed: int) -> Path:
 def load_runs(folder: Path, key: dict[str, Any]) -> dict[tuple[int, int, str], dict[str, Any]]:
     """The finished runs kept under ``folder`` with these settings, by (seed, split, method).
 
+    A run kept under another cycle cap is reused when early stopping ended it within this cap:
+    the cap never bound it, so it is the run this benchmark would train. A run that reached its
+    cap (still improving) is trained again.
+
     Args:
         folder: the dataset's ``runs`` folder.
         key: :meth:`BenchSettings.run_key` of this benchmark.
@@ -232,8 +236,10 @@ def load_runs(folder: Path, key: dict[str, Any]) -> dict[tuple[int, int, str], d
             saved = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if saved.get("settings") == key:
-            r = saved["run"]
+        kept, r = saved.get("settings") or {}, saved.get("run") or {}
+        cap = key["cycles"]
+        unbound = r.get("stopped_early") and r.get("cycles_run", cap + 1) <= cap  # early stopping ended it within cap
+        if {**kept, "cycles": cap} == key and (kept.get("cycles") == cap or unbound):
             done[(r["seed"], r["split"], r["method"])] = r
     return done
 
