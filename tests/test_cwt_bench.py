@@ -13,7 +13,7 @@ import pytest
 
 import cxrfl.bench.cwt as bench
 from cxrfl.bench.cwt import BenchSettings, run_cwt_benchmark
-from cxrfl.bench.cwt_report import CENTRAL, provenance, results_table, summarise
+from cxrfl.bench.cwt_report import CENTRAL, stopping_line, provenance, results_table, stopping, summarise
 from cxrfl.bench.cwt_data import TABLE_1, TABLE_3, partition, prepare_data, scale_split
 from cxrfl.bench.protocol import code_version
 from cxrfl.errors import DataError
@@ -112,6 +112,27 @@ def test_provenance_counts_the_code_machine_and_time_of_each_trained_run():
                          {"commit": "unknown", "dirty": False, "runs": 1}]
     assert p["machines"] == [{"machine": "Xeon, 2 cores, 1 torch thread(s)", "runs": 3},
                              {"machine": "not recorded", "runs": 1}]
+
+
+def test_the_report_names_every_run_that_reached_the_cycle_cap_still_improving():
+    def run(split, method, seed, stopped_early, best, ran, **extra):
+        return {"split": split, "method": method, "seed": seed, "accuracy": 0.6, "auroc": 0.6,
+                "stopped_early": stopped_early, "best_cycle": best, "cycles_run": ran, **extra}
+
+    runs = [run(0, CENTRAL, 0, True, 30, 40), run(10, "CWT", 1, False, 79, 80), run(5, "CWT+PLTI", 0, True, 12, 22),
+            run(0, CENTRAL, 1, False, 80, 80),
+            run(6, "CWT", 1, False, 79, 80, same_as="split 1 CWT")]  # reported as another run: not counted
+    s = stopping(runs)
+    assert (s["trained_runs"], s["stopped_early"]) == (4, 2)
+    assert [(r["split"], r["method"], r["seed"], r["best_cycle"]) for r in s["reached_cap"]] == [
+        (0, CENTRAL, 1, 80), (10, "CWT", 1, 79)]
+    assert stopping_line(s, 10) == (
+        "- Stopping: 2 of 4 trained runs stopped after 10 cycles without a lower validation loss; 2 reached the cycle "
+        "cap with the loss still falling: central hosting seed 1 (best cycle 80 of 80); split 10 CWT seed 1 "
+        "(best cycle 79 of 80).")
+    assert stopping_line(stopping(runs[:1]), 10).endswith("1 of 1 trained runs stopped after 10 cycles without a lower "
+                                                           "validation loss; none reached the cycle cap.")
+    assert results_table(runs)["CWT"]["10"]["per_seed"]["1"]["stopped_early"] is False
 
 
 def test_kept_runs_are_reused_under_a_higher_cycle_cap_only_where_early_stopping_ended_them(tmp_path):

@@ -58,7 +58,7 @@ def results_table(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[st
             table.setdefault(method, {})[CENTRAL_SPLIT if split == 0 else str(split)] = {
                 "accuracy_mean": acc["mean"], "accuracy_sd": acc["sd"], "auroc_mean": auc["mean"], "auroc_sd": auc["sd"],
                 "n_seeds": len(rs), "per_seed": {str(r["seed"]): {k: r.get(k) for k in (
-                    "accuracy", "auroc", "best_cycle", "cycles_run", "same_as")} for r in rs}}
+                    "accuracy", "auroc", "best_cycle", "cycles_run", "stopped_early", "same_as")} for r in rs}}
     return table
 
 
@@ -102,9 +102,21 @@ def _targets(runs: Sequence[dict[str, Any]], dataset: str, splits: Sequence[int]
     return targets
 
 
+def stopping(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """How the trained runs ended: early stopping, or the cycle cap while the validation loss still fell.
+
+    Args:
+        runs: one record per (seed, split, method); runs reported as another one (``same_as``) are not counted.
+    """
+    trained = [r for r in runs if not r.get("same_as")]
+    capped = sorted((r for r in trained if not r.get("stopped_early")), key=lambda r: (r["split"], r["method"], r["seed"]))
+    return {"trained_runs": len(trained), "stopped_early": len(trained) - len(capped),
+            "reached_cap": [{k: r.get(k) for k in ("method", "split", "seed", "best_cycle", "cycles_run")} for r in capped]}
+
+
 def summarise(runs: list[dict[str, Any]], dataset: str, splits: Sequence[int], test_images: int, seeds: int
               ) -> dict[str, Any]:
-    """Mean +- SD per split and method, percent of central accuracy, and the issue's targets.
+    """Mean +- SD per split and method, percent of central accuracy, the issue's targets, how runs stopped.
 
     Args:
         runs: one record per (seed, split, method) of one dataset, central runs with split 0.
@@ -126,6 +138,7 @@ def summarise(runs: list[dict[str, Any]], dataset: str, splits: Sequence[int], t
                            "reused": sorted({r["same_as"] for r in rs if r.get("same_as")})}
         table["splits"][str(split)] = row
     table["targets"] = _targets(runs, dataset, splits)
+    table["stopping"] = stopping(runs)
     acc = c_acc["mean"] or 0.5
     table["noise"] = {"test_images": test_images, "binomial_sd_of_accuracy": math.sqrt(acc * (1 - acc) / test_images),
                       "seeds": seeds}
@@ -263,12 +276,24 @@ def _target_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def dataset_markdown(name: str, part: dict[str, Any]) -> list[str]:
+def stopping_line(stop: dict[str, Any], patience: int) -> str:
+    line = (f"- Stopping: {stop['stopped_early']} of {stop['trained_runs']} trained runs stopped after {patience} "
+            "cycles without a lower validation loss")
+    capped = stop["reached_cap"]
+    if not capped:
+        return line + "; none reached the cycle cap."
+    where = "; ".join(("central hosting" if r["split"] == 0 else f"split {r['split']} {r['method']}")
+                      + f" seed {r['seed']} (best cycle {r['best_cycle']} of {r['cycles_run']})" for r in capped)
+    return line + f"; {len(capped)} reached the cycle cap with the loss still falling: {where}."
+
+
+def dataset_markdown(name: str, part: dict[str, Any], patience: int) -> list[str]:
     """One dataset's section of ``report.md``.
 
     Args:
         name: ``nih1000`` or ``synthetic``.
         part: ``results.json``'s ``datasets[name]``.
+        patience: cycles without a lower validation loss that stopped a run.
     """
     data, summary = part["data"], part["summary"]
     noise = summary["noise"]
@@ -277,7 +302,8 @@ def dataset_markdown(name: str, part: dict[str, Any]) -> list[str]:
              f"{data['train_images']} images ({data['train_patients']} patients; {data['train_images'] // 2} abnormal + as "
              f"many normal), split counts {json.dumps(data['splits'])}",
              f"- Noise: {noise['test_images']} test images give a binomial SD of about "
-             f"{100 * noise['binomial_sd_of_accuracy']:.1f} accuracy points per run; {noise['seeds']} seeds.", "",
+             f"{100 * noise['binomial_sd_of_accuracy']:.1f} accuracy points per run; {noise['seeds']} seeds.",
+             stopping_line(summary["stopping"], patience), "",
              result_tables(summary), "### Targets", "", *_target_lines(summary), "",
              f"![test accuracy and AUROC per split]({part['plots'][0]})", "",
              f"![pooled validation loss per cycle]({part['plots'][1]})", ""]
@@ -338,5 +364,5 @@ def report_markdown(result: dict[str, Any]) -> str:
              "- Targets are paired over seeds (same seed: same partition, same initial weights): mean difference "
              "[95% CI], Cohen's d_z, t-test p-values.", ""]
     for name, part in result["datasets"].items():
-        lines += dataset_markdown(name, part)
+        lines += dataset_markdown(name, part, result["settings"]["patience"])
     return "\n".join(lines)
