@@ -230,14 +230,13 @@ def load_runs(folder: Path, key: dict[str, Any]) -> dict[tuple[int, int, str], d
         folder: the dataset's ``runs`` folder.
         key: :meth:`BenchSettings.run_key` of this benchmark.
     """
-    done = {}
+    done, cap = {}, key["cycles"]
     for path in sorted(folder.glob("*.json")):
         try:
             saved = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
         kept, r = saved.get("settings") or {}, saved.get("run") or {}
-        cap = key["cycles"]
         unbound = r.get("stopped_early") and r.get("cycles_run", cap + 1) <= cap  # early stopping ended it within cap
         if {**kept, "cycles": cap} == key and (kept.get("cycles") == cap or unbound):
             done[(r["seed"], r["split"], r["method"])] = r

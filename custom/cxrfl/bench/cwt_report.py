@@ -102,13 +102,18 @@ def _targets(runs: Sequence[dict[str, Any]], dataset: str, splits: Sequence[int]
     return targets
 
 
+def _trained(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs this benchmark trained: not those reported as another, identical run (``same_as``)."""
+    return [r for r in runs if not r.get("same_as")]
+
+
 def stopping(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """How the trained runs ended: early stopping, or the cycle cap while the validation loss still fell.
 
     Args:
         runs: one record per (seed, split, method); runs reported as another one (``same_as``) are not counted.
     """
-    trained = [r for r in runs if not r.get("same_as")]
+    trained = _trained(runs)
     capped = sorted((r for r in trained if not r.get("stopped_early")), key=lambda r: (r["split"], r["method"], r["seed"]))
     return {"trained_runs": len(trained), "stopped_early": len(trained) - len(capped),
             "reached_cap": [{k: r.get(k) for k in ("method", "split", "seed", "best_cycle", "cycles_run")} for r in capped]}
@@ -277,6 +282,12 @@ def _target_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def stopping_line(stop: dict[str, Any], patience: int) -> str:
+    """The report's line on how the runs stopped, naming each run that reached the cycle cap.
+
+    Args:
+        stop: :func:`stopping` of one dataset.
+        patience: cycles without a lower validation loss that stopped a run.
+    """
     line = (f"- Stopping: {stop['stopped_early']} of {stop['trained_runs']} trained runs stopped after {patience} "
             "cycles without a lower validation loss")
     capped = stop["reached_cap"]
@@ -320,7 +331,7 @@ def provenance(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     Args:
         runs: every run record of ``results.json``.
     """
-    trained = [r for r in runs if not r.get("same_as")]
+    trained = _trained(runs)
     code: dict[tuple[str, bool], int] = {}
     machines: dict[str, int] = {}
     for r in trained:
