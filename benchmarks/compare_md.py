@@ -36,7 +36,7 @@ from cxrfl.bench.report import format_ablation, format_report, markdown_table
 from cxrfl.bench.speed import format_speed
 from cxrfl.bench.targets import TARGET_PROFILES
 from cxrfl.bench.cwt_report import report_markdown as cwt_markdown
-from cxrfl.bench.fedfew import format_markdown
+from cxrfl.bench.fedfew import code_text, format_markdown
 
 ORDER = ("two-hospitals", "two-hospitals-shared", "nih1000", "ablation-sites", "two-hospitals-gpu")
 SPEED_ROWS = "<!-- speed verdict rows -->"
@@ -245,7 +245,7 @@ def fedfew_block(root: Path) -> str:
     if not path.is_file():
         return "(no `fedfew/results.json` yet: run `cxrfl bench fedfew --seeds 3 --out benchmarks/results/fedfew`)\n"
     res = json.loads(path.read_text())
-    commit = (res.get("commit") or commits(path)["added"]) + " (results; see the note above)"
+    commit = (code_text(res) or commits(path)["added"]) + " (results; see the note above)"
     return demote(format_markdown(res, commit=commit).rstrip()) + "\n"
 
 

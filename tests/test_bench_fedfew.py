@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
+import torch
 
+from cxrfl.bench.fedfew import format_markdown
 from cxrfl.bench.fedfew import run as bench_run
 from cxrfl.bench.fedfew.methods import mean_uc_f1
 from cxrfl.bench.fedfew.seed import SeedRun, stage2_summary
 from cxrfl.bench.fedfew.settings import BenchSettings
+from cxrfl.bench.protocol import code_version
 from cxrfl.common.server import RECORDS_DIR
 from cxrfl.errors import ConfigError
 from cxrfl.synth.fedfew_profile import FEDFEW_UCS
@@ -115,6 +119,25 @@ def test_results_report_and_plots_and_an_interrupted_run_goes_on(tmp_path, fake_
     assert saved["plots"] == ["uc_f1.png", "cc_auroc.png", "ssl_probe.png"]
     for name in saved["plots"]:
         assert (out / name).read_bytes().startswith(PNG_MAGIC)
+
+
+def test_results_name_the_code_and_machine_that_ran_and_results_written_before_still_read(tmp_path, fake_methods):
+    out = tmp_path / "out"
+    bench_run.run_fedfew_benchmark(out, 1, settings=SETTINGS, data_root=tmp_path / "data", log=lambda m: None)
+    saved = json.loads((out / "results.json").read_text())
+    code = code_version()
+    assert saved["code"] == code and len(code["commit"]) == 40
+    m = saved["machine"]
+    assert m["cores"] == os.cpu_count() and m["device"] == "cpu" and m["torch"] == torch.__version__
+    assert len(m["load_average"]) == 3
+    named = f"`{code['commit'][:7]}`" + (" with uncommitted changes" if code["dirty"] else "")
+    assert f"Commit: {named}. Machine: {os.cpu_count()} CPU cores, " in (out / "report.md").read_text()
+    # results.json as the benchmark wrote it before 2026-11-25
+    old = {**{k: v for k, v in saved.items() if k != "code"}, "commit": "`6b96718`",
+           "machine": {"cpus": 2, "cuda": False, "load_average_at_start": 0.27}}
+    report = format_markdown(old)
+    assert "Commit: `6b96718`. Machine: 2 CPU cores, " in report and "no GPU" in report
+    assert "load average 0.3 at the start." in report
 
 
 def test_other_settings_are_refused_or_start_over(tmp_path, fake_methods):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pandas as pd
@@ -190,6 +191,8 @@ def test_a_tiny_benchmark_writes_its_outputs_and_goes_on_from_the_kept_runs(tmp_
     assert (saved["provenance"]["trained_runs"], saved["provenance"]["reused_runs"]) == (6, 2)
     report = (out / "report.md").read_text()
     assert f"- Code: `{code['commit'][:7]}`" in report and "6 runs trained (2 more reported as an identical run)" in report
+    load = ", ".join(f"{x:.1f}" for x in saved["machine"]["load_average"])
+    assert saved["machine"]["cores"] == os.cpu_count() and f"(load average at its start {load})" in report
     assert "| 5 |" in report and "split 5: CWT+PLTI closer to central hosting" in report and "## synthetic" in report
     for png in ("cwt_nih1000.png", "cwt_curves_nih1000.png", "cwt_synthetic.png", "cwt_curves_synthetic.png"):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC

@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -196,15 +195,6 @@ def _evaluate(result: CWTResult, test: CWTSite, where: dict[str, Any]) -> dict[s
             "cycles_run": result.cycles_run, "stopped_early": result.stopped_early,
             "val_curve": [h["val_loss"] for h in result.history], "seconds": round(result.seconds, 1),
             "plan": {s: {"steps": v.steps, "lr": v.lr} for s, v in result.plan.items()}, **where}
-
-
-def _machine() -> dict[str, Any]:
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "load_average_at_start": load}
 
 
 def run_file(folder: Path, method: str, split: int, seed: int) -> Path:
@@ -385,7 +375,7 @@ def run_cwt_benchmark(
         pools["synthetic"] = synthetic_site_config(root, settings.synthetic_images, settings.image_size, settings.data_seed)
     records = _run_seeds(settings, pools, out, log, resume)
     result = {
-        "settings": settings.to_dict(), "machine": _machine(),
+        "settings": settings.to_dict(), "machine": machine(torch.device("cpu")),
         "command": command or f"cxrfl bench cwt --seeds {settings.seeds} --out {out}",
         "datasets": {d: _dataset_part(settings, d, pools[d], records[d], out) for d in pools},
         "results": {d: results_table(records[d]) for d in pools},

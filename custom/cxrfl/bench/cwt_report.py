@@ -353,7 +353,7 @@ def _provenance_lines(result: dict[str, Any]) -> list[str]:
                      for c in prov["code"])
     where = "; ".join(f"{m['machine']} ({m['runs']} runs)" for m in prov["machines"])
     jobs = result["settings"].get("jobs", 1)
-    load = ", ".join(f"{x:.1f}" for x in result["machine"]["load_average_at_start"] or [])
+    load = ", ".join(f"{x:.1f}" for x in result["machine"]["load_average"] or [])
     return [f"- Code: {code}", f"- Machine: {where}",
             f"- Time: {prov['trained_runs']} runs trained ({prov['reused_runs']} more reported as an identical run), "
             f"{prov['training_seconds'] / 3600:.1f} h of run time in {jobs} parallel process(es), so about "

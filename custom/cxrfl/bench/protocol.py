@@ -207,15 +207,20 @@ def cpu_model() -> str:
 
 
 def machine(device: torch.device) -> dict[str, Any]:
-    """Where a run computes: CPU model, cores, torch threads, the device, versions.
+    """Where a run computes: CPU model, cores, torch threads, the device, versions, and the load average
+    (1, 5 and 15 min) when called, which says whether the machine was quiet.
 
     Args:
         device: the torch device the sites train on.
     """
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        load = None
     info = {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": usable, "torch_threads": torch.get_num_threads(),
             "device": device.type, "gpu": None, "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "load_average": load}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info

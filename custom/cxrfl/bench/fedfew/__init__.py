@@ -23,8 +23,8 @@ diagnostics, the summary over seeds and the target verdicts with paired statisti
 run goes on where it stopped.
 """
 
-from cxrfl.bench.fedfew.report import format_markdown
+from cxrfl.bench.fedfew.report import code_text, format_markdown
 from cxrfl.bench.fedfew.run import run_fedfew_benchmark
 from cxrfl.bench.fedfew.settings import LABELS, METHODS, QUICK, BenchSettings
 
-__all__ = ["LABELS", "METHODS", "QUICK", "BenchSettings", "format_markdown", "run_fedfew_benchmark"]
+__all__ = ["LABELS", "METHODS", "QUICK", "BenchSettings", "code_text", "format_markdown", "run_fedfew_benchmark"]

@@ -110,16 +110,32 @@ def _fmt(x: dict[str, Any] | None, digits: int = 2) -> str:
     return f"{x['mean']:.{digits}f}" + (f" ± {sd:.{digits}f}" if sd is not None else "")
 
 
+def code_text(result: dict[str, Any]) -> str | None:
+    """The code that ran, as the report names it (None: not recorded).
+
+    Args:
+        result: the content of ``results.json``: ``code`` (:func:`~cxrfl.bench.protocol.code_version`), or
+            ``commit`` in results written before 2026-11-25.
+    """
+    code = result.get("code") or {}
+    if not code.get("commit"):
+        return result.get("commit")
+    return f"`{code['commit'][:7]}`" + (" with uncommitted changes" if code.get("dirty") else "")
+
+
 def _header(result: dict[str, Any], commit: str) -> list[str]:
     s, ff, machine = result["settings"], result["settings"]["fedfew"], result["machine"]
     seeds = result["seeds_done"]
     seed_minutes = sum(r.get("seconds", 0) for by_seed in result["runs"].values() for r in by_seed.values()) / 60
+    # results written before 2026-11-25 name the machine "cpus", "cuda", "load_average_at_start"
+    cores, gpu = machine.get("cores", machine.get("cpus")), machine.get("gpu") or machine.get("cuda")
+    load = (machine.get("load_average") or [machine.get("load_average_at_start") or 0])[0]
     return [
         f"Command: `{result['command']}`. Commit: {commit}. "
-        f"Machine: {machine['cpus']} CPU cores, {s['threads']} torch thread(s) per seed, "
-        f"{'a GPU' if machine.get('cuda') else 'no GPU'}; {len(seeds)} seed(s) ({', '.join(map(str, seeds))}), "
+        f"Machine: {cores} CPU cores, {s['threads']} torch thread(s) per seed, "
+        f"{'a GPU' if gpu else 'no GPU'}; {len(seeds)} seed(s) ({', '.join(map(str, seeds))}), "
         f"{s.get('jobs', 1)} in parallel: {result.get('wall_seconds_total', 0) / 60:.0f} min wall "
-        f"({seed_minutes:.0f} min of method time); load average {machine.get('load_average_at_start') or 0:.1f} at the "
+        f"({seed_minutes:.0f} min of method time); load average {load:.1f} at the "
         "start." + (f" {result['note']}" if result.get("note") else ""),
         "",
         f"Settings: DenseNet121 from scratch at {s['image_size']}x{s['image_size']} (images written at {s['data_image_size']}); "
@@ -255,7 +271,7 @@ def format_markdown(result: dict[str, Any], commit: str | None = None) -> str:
     summary = result.get("summary", {})
     methods = summary.get("methods", {})
     lines = ["## FedFew: underrepresented classes held by few sites (synthetic `fedfew` profile)", "",
-             *_header(result, commit or result.get("commit") or "unknown"), "", *_table(methods), *_diagnostics(methods),
+             *_header(result, commit or code_text(result) or "unknown"), "", *_table(methods), *_diagnostics(methods),
              *_energy_variants(methods), *_convergence(methods), *_targets(summary.get("targets", {}))]
     if result.get("plots"):
         lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in result["plots"]) + "."]

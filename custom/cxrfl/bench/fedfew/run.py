@@ -14,9 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import shutil
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +27,7 @@ from cxrfl.bench.fedfew.plots import write_plots
 from cxrfl.bench.fedfew.report import format_markdown, summarise
 from cxrfl.bench.fedfew.seed import RUN_ORDER, SeedRun
 from cxrfl.bench.fedfew.settings import METHODS, BenchSettings, identity
+from cxrfl.bench.protocol import code_version, machine
 from cxrfl.common.io import write_json
 from cxrfl.errors import ConfigError
 
@@ -139,22 +138,6 @@ def _run_seed_in_worker(settings: BenchSettings, seed: int, methods: Sequence[st
     return run_seed(settings, seed, methods, data_root, work, out, lambda m: print(f"[seed {seed}] {m}", flush=True))
 
 
-def _commit() -> str | None:
-    """The git commit of the code that runs (None outside a git checkout)."""
-    try:
-        proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                              text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return f"`{proc.stdout.strip()}`" if proc.returncode == 0 else None
-
-
-def _machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
-            "load_average_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-
-
 def write_results(out: Path, base: dict[str, Any], runs: dict[str, dict[str, dict[str, Any]]], complete: bool,
                   wall: float) -> dict[str, Any]:
     """``results.json``, ``report.md`` and the plots, from the finished runs.
@@ -205,7 +188,7 @@ def run_fedfew_benchmark(out: str | Path, seeds: int | Sequence[int] = 3, *, set
     store.open(settings, resume)
     earlier = json.loads((out / RESULTS).read_text()) if resume and (out / RESULTS).is_file() else {}
     base = {"benchmark": "fedfew", "command": command or f"cxrfl bench fedfew --seeds {len(seeds)} --out {out}",
-            "settings": settings.to_dict(), "seeds": seeds, "machine": _machine(), "commit": _commit(),
+            "settings": settings.to_dict(), "seeds": seeds, "machine": machine(torch.device("cpu")), "code": code_version(),
             "wall_seconds_before": float(earlier.get("wall_seconds_total", 0.0)) if earlier.get("runs") else 0.0}
     methods = [m for m in RUN_ORDER if m in settings.runs]
     finished = store.runs(seeds, methods)
