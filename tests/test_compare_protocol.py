@@ -13,7 +13,7 @@ import pytest
 
 import cxrfl.bench.runs as runs
 from cxrfl.bench.compare import run_compare
-from cxrfl.bench.protocol import RESULTS_PATH, CompareSettings, code_version
+from cxrfl.bench.protocol import RESULTS_PATH, CompareSettings, code_label, code_version
 from cxrfl.errors import ConfigError
 
 TINY = {"profile": "two-hospitals", "image_size": 32, "data_image_size": 32, "n_per_site": 30, "n_external": 24,
@@ -207,3 +207,9 @@ def test_the_recorded_commit_is_dirty_for_code_changes_but_not_for_stored_result
     assert code_version(tmp_path) == {"commit": head, "dirty": False}
     (tmp_path / "custom" / "m.py").write_text("x = 2\n")
     assert code_version(tmp_path) == {"commit": head, "dirty": True}
+
+
+def test_every_report_names_the_code_the_same_way():
+    assert code_label({"commit": "0123456789abcdef", "dirty": False}) == "`0123456`"
+    assert code_label({"commit": "0123456789abcdef", "dirty": True}, 10) == "`0123456789` with uncommitted changes"
+    assert code_label({}) == "`unknown`"

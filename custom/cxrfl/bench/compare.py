@@ -236,7 +236,8 @@ def build_results(settings: CompareSettings, data: BenchData, tests: dict[str, T
         "command": " ".join(["cxrfl", *sys.argv[1:]]) if Path(sys.argv[0]).name == "cxrfl" else None,
         "settings": settings.to_dict(),
         "seeds": seeds,
-        "machines": _unique([r["machine"] for r in runs]),
+        # one machine whatever its load: each run keeps its own load average
+        "machines": _unique([{k: v for k, v in r["machine"].items() if k != "load_average"} for r in runs]),
         "commits": _unique([r["code"] for r in runs]),
         "reported_by": {"code": code_version(), "machine": machine(settings.torch_device())},
         "run_seconds": sum(float(r["seconds"]) for r in runs),

@@ -19,6 +19,7 @@ import numpy as np
 
 from cxrfl.bench.cwt_data import TABLE_1, TABLE_3
 from cxrfl.bench.paired import against, format_stats, paired
+from cxrfl.bench.protocol import code_label
 from cxrfl.bench.report import markdown_table
 
 CENTRAL = "Central hosting"
@@ -349,8 +350,7 @@ def provenance(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def _provenance_lines(result: dict[str, Any]) -> list[str]:
     prov = result["provenance"]
-    code = "; ".join(f"`{c['commit']}`{' with uncommitted changes' if c['dirty'] else ''} ({c['runs']} runs)"
-                     for c in prov["code"])
+    code = "; ".join(f"{code_label(c)} ({c['runs']} runs)" for c in prov["code"])
     where = "; ".join(f"{m['machine']} ({m['runs']} runs)" for m in prov["machines"])
     jobs = result["settings"].get("jobs", 1)
     load = ", ".join(f"{x:.1f}" for x in result["machine"]["load_average"] or [])

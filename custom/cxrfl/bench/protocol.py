@@ -195,6 +195,18 @@ def code_version(root: str | Path | None = None) -> dict[str, Any]:
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
+def code_label(code: dict[str, Any], digits: int = 7) -> str:
+    """A :func:`code_version` record as a report names it: "`abc1234`", with " with uncommitted changes"
+    where the checkout differed from the commit.
+
+    Args:
+        code: ``commit`` (None or missing: "unknown") and ``dirty``.
+        digits: how many hex digits of the commit to show.
+    """
+    label = f"`{(code.get('commit') or 'unknown')[:digits]}`"
+    return label + (" with uncommitted changes" if code.get("dirty") else "")
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``; else what ``platform`` says)."""
     try:

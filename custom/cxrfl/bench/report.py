@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from cxrfl.bench.protocol import code_label
+
 
 def stars(p: float | None) -> str:
     """The papers' significance marks.
@@ -94,8 +96,7 @@ def _header(results: dict[str, Any]) -> list[str]:
         out.append(f"Machine ({m['runs']} run(s)): {m['cpu']}, {m['cores']} core(s) ({m['usable_cores']} usable), "
                    f"{m['torch_threads']} torch thread(s), device {m['device']}{gpu}; torch {m['torch']}, Python {m['python']}.")
     for c in results["commits"]:
-        dirty = " with uncommitted changes" if c.get("dirty") else ""
-        out.append(f"Code ({c['runs']} run(s)): commit `{(c.get('commit') or 'unknown')[:10]}`{dirty}.")
+        out.append(f"Code ({c['runs']} run(s)): commit {code_label(c, 10)}.")
     out += ["", f"Training time, all runs: {results['run_seconds'] / 3600:.2f} h.", ""]
     return out
 

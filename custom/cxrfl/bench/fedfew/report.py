@@ -15,6 +15,7 @@ import numpy as np
 
 from cxrfl.bench.fedfew.settings import BASELINES, ENERGY_VARIANTS, LABELS, METHODS
 from cxrfl.bench.paired import against, format_stats, paired
+from cxrfl.bench.protocol import code_label
 from cxrfl.synth.fedfew_profile import FEDFEW_UCS
 
 UC_METRICS = ("accuracy", "precision", "recall", "f1")
@@ -120,7 +121,7 @@ def code_text(result: dict[str, Any]) -> str | None:
     code = result.get("code") or {}
     if not code.get("commit"):
         return result.get("commit")
-    return f"`{code['commit'][:7]}`" + (" with uncommitted changes" if code.get("dirty") else "")
+    return code_label(code)
 
 
 def _header(result: dict[str, Any], commit: str) -> list[str]:
