@@ -83,12 +83,14 @@ def test_summary_reports_percent_of_central_and_the_targets_with_paired_statisti
     t = s["targets"]["split5_plti"]
     # gaps to central: vanilla 0.10 and 0.10, PLTI 0.04 and 0.02: closer by 0.06 and 0.08
     assert t["met"] and t["accuracy"]["difference"] == pytest.approx(0.07)
+    assert t["significant"] == (t["accuracy"]["p_one_sided"] < 0.05) and t["significant"]  # one-sided p = 0.045
     assert t["accuracy"]["gap_to_central"]["CWT+PLTI"]["mean"] == pytest.approx(0.03)
     # t = 0.07 / (0.01 * sqrt 2 / sqrt 2) = 7 with 1 d.f.: two-sided p = 1 - 2 atan(7) / pi
     assert t["accuracy"]["p"] == pytest.approx(1 - 2 * math.atan(7) / math.pi)
     assert t["accuracy"]["d_z"] == pytest.approx(0.07 / (0.01 * math.sqrt(2)))
     lw = s["targets"]["split10_lwms"]
     assert lw["met"] and lw["accuracy"]["per_seed"] == pytest.approx([0.04, -0.02])
+    assert not lw["significant"]  # +0.01 with an SD of 0.04 over 2 seeds
     assert s["targets"]["split10_cwl"]["met"]
     c = s["targets"]["central_auroc"]
     assert c["met"] and c["stats"]["reference"] == 0.7 and c["stats"]["difference"] == pytest.approx(0.01)
@@ -194,6 +196,9 @@ def test_a_tiny_benchmark_writes_its_outputs_and_goes_on_from_the_kept_runs(tmp_
     load = ", ".join(f"{x:.1f}" for x in saved["machine"]["load_average"])
     assert saved["machine"]["cores"] == os.cpu_count() and f"(load average at its start {load})" in report
     assert "| 5 |" in report and "split 5: CWT+PLTI closer to central hosting" in report and "## synthetic" in report
+    t = saved["datasets"]["nih1000"]["summary"]["targets"]["split5_plti"]
+    verdict = ("**met**, significant" if t["significant"] else "**met** in the mean, not significant") if t["met"] else "**not met**"
+    assert f"{t['target']}: {verdict}" in report
     for png in ("cwt_nih1000.png", "cwt_curves_nih1000.png", "cwt_synthetic.png", "cwt_curves_synthetic.png"):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
     kept = sorted(p.name for p in (out / "runs" / "nih1000").iterdir())

@@ -91,16 +91,27 @@ def _targets(runs: Sequence[dict[str, Any]], dataset: str, splits: Sequence[int]
                                     "met": st["p_one_sided"] is not None and st["p_one_sided"] < 0.05, "stats": st}
     if 5 in splits:
         t = {m: _closer(runs, 5, "CWT", "CWT+PLTI", m) for m in ("accuracy", "auroc")}
-        t["met"] = t["accuracy"]["difference"] is not None and t["accuracy"]["difference"] > 0
         t["target"] = "split 5: CWT+PLTI closer to central hosting (accuracy) than vanilla CWT"
-        targets["split5_plti"] = t
+        targets["split5_plti"] = _verdict(t)
     if 10 in splits:
         for m in ("CWT+LWMS", "CWT+CWL"):
             t = {k: paired(_by_seed(runs, 10, "CWT", k), _by_seed(runs, 10, m, k)) for k in ("accuracy", "auroc")}
-            t["met"] = t["accuracy"]["difference"] is not None and t["accuracy"]["difference"] > 0
             t["target"] = f"split 10: {m} above vanilla CWT (accuracy)"
-            targets[f"split10_{m.split('+')[1].lower()}"] = t
+            targets[f"split10_{m.split('+')[1].lower()}"] = _verdict(t)
     return targets
+
+
+def _verdict(t: dict[str, Any]) -> dict[str, Any]:
+    """A comparison target: met where the mean paired accuracy difference is above 0, significant where
+    its one-sided p-value is below 0.05 too.
+
+    Args:
+        t: the target's paired statistics (``accuracy``, ``auroc``) and its ``target`` text.
+    """
+    acc = t["accuracy"]
+    t["met"] = acc["difference"] is not None and acc["difference"] > 0
+    t["significant"] = t["met"] and acc["p_one_sided"] is not None and acc["p_one_sided"] < 0.05
+    return t
 
 
 def _trained(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -276,6 +287,9 @@ def _target_lines(summary: dict[str, Any]) -> list[str]:
             lines.append(f"- {t['target']}: {verdict} (mean AUROC {c['mean']:.3f}; against {t['stats']['reference']}: "
                          f"{format_stats(t['stats'])})" if c["mean"] is not None else f"- {t['target']}: n/a")
             continue
+        if t["met"]:
+            verdict += (", significant (one-sided p < 0.05)" if t["significant"]
+                        else " in the mean, not significant (one-sided p >= 0.05)")
         what = "how much closer to central hosting" if key == "split5_plti" else "paired difference"
         lines.append(f"- {t['target']}: {verdict} ({what}, accuracy: {format_stats(t['accuracy'], 100, ' points')}; "
                      f"AUROC: {format_stats(t['auroc'], 100, ' points')})")
