@@ -13,7 +13,7 @@ import pytest
 
 import cxrfl.bench.runs as runs
 from cxrfl.bench.compare import run_compare
-from cxrfl.bench.protocol import RESULTS_PATH, CompareSettings, code_label, code_version
+from cxrfl.bench.protocol import RESULTS_PATH, CompareSettings, code_label, code_version, command_line
 from cxrfl.errors import ConfigError
 
 TINY = {"profile": "two-hospitals", "image_size": 32, "data_image_size": 32, "n_per_site": 30, "n_external": 24,
@@ -213,3 +213,10 @@ def test_every_report_names_the_code_the_same_way():
     assert code_label({"commit": "0123456789abcdef", "dirty": False}) == "`0123456`"
     assert code_label({"commit": "0123456789abcdef", "dirty": True}, 10) == "`0123456789` with uncommitted changes"
     assert code_label({}) == "`unknown`"
+
+
+def test_a_report_names_the_cxrfl_command_that_ran_it(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["/venv/bin/cxrfl", "bench", "cwt", "--seeds", "5", "--jobs", "2"])
+    assert command_line() == "cxrfl bench cwt --seeds 5 --jobs 2"
+    monkeypatch.setattr("sys.argv", ["python", "benchmarks/cwt_splits.py"])  # not cxrfl: the caller names it
+    assert command_line() is None

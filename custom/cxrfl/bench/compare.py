@@ -14,7 +14,6 @@ issue's targets (:mod:`cxrfl.bench.targets`) are computed from the stored runs; 
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ import torch
 from cxrfl.bench.evaluate import TestSet, load_test_set
 from cxrfl.bench.methods import ABLATION_METHODS, REFERENCE, select
 from cxrfl.bench.profiles import ABLATION_SHARED, ABLATION_SITES, BenchData, from_site_configs, prepare
-from cxrfl.bench.protocol import CompareSettings, code_version, machine
+from cxrfl.bench.protocol import CompareSettings, code_version, command_line, machine
 from cxrfl.bench.runs import Entry, RunStore, entries_for, outcome_line, run_all, train_and_store
 from cxrfl.bench.statistics import Bootstrap, View, ablation_summary, make_views, versus, view_cell
 from cxrfl.bench.targets import evaluate_targets
@@ -233,7 +232,7 @@ def build_results(settings: CompareSettings, data: BenchData, tests: dict[str, T
     runs = [r for rs in records.values() for r in rs]
     results: dict[str, Any] = {
         "profile": data.profile,
-        "command": " ".join(["cxrfl", *sys.argv[1:]]) if Path(sys.argv[0]).name == "cxrfl" else None,
+        "command": command_line(),
         "settings": settings.to_dict(),
         "seeds": seeds,
         # one machine whatever its load: each run keeps its own load average

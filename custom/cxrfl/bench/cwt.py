@@ -52,7 +52,7 @@ from cxrfl.bench.cwt_report import (
     CENTRAL, DATASET_TITLES, METHODS, SPLIT_METHODS, plot, plot_curves, provenance, report_markdown, results_table,
     summarise,
 )
-from cxrfl.bench.protocol import code_version, machine
+from cxrfl.bench.protocol import code_version, command_line, machine
 from cxrfl.common.io import write_json
 from cxrfl.cwt.config import CWTConfig
 from cxrfl.cwt.inprocess import CWTResult, run_cwt
@@ -376,7 +376,7 @@ def run_cwt_benchmark(
     records = _run_seeds(settings, pools, out, log, resume)
     result = {
         "settings": settings.to_dict(), "machine": machine(torch.device("cpu")),
-        "command": command or f"cxrfl bench cwt --seeds {settings.seeds} --out {out}",
+        "command": command or command_line() or f"cxrfl bench cwt --seeds {settings.seeds} --out {out}",
         "datasets": {d: _dataset_part(settings, d, pools[d], records[d], out) for d in pools},
         "results": {d: results_table(records[d]) for d in pools},
         "runs": [r for d in pools for r in records[d]],

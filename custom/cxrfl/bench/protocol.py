@@ -17,6 +17,7 @@ import hashlib
 import os
 import platform
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -193,6 +194,11 @@ def code_version(root: str | Path | None = None) -> dict[str, Any]:
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){RESULTS_PATH}") if commit else None
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
+
+
+def command_line() -> str | None:
+    """The ``cxrfl`` command line this process runs, for a report (None: not run as ``cxrfl``)."""
+    return " ".join(["cxrfl", *sys.argv[1:]]) if Path(sys.argv[0]).name == "cxrfl" else None
 
 
 def code_label(code: dict[str, Any], digits: int = 7) -> str:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from cxrfl.bench.loading import LoadingSettings, loading_benchmark, loading_summary
+from cxrfl.bench.protocol import command_line
 from cxrfl.bench.speed_aggregation import aggregation_benchmark, aggregation_summary, model_state
 from cxrfl.bench.speed_report import format_speed, speed_verdicts
 from cxrfl.bench.speed_training import TrainingSpeedSettings, accuracy_benchmark, training_benchmark
@@ -314,7 +315,7 @@ def run_speed(s: SpeedSettings, out: Path, log: Callable[[str], None] = logger.i
     default_threads = torch.get_num_threads()
     res: dict[str, Any] = {
         "settings": asdict(s),
-        "command": " ".join(["cxrfl", *sys.argv[1:]]) if Path(sys.argv[0]).name == "cxrfl" else None,
+        "command": command_line(),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
                     "cpus": os.cpu_count(), "torch_default_threads": default_threads,
                     "load_average_at_start": list(os.getloadavg())},

@@ -27,7 +27,7 @@ from cxrfl.bench.fedfew.plots import write_plots
 from cxrfl.bench.fedfew.report import format_markdown, summarise
 from cxrfl.bench.fedfew.seed import RUN_ORDER, SeedRun
 from cxrfl.bench.fedfew.settings import METHODS, BenchSettings, identity
-from cxrfl.bench.protocol import code_version, machine
+from cxrfl.bench.protocol import code_version, command_line, machine
 from cxrfl.common.io import write_json
 from cxrfl.errors import ConfigError
 
@@ -187,7 +187,7 @@ def run_fedfew_benchmark(out: str | Path, seeds: int | Sequence[int] = 3, *, set
     store = RunStore(out)
     store.open(settings, resume)
     earlier = json.loads((out / RESULTS).read_text()) if resume and (out / RESULTS).is_file() else {}
-    base = {"benchmark": "fedfew", "command": command or f"cxrfl bench fedfew --seeds {len(seeds)} --out {out}",
+    base = {"benchmark": "fedfew", "command": command or command_line() or f"cxrfl bench fedfew --seeds {len(seeds)} --out {out}",
             "settings": settings.to_dict(), "seeds": seeds, "machine": machine(torch.device("cpu")), "code": code_version(),
             "wall_seconds_before": float(earlier.get("wall_seconds_total", 0.0)) if earlier.get("runs") else 0.0}
     methods = [m for m in RUN_ORDER if m in settings.runs]
