@@ -130,6 +130,7 @@ def test_results_name_the_code_and_machine_that_ran_and_results_written_before_s
     m = saved["machine"]
     assert m["cores"] == os.cpu_count() and m["device"] == "cpu" and m["torch"] == torch.__version__
     assert len(m["load_average"]) == 3
+    assert f"load average {', '.join(f'{x:.1f}' for x in m['load_average'])} at the start." in (out / "report.md").read_text()
     named = f"`{code['commit'][:7]}`" + (" with uncommitted changes" if code["dirty"] else "")
     assert f"Commit: {named}. Machine: {os.cpu_count()} CPU cores, " in (out / "report.md").read_text()
     # results.json as the benchmark wrote it before 2026-11-25

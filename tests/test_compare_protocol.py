@@ -13,7 +13,7 @@ import pytest
 
 import cxrfl.bench.runs as runs
 from cxrfl.bench.compare import run_compare
-from cxrfl.bench.protocol import RESULTS_PATH, CompareSettings, code_label, code_version, command_line
+from cxrfl.bench.protocol import RESULTS_PATH, CompareSettings, code_label, code_version, command_line, load_text
 from cxrfl.errors import ConfigError
 
 TINY = {"profile": "two-hospitals", "image_size": 32, "data_image_size": 32, "n_per_site": 30, "n_external": 24,
@@ -220,3 +220,10 @@ def test_a_report_names_the_cxrfl_command_that_ran_it(monkeypatch):
     assert command_line() == "cxrfl bench cwt --seeds 5 --jobs 2"
     monkeypatch.setattr("sys.argv", ["python", "benchmarks/cwt_splits.py"])  # not cxrfl: the caller names it
     assert command_line() is None
+
+
+def test_reports_read_the_load_average_under_its_new_and_its_old_names():
+    assert load_text({"load_average": [0.61, 1.0, 2.25]}) == "0.6, 1.0, 2.2"
+    assert load_text({"load_average_at_start": [1, 2, 3]}) == "1.0, 2.0, 3.0"  # results written before 2026-11-25
+    assert load_text({"load_average_at_start": 0.27}) == "0.3"  # FedFew's: the 1-min figure alone
+    assert load_text({"cpus": 2}) == "unknown"

@@ -3,6 +3,8 @@ summaries of the training and aggregation parts (tiny smoke runs), busy-loop loa
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from cxrfl.bench.speed import payload_benchmark
@@ -76,7 +78,9 @@ def test_only_some_parts_carries_the_others_over(tmp_path, monkeypatch):
     res = json.loads((tmp_path / "speed.json").read_text())
     assert res["simulator"] == sim and res["carried_over"]["simulator"]["command"] == "cxrfl bench speed --rounds 5"
     md = (tmp_path / "speed.md").read_text()
-    assert "carried over from an earlier run: `cxrfl bench speed --rounds 5`" in md
+    assert "carried over from an earlier run: `cxrfl bench speed --rounds 5` (load average at its start 1.0, 2.0, 3.0)" in md
+    load = ", ".join(f"{x:.1f}" for x in res["machine"]["load_average"])
+    assert f"Machine: {os.cpu_count()} CPU cores, CPU only, 1 torch thread(s) for training; load average at start {load}." in md
     assert "5 rounds" in md and "**0.99x**" in md  # the earlier run's settings, not this one's
     speed.run_speed(speed.SpeedSettings(parts=("aggregation",)), tmp_path, log=lambda m: None)  # carried twice: same source
     res = json.loads((tmp_path / "speed.json").read_text())

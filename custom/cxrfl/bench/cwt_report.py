@@ -19,7 +19,7 @@ import numpy as np
 
 from cxrfl.bench.cwt_data import TABLE_1, TABLE_3
 from cxrfl.bench.paired import against, format_stats, paired
-from cxrfl.bench.protocol import code_label
+from cxrfl.bench.protocol import code_label, load_text
 from cxrfl.bench.report import markdown_table
 
 CENTRAL = "Central hosting"
@@ -367,12 +367,11 @@ def _provenance_lines(result: dict[str, Any]) -> list[str]:
     code = "; ".join(f"{code_label(c)} ({c['runs']} runs)" for c in prov["code"])
     where = "; ".join(f"{m['machine']} ({m['runs']} runs)" for m in prov["machines"])
     jobs = result["settings"].get("jobs", 1)
-    load = ", ".join(f"{x:.1f}" for x in result["machine"]["load_average"] or [])
     return [f"- Code: {code}", f"- Machine: {where}",
             f"- Time: {prov['trained_runs']} runs trained ({prov['reused_runs']} more reported as an identical run), "
             f"{prov['training_seconds'] / 3600:.1f} h of run time in {jobs} parallel process(es), so about "
             f"{prov['training_seconds'] / 3600 / jobs:.1f} h of wall time; the last invocation {result['seconds']:.0f} s "
-            f"(load average at its start {load or 'unknown'})"]
+            f"(load average at its start {load_text(result['machine'])})"]
 
 
 def report_markdown(result: dict[str, Any]) -> str:

@@ -224,6 +224,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_text(record: dict[str, Any]) -> str:
+    """The 1/5/15-min load average of a :func:`machine` record as a report writes it ("unknown": not
+    recorded); reads ``load_average_at_start``, its name in results written before 2026-11-25 (a
+    list, or the 1-min figure alone), too.
+
+    Args:
+        record: a machine record.
+    """
+    load = record.get("load_average") or record.get("load_average_at_start")
+    if load is None:
+        return "unknown"
+    return ", ".join(f"{x:.1f}" for x in ([load] if isinstance(load, int | float) else load))
+
+
 def machine(device: torch.device) -> dict[str, Any]:
     """Where a run computes: CPU model, cores, torch threads, the device, versions, and the load average
     (1, 5 and 15 min) when called, which says whether the machine was quiet.

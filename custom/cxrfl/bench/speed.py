@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from cxrfl.bench.loading import LoadingSettings, loading_benchmark, loading_summary
-from cxrfl.bench.protocol import command_line
+from cxrfl.bench.protocol import command_line, machine
 from cxrfl.bench.speed_aggregation import aggregation_benchmark, aggregation_summary, model_state
 from cxrfl.bench.speed_report import format_speed, speed_verdicts
 from cxrfl.bench.speed_training import TrainingSpeedSettings, accuracy_benchmark, training_benchmark
@@ -316,9 +315,7 @@ def run_speed(s: SpeedSettings, out: Path, log: Callable[[str], None] = logger.i
     res: dict[str, Any] = {
         "settings": asdict(s),
         "command": command_line(),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-                    "cpus": os.cpu_count(), "torch_default_threads": default_threads,
-                    "load_average_at_start": list(os.getloadavg())},
+        "machine": {**machine(torch.device("cpu")), "torch_default_threads": default_threads},
     }
     _run_parts(s, parts, res, default_threads, log)
     for part, (value, source) in earlier.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from cxrfl.bench.loading import format_loading, loading_verdicts
+from cxrfl.bench.protocol import load_text
 from cxrfl.bench.report import markdown_table
 
 
@@ -14,12 +15,12 @@ def _settings_of(res: dict[str, Any], part: str) -> dict[str, Any]:
 
 def _header(res: dict[str, Any]) -> list[str]:
     m = res["machine"]
-    lines = [f"Machine: {m['cpus']} CPU cores, CPU only, {res['settings']['threads']} torch thread(s) for training; load "
-             f"average at start {', '.join(f'{x:.1f}' for x in m['load_average_at_start'])}.", ""]
+    cores = m.get("cores", m.get("cpus"))  # "cpus" in results written before 2026-11-25
+    lines = [f"Machine: {cores} CPU cores, CPU only, {res['settings']['threads']} torch thread(s) for training; load "
+             f"average at start {load_text(m)}.", ""]
     for part, source in res.get("carried_over", {}).items():
-        load = ", ".join(f"{x:.1f}" for x in (source.get("machine") or {}).get("load_average_at_start", []))
         lines += [f"The {part} part is carried over from an earlier run: `{source.get('command')}` (load average at its "
-                  f"start {load or 'unknown'}).", ""]
+                  f"start {load_text(source.get('machine') or {})}).", ""]
     return lines
 
 

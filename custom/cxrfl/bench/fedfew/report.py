@@ -15,7 +15,7 @@ import numpy as np
 
 from cxrfl.bench.fedfew.settings import BASELINES, ENERGY_VARIANTS, LABELS, METHODS
 from cxrfl.bench.paired import against, format_stats, paired
-from cxrfl.bench.protocol import code_label
+from cxrfl.bench.protocol import code_label, load_text
 from cxrfl.synth.fedfew_profile import FEDFEW_UCS
 
 UC_METRICS = ("accuracy", "precision", "recall", "f1")
@@ -128,15 +128,14 @@ def _header(result: dict[str, Any], commit: str) -> list[str]:
     s, ff, machine = result["settings"], result["settings"]["fedfew"], result["machine"]
     seeds = result["seeds_done"]
     seed_minutes = sum(r.get("seconds", 0) for by_seed in result["runs"].values() for r in by_seed.values()) / 60
-    # results written before 2026-11-25 name the machine "cpus", "cuda", "load_average_at_start"
+    # results written before 2026-11-25 name the machine "cpus", "cuda"
     cores, gpu = machine.get("cores", machine.get("cpus")), machine.get("gpu") or machine.get("cuda")
-    load = (machine.get("load_average") or [machine.get("load_average_at_start") or 0])[0]
     return [
         f"Command: `{result['command']}`. Commit: {commit}. "
         f"Machine: {cores} CPU cores, {s['threads']} torch thread(s) per seed, "
         f"{'a GPU' if gpu else 'no GPU'}; {len(seeds)} seed(s) ({', '.join(map(str, seeds))}), "
         f"{s.get('jobs', 1)} in parallel: {result.get('wall_seconds_total', 0) / 60:.0f} min wall "
-        f"({seed_minutes:.0f} min of method time); load average {load:.1f} at the "
+        f"({seed_minutes:.0f} min of method time); load average {load_text(machine)} at the "
         "start." + (f" {result['note']}" if result.get("note") else ""),
         "",
         f"Settings: DenseNet121 from scratch at {s['image_size']}x{s['image_size']} (images written at {s['data_image_size']}); "
