@@ -226,4 +226,5 @@ def test_reports_read_the_load_average_under_its_new_and_its_old_names():
     assert load_text({"load_average": [0.61, 1.0, 2.25]}) == "0.6, 1.0, 2.2"
     assert load_text({"load_average_at_start": [1, 2, 3]}) == "1.0, 2.0, 3.0"  # results written before 2026-11-25
     assert load_text({"load_average_at_start": 0.27}) == "0.3"  # FedFew's: the 1-min figure alone
+    assert load_text({"load_average_at_start": 0.0}) == "0.0"  # an idle machine is not an unrecorded load
     assert load_text({"cpus": 2}) == "unknown"

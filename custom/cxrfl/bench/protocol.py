@@ -232,7 +232,9 @@ def load_text(record: dict[str, Any]) -> str:
     Args:
         record: a machine record.
     """
-    load = record.get("load_average") or record.get("load_average_at_start")
+    load = record.get("load_average")
+    if load is None:
+        load = record.get("load_average_at_start")
     if load is None:
         return "unknown"
     return ", ".join(f"{x:.1f}" for x in ([load] if isinstance(load, int | float) else load))
