@@ -315,7 +315,7 @@ def run_speed(s: SpeedSettings, out: Path, log: Callable[[str], None] = logger.i
     res: dict[str, Any] = {
         "settings": asdict(s),
         "command": command_line(),
-        "machine": {**machine(torch.device("cpu")), "torch_default_threads": default_threads},
+        "machine": machine(torch.device("cpu")),  # its torch_threads: the default, before the parts set theirs
     }
     _run_parts(s, parts, res, default_threads, log)
     for part, (value, source) in earlier.items():
