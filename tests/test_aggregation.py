@@ -73,7 +73,7 @@ def test_unique_class_keeps_its_row_exactly():
 
 def test_explicit_class_order_and_unknown_class():
     params, classes = surgical_aggregate(three_sites(), classes=["z", "y", "x", "w", "extra"],
-                                         reference={W: np.full((5, 2), 7.0), B: np.full(5, 7.0)})
+                                         reference={W: np.full((5, 2), 7.0, np.float32), B: np.full(5, 7.0, np.float32)})
     assert classes == ["z", "y", "x", "w", "extra"]
     np.testing.assert_allclose(params[W], [[6, 0], [2, 2], [2, 1], [9, 9], [7, 7]])  # extra: reference row
     np.testing.assert_allclose(params[B], [6, 2, 2, 9, 7])
@@ -241,8 +241,6 @@ def test_mean_of_large_small_and_mixed_dtype_arrays_matches_the_plain_mean():
     ups = []
     for i, site in enumerate("abc"):
         body = {k: np.asarray((rng.normal(size=shapes[k]) * 10 + 20).astype(dtypes[k])) for k in shapes}
-        if site == "b":
-            body["s32"] = body["s32"].astype(np.float64)  # one site sends another float dtype
         params = {**body, W: np.ones((1, 2), np.float32), B: np.ones(1, np.float32)}
         ups.append({"site": site, "classes": ["x"], "params": params, "num_samples": i + 1})
     for kind in ("numpy", "torch"):
@@ -253,6 +251,9 @@ def test_mean_of_large_small_and_mixed_dtype_arrays_matches_the_plain_mean():
             want = sum(w * np.asarray(u["params"][k], np.float64) for w, u in zip((1 / 6, 2 / 6, 3 / 6), ups))
             want = np.round(want) if k == "n" else want
             np.testing.assert_allclose(got, want, rtol=2e-3 if k == "s16" else 1e-5, err_msg=f"{kind} {k}")
+    ups[1]["params"]["s32"] = ups[1]["params"]["s32"].astype(np.float64)  # issue 40: another float dtype is refused
+    with pytest.raises(UpdateRejected, match="site b: parameter 's32' has dtype float64, expected float32"):
+        surgical_aggregate(ups, weighting="samples")
 
 
 def test_normalize_shapes_once_for_many_updates():
@@ -318,7 +319,7 @@ def test_robust_median_and_clip_survive_a_scaled_site():
     np.testing.assert_allclose(mean["f.w"], np.full((2, 2), (sum(HONEST) + 1e6) / 5), rtol=1e-6)  # ruined
     assert mean["f.w"][0, 0] > 1e5
 
-    median, _ = surgical_aggregate(poisoned_sites(), robust="median")
+    median, _ = surgical_aggregate(poisoned_sites(), robust="median", clip_norm=1.0)
     np.testing.assert_allclose(median["f.w"], np.full((2, 2), 1.1))  # median of 0.8 1.0 1.1 1.2 1e6
     np.testing.assert_allclose(median[W], [[1.1]])
     np.testing.assert_allclose(median[B], [1.1])
@@ -341,7 +342,7 @@ def test_robust_modes_without_attack_are_close_to_mean():
     clipped, _ = surgical_aggregate(honest, robust="clip", clip_norm=10.0, reference=reference, classes=["x"])
     np.testing.assert_allclose(clipped["f.w"], mean["f.w"], rtol=1e-6)  # nothing exceeds the norm: plain mean
     np.testing.assert_allclose(clipped[W], mean[W], rtol=1e-6)
-    median, _ = surgical_aggregate([to_torch(u) for u in honest], robust="median")
+    median, _ = surgical_aggregate([to_torch(u) for u in honest], robust="median", clip_norm=10.0)
     assert isinstance(median["f.w"], torch.Tensor)
     np.testing.assert_allclose(median["f.w"].numpy(), np.full((2, 2), 1.05), rtol=1e-6)  # mean of 1.0 and 1.1
 
@@ -352,9 +353,11 @@ def test_median_head_uses_only_sites_with_the_class():
         update("b", {"x": ([2.0], 2.0)}, {"f": [0.0]}),
         update("c", {"x": ([9.0], 9.0), "y": ([300.0], 300.0)}, {"f": [0.0]}),
     ]
-    params, classes = surgical_aggregate(ups, robust="median")
+    params, classes = surgical_aggregate(ups, robust="median", clip_norm=1e3)
     assert classes == ["x", "y"]
-    np.testing.assert_allclose(params[W], [[2.0], [200.0]])
+    np.testing.assert_allclose(params[W], [[2.0], [200.0]])  # y: 2 sites, clipped (norms < 1e3): their mean
+    params, _ = surgical_aggregate(ups, robust="median", clip_norm=1.0)  # issue 40: a median of 2 is bounded
+    assert np.linalg.norm([params[W][1, 0], params[B][1]]) <= 1.0 + 1e-6
 
 
 def test_reference_must_match():

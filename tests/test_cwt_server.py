@@ -214,13 +214,14 @@ def test_a_resumed_run_goes_on_from_the_saved_weights_to_the_same_end(datas, tmp
     first = tmp_path / "first"
     with pytest.raises(Crash):  # the server dies during cycle 2, at site-b's turn
         run(datas, cfg, first, wrap=down("site-b", {2}, error=Crash), run_id="job-1")
-    saved = torch.load(first / "cxrfl_resume" / "job-1" / "state.pt", map_location="cpu", weights_only=False)
+    saved = torch.load(first / "cxrfl_resume" / "job-1" / "state.pt", map_location="cpu", weights_only=True)
     assert saved["cycle"] == 1
     assert ckpt_equals(first / "FL_global_model.pt", saved["weights"])  # the last saved model is cycle 1's
 
     log: list = []
     second = tmp_path / "second"
-    resumed = run(datas, cfg, second, wrap=recorder(log), run_id="job-2", resume_from=str(first / "cxrfl_resume" / "job-1"))
+    resumed = run(datas, cfg, second, wrap=recorder(log), run_id="job-2", resume_root=first / "cxrfl_resume",
+                  resume_from="job-1")
     assert log[0][:2] == (2, "site-a") and same(log[0][2], {**saved["weights"], **saved["optimizer"]})  # tensors
     cycles = records(second, "cycles.jsonl")
     assert [(c["cycle"], c["status"]) for c in cycles] == [(1, "resumed"), (2, "completed"), (3, "completed")]
@@ -240,11 +241,11 @@ def test_resume_refuses_other_settings_or_a_missing_state(datas, tmp_path):
     first = tmp_path / "first"
     with pytest.raises(Crash):
         run(datas, cfg, first, wrap=down("site-a", {1}, error=Crash))
-    state = str(first / "cxrfl_resume" / "run")
+    root = first / "cxrfl_resume"
     with pytest.raises(RunStopped, match=r"other settings for \['cwt_config'\]"):
-        run(datas, config(num_cycles=2, lr=5e-4), tmp_path / "second", resume_from=state)
+        run(datas, config(num_cycles=2, lr=5e-4), tmp_path / "second", resume_root=root, resume_from="run")
     with pytest.raises(RunStopped, match=r"does not exist"):
-        run(datas, cfg, tmp_path / "third", resume_from=str(tmp_path / "nowhere"))
+        run(datas, cfg, tmp_path / "third", resume_root=root, resume_from="nowhere")
 
 
 # ---------------------------------------------------------------------------------- abort

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from cxrfl.common.io import params_digest, read_records, to_numpy
+from cxrfl.common.resume import RESUME_ROOT_ENV
 from cxrfl.cwt.config import BINARY_CLASS
 from cxrfl.nn.models import load_checkpoint
 
@@ -100,9 +101,12 @@ def small_job(repo_root: Path, out: Path, *, flaky: bool = True, cycles: int = 2
 
 
 def simulate(job: Path, ws: Path, configs: Path, sites: tuple[str, ...], *, kill_after_cycle: int | None = None,
-             timeout: float = 900) -> subprocess.CompletedProcess | None:
-    """Run the simulator; with ``kill_after_cycle``, kill its whole process group once that cycle is recorded."""
+             timeout: float = 900, resume_root: Path | None = None) -> subprocess.CompletedProcess | None:
+    """Run the simulator; with ``kill_after_cycle``, kill its whole process group once that cycle is recorded;
+    ``resume_root``: the server's folder of resume states (the simulator replaces its workspace every run)."""
     env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(configs), "HOME": str(ws.parent / "home")}
+    if resume_root is not None:
+        env[RESUME_ROOT_ENV] = str(resume_root)
     env.pop("CXRFL_SITE_CONFIG", None)
     cmd = [str(Path(sys.executable).with_name("nvflare")), "simulator", str(job), "-w", str(ws), "-c", ",".join(sites),
            "-t", str(len(sites))]
@@ -199,9 +203,10 @@ def resumed(tmp_path_factory, repo_root, configs):
     first = small_job(repo_root, tmp / "first", flaky=False, cycles=3, evaluate_test=False)
     simulate(first, ws1, configs, sites, kill_after_cycle=1)
     state = ws1 / "server" / "cxrfl_resume" / "simulate_job"
-    second = small_job(repo_root, tmp / "second", flaky=False, cycles=3, evaluate_test=False, resume_from=str(state))
-    proc = simulate(second, ws2, configs, sites)
-    saved = torch.load(state / "state.pt", map_location="cpu", weights_only=False)
+    shutil.copytree(state, tmp / "store" / "simulate_job")  # the server's store outlives the simulator's workspace
+    second = small_job(repo_root, tmp / "second", flaky=False, cycles=3, evaluate_test=False, resume_from="simulate_job")
+    proc = simulate(second, ws2, configs, sites, resume_root=tmp / "store")
+    saved = torch.load(state / "state.pt", map_location="cpu", weights_only=True)
     return {"state": state, "saved": saved, "ws1": ws1, "ws2": ws2, "proc": proc,
             "app1": ws1 / "server" / "simulate_job" / "app_server", "app2": ws2 / "server" / "simulate_job" / "app_server"}
 

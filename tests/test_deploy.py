@@ -7,7 +7,9 @@ hospitals would:
 - production mode (``nvflare provision``): server, hospital-a and hospital-b as separate
   processes, each site with its own ``local/cxrfl_site.yaml`` (demo data, NIH-like 14 classes vs
   CheXpert-like 13); hospital-a's org admin submits ``jobs/surgical_agg`` in the pre-installed
-  mode (no ``app/custom``) and downloads the global model; hospital-b's org admin is refused a
+  mode (no ``app/custom``) and is refused its download (the server's records name every site's
+  classes: only the project admin downloads them), and the server refuses its ``vanilla_fl`` job
+  (the union head would tell hospital-a hospital-b's classes); hospital-b's org admin is refused a
   bring-your-own-code job;
 - POC mode (``nvflare poc prepare -i poc/project.yml`` / ``poc start`` / ``poc stop``): the lead
   submits the bring-your-own-code variant (package in ``app/custom``) with NVFlare's percentile
@@ -37,12 +39,14 @@ from cxrfl.deploy.processes import find_processes, terminate
 from cxrfl.deploy.provision import install_site_config, prepare_kit, provision
 from cxrfl.deploy.workspace import Deployment, free_port
 from cxrfl.errors import CxrflError
+from cxrfl.jobs import app_dirs
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.synth import write_profile
 from conftest import names_in
 
 NIH_ONLY = sorted(set(NIH_CLASSES) - set(CHEXPERT_CLASSES))
 NIH_ONLY_SPELLINGS = NIH_ONLY + [k for k, v in NIH_COLUMN_NAMES.items() if v in NIH_ONLY]
+CHEXPERT_ONLY = sorted(set(CHEXPERT_CLASSES) - set(NIH_CLASSES))
 UNION = sorted(set(NIH_CLASSES) | set(CHEXPERT_CLASSES))
 SMALL = {"num_rounds": 2, "train_config.warmup_epochs": 1, "train_config.batch_size": 16,
          "train_config.max_steps_per_epoch": 3}
@@ -135,6 +139,7 @@ def test_provision_writes_kits_into_the_workspace_only(tmp_path, repo_root, monk
         assert "/tmp/nvflare" not in json.dumps(res)
         policy = json.loads((kit / "local" / "authorization.json").read_text())["permissions"]
         assert policy["org_admin"]["byoc"] == "none" and policy["org_admin"]["submit_job"] == "any"
+        assert policy["org_admin"]["download_job"] == "none"  # issue 40: never the server's records
         assert policy["lead"]["byoc"] == "any"
     res = json.loads((server / "local" / "resources.json").read_text())
     assert res["snapshot_persistor"]["args"]["storage"]["args"]["root_dir"].startswith(str(tmp_path / "ws"))
@@ -166,7 +171,8 @@ def test_site_config_goes_into_the_kit_with_absolute_paths(tmp_path, repo_root, 
 
 
 def _configs(job: Path) -> dict[str, dict]:
-    return {p.name: json.loads(p.read_text()) for p in [job / "meta.json", *sorted((job / "app" / "config").glob("*.json"))]}
+    configs = [p for app in app_dirs(job) for p in sorted((app / "config").glob("*.json"))]
+    return {p.name: json.loads(p.read_text()) for p in [job / "meta.json", *configs]}
 
 
 def test_job_variants_are_the_committed_jobs(tmp_path, repo_root):
@@ -211,7 +217,8 @@ def test_every_job_builds_in_both_modes_and_passes_a_prepared_allow_list(tmp_pat
         pre = build_job(spec.name, tmp_path / "pre", mode="preinstalled")
         byoc = build_job(spec.name, tmp_path / "byoc", mode="byoc")
         assert _configs(pre) == _configs(committed) == _configs(byoc), spec.name
-        assert not (pre / "app" / "custom").exists() and (byoc / "app" / "custom" / "cxrfl" / "__init__.py").is_file()
+        assert not any((app / "custom").exists() for app in app_dirs(pre))
+        assert all((app / "custom" / "cxrfl" / "__init__.py").is_file() for app in app_dirs(byoc))
         for path in _component_paths(_configs(pre)):
             assert any(ComponentPathAuthorizer._path_matches_prefix(path, p) for p in allow), (spec.name, path)
         # without cxrfl. a pre-installed job is refused (NVFlare's ComponentNotAuthorized)
@@ -221,7 +228,7 @@ def test_every_job_builds_in_both_modes_and_passes_a_prepared_allow_list(tmp_pat
 
 def test_privacy_options_are_off_by_default_and_written_explicitly(tmp_path, repo_root):
     for job in (repo_root / "jobs").iterdir():
-        client = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
+        client = json.loads((app_dirs(job)[-1] / "config" / "config_fed_client.json").read_text())
         assert client["task_data_filters"] == [] and client["task_result_filters"] == []
     job = build_job("surgical_agg_fedbn", tmp_path, privacy={"method": "svt", "args": {"epsilon": 0.5}},
                     exclude_batchnorm=True)
@@ -298,7 +305,8 @@ def test_update_privacy_filters_the_difference_not_the_weights():
 
 def test_deploy_cli_is_wired(tmp_path):
     proc = cxrfl(tmp_path, "deploy", "--help")
-    for command in ("provision", "prepare-kit", "site-config", "job", "start", "status", "submit", "abort", "stop"):
+    for command in ("provision", "prepare-kit", "site-config", "job", "start", "status", "submit", "download", "abort",
+                    "stop"):
         assert command in proc.stdout
 
 
@@ -342,7 +350,8 @@ def prod(tmp_path_factory, repo_root):
                                              capture_output=True, text=True, timeout=180)
     pre = build_job("surgical_agg", tmp / "jobs_pre", mode="preinstalled", overrides=SMALL)
     byoc = build_job("surgical_agg", tmp / "jobs_byoc", mode="byoc", overrides={**SMALL, "num_rounds": 1})
-    out["jobs"] = {"pre": pre, "byoc": byoc}
+    union = build_job("vanilla_fl", tmp / "jobs_union", mode="preinstalled", overrides={**SMALL, "num_rounds": 1})
+    out["jobs"] = {"pre": pre, "byoc": byoc, "union": union}
     out["timings"]["setup"] = time.perf_counter() - t0
     try:
         t = time.perf_counter()
@@ -358,6 +367,14 @@ def prod(tmp_path_factory, repo_root):
                      "--timeout", "600", "--download", str(tmp / "download"), timeout=900, check=False)
         out["timings"]["preinstalled_job"] = time.perf_counter() - t
         out["submit_pre"] = proc
+        job_id = json_out(proc).get("job_id", "none")
+        out["download_project_admin"] = cxrfl(tmp, "deploy", "download", job_id, "--workspace", str(ws),
+                                              "--out", str(tmp / "download_project_admin"), timeout=300, check=False)
+        t = time.perf_counter()
+        out["submit_union_org_admin"] = cxrfl(tmp, "deploy", "submit", str(union), "--workspace", str(ws), "--admin",
+                                              ORG_ADMIN_A, "--timeout", "300", "--download", str(tmp / "download"),
+                                              timeout=400, check=False)
+        out["timings"]["union_refusal"] = time.perf_counter() - t
         t = time.perf_counter()
         out["submit_byoc_org_admin"] = cxrfl(tmp, "deploy", "submit", str(byoc), "--workspace", str(ws), "--admin",
                                              ORG_ADMIN_B, "--timeout", "300", timeout=400, check=False)
@@ -400,6 +417,9 @@ def test_prod_preinstalled_job_completes_with_the_union_of_classes(prod):
     result = _submitted(prod["submit_pre"])
     assert result["status"] == COMPLETED, result
     assert result["bring_your_own_code"] is False and result["admin"] == ORG_ADMIN_A
+    # the org admin's download is refused (issue 40): the project admin downloads the server's records
+    result = json_out(prod["download_project_admin"])
+    assert prod["download_project_admin"].returncode == 0 and result["admin"] == PROJECT_ADMIN, result
     ckpt = torch.load(_server_app(result) / "FL_global_model.pt", map_location="cpu", weights_only=False)
     assert ckpt["classes"] == UNION == list(KNOWN_CLASSES) and len(UNION) == 20
     assert ckpt["model"]["classifier.weight"].shape[0] == 20
@@ -424,7 +444,7 @@ def test_prod_sites_read_their_own_local_config(prod):
 
 @pytest.mark.slow
 def test_prod_metrics_reach_the_server_but_no_images(prod):
-    result = _submitted(prod["submit_pre"])
+    result = json_out(prod["download_project_admin"])
     root = Path(result["result"])
     tb = root / "workspace" / "tb_events"
     for site in ("hospital-a", "hospital-b"):
@@ -442,6 +462,39 @@ def test_prod_org_admin_is_refused_bring_your_own_code(prod):
     assert "BYOC not permitted" in result["refused"]
     assert proc.returncode == 1
     assert f"cxrfl: job refused for {ORG_ADMIN_B}: server: BYOC not permitted" in proc.stderr
+
+
+@pytest.mark.slow
+def test_prod_org_admin_of_hospital_a_gets_no_name_of_hospital_b_classes(prod):
+    # issue 40 point 1: hospital-a's org admin submitted a job and downloaded the 20-class union, which sites hold
+    # which class (rounds.jsonl) and every site's AUROC per class (evaluation.json); a vanilla_fl job it submitted
+    # sent the union class list to hospital-a, where it reads it
+    pre, union = prod["submit_pre"], prod["submit_union_org_admin"]
+    result = json_out(pre)
+    assert result["status"] == COMPLETED and "result" not in result, result
+    assert "not authorized" in result["download_refused"].lower() and pre.returncode == 1, result
+    assert f"download of job {result['job_id']} refused for {ORG_ADMIN_A}" in pre.stderr
+    refused = json_out(union)
+    assert refused["status"] == "FINISHED:EXECUTION_EXCEPTION" and union.returncode == 1, refused
+    ws, dep, tmp = prod["ws"], prod["dep"], Path(prod["tmp"])
+    import zipfile  # the job's server log, archived by NVFlare into its job store
+
+    log = zipfile.ZipFile(ws / "storage" / "jobs-storage" / refused["job_id"] / "workspace").read("log.txt")
+    assert b"SurgicalAggregation sends every site class names other sites hold, and this job was submitted by role " \
+           b"'org_admin'" in log
+    # everything hospital-a's org admin received or can read at its own site
+    roots = [tmp / "download", dep.kit("hospital-a"), ws / "home" / "hospital-a", ws / "tmp" / "hospital-a", dep.kit(ORG_ADMIN_A)]
+    files = [p for root in roots if root.exists() for p in root.rglob("*") if p.is_file()]
+    assert len(files) > 10 and list(dep.kit("hospital-a").rglob("log.txt"))
+    assert leaks(roots, CHEXPERT_ONLY) == {}
+    # positive control: the same scan finds a hospital-b-only class planted in a copy of one of those files
+    planted = tmp / "planted" / "log.txt"
+    planted.parent.mkdir(exist_ok=True)
+    planted.write_bytes(sorted(dep.kit("hospital-a").rglob("log.txt"))[0].read_bytes() + b"\nLung Opacity\n")
+    assert leaks([planted.parent], CHEXPERT_ONLY) == {str(planted): ["Lung Opacity"]}
+    # the server holds them (the project admin downloads them), in its owner-only job store
+    assert leaks([_server_app(json_out(prod["download_project_admin"])) / "cxrfl"], CHEXPERT_ONLY)
+    assert (ws / "storage" / "jobs-storage").stat().st_mode & 0o077 == 0
 
 
 @pytest.mark.slow

@@ -78,6 +78,23 @@ def test_every_supported_transfer_syntax_decodes(name: str, syntax: str, referen
         assert float(np.abs(x - ref).mean()) <= tolerance + 1e-7
 
 
+PERMISSIVE_ONLY = [row for row in SYNTAXES if row[1] in uid.JPEGLSTransferSyntaxes or row[1] == uid.JPEGLosslessSV1]
+
+
+@pytest.mark.parametrize(("name", "syntax", "reference", "tolerance"), PERMISSIVE_ONLY, ids=[s[0] for s in PERMISSIVE_ONLY])
+def test_jpeg_lossless_and_jpeg_ls_decode_with_the_default_permissive_decoder(name: str, syntax: str,
+                                                                               reference: str | None,
+                                                                               tolerance: float | None) -> None:
+    """Issue 40 point 11: these syntaxes needed pylibjpeg-libjpeg (GPL-3.0); GDCM (python-gdcm, BSD/Apache)
+    is the default decoder now and gives the same pixels as whichever decoder pydicom picks."""
+    from pydicom.pixels import pixel_array
+
+    path = dicom_file(name)
+    via_gdcm = pixel_array(path, decoding_plugin="gdcm")
+    assert via_gdcm.std() > 0
+    assert np.array_equal(via_gdcm, pydicom.dcmread(path).pixel_array)
+
+
 def test_readme_lists_exactly_the_transfer_syntaxes_the_dependencies_decode(repo_root: Path) -> None:
     text = (repo_root / "README.md").read_text()
     section = text[text.index("### DICOM transfer syntaxes"):]

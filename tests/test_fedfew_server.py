@@ -6,6 +6,7 @@ interrupted run (per stage and within a stage), the old ``resume`` alias, the si
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from cxrfl.common.server import RunAborted, RunStopped
+from cxrfl.errors import ConfigError
 from cxrfl.fedfew import protocol as P
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.energy import threshold_counts
@@ -303,7 +305,7 @@ def test_a_run_killed_mid_stage_goes_on_after_its_last_completed_round(tmp_path)
                        run_id="job-1", aborted=_abort_after(tmp_path / "app1", 2, 3))
     with pytest.raises(RunAborted):
         first.run()
-    saved = torch.load(tmp_path / "resume" / "job-1" / "state.pt", weights_only=False)
+    saved = torch.load(tmp_path / "resume" / "job-1" / "state.pt", weights_only=True)
     assert (saved["stage"], saved["round"], saved["phase"]) == (2, 3, 1)
 
     sites = ScriptedSites(val_losses=losses[3:])
@@ -387,18 +389,18 @@ def test_resume_from_an_unknown_run_is_a_clear_stop(tmp_path):
         server.run()
 
 
-def test_the_old_resume_key_is_an_alias_with_a_deprecation_line(tmp_path):
+def test_the_old_resume_key_naming_a_folder_is_refused(tmp_path):
+    # issue 40 point 2: the deprecated 'resume' took a folder the server then read
     from cxrfl.fl.fedfew import FedFew
 
     msgs = []
     common = dict(send=lambda t, p: {}, sites=["a"], out_dir=tmp_path / "app", run_id="job-2",
                   resume_root=tmp_path / "resume", info=msgs.append, warning=msgs.append, aborted=lambda: False)
-    server = FedFew(resume="../earlier/fedfew").make_server(**common)
-    assert server.resume_from == str((tmp_path / "earlier" / "fedfew").resolve())
-    assert any("'resume' is deprecated" in m and "resume_from" in m for m in msgs)
+    with pytest.raises(ConfigError, match=r"^FedFew: resume='../earlier/fedfew' is no longer accepted.*resume_from"):
+        FedFew(resume="../earlier/fedfew")
     assert FedFew(resume_from="job-1").make_server(**common).resume_from == "job-1"
-    with pytest.raises(ValueError, match="resume_from only"):
-        FedFew(resume_from="job-1", resume="x")
+    with pytest.raises(ConfigError, match=r"^resume_from='/earlier' is not a plain name"):
+        FedFew(resume_from="/earlier").make_server(**common)
     server = FedFew(min_clients=2, min_clients_timeout=30, retry_pause=3).make_server(**common)
     assert (server.min_clients, server.clock.timeout, server.clock.pause) == (2, 30, 3)
 
@@ -416,3 +418,51 @@ def test_site_host_logs_one_line_per_task_and_tracks_the_losses():
     assert host.scalars(P.ENERGY, {"stats": {}}) is None
     val = host.describe(P.VALIDATE, {}, {"metrics": {"split": "val", "cc_loss": 0.25, "cc_mean_auroc": 0.6}})
     assert val == "site uc-1 val: CC loss 0.2500; CC mean AUROC 0.6000"
+
+
+class RecordingHost:
+    """A site host for :func:`cxrfl.common.transport.inprocess_transport`: keeps every task meta it
+    receives (as JSON text) and answers as :class:`ScriptedSites` does."""
+
+    tasks = P.TASKS
+
+    def __init__(self, site, script):
+        self.site, self.script, self.received = site, script, []
+
+    def handle(self, task, params, meta):
+        self.received.append(json.dumps(meta))
+        return self.script.answer(task, self.site, params, meta)
+
+    def describe(self, task, meta, answer):
+        return None
+
+    def scalars(self, task, answer):
+        return None
+
+
+def _foreign_ucs(texts, own, ucs):
+    """The UC names other than ``own`` that any of the texts mentions (as whole words)."""
+    hits = set()
+    for text in texts:
+        hits |= {uc for uc in ucs if uc not in own and re.search(rf"(?<![A-Za-z]){re.escape(uc)}(?![A-Za-z])", text)}
+    return hits
+
+
+def test_each_site_receives_only_its_own_underrepresented_classes(tmp_path):
+    """Issue 40 point 8: every task carried the whole fedfew_config, so every site received the
+    federation's list of UCs (fedfew.uc_classes); a site must receive its own UCs only."""
+    from cxrfl.common.transport import inprocess_transport
+
+    ucs = [UC, "Edema"]  # uc-1 labels Hernia; Edema is labelled at no site here
+    script = ScriptedSites()
+    hosts = {s: RecordingHost(s, script) for s in ("cc-1", "cc-2", "uc-1")}
+    config = FedFewConfig.from_dict({**SMALL.to_dict(), "uc_classes": ucs})
+    server, _ = _server(tmp_path, inprocess_transport(hosts), config=config, evaluate_test=True)
+    server.run()
+    own = {"cc-1": set(), "cc-2": set(), "uc-1": {UC}}
+    for site, host in hosts.items():
+        assert host.received, site
+        assert _foreign_ucs(host.received, own[site], ucs) == set(), site
+    # positive controls: the scan sees a UC name where one is sent (uc-1's own), and a planted one
+    assert _foreign_ucs(hosts["uc-1"].received, set(), ucs) == {UC}
+    assert _foreign_ucs([json.dumps({"fedfew_config": {"uc_classes": ["Edema"]}})], set(), ucs) == {"Edema"}

@@ -3,7 +3,8 @@
 1. ``killed``: two sites fail their stage-1 task in round 1 (``min_clients`` 2, so the round has
    too few valid results and is run again); the whole simulator (server included) is killed once
    stage 2's round 1 is recorded;
-2. ``resumed``: the same job submitted with ``resume_from`` set to the killed run's resume folder:
+2. ``resumed``: the same job submitted with ``resume_from`` set to the killed run's job id (its
+   resume folder copied to a store outside the simulator's workspace, ``CXRFL_RESUME_ROOT``):
    stage 1 is not run again, stage 2 goes on with round 2 from the saved weights (compared as
    tensors with what a site received), stage 3 follows; then ``cxrfl predict`` on the final model.
 
@@ -14,6 +15,7 @@ in ``tests/test_fedfew_server.py`` (the NVFlare glue that turns the stop into a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -28,7 +30,9 @@ import torch
 
 from cxrfl.cli import main
 from cxrfl.common.io import read_records
+from cxrfl.common.resume import RESUME_ROOT_ENV
 from cxrfl.fedfew.learner import NO_CC
+from cxrfl.jobs import job_spec, write_job
 from cxrfl.synth import write_profile
 from cxrfl.synth.fedfew_profile import FEDFEW_CCS
 
@@ -42,11 +46,10 @@ def nvflare_bin() -> str:
     return str(Path(sys.executable).with_name("nvflare"))
 
 
-def small_job(repo_root: Path, out: Path, name: str, resume_from: str | None = None) -> Path:
-    """The real jobs/fedfew with short stages at 32x32, every site on the fault-injecting executor."""
-    job = out / name
-    shutil.copytree(repo_root / "jobs" / "fedfew", job)
-    cfg_path = job / "app" / "config" / "config_fed_server.json"
+def small_job(out: Path, name: str, resume_from: str | None = None) -> Path:
+    """jobs/fedfew (exported for our sites) with short stages at 32x32, every site on the fault-injecting executor."""
+    job = write_job(dataclasses.replace(job_spec("fedfew"), name=name, sites=tuple(SITES)), out)  # jobs/fedfew, our sites
+    cfg_path = job / "app_server" / "config" / "config_fed_server.json"
     cfg = json.loads(cfg_path.read_text())
     args = cfg["workflows"][0]["args"]
     args["model_config"]["image_size"] = 32
@@ -55,13 +58,15 @@ def small_job(repo_root: Path, out: Path, name: str, resume_from: str | None = N
                                  min_prototype_images=2, threshold_bins=64, eval_batch_size=64)
     args.update(resume_from=resume_from, min_clients=2, min_clients_timeout=300, retry_pause=1)
     cfg_path.write_text(json.dumps(cfg, indent=2))
-    shutil.copy(FAULTY, job / "app" / "custom" / FAULTY.name)
-    client_path = job / "app" / "config" / "config_fed_client.json"
-    client = json.loads(client_path.read_text())
-    executor = client["executors"][0]["executor"]
-    executor["path"] = "fedfew_executor.FaultyFedFewExecutor"
-    executor["args"].update(faults={"cc-2": ["fedfew_ssl:1"], "uc-hernia": ["fedfew_ssl:1"]}, keep_received=SITES)
-    client_path.write_text(json.dumps(client, indent=2))
+    for site in SITES:
+        (job / f"app_{site}" / "custom").mkdir()
+        shutil.copy(FAULTY, job / f"app_{site}" / "custom" / FAULTY.name)
+        client_path = job / f"app_{site}" / "config" / "config_fed_client.json"
+        client = json.loads(client_path.read_text())
+        executor = client["executors"][0]["executor"]
+        executor["path"] = "fedfew_executor.FaultyFedFewExecutor"
+        executor["args"].update(faults={"cc-2": ["fedfew_ssl:1"], "uc-hernia": ["fedfew_ssl:1"]}, keep_received=SITES)
+        client_path.write_text(json.dumps(client, indent=2))
     return job
 
 
@@ -73,9 +78,13 @@ def records(app: Path) -> list[dict]:
     return read_records(app / "cxrfl" / "rounds.jsonl")
 
 
-def simulate(job: Path, ws: Path, data: Path, home: Path, kill_when=None, timeout: float = 900) -> str:
-    """Run the simulator (its output returned); ``kill_when(records)`` True kills its whole process group."""
+def simulate(job: Path, ws: Path, data: Path, home: Path, kill_when=None, timeout: float = 900,
+             resume_root: Path | None = None) -> str:
+    """Run the simulator (its output returned); ``kill_when(records)`` True kills its whole process group;
+    ``resume_root``: the server's folder of resume states (the simulator replaces its workspace every run)."""
     env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(data), "HOME": str(home)}
+    if resume_root is not None:
+        env[RESUME_ROOT_ENV] = str(resume_root)
     cmd = [nvflare_bin(), "simulator", str(job), "-w", str(ws), "-c", ",".join(SITES), "-t", str(len(SITES))]
     log_path = ws.parent / f"{ws.name}.log"
     with open(log_path, "w") as log:
@@ -104,15 +113,17 @@ def runs(tmp_path_factory, repo_root):
     data = tmp / "data"
     write_profile("fedfew", data, n_per_site=60, image_size=32, sites=SITES[:2])
     write_profile("fedfew", data, n_per_site=160, image_size=32, sites=SITES[2:])  # ~10 Hernia positives in train
-    out1 = simulate(small_job(repo_root, tmp, "killed"), tmp / "ws1", data, tmp / "home", kill_when=stage2_round_done(1))
+    out1 = simulate(small_job(tmp, "killed"), tmp / "ws1", data, tmp / "home", kill_when=stage2_round_done(1))
     killed = app_dir(tmp / "ws1")
     resume = tmp / "ws1" / "server" / "cxrfl_resume" / "simulate_job"
     if not (resume / "state.pt").is_file():
         pytest.fail(f"the killed run left no stage-2 state in {resume}:\n{out1[-4000:]}")
-    saved = torch.load(resume / "state.pt", map_location="cpu", weights_only=False)
+    saved = torch.load(resume / "state.pt", map_location="cpu", weights_only=True)
     kept = tmp / "kept"  # the simulator's next run replaces the workspace: keep the interrupted run's folder
     shutil.copytree(resume, kept)
-    out2 = simulate(small_job(repo_root, tmp, "resumed", resume_from=str(kept)), tmp / "ws2", data, tmp / "home")
+    shutil.copytree(resume, tmp / "store" / "simulate_job")  # the server's store of resume states, outside it
+    out2 = simulate(small_job(tmp, "resumed", resume_from="simulate_job"), tmp / "ws2", data, tmp / "home",
+                    resume_root=tmp / "store")
     app = app_dir(tmp / "ws2")
     if not (app / "FL_global_model.pt").is_file():
         pytest.fail(f"the resumed run left no final model:\n{out2[-4000:]}")

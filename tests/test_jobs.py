@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from cxrfl.data.labels import KNOWN_CLASSES
-from cxrfl.jobs import JOBS, export_all, job_spec
+from cxrfl.jobs import JOBS, app_dirs, export_all, job_spec
 
 
 def _tree(root):
@@ -45,9 +45,10 @@ def test_every_workflow_and_executor_argument_is_written(repo_root):
     """NVFlare's exporter drops arguments equal to their defaults; the recipes write them all, so a
     later change of a default never changes what a committed job runs."""
     for spec in JOBS:
-        config = repo_root / "jobs" / spec.name / "app" / "config"
-        server = json.loads((config / "config_fed_server.json").read_text())
-        client = json.loads((config / "config_fed_client.json").read_text())
+        apps = app_dirs(repo_root / "jobs" / spec.name)
+        server = json.loads(next(a for a in apps if a.name in ("app", "app_server")).joinpath(
+            "config", "config_fed_server.json").read_text())
+        client = json.loads((apps[-1] / "config" / "config_fed_client.json").read_text())
         for entry in (server["workflows"][0], client["executors"][0]["executor"]):
             cls = _class(entry["path"])
             params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "resume")]
@@ -86,3 +87,23 @@ def test_job_spec_names_the_known_jobs():
     assert job_spec("cwt").name == "cwt"
     with pytest.raises(KeyError, match="surgical_agg"):
         job_spec("nope")
+
+
+def _server_config_targets(job):
+    """deploy_map targets of every app holding config_fed_server.json, and the sites' targets."""
+    deploy_map = json.loads((job / "meta.json").read_text())["deploy_map"]
+    server_apps = {app for app in deploy_map if (job / app / "config" / "config_fed_server.json").is_file()}
+    return ([t for app in server_apps for t in deploy_map[app]],
+            [t for app, targets in deploy_map.items() if app not in server_apps for t in targets])
+
+
+def test_fedfew_job_sends_the_server_config_to_the_server_only(tmp_path, repo_root):
+    """Issue 40 point 8: jobs/fedfew deployed one app, config_fed_server.json included, to "@ALL"
+    (NVFlare: the server and every site); the server's app must go to the server alone."""
+    from cxrfl.fl.recipes import FedFewRecipe
+
+    FedFewRecipe(name="f", sites=["hospital-a", "hospital-b"]).export(str(tmp_path))
+    for job, sites in ((repo_root / "jobs" / "fedfew", ["site-1", "site-2"]), (tmp_path / "f", ["hospital-a", "hospital-b"])):
+        to_server_app, to_site_apps = _server_config_targets(job)
+        assert to_server_app == ["server"], job
+        assert sorted(to_site_apps) == sites, job  # each named site gets a client app, and no server config

@@ -11,7 +11,7 @@ import torchvision
 from torch import nn
 
 import cxrfl.nn.models as models
-from cxrfl.errors import ConfigError
+from cxrfl.errors import ConfigError, StorageError
 from cxrfl.nn.losses import masked_bce
 from cxrfl.nn.models import (
     CXRNet,
@@ -198,7 +198,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(models.torch, "save", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(StorageError, match=r"cannot write .*model.pt: disk full; check"):  # one line (issue 40 point 9)
         save_checkpoint(path, model, classes=["a", "b"], model_config=CFG)
     assert path.read_bytes() == good  # the previous checkpoint is intact
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]

@@ -14,13 +14,14 @@ from cxrfl.common.server import ServerLoop
 from cxrfl.errors import ConfigError
 from cxrfl.fl.base import mean_over_sites, track, write_every_arg
 from cxrfl.fl.recipes import CWTRecipe, FedFewRecipe, SurgicalAggregationRecipe
+from cxrfl.jobs import app_dirs
 
 
 def export(recipe, tmp_path) -> dict[str, dict]:
     recipe.export(str(tmp_path))
-    config = tmp_path / recipe.name / "app" / "config"
-    return {"server": json.loads((config / "config_fed_server.json").read_text()),
-            "client": json.loads((config / "config_fed_client.json").read_text()),
+    apps = app_dirs(tmp_path / recipe.name)  # "app", or "app_server" and one app per named site
+    return {"server": json.loads((apps[0] / "config" / "config_fed_server.json").read_text()),
+            "client": json.loads((apps[-1] / "config" / "config_fed_client.json").read_text()),
             "meta": json.loads((tmp_path / recipe.name / "meta.json").read_text())}
 
 
@@ -182,3 +183,11 @@ def test_job_py_arguments_choose_nvflares_execution_environment(tmp_path, monkey
         env_from_args(parser.parse_args(["--env", "prod"]))
     assert parser.parse_args(["--tracking", "tensorboard,mlflow"]).tracking == ("tensorboard", "mlflow")
     assert parser.parse_args(["--tracking", ""]).tracking == ()
+
+
+def test_fedfew_recipe_refuses_unnamed_sites_and_names_bad_ones():
+    """Issue 40 point 8: without named sites NVFlare's @ALL would send the server's app to every site."""
+    with pytest.raises(ConfigError, match="name the sites"):
+        FedFewRecipe(sites=[])
+    with pytest.raises(ConfigError, match="job.sites must list distinct client site names"):
+        FedFewRecipe(sites=["a", "server"])

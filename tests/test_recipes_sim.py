@@ -19,7 +19,7 @@ import torch
 
 from cxrfl.common.io import read_records
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
-from cxrfl.jobs import job_spec, write_job
+from cxrfl.jobs import app_dirs, job_spec, write_job
 from cxrfl.nn.models import load_checkpoint
 from cxrfl.synth import write_profile
 
@@ -48,11 +48,11 @@ SPECS = {
         tracking=("tensorboard", "mlflow")),
     "cwt": tiny("cwt", model_config={"image_size": 32},
                 cwt_config={"num_cycles": 1, "local_steps": 1, "batch_size": 8, "plti": False}),
-    "fedfew": tiny("fedfew", model_config={"image_size": 32},
+    "fedfew": dataclasses.replace(tiny("fedfew", model_config={"image_size": 32},
                    fedfew_config={"ssl_rounds": 1, "ssl_max_steps": 1, "ssl_batch_size": 8, "ssl_proj_dim": 64,
                                   "ssl_pred_dim": 16, "warmup_rounds": 1, "rounds": 1, "batch_size": 16,
                                   "max_steps_per_epoch": 1, "min_prototype_images": 2, "threshold_bins": 64,
-                                  "eval_batch_size": 64}),
+                                  "eval_batch_size": 64}), sites=tuple(FEDFEW_SITES)),
 }
 SITES = {"surgical": TWO, "cwt": TWO, "fedfew": FEDFEW_SITES}
 
@@ -101,9 +101,13 @@ def _configs(folder: Path) -> dict[str, dict]:
 @pytest.mark.parametrize("method", list(SPECS))
 def test_simenv_ran_the_exported_job_folder(runs, method):
     deployed = _configs(runs[method]["app"] / "config")
-    exported = _configs(runs[method]["job"] / "app" / "config")
-    assert deployed == exported and set(deployed) == {"config_fed_server.json", "config_fed_client.json"}
+    exported = _configs(app_dirs(runs[method]["job"])[0] / "config")  # "app", or FedFew's "app_server"
+    assert deployed == exported and "config_fed_server.json" in deployed
     assert (runs[method]["app"] / "custom" / "README.md").is_file()  # the job's README-only app/custom
+    if method == "fedfew":  # issue 40 point 8: the server's config reached the server only
+        for site in SITES[method]:
+            assert (runs[method]["ws"] / site).is_dir() and not list((runs[method]["ws"] / site).rglob(
+                "config_fed_server.json")), site
 
 
 def _files(app: Path) -> set[str]:

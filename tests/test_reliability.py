@@ -33,6 +33,7 @@ import torch
 
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
 from cxrfl.common.io import read_records
+from cxrfl.common.resume import RESUME_ROOT_ENV
 from cxrfl.nn.models import load_checkpoint
 from cxrfl.surgical.head_modes import site_payload
 from cxrfl.synth import write_profile
@@ -84,9 +85,12 @@ def make_job(repo_root: Path, out: Path, *, faults: dict | None = None, echo: li
 
 
 def simulate(job: Path, ws: Path, sites: list[str], data: Path, *, kill_after_round: int | None = None,
-             timeout: float = 900) -> subprocess.CompletedProcess | None:
-    """Run the simulator; with ``kill_after_round``, kill its whole process group once that round is recorded."""
+             timeout: float = 900, resume_root: Path | None = None) -> subprocess.CompletedProcess | None:
+    """Run the simulator; with ``kill_after_round``, kill its whole process group once that round is recorded;
+    ``resume_root``: the server's folder of resume states (the simulator replaces its workspace every run)."""
     env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(data), "HOME": str(ws.parent / "home")}
+    if resume_root is not None:
+        env[RESUME_ROOT_ENV] = str(resume_root)
     cmd = [nvflare_bin(), "simulator", str(job), "-w", str(ws), "-c", ",".join(sites), "-t", "2"]
     if kill_after_round is None:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -246,11 +250,13 @@ def resumed(tmp_path_factory, repo_root, data):
     ws1 = tmp / "ws1"
     simulate(first, ws1, sites, data, kill_after_round=1)
     state = ws1 / "server" / "cxrfl_resume" / "simulate_job"
-    saved = torch.load(state / "state.pt", map_location="cpu", weights_only=False)  # before the second job runs
+    saved = torch.load(state / "state.pt", map_location="cpu", weights_only=True)  # before the second job runs
+    store = tmp / "store"  # resume_from is a job id of the server's store, which outlives the simulator's workspace
+    shutil.copytree(state, store / "simulate_job")
     second = make_job(repo_root, tmp / "second", faults={}, keep_received=sites, num_rounds=3, patience=10,
-                      evaluate_test=False, resume_from=str(state))
+                      evaluate_test=False, resume_from="simulate_job")
     ws2 = tmp / "ws2"
-    proc = simulate(second, ws2, sites, data)
+    proc = simulate(second, ws2, sites, data, resume_root=store)
     return {"ws1": ws1, "ws2": ws2, "state": state, "saved": saved, "proc": proc,
             "first": read_records(app_dir(ws1) / "cxrfl" / "rounds.jsonl"),
             "second": read_records(app_dir(ws2) / "cxrfl" / "rounds.jsonl")}

@@ -7,6 +7,7 @@ simulator run of ``tests/test_reliability.py`` (a site whose first warm-up raise
 
 from __future__ import annotations
 
+import shutil
 
 import numpy as np
 import pytest
@@ -123,13 +124,13 @@ def late(sites, tmp_path_factory):
     out = tmp / "first"
     with pytest.raises(RunAborted):
         run_surgical({"hospital-a": a, "hospital-b": b}, settings(), out, run_id="first", aborted=aborted)
-    saved = torch.load(out / "cxrfl_resume" / "first" / "state.pt", weights_only=False)
+    saved = torch.load(out / "cxrfl_resume" / "first" / "state.pt", weights_only=True)
     first_log = {"hospital-a": list(a.log), "hospital-b": list(b.log)}
     a.log.clear()
     b.log.clear()
     second = tmp / "second"
-    run_surgical({"hospital-a": a, "hospital-b": b}, settings(resume_from=str(out / "cxrfl_resume" / "first")), second,
-                 run_id="second")
+    shutil.copytree(out / "cxrfl_resume" / "first", second / "cxrfl_resume" / "first")  # the store of the second run
+    run_surgical({"hospital-a": a, "hospital-b": b}, settings(resume_from="first"), second, run_id="second")
     return {"out": out, "second": second, "saved": saved, "log": first_log,
             "resumed_log": {"hospital-a": a.log, "hospital-b": b.log}, "sites": sites,
             "records": read_records(out / "cxrfl" / "rounds.jsonl"),

@@ -48,7 +48,7 @@ def test_warmup_trains_only_the_head_and_returns_own_rows(small_site, tmp_path):
 
 def optimizer_rounds(state_dir) -> dict[int, dict]:
     folder = state_dir / OPTIMIZER_ROUNDS
-    return {int(p.stem.split("_")[1]): torch.load(p, weights_only=False) for p in folder.glob("round_*.pt")}
+    return {int(p.stem.split("_")[1]): torch.load(p, weights_only=True) for p in folder.glob("round_*.pt")}
 
 
 def test_optimizer_state_survives_a_rebuilt_learner(small_site, tmp_path):
@@ -84,7 +84,7 @@ def test_fedbn_keeps_batchnorm_local(small_site, tmp_path):
     assert not bn & set(warm.params)
     trained = site.train_round(warm.params, 1)
     assert not bn & set(trained.params)
-    local = torch.load(tmp_path / "local_bn.pt", weights_only=False)
+    local = torch.load(tmp_path / "local_bn.pt", weights_only=True)
     assert set(local) == bn
     rebuilt = learner(small_site, tmp_path, "fedbn")
     rebuilt.load_params(trained.params)  # payload without BatchNorm: the site's own statistics come back

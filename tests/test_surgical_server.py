@@ -9,6 +9,7 @@ beforehand.
 from __future__ import annotations
 
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -257,7 +258,7 @@ def test_a_round_with_too_few_valid_results_is_retried_then_stops_with_the_reaso
     for words in ("round 2 had fewer than min_clients=2", "hospital-b", "resume_from='run'"):
         assert words in str(stop.value)
     assert load_checkpoint(out / "FL_global_model.pt")["round"] == 1  # the last completed round
-    assert torch.load(out / "cxrfl_resume" / "run" / "state.pt", weights_only=False)["round"] == 1
+    assert torch.load(out / "cxrfl_resume" / "run" / "state.pt", weights_only=True)["round"] == 1
 
 
 def overflow_once():
@@ -305,15 +306,17 @@ def test_abort_writes_nothing_and_a_resumed_run_continues_from_the_saved_weights
     assert not (first / "cxrfl" / "checkpoints" / "round_003.pt").exists()
     assert not (first / "cxrfl" / "evaluation.json").exists()
     state_dir = first / "cxrfl_resume" / "first"
-    assert torch.load(state_dir / "state.pt", weights_only=False)["round"] == 2
+    assert torch.load(state_dir / "state.pt", weights_only=True)["round"] == 2
 
+    for out in ("wrong", "second"):  # resume_from is a run id of the store under the output folder
+        shutil.copytree(state_dir, tmp_path / out / "cxrfl_resume" / "first")
     with pytest.raises(RunStopped, match=r"other settings for \['seed'\]"):
-        run_surgical(hosts, settings(num_rounds=4, seed=1, resume_from=str(state_dir)), tmp_path / "wrong")
+        run_surgical(hosts, settings(num_rounds=4, seed=1, resume_from="first"), tmp_path / "wrong")
 
     for host in hosts.values():
         host.received.clear()
     second = tmp_path / "second"
-    run_surgical(hosts, settings(num_rounds=4, resume_from=str(state_dir)), second, run_id="second")
+    run_surgical(hosts, settings(num_rounds=4, resume_from="first"), second, run_id="second")
     saved = load_checkpoint(first / "cxrfl" / "checkpoints" / "round_002.pt")
     for name, host in hosts.items():
         task, meta, params = host.received[0]

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from cxrfl.errors import CxrflError
+from cxrfl.errors import CxrflError, DataError
 
 RENAMED = {"bench-cwt": "bench cwt", "bench-fedfew": "bench fedfew"}
 """Former commands, still accepted (not listed): old name -> the command that runs instead."""
@@ -33,6 +33,8 @@ def _cmd_summary(args: argparse.Namespace) -> int:
 
     summary = summarise(args.site_config, check_images=not args.no_image_check)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    if summary["refused"]:  # the reason a job's start-up gives for this site
+        raise DataError(summary["refused"])
     return 0
 
 
@@ -107,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--image-size", type=int, default=None, help="written image size in pixels")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_cmd_synth)
-    m = dsub.add_parser("summary", help="summarise and validate one site's data")
+    m = dsub.add_parser("summary", help="summarise and validate one site's data",
+                        description="Summarise and validate one site's data. A site a federated job would refuse at "
+                        "start-up (an empty train or val split) exits with status 2 and the job's reason.")
     m.add_argument("site_config", help="the site config YAML")
     m.add_argument("--json", action="store_true", help="print JSON")
     m.add_argument("--no-image-check", action="store_true", help="do not open every image")

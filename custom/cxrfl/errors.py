@@ -17,3 +17,7 @@ class DataError(CxrflError):
 
 class UpdateRejected(CxrflError):
     """A site's model update that fails validation (NaN, wrong shapes, unknown classes ...)."""
+
+
+class StorageError(CxrflError):
+    """A run file that could not be written (disk full, no permission, read-only disk)."""

@@ -14,6 +14,7 @@ imports NVFlare only when a job is written.
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,8 @@ class JobSpec:
             entry of the model, so none leaves a site (FedBN/FedBN+ only; default off).
         tracking: experiment trackers: ``tensorboard`` and/or ``mlflow`` (empty: none).
         tracking_uri: MLflow tracking server; None: an SQLite file in the job's server workspace.
+        sites: the client sites by name: the server's app then goes to the server alone (empty: one
+            app, the server's config included, to NVFlare's ``@ALL``; see :class:`cxrfl.fl.recipes.JobSettings`).
     """
 
     name: str
@@ -57,6 +60,7 @@ class JobSpec:
     exclude_batchnorm: bool = False
     tracking: tuple[str, ...] = ("tensorboard",)
     tracking_uri: str | None = None
+    sites: tuple[str, ...] = ()
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -86,7 +90,7 @@ class JobSpec:
         args = dict(self.controller_args)
         job = {"name": self.name, "min_clients": self.min_clients, "description": self.description,
                "resource_spec": self.resource_spec, "privacy": self.privacy, "tracking": self.tracking,
-               "tracking_uri": self.tracking_uri, "custom": custom, **self.executor_args}
+               "tracking_uri": self.tracking_uri, "custom": custom, "sites": self.sites, **self.executor_args}
         if self.controller == FEDFEW:
             args["min_results"] = args.pop("min_clients", 1)
         elif self.controller == SURGICAL and args.pop("min_clients", self.min_clients) != self.min_clients:
@@ -159,6 +163,9 @@ def fedfew_args(model: ModelConfig, fedfew: dict[str, Any], **overrides: Any) ->
     }
     return _with_overrides(args, overrides)
 
+
+DEMO_SITES = ("site-1", "site-2")
+"""The simulator's default site names (its embedded demo hospitals): the sites of the FedFew demo job."""
 
 DEMO_MODEL = ModelConfig(image_size=64)
 """CPU demo setting: 64x64 inputs, trained from scratch (no weights can be downloaded here)."""
@@ -246,6 +253,7 @@ JOBS: tuple[JobSpec, ...] = (
         name="fedfew",
         controller=FEDFEW,
         controller_args=fedfew_args(DEMO_MODEL, FEDFEW_DEMO),
+        sites=DEMO_SITES,
         description="FedFew: federated SimSiam, energy-based CC classifier, energy threshold and UC prototypes "
         "(one final model), CPU-sized demo settings. The whole model travels; the server learns which site labels which class",
     ),
@@ -277,12 +285,19 @@ def write_job(spec: JobSpec, out: Path, *, custom: str = "readme") -> Path:
     if custom == "package":
         import cxrfl
 
-        shutil.copytree(
-            Path(cxrfl.__file__).resolve().parent,
-            root / "app" / "custom" / "cxrfl",
-            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo"),
-        )
+        for app in app_dirs(root):
+            shutil.copytree(Path(cxrfl.__file__).resolve().parent, app / "custom" / "cxrfl",
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo"))
     return root
+
+
+def app_dirs(job: Path) -> list[Path]:
+    """The app folders of an exported job (``app``, or ``app_server`` and one per named site), as its deploy_map lists them.
+
+    Args:
+        job: the job folder.
+    """
+    return [Path(job) / app for app in json.loads((Path(job) / "meta.json").read_text())["deploy_map"]]
 
 
 def export_all(out: Path) -> list[Path]:

@@ -1,12 +1,15 @@
 """FedFew (rare classes held by few sites) as an NVFlare 2.9 recipe.
 
     python job.py                                    # simulator, sites site-1 and site-2 (the demo hospitals)
+    python job.py --clients cc-1,cc-2,uc-hernia      # other sites (data: $CXRFL_SITE_CONFIG_DIR/<site>.yaml)
     python job.py --ssl_rounds 5 --rounds 20
     python job.py --tracking tensorboard,mlflow      # MLflow too (an SQLite store in the job's server folder)
-    python job.py --env poc | --env prod --startup_kit KIT
+    python job.py --env poc | --env prod --startup_kit KIT --clients SITE,SITE,...
     python job.py --export --export-dir jobs         # write the job folder instead: jobs/fedfew
 
-The defaults are those of the committed ``jobs/fedfew`` (CPU demo settings).
+The defaults are those of the committed ``jobs/fedfew`` (CPU demo settings). The job names its sites
+(``--clients``, default site-1 .. site-N of ``--n_clients``): the server's app, with its config, goes to
+the server alone and each site gets a client app.
 """
 
 import argparse
@@ -33,8 +36,12 @@ def define_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = define_parser().parse_args()
+    if args.env == "prod" and not args.clients:
+        raise SystemExit("--env prod needs --clients (the sites' names: each gets a client app)")
+    args.clients = args.clients or ",".join(f"site-{k}" for k in range(1, args.n_clients + 1))
     recipe = FedFewRecipe(
         name=args.name,
+        sites=args.clients.split(","),
         description=DEMO.description,
         min_clients=DEMO.min_clients,
         min_results=SETTINGS["min_clients"],

@@ -1,4 +1,5 @@
-"""The ``cxrfl bench`` subcommands: ``compare``, ``cwt``, ``fedfew``, ``speed``, ``load``, ``pretrain``, ``privacy``.
+"""The ``cxrfl bench`` subcommands: ``compare``, ``cwt``, ``fedfew``, ``speed``, ``load``, ``pretrain``, ``privacy``,
+``hostile``.
 
 Every benchmark writes its results, a Markdown report and its plots into ``--out``; heavy modules
 load per command. The library functions report progress through a ``log`` callable: here it
@@ -380,6 +381,40 @@ def _add_privacy(bsub: argparse._SubParsersAction) -> None:
     pr.set_defaults(func=_cmd_privacy)
 
 
+def _cmd_hostile(args: argparse.Namespace) -> int:
+    from cxrfl.bench.hostile import ATTACKS, ROBUST, HostileBenchSettings, run_hostile
+
+    given = {k: getattr(args, k) for k in ("profile", "sites", "pool", "seeds", "rounds", "image_size", "steps", "patience",
+                                           "clip_norm", "threads") if getattr(args, k) is not None}
+    if "steps" in given:
+        given["steps"] = given["steps"] or None
+    settings = HostileBenchSettings(**given, attacks=tuple(_methods(args.attacks) or ATTACKS),
+                                    robust=tuple(_methods(args.robust) or ROBUST))
+    run_hostile(settings, Path(args.out), log=_stamped, data_dir=args.data_dir)
+    return 0
+
+
+def _add_hostile(bsub: argparse._SubParsersAction) -> None:
+    h = bsub.add_parser("hostile", help="one hostile site (scaled, sign-flipped, NaN update, huge count) against each "
+                                        "robust aggregation option: mean test AUROC against the honest run")
+    h.add_argument("--out", default="benchmarks/results/hostile", help="output folder (default benchmarks/results/hostile; "
+                                                                       "an interrupted run resumes there)")
+    h.add_argument("--profile", help="pool profile (default synth-nih)")
+    h.add_argument("--sites", type=int, help="sites, one hostile (default 5)")
+    h.add_argument("--pool", type=int, help="images of the synthetic pool (default: the profile's)")
+    h.add_argument("--seeds", type=int, help="training seeds 0 ... seeds-1 (default 3)")
+    h.add_argument("--rounds", type=int, help="max rounds after the warm-up, a guard (default 15)")
+    h.add_argument("--patience", type=int, help="rounds without a better validation loss before stopping (default 3)")
+    h.add_argument("--image-size", type=int, help="model input size (default 64)")
+    h.add_argument("--steps", type=int, help="max steps per local epoch and site (default 0: the whole split)")
+    h.add_argument("--clip-norm", type=float, help="norm bound of clip (and of median groups of 1-2 sites; default 10)")
+    h.add_argument("--attacks", default=None, help="comma-separated subset of none,scale,sign,nan,count (default: all)")
+    h.add_argument("--robust", default=None, help="comma-separated subset of none,median,clip (default: all)")
+    h.add_argument("--threads", type=int, help="torch CPU threads (default 1)")
+    h.add_argument("--data-dir", default=None, help="where profile data is written (default OUT/data)")
+    h.set_defaults(func=_cmd_hostile)
+
+
 def _add_load(bsub: argparse._SubParsersAction) -> None:
     lo = bsub.add_parser("load", help="K sites with small data and different label sets in the simulator: peak "
                                       "server memory and round times (OUT/load_K.json)")
@@ -404,5 +439,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """
     bench = sub.add_parser("bench", help="benchmarks: the methods against the papers' baselines, and framework overhead")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    for add in (_add_compare, _add_cwt, _add_fedfew, _add_speed, _add_load, _add_pretrain, _add_privacy):
+    for add in (_add_compare, _add_cwt, _add_fedfew, _add_speed, _add_load, _add_pretrain, _add_privacy, _add_hostile):
         add(bsub)

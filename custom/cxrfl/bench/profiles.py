@@ -146,8 +146,9 @@ def _write_csv_site(out: Path, name: str, rows: pd.DataFrame, classes: list[str]
     for c in classes:
         frame[c] = rows[c].map(lambda v: "" if pd.isna(v) else str(int(v))).values
     frame.to_csv(folder / "labels.csv", index=False)
+    # the pool's images live outside this site's folder: the config says so explicitly
     dataset = {"format": "csv", "labels": f"{name}/labels.csv", "images": name, "path_column": "path",
-               "patient_column": "patient_id"}
+               "patient_column": "patient_id", "allow_outside_images": True}
     if split is not None:
         dataset["split_column"] = "split"
     cfg = {"site": name, "dataset": dataset, "split": {"train": 0.7, "val": 0.1, "test": 0.2, "seed": int(seed)}}

@@ -1,20 +1,31 @@
-"""Files of a run, one helper each: JSON records, atomic writes, parameters as numpy, digests.
+"""Files of a run, one helper each: JSON records, atomic writes, torch files, parameters as numpy,
+digests, names used as path components.
 
-Framework-free; every method, the NVFlare glue and the benchmarks write through these.
+Framework-free; every method, the NVFlare glue and the benchmarks write through these. Torch files
+are written so that :func:`torch_load` reads them with ``weights_only=True``: nothing cxrfl reads
+back (a resume state, a site's state, a checkpoint) is unpickled as code.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import pickle
+import re
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from cxrfl.errors import ConfigError, StorageError
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def json_default(o: Any) -> Any:
@@ -68,20 +79,34 @@ def atomic_write(path: str | Path, write: Callable[[Any], None], mode: str = "wb
         path: the file (folders created).
         write: called with the open temporary file.
         mode: ``wb`` or ``w``.
+
+    Raises:
+        StorageError: the file could not be written (disk full, no permission ...): one line naming it.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp: str | None = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, mode) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise StorageError(_cannot_write(path, exc)) from exc
         raise
     return path
+
+
+def _cannot_write(path: Path, exc: OSError) -> str:
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    why, todo = (("the disk is full", "free space on it") if full
+                 else (exc.strerror or str(exc), "check that folder's permissions and free space"))
+    return f"cannot write {path}: {why}; {todo}, then run again (an earlier version of the file, if any, is unchanged)"
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
@@ -95,14 +120,110 @@ def write_json(path: str | Path, obj: Any) -> Path:
     return atomic_write(path, lambda f: f.write(text), mode="w")
 
 
+def weights_only_values(obj: Any) -> Any:
+    """``obj`` with numpy arrays as tensors (lists for non-numeric ones), numpy scalars as Python
+    numbers and paths as strings: what :func:`torch_load` (``weights_only=True``) reads back.
+    Containers in which nothing changes are returned as they are (a state dict keeps its metadata).
+
+    Args:
+        obj: tensors and plain values in dicts, lists and tuples.
+    """
+    if isinstance(obj, np.ndarray):
+        return torch.tensor(obj) if obj.dtype.kind in "biufc" else obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, dict):
+        out = {k: weights_only_values(v) for k, v in obj.items()}
+        return obj if all(out[k] is v for k, v in obj.items()) else out
+    if isinstance(obj, (list, tuple)):
+        items = [weights_only_values(v) for v in obj]
+        same = all(a is b for a, b in zip(items, obj))
+        return obj if same else tuple(items) if isinstance(obj, tuple) else items
+    return obj
+
+
 def torch_save(path: str | Path, obj: Any) -> Path:
-    """``torch.save`` atomically.
+    """``torch.save`` atomically, of :func:`weights_only_values` of ``obj``.
 
     Args:
         path: the file.
-        obj: what to save.
+        obj: what to save (tensors and plain values; numpy values are converted).
+
+    Raises:
+        StorageError: the file could not be written.
     """
-    return atomic_write(path, lambda f: torch.save(obj, f))
+    plain = weights_only_values(obj)
+    return atomic_write(path, lambda f: torch.save(plain, f))
+
+
+def torch_load(path: str | Path, what: str, remedy: str, map_location: str | torch.device = "cpu") -> Any:
+    """Read a torch file without running code in it (``weights_only=True``: tensors and plain values).
+
+    Args:
+        path: the file.
+        what: what it is, for the message (``resume state``, ``checkpoint`` ...).
+        remedy: what to do when it cannot be read.
+        map_location: where tensors are loaded.
+
+    Raises:
+        ConfigError: missing, damaged, or holding other Python objects (one line: the file and ``remedy``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} not found: {path}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on pickle protocols, which advise weights_only=False
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = ("it holds Python objects besides tensors and plain values (written by an older cxrfl or another "
+                  "program; not loaded, as unpickling them could run code)" if "Weights only load failed" in str(exc)
+                  else "it is damaged or not a torch file (UnpicklingError)")
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+    except Exception as exc:  # torch raises many kinds for a truncated or foreign file
+        reason = f"it is damaged or not a torch file ({type(exc).__name__})"
+    raise ConfigError(f"{what} {path} cannot be read: {reason}; {remedy}")
+
+
+def plain_name(value: Any, setting: str, hint: str) -> str:
+    """``value`` checked as one path component of cxrfl's own (a job id, a run key): letters, digits,
+    ``.``, ``_`` and ``-``, starting with a letter or digit; no folder, no ``..``.
+
+    Args:
+        value: the value.
+        setting: its name, for the message.
+        hint: what to give instead.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    text = str(value)
+    if not _PLAIN_NAME.fullmatch(text):
+        raise ConfigError(f"{setting}={text!r} is not a plain name (letters, digits, '.', '_', '-'; no folder, "
+                          f"at most 128 characters): {hint}")
+    return text
+
+
+def owner_only(path: str | Path, *, up_to: str | Path | None = None) -> Path:
+    """Make a run file (mode 0o600) or folder (0o700) readable and writable by its owner only.
+
+    For records that name which sites hold which classes (the server's ``rounds.jsonl``,
+    ``evaluation.json``, models): no other local user may read them (docs/security.md).
+
+    Args:
+        path: an existing file or folder.
+        up_to: a folder above ``path``: every folder from ``path`` up to it (included) too.
+    """
+    path = Path(path)
+    top = Path(up_to) if up_to is not None else path
+    for p in [path, *path.parents]:
+        p.chmod(0o700 if p.is_dir() else 0o600)
+        if p == top or top not in p.parents:
+            break
+    return path
 
 
 def to_numpy(params: Mapping[str, Any]) -> dict[str, np.ndarray]:

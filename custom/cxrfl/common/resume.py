@@ -2,8 +2,10 @@
 
 After the start-up and every completed round (cycle, stage) a server loop saves its state in
 ``<root>/<run id>/state.pt`` (atomically: a crash leaves the previous state). A later run with
-``resume_from=<run id>`` (or the path of that folder) loads it, after checking that the settings
-that decide the model are the same. A run that finishes removes its folder.
+``resume_from=<run id>`` loads it, after checking that the settings that decide the model are the
+same. ``resume_from`` is a job setting, chosen by whoever submits the job: it is only ever a run id
+of this store (no folder, no ``..``), and the state holds tensors and plain values only, read with
+``weights_only=True`` (:func:`cxrfl.common.io.torch_load`). A run that finishes removes its folder.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from cxrfl.common.io import torch_save
+from cxrfl.common.io import plain_name, torch_load, torch_save
 from cxrfl.errors import ConfigError
 
 RESUME_ROOT = "cxrfl_resume"
 """Folder under the server's workspace (NVFlare) or the output folder (in-process) holding resume states."""
+RESUME_ROOT_ENV = "CXRFL_RESUME_ROOT"
+"""Environment variable of the server's process naming another folder of resume states (set by the
+server's operator, never by a job: e.g. simulator runs, whose workspace each run replaces)."""
 STATE_FILE = "state.pt"
 
 
@@ -48,39 +51,72 @@ class ResumeStore:
         """
         return torch_save(self.folder / STATE_FILE, dict(state))
 
-    def locate(self, resume_from: str) -> Path:
-        """The state file ``resume_from`` names: a run id under ``root`` or an absolute folder.
+    @staticmethod
+    def check(resume_from: str) -> str:
+        """``resume_from`` checked as a run id of a store (no folder, no ``..``).
 
         Args:
-            resume_from: the interrupted run's id or folder.
+            resume_from: the setting's value.
+
+        Raises:
+            ConfigError: anything but a plain name (the message names ``resume_from``).
         """
-        given = Path(resume_from)
-        folder = given if given.is_absolute() else self.root / resume_from
-        return folder / STATE_FILE
+        return plain_name(resume_from, "resume_from", "give the job id of an interrupted run of this job on this "
+                                                      "server, or remove resume_from")
+
+    def locate(self, resume_from: str) -> Path:
+        """The state file of the run ``resume_from`` names (its folder under ``root``).
+
+        Args:
+            resume_from: the interrupted run's id.
+
+        Raises:
+            ConfigError: ``resume_from`` is not a plain run id.
+        """
+        return self.root / self.check(resume_from) / STATE_FILE
 
     def load(self, resume_from: str, settings: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
         """The interrupted run's state, refused when unusable.
 
         Args:
-            resume_from: its run id (or folder).
+            resume_from: its run id.
             settings: this run's settings.
             keys: the settings that must be equal.
 
         Raises:
-            ConfigError: no state there, or settings that differ (named).
+            ConfigError: not a run id, no state there, a state that cannot be read, or settings that
+                differ (named).
         """
         path = self.locate(resume_from)
         if not path.is_file():
             raise ConfigError(
                 f"resume_from={resume_from!r}: {path} does not exist; give the job id of an interrupted run of this "
-                f"job on this server (or the path of its {RESUME_ROOT}/<job id> folder), or remove resume_from"
+                f"job on this server, or remove resume_from"
             )
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = self.read(path)
         saved = state.get("settings") or {}
         differ = [k for k in keys if saved.get(k) != settings.get(k)]
         if differ:
             raise ConfigError(f"resume_from={resume_from!r}: the interrupted run used other settings for {differ}; "
                               f"resume with the same settings or start a new run")
+        return state
+
+    @staticmethod
+    def read(path: Path, remedy: str | None = None) -> dict[str, Any]:
+        """A state file's content (tensors and plain values only; nothing in it is run).
+
+        Args:
+            path: a ``state.pt``.
+            remedy: what to do when it cannot be read (default: start a new run).
+
+        Raises:
+            ConfigError: missing, damaged, of an older cxrfl, or not a state (one line naming it).
+        """
+        remedy = remedy or f"delete {path.parent} and submit the job without resume_from (start a new run)"
+        state = torch_load(path, "resume state", remedy)
+        if not isinstance(state, dict):
+            raise ConfigError(f"resume state {path} cannot be read: it holds a {type(state).__name__}, not a state; "
+                              f"{remedy}")
         return state
 
     def clear(self) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import cxrfl
-from cxrfl.common.io import append_record, json_default, write_json
+from cxrfl.common.io import append_record, json_default, owner_only, write_json
 from cxrfl.common.resume import RESUME_ROOT, ResumeStore
 from cxrfl.common.transport import Message, OnAnswer, Send
 from cxrfl.errors import CxrflError
@@ -89,10 +89,13 @@ class ServerLoop:
         run_id: this run's id (NVFlare: the job id); names its resume state.
         resume_root: folder of resume states (default ``out_dir/cxrfl_resume``; NVFlare: the
             server workspace's ``cxrfl_resume``).
-        resume_from: an interrupted run's id (or its resume folder) to go on from.
+        resume_from: an interrupted run's id (of ``resume_root``) to go on from.
         info: progress logger.
         warning: problem logger.
         aborted: returns True when the run must stop.
+
+    Raises:
+        ConfigError: ``resume_from`` is not a plain run id (a folder, ``..``).
     """
 
     on_record: Callable[[str, Mapping[str, Any]], None] | None = None
@@ -107,20 +110,21 @@ class ServerLoop:
         self.out = Path(out_dir)
         self.run_id = str(run_id)
         self.resume = ResumeStore(resume_root if resume_root is not None else self.out / RESUME_ROOT, self.run_id)
-        self.resume_from = resume_from
+        self.resume_from = ResumeStore.check(resume_from) if resume_from else None
         self.info = info
         self.warning = warning
         self.aborted = aborted
 
     # ----------------------------------------------------------------- files
     def path(self, *parts: str) -> Path:
-        """A path under the output folder (its folder created).
+        """A path under the output folder (its folders created, owner-only: they name sites per class).
 
         Args:
             parts: path components.
         """
         path = self.out.joinpath(*parts)
         path.parent.mkdir(parents=True, exist_ok=True)
+        owner_only(path.parent, up_to=self.out)
         return path
 
     def record(self, record: Mapping[str, Any], name: str = "rounds.jsonl") -> None:
@@ -130,7 +134,9 @@ class ServerLoop:
             record: the record.
             name: the ``.jsonl`` file.
         """
-        append_record(self.path(RECORDS_DIR, name), dict(record))
+        path = self.path(RECORDS_DIR, name)
+        append_record(path, dict(record))
+        owner_only(path)
         if self.on_record is not None:
             self.on_record(name, record)
 
@@ -152,6 +158,7 @@ class ServerLoop:
         """
         path = self.path(RECORDS_DIR, "evaluation.json")
         path.write_text(json.dumps(report, indent=2, default=json_default))
+        owner_only(path)
         self.info(f"evaluation written to {path}")
         return path
 

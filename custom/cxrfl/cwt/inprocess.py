@@ -93,7 +93,7 @@ def run_cwt(
             able to resume an interrupted run).
         wrap: ``(site name, host) -> host`` around each site's host (fault injection in tests).
         run_id: this run's id (names its resume state).
-        resume_from: an interrupted run's id (under ``resume_root``) or resume folder.
+        resume_from: an interrupted run's id (its folder under ``resume_root``).
         resume_root: folder of resume states (default ``out_dir/cxrfl_resume``).
         info: progress logger.
         warning: problem logger.

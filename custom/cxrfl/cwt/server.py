@@ -62,7 +62,7 @@ from cxrfl.cwt.site import global_classes, pooled_loss
 from cxrfl.errors import ConfigError, UpdateRejected
 from cxrfl.nn.metrics import summarise_auroc
 from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
-from cxrfl.surgical.validation import validate_update
+from cxrfl.surgical.validation import FLOAT_DTYPES, INT_DTYPES, dtype_name, expected_dtypes, validate_update
 
 GLOBAL_MODEL = "FL_global_model.pt"
 BEST_MODEL = "best_FL_global_model.pt"
@@ -373,7 +373,8 @@ class CWTServer(ServerLoop):
         run.visits.append(record)
 
     def _check(self, answer: Message | None, site: str, plan: RelayPlan, sent: Mapping[str, np.ndarray]) -> str | None:
-        """Why a site's answer cannot go on to the next site, or None."""
+        """Why a site's answer cannot go on to the next site, or None (the whole answer is checked:
+        the model's keys, shapes, dtypes (those of ``sent``) and values; the optimiser state's types and values)."""
         if answer is None:
             return "its task failed or timed out, or the site is down"
         params, opt = split_params(answer[0])
@@ -381,10 +382,14 @@ class CWTServer(ServerLoop):
         n = int(plan.counts[site].get("n_train", 1))
         try:
             validate_update({"site": site, "classes": plan.classes, "num_samples": max(n, 1), "params": params},
-                            expected_shapes=shapes)
+                            expected_shapes=shapes, dtypes=expected_dtypes(sent))
         except UpdateRejected as exc:
             return f"unusable result: {exc}"
-        bad = sorted(k for k, v in opt.items() if not np.isfinite(np.asarray(v, dtype=np.float64)).all())
+        arrays = {k: np.asarray(v) for k, v in opt.items()}
+        odd = sorted(k for k, v in arrays.items() if dtype_name(v) not in FLOAT_DTYPES | INT_DTYPES)
+        if odd:
+            return f"unusable result: optimizer state {odd[:3]} is not real numbers ({dtype_name(arrays[odd[0]])})"
+        bad = sorted(k for k, v in arrays.items() if not np.isfinite(v).all())
         return f"unusable result: non-finite optimizer state {bad[:3]}" if bad else None
 
     def _too_few(self, run: CycleRun) -> None:

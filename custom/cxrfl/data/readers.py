@@ -1,4 +1,5 @@
-"""Readers for the published chest X-ray label formats (NIH, CheXpert, MIMIC-CXR-JPG, generic CSV).
+"""Readers for the published chest X-ray label formats (NIH, CheXpert, MIMIC-CXR-JPG, generic CSV);
+the native layouts of smaller public sets (folders, categorical, registry) are in :mod:`cxrfl.data.layouts`.
 
 Every reader returns the same table: one row per image with ``path`` (absolute), ``patient``
 (string), optionally ``split`` (``train``/``val``/``test``, when the data provides one), then one
@@ -155,16 +156,55 @@ def _absolute(root: Path, relative: pd.Series) -> pd.Series:
     return relative.map(lambda p: os.path.normpath(os.path.join(base, p)))
 
 
-def _finish(frame: pd.DataFrame, classes: list[str], key: str, config: SiteConfig, problems: list[str]) -> pd.DataFrame:
-    """Apply ``split_file``, order the columns, check that no image is listed twice.
+def _confine(frame: pd.DataFrame, config: SiteConfig, problems: list[str]) -> pd.DataFrame:
+    """Refuse the rows whose image leaves ``dataset.images`` (absolute paths, ``..``, symlinks followed).
+
+    One line per refused row in ``problems`` (the file and line it was listed on); the others go on.
+    ``dataset.allow_outside_images`` turns the check off.
 
     Args:
-        frame: ``path``, ``patient``, optional ``split``, ``_key`` and the classes.
+        frame: ``path`` (absolute, normalised) and ``_key`` (the value as written), indexed by the
+            row of the file the paths come from (MIMIC: ``dataset.metadata``, else ``dataset.labels``;
+            ``folders``: the path relative to ``dataset.images``, no line).
+        config: the site config.
+        problems: receives one line per refused row.
+
+    Raises:
+        DataError: every image is outside ``dataset.images``.
+    """
+    ds = config.dataset
+    if ds.allow_outside_images:
+        return frame
+    root = os.path.realpath(ds.images)
+    prefix = root.rstrip(os.sep) + os.sep
+    real = frame["path"].map(os.path.realpath)
+    inside = real.map(lambda p: p == root or p.startswith(prefix))
+    if inside.all():
+        return frame
+    listed_in = ds.metadata if ds.format == "mimic" else ds.label_source
+    lines = [
+        f"{listed_in}{'' if ds.labels is None else f', line {row + 2}'}: image {written!r} ({path}) is outside "
+        f"dataset.images ({root}); skipped (set dataset.allow_outside_images: true to read images outside it)"
+        for row, written, path in zip(frame.index[~inside], frame[_KEY][~inside], real[~inside])
+    ]
+    if not inside.any():
+        raise DataError(f"{lines[0]}; every image of {listed_in} is outside dataset.images ({len(lines)} in all)")
+    problems += lines
+    return frame[inside]
+
+
+def _finish(frame: pd.DataFrame, classes: list[str], key: str, config: SiteConfig, problems: list[str]) -> pd.DataFrame:
+    """Refuse images outside ``dataset.images``, apply ``split_file``, order the columns, check that
+    no image is listed twice.
+
+    Args:
+        frame: ``path``, ``patient``, optional ``split``, ``_key`` and the classes, indexed by file row.
         classes: the class columns, in order.
         key: the column of ``split_file`` matched against ``_key``.
         config: the site config.
         problems: non-fatal problems found so far (stored in ``attrs["problems"]``).
     """
+    frame = _confine(frame, config, problems)
     if config.dataset.split_file is not None:
         frame = _apply_split_file(frame, key, config, problems)
     cols = ["path", "patient"] + (["split"] if "split" in frame else []) + classes
@@ -173,7 +213,7 @@ def _finish(frame: pd.DataFrame, classes: list[str], key: str, config: SiteConfi
     twice = out["path"].duplicated()
     if twice.any():
         raise DataError(
-            f"{config.dataset.labels}: image {out['path'][twice].iloc[0]} is listed more than once; "
+            f"{config.dataset.label_source}: image {out['path'][twice].iloc[0]} is listed more than once; "
             "remove the duplicate row"
         )
     out.attrs["problems"] = problems
@@ -365,7 +405,7 @@ def read_mimic(config: SiteConfig) -> pd.DataFrame:
     meta = meta[meta["ViewPosition"].str.upper().isin(views)]
     if meta.empty:
         raise DataError(f"{ds.metadata} has no image with ViewPosition in {', '.join(views)}")
-    frame = meta.merge(studies, on=list(_MIMIC_META), how="inner")
+    frame = meta.join(studies.set_index(list(_MIMIC_META)), on=list(_MIMIC_META), how="inner")  # rows of metadata
     if len(frame) < len(meta):
         problems.append(
             f"{len(meta) - len(frame)} image(s) of {ds.metadata} belong to studies without a row in "
@@ -383,24 +423,46 @@ def read_mimic(config: SiteConfig) -> pd.DataFrame:
 def read_csv(config: SiteConfig) -> pd.DataFrame:
     """A generic CSV: an image path column, optional patient and split columns, label columns.
 
-    Every other column is a label column (``1``/``0``/``-1``/blank = unknown). Paths are
-    relative to ``dataset.images`` (or absolute), with ``/`` or Windows ``\\`` separators; without
-    ``patient_column`` every row is its own patient.
+    Every other column is a label column (``1``/``0``/``-1``/blank = unknown); image paths and
+    patients as :func:`csv_images` reads them.
 
     Args:
         config: the site config (``dataset.format == "csv"``).
     """
     ds = config.dataset
-    key = ds.path_column
-    special = [c for c in (key, ds.patient_column, ds.split_column) if c]
+    special = csv_special_columns(config)
     raw = _read_csv(ds.labels, "dataset.labels", special)
     problems: list[str] = []
     mapping = label_columns([c for c in raw.columns if c not in special], config, ds.labels, problems)
-    for col in special:
+    frame = csv_images(raw, config).join(_label_frame(raw, mapping, config, blank=np.nan))
+    return _finish(frame, list(mapping.values()), ds.path_column, config, problems)
+
+
+def csv_special_columns(config: SiteConfig) -> list[str]:
+    """The path, patient and split columns a CSV layout names (``csv``, ``categorical``, ``registry``)."""
+    ds = config.dataset
+    return [c for c in (ds.path_column, ds.patient_column, ds.split_column) if c]
+
+
+def csv_images(raw: pd.DataFrame, config: SiteConfig) -> pd.DataFrame:
+    """``path``, ``patient``, ``_key`` and optional ``split`` of a CSV layout's rows.
+
+    Paths are ``path_column`` + ``image_suffix``, relative to ``dataset.images`` (or absolute), with
+    ``/`` or Windows ``\\`` separators; without ``patient_column`` every row is its own patient.
+
+    Args:
+        raw: the file as strings (:func:`_read_csv`), index = read_csv row.
+        config: the site config.
+
+    Raises:
+        DataError: an empty path, patient or split cell (names the line).
+    """
+    ds = config.dataset
+    for col in csv_special_columns(config):
         empty = raw[col].str.strip().eq("")
         if empty.any():
             raise DataError(f"{ds.labels}, line {_first_line(empty)}, column {col!r}: empty value")
-    rel = raw[key].str.strip().str.replace("\\", "/", regex=False)  # Windows separators
+    rel = raw[ds.path_column].str.strip().str.replace("\\", "/", regex=False) + ds.image_suffix
     frame = pd.DataFrame(
         {
             "path": _absolute(ds.images, rel),
@@ -411,8 +473,7 @@ def read_csv(config: SiteConfig) -> pd.DataFrame:
     )
     if ds.split_column:
         frame["split"] = _split_values(raw[ds.split_column], ds.labels, ds.split_column)
-    frame = frame.join(_label_frame(raw, mapping, config, blank=np.nan))
-    return _finish(frame, list(mapping.values()), key, config, problems)
+    return frame
 
 
 READERS: dict[str, Callable[[SiteConfig], pd.DataFrame]] = {
@@ -436,7 +497,10 @@ def read_labels(config: SiteConfig) -> pd.DataFrame:
         DataError: the file is missing, unreadable or malformed (message names file and line).
         ConfigError: the config asks for classes the file does not provide.
     """
-    reader = READERS.get(config.dataset.format)
+    from cxrfl.data.layouts import LAYOUT_READERS  # the native layouts build on this module's helpers
+
+    readers = {**READERS, **LAYOUT_READERS}
+    reader = readers.get(config.dataset.format)
     if reader is None:
-        raise ConfigError(f"dataset.format {config.dataset.format!r} is not supported; use one of {', '.join(READERS)}")
+        raise ConfigError(f"dataset.format {config.dataset.format!r} is not supported; use one of {', '.join(readers)}")
     return reader(config)

@@ -12,7 +12,7 @@ import pandas as pd
 from cxrfl.data.site_config import SiteConfig, load_site_config
 from cxrfl.data.images import ImageError, read_image
 from cxrfl.data.readers import read_labels
-from cxrfl.data.splits import SPLITS, check_split, patient_split
+from cxrfl.data.splits import SPLITS, patient_split, resolve_overlap, val_from_train
 from cxrfl.errors import DataError
 
 
@@ -50,6 +50,10 @@ class SiteData:
             raise ValueError(f"unknown split {name!r}; use one of {', '.join(SPLITS)}")
         return self.table[self.table["split"] == name].reset_index(drop=True)
 
+    def split_sizes(self) -> dict[str, int]:
+        """Images per split (``train``, ``val``, ``test``)."""
+        return {s: int((self.table["split"] == s).sum()) for s in SPLITS}
+
     def positives(self, split: str | None = None) -> dict[str, int]:
         """Positive images per class.
 
@@ -58,6 +62,42 @@ class SiteData:
         """
         table = self.table if split is None else self.split_table(split)
         return {c: int((table[c] == 1.0).sum()) for c in self.classes}
+
+    def negatives(self, split: str | None = None) -> dict[str, int]:
+        """Negative images per class.
+
+        Args:
+            split: count in this split only (default: all images).
+        """
+        table = self.table if split is None else self.split_table(split)
+        return {c: int((table[c] == 0.0).sum()) for c in self.classes}
+
+    def one_sided_classes(self, split: str | None = None) -> dict[str, float]:
+        """Classes whose labelled images all have one value: class -> that value.
+
+        1.0: no negatives (a registry of one disease: its head row cannot learn to say no);
+        0.0: no positives. Classes without any labelled image are left out.
+
+        Args:
+            split: look at this split only (default: all images).
+        """
+        pos, neg = self.positives(split), self.negatives(split)
+        return {c: 1.0 if pos[c] else 0.0 for c in self.classes if (pos[c] == 0) != (neg[c] == 0)}
+
+
+def training_refusal(data: SiteData) -> str | None:
+    """Why a federated job refuses this site at start-up (an empty train or val split), or None.
+
+    The one check both the job's site start-up (:class:`cxrfl.fl.base.TaskExecutor`) and
+    ``cxrfl data summary`` run.
+
+    Args:
+        data: the loaded site.
+    """
+    splits = data.split_sizes()
+    if splits["train"] == 0 or splits["val"] == 0:
+        return f"site {data.site}: empty train or val split {splits}; add images or change split fractions"
+    return None
 
 
 def _image_problem(path: str, decode: bool) -> str | None:
@@ -94,22 +134,31 @@ def _check_images(table: pd.DataFrame, config: SiteConfig, decode: bool) -> list
     return bad
 
 
-def _split_problems(table: pd.DataFrame, classes: list[str], expected: tuple[str, ...]) -> list[str]:
-    """Warnings about empty splits and classes without positives (per split)."""
-    problems = []
-    for name in expected:
-        if not (table["split"] == name).any():
-            problems.append(f"split {name!r} has no images")
+def _split_problems(table: pd.DataFrame, classes: list[str], expected: tuple[str, ...], minimum: int) -> list[str]:
+    """Warnings about empty splits, one-sided classes, and classes with no or fewer than ``minimum``
+    positive or negative images in a split."""
+    problems = [f"split {name!r} has no images" for name in expected if not (table["split"] == name).any()]
+    present = [s for s in SPLITS if (table["split"] == s).any()]
     for c in classes:
-        positive = table[c] == 1.0
-        if not positive.any():
-            problems.append(f"class {c!r} has no positive image at this site; its AUROC cannot be computed")
-            continue
-        empty = [s for s in SPLITS if (table["split"] == s).any() and not positive[table["split"] == s].any()]
-        if empty:
-            problems.append(
-                f"class {c!r} has no positive image in split(s) {', '.join(empty)} ({int(positive.sum())} in all)"
-            )
+        for side, value in (("positive", 1.0), ("negative", 0.0)):
+            hit = table[c] == value
+            if not hit.any() and side == "positive":
+                problems.append(f"class {c!r} has no positive image at this site; its AUROC cannot be computed")
+                break
+            if not hit.any():
+                problems.append(f"class {c!r} has no negative image at this site ({int((table[c] == 1.0).sum())} "
+                                "labelled, all positive); its head row cannot learn to say no and its AUROC cannot "
+                                "be computed")
+                break
+            counts = {s: int(hit[table["split"] == s].sum()) for s in present}
+            empty = [s for s in present if counts[s] == 0]
+            if empty:
+                problems.append(f"class {c!r} has no {side} image in split(s) {', '.join(empty)} "
+                                f"({int(hit.sum())} in all)")
+            few = [f"{s} ({counts[s]})" for s in present if 0 < counts[s] < minimum]
+            if few:
+                problems.append(f"class {c!r} has fewer than {minimum} {side} images in split(s) {', '.join(few)} "
+                                "(min_class_images); its AUROC there is unreliable")
     return problems
 
 
@@ -118,8 +167,10 @@ def load_site(config: SiteConfig | str | Path, *, check_images: bool = True) -> 
 
     Missing images are always detected; with ``check_images`` every image is also decoded.
     Bad images are skipped (``bad_images: skip``, up to ``max_bad_fraction``) or raise
-    (``bad_images: error``). A split given by the data (``split_file``/``split_column``) is
-    used after checking that no patient is in two splits; otherwise patients are split by
+    (``bad_images: error``). A split given by the data (``split_file``/``split_column``/
+    ``split_folders``) is used after ``dataset.overlap`` settled the patients in two splits
+    (:func:`cxrfl.data.splits.resolve_overlap`); without a val split, one is taken from the train
+    patients (:func:`cxrfl.data.splits.val_from_train`). Otherwise patients are split by
     :func:`cxrfl.data.splits.patient_split`.
 
     Args:
@@ -140,13 +191,16 @@ def load_site(config: SiteConfig | str | Path, *, check_images: bool = True) -> 
         table = table[~table["path"].isin({p for p, _ in skipped})].reset_index(drop=True)
         problems.append(f"{len(skipped)} image(s) skipped as missing or unreadable")
     if table.empty:
-        raise DataError(f"site {config.site!r} has no usable image ({config.dataset.labels})")
+        raise DataError(f"site {config.site!r} has no usable image ({config.dataset.label_source})")
     if "split" in table:
-        check_split(table, config.dataset.split_file or config.dataset.labels)
+        source = config.dataset.split_file or config.dataset.label_source
+        table = resolve_overlap(table, config.dataset.overlap, source, problems)
+    if "split" in table:
+        table = val_from_train(table, classes, config.split, problems)
         expected = SPLITS
     else:
         table.insert(2, "split", patient_split(table, classes, config.split))
         fractions = (config.split.train, config.split.val, config.split.test)
         expected = tuple(s for s, f in zip(SPLITS, fractions) if f > 0)
-    problems += _split_problems(table, classes, expected)
+    problems += _split_problems(table, classes, expected, config.min_class_images)
     return SiteData(site=config.site, classes=classes, table=table, skipped=skipped, problems=problems)

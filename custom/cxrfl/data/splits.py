@@ -78,5 +78,68 @@ def check_split(table: pd.DataFrame, source: str | Path) -> None:
         raise DataError(
             f"{len(mixed)} patient(s) appear in more than one split in {source} ({shown}"
             f"{', ...' if len(mixed) > 5 else ''}); put all images of a patient in one split, "
-            "or remove the split so that cxrfl splits by patient"
+            "remove the split so that cxrfl splits by patient, or set dataset.overlap: move, drop or resplit"
         )
+
+
+def resolve_overlap(table: pd.DataFrame, policy: str, source: str | Path, problems: list[str]) -> pd.DataFrame:
+    """Apply ``dataset.overlap`` to the patients a given split puts in more than one split.
+
+    Args:
+        table: one row per image with ``patient`` and ``split``.
+        policy: ``refuse`` (:func:`check_split`), ``move`` (all of such a patient's images go to
+            their first split in the order train, val, test: the later splits stay free of them),
+            ``drop`` (the images outside that first split are left out) or ``resplit`` (the given
+            split is not used: the ``split`` column is removed).
+        source: the file or folder the split came from, for messages.
+        problems: receives one line saying what was done and to how many patients and images.
+
+    Raises:
+        DataError: ``refuse`` and a patient in two splits.
+    """
+    if policy == "refuse":
+        check_split(table, source)
+        return table
+    if policy == "resplit":
+        problems.append(f"the split given by {source} is not used (dataset.overlap: resplit); cxrfl splits patients")
+        return table.drop(columns="split")
+    order = table["split"].map({s: i for i, s in enumerate(SPLITS)})
+    first = order.groupby(table["patient"]).transform("min")
+    later = order > first
+    if not later.any():
+        return table
+    patients, images = table.loc[later, "patient"].nunique(), int(later.sum())
+    if policy == "move":
+        table, done = table.assign(split=np.asarray(SPLITS)[first.to_numpy()]), "were moved to it"
+    else:
+        table, done = table[~later].reset_index(drop=True), "were left out"
+    problems.append(f"{patients} patient(s) appear in more than one split in {source}: their {images} image(s) "
+                    f"outside the patient's first split (train, val, test order) {done} (dataset.overlap: {policy})")
+    return table
+
+
+def val_from_train(table: pd.DataFrame, classes: list[str], split: SplitConfig, problems: list[str]) -> pd.DataFrame:
+    """Give a given split without a val split one: a stratified share of the train patients.
+
+    ``split.val / (split.train + split.val)`` of the train patients (:func:`patient_split`, seeded by
+    ``split.seed``) go to val; nothing happens when the data has a val split or ``split.val`` is 0.
+
+    Args:
+        table: one row per image with ``patient``, ``split`` and the class columns.
+        classes: the class columns to stratify on.
+        split: the site's fractions and seed.
+        problems: receives one line with the numbers moved.
+    """
+    train = table["split"].eq("train")
+    if table["split"].eq("val").any() or split.val == 0 or not train.any():
+        return table
+    share = split.val / (split.train + split.val)
+    within = SplitConfig(train=1.0 - share, val=share, test=0.0, seed=split.seed)
+    chosen = patient_split(table[train], classes, within)
+    table = table.copy()
+    table.loc[train, "split"] = chosen
+    moved = chosen.eq("val")
+    problems.append(f"the data gives no val split: {table.loc[moved[moved].index, 'patient'].nunique()} of "
+                    f"{table.loc[train, 'patient'].nunique()} train patients ({int(moved.sum())} images) form it "
+                    f"(split.val / (split.train + split.val) = {share:.3f} of them, stratified)")
+    return table

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from cxrfl.data.site_config import SiteConfig, load_site_config
-from cxrfl.data.site import load_site
+from cxrfl.data.site import load_site, training_refusal
 from cxrfl.data.splits import SPLITS
 
 EXAMPLES = 5  # skipped images shown by name
@@ -21,10 +21,12 @@ def summarise(config: SiteConfig | str | Path, *, check_images: bool = True) -> 
 
     Returns:
         ``site``, ``format``, ``labels`` (file), ``images`` (count), ``patients``, ``classes``,
-        ``positives`` (class -> count), ``unknown`` (class -> images without a label),
+        ``positives`` and ``negatives`` (class -> count), ``unknown`` (class -> images without a
+        label), ``one_sided`` (class -> its only label value: :meth:`cxrfl.data.site.SiteData.one_sided_classes`),
         ``splits`` (split -> images), ``split_patients``, ``split_positives``
         (split -> class -> count), ``skipped`` (count), ``skipped_examples`` (first
-        ``[path, reason]`` pairs) and ``problems``.
+        ``[path, reason]`` pairs), ``problems`` and ``refused`` (why a federated job refuses the site
+        at start-up: :func:`cxrfl.data.site.training_refusal`; None when it takes part).
     """
     if not isinstance(config, SiteConfig):
         config = load_site_config(config)
@@ -33,18 +35,21 @@ def summarise(config: SiteConfig | str | Path, *, check_images: bool = True) -> 
     return {
         "site": data.site,
         "format": config.dataset.format,
-        "labels": str(config.dataset.labels.resolve()),
+        "labels": str(config.dataset.label_source.resolve()),
         "images": len(table),
         "patients": int(table["patient"].nunique()),
         "classes": list(data.classes),
         "positives": data.positives(),
+        "negatives": data.negatives(),
         "unknown": {c: int(table[c].isna().sum()) for c in data.classes},
+        "one_sided": data.one_sided_classes(),
         "splits": {s: int((table["split"] == s).sum()) for s in SPLITS},
         "split_patients": {s: int(table.loc[table["split"] == s, "patient"].nunique()) for s in SPLITS},
         "split_positives": {s: data.positives(s) for s in SPLITS},
         "skipped": len(data.skipped),
         "skipped_examples": [[p, r] for p, r in data.skipped[:EXAMPLES]],
         "problems": list(data.problems),
+        "refused": training_refusal(data),
     }
 
 
@@ -61,14 +66,16 @@ def format_summary(summary: dict[str, Any]) -> str:
         "",
     ]
     width = max([len("class"), len("images (patients)"), *(len(c) for c in summary["classes"])])
-    header = ["all", *SPLITS, "unknown"]
+    header = ["all", *SPLITS, "negatives", "unknown"]
     lines.append(f"{'class':<{width}}  " + "  ".join(f"{h:>14}" for h in header))
     for c in summary["classes"]:
-        cells = [summary["positives"][c], *(summary["split_positives"][s][c] for s in SPLITS), summary["unknown"][c]]
+        cells = [summary["positives"][c], *(summary["split_positives"][s][c] for s in SPLITS),
+                 summary["negatives"][c], summary["unknown"][c]]
         lines.append(f"{c:<{width}}  " + "  ".join(f"{v:>14}" for v in cells))
     counts = [
         f"{summary['images']} ({summary['patients']})",
         *(f"{summary['splits'][s]} ({summary['split_patients'][s]})" for s in SPLITS),
+        "",
         "",
     ]
     lines.append(f"{'images (patients)':<{width}}  " + "  ".join(f"{v:>14}" for v in counts))

@@ -79,7 +79,9 @@ def submit(
         download: folder to download the job's result into (after it ends).
 
     Returns:
-        ``job_id``, ``status``, ``refused`` (why NVFlare did not run it, if so) and ``result``.
+        ``job_id``, ``status``, ``refused`` (why NVFlare did not run it, if so), ``result`` and
+        ``download_refused`` (why the download was refused: org admins download no results,
+        docs/security.md).
     """
     from nvflare.fuel.flare_api.flare_api import new_secure_session
 
@@ -95,7 +97,10 @@ def submit(
     job = Path(job).resolve()
     if not (job / "meta.json").is_file():
         raise DeployError(f"{job} is not a job folder (no meta.json)")
-    out: dict[str, Any] = {"job": str(job), "admin": admin, "bring_your_own_code": (job / "app" / "custom").is_dir()}
+    from cxrfl.jobs import app_dirs
+
+    out: dict[str, Any] = {"job": str(job), "admin": admin,
+                           "bring_your_own_code": any((app / "custom").is_dir() for app in app_dirs(job))}
     with contextlib.redirect_stdout(sys.stderr):
         sess = new_secure_session(admin, str(kit), timeout=30)
     try:
@@ -117,10 +122,39 @@ def submit(
         if out["status"] != COMPLETED and detail:
             out["refused"] = "; ".join(str(d) for d in detail) if isinstance(detail, list) else str(detail)
         if download and out["status"] == COMPLETED:
-            out["result"] = sess.download_job_result(job_id, destination=str(Path(download).resolve()))
+            out.update(_download(sess, job_id, download))
     finally:
         sess.close()
     return out
+
+
+def _download(sess: Any, job_id: str, destination: str | Path) -> dict[str, str]:
+    """``{"result": folder}``, or ``{"download_refused": why}`` when NVFlare's authorization refuses it."""
+    try:
+        return {"result": sess.download_job_result(job_id, destination=str(Path(destination).resolve()))}
+    except Exception as exc:  # NVFlare raises on NOT_AUTHORIZED; anything else is reported the same way
+        return {"download_refused": f"{type(exc).__name__}: {exc}"}
+
+
+def download(job_id: str, *, workspace: str | Path, admin: str | None = None, destination: str | Path) -> dict[str, Any]:
+    """Download a finished job's result from an admin kit (the project admin may download every job).
+
+    Args:
+        job_id: the job.
+        workspace: the deployment workspace.
+        admin: the admin's name (default: the project admin).
+        destination: folder to download into.
+
+    Returns:
+        ``job_id``, ``admin`` and ``result`` (the downloaded folder) or ``download_refused``.
+    """
+    dep = Deployment.load(workspace)
+    admin = admin or dep.admin_with_role("project_admin")
+    sess = admin_session(dep, admin)
+    try:
+        return {"job_id": job_id, "admin": admin, **_download(sess, job_id, destination)}
+    finally:
+        sess.close()
 
 
 def abort(
@@ -167,7 +201,7 @@ def abort(
             out.update(status="WAIT_FAILED", error=f"{type(exc).__name__}: {exc}")
             return out
         if download:
-            out["result"] = sess.download_job_result(job_id, destination=str(Path(download).resolve()))
+            out.update(_download(sess, job_id, download))
     finally:
         sess.close()
     return out

@@ -19,6 +19,8 @@ hospital's IT person and a researcher do:
 ``status``            processes, connected sites and jobs of a workspace
 ``submit`` / ``abort``  submit a job from an admin kit with the FLARE API, wait, download the
                       result; abort a running job (:mod:`cxrfl.deploy.admin`)
+``download``          a finished job's result (project admin: every job; lead: its own; org
+                      admins none: docs/security.md)
 ====================  =====================================================================
 
 The workspace layout: :mod:`cxrfl.deploy.workspace`. Every command prints JSON (or a path) on
@@ -37,10 +39,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from cxrfl.deploy.admin import COMPLETED, abort, admin_session, submit
+from cxrfl.deploy.admin import COMPLETED, abort, admin_session, download, submit
 from cxrfl.deploy.jobs import build_job
 from cxrfl.deploy.processes import find_processes, start, stop
-from cxrfl.deploy.provision import ALLOW_PREFIXES, install_site_config, prepare_kit, provision
+from cxrfl.deploy.provision import ALLOW_PREFIXES, install_site_config, prepare_kit, protect_keys, provision
 from cxrfl.deploy.workspace import DeployError, Deployment
 
 
@@ -89,6 +91,10 @@ def _cmd_provision(args: argparse.Namespace) -> int:
     dep = provision(args.project, args.workspace, poc=args.poc, server_host=args.server_host, port=args.port,
                     org_admin_jobs=not args.no_org_admin_jobs)
     _print(asdict(dep))
+    private = protect_keys(dep.ws)  # provision did it; this lists them
+    print(f"private keys and provisioning state are owner-only (files 0o600, folders 0o700): {len(private['keys'])} key "
+          f"files, {len(private['state'])} state folder(s) under {dep.ws}; keep the state folder (root CA key) offline",
+          file=sys.stderr)
     print(f"kits in {dep.kits}; next: cxrfl deploy site-config --workspace {args.workspace} SITE CONFIG.yaml", file=sys.stderr)
     return 0
 
@@ -113,7 +119,8 @@ def _cmd_job(args: argparse.Namespace) -> int:
     tracking = None if args.tracking is None else [t for t in args.tracking.split(",") if t]
     _emit(str(build_job(args.name, args.out, mode=args.mode, overrides=_kv(args.set), privacy=privacy,
                         exclude_batchnorm=args.exclude_batchnorm, job_name=args.job_name, tracking=tracking,
-                        tracking_uri=args.tracking_uri)))
+                        tracking_uri=args.tracking_uri,
+                        sites=None if args.sites is None else [s for s in args.sites.split(",") if s])))
     return 0
 
 
@@ -147,7 +154,21 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     if result.get("refused"):
         print(f"cxrfl: job refused for {result['admin']}: {result['refused']}", file=sys.stderr)
         return 1
-    return 0 if result.get("status") in (COMPLETED, "SUBMITTED") else 1
+    return _download_status(result) if result.get("status") in (COMPLETED, "SUBMITTED") else 1
+
+
+def _download_status(result: dict[str, Any]) -> int:
+    if result.get("download_refused"):
+        print(f"cxrfl: download of job {result.get('job_id')} refused for {result.get('admin')}: "
+              f"{result['download_refused']} (org admins download no job results; see docs/security.md)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_download(args: argparse.Namespace) -> int:
+    result = download(args.job_id, workspace=args.workspace, admin=args.admin, destination=args.out)
+    _print(result)
+    return _download_status(result)
 
 
 def _cmd_abort(args: argparse.Namespace) -> int:
@@ -170,7 +191,7 @@ def _add_setup_commands(ds: argparse._SubParsersAction) -> None:
     p.add_argument("--poc", action="store_true", help="POC mode (nvflare poc prepare -i) instead of production")
     p.add_argument("--server-host", help="host the sites connect to (e.g. localhost for one machine)")
     p.add_argument("--port", type=int, help="the server's port (FL and admin traffic)")
-    p.add_argument("--no-org-admin-jobs", action="store_true", help="keep NVFlare's default: org admins submit no jobs")
+    p.add_argument("--no-org-admin-jobs", action="store_true", help="org admins submit no jobs (they never download any)")
     p.set_defaults(func=_quiet(_cmd_provision))
 
     p = ds.add_parser("prepare-kit", help="a kit's local/resources.json (storage, class_allow_list) and authorization.json")
@@ -198,6 +219,8 @@ def _add_setup_commands(ds: argparse._SubParsersAction) -> None:
     p.add_argument("--privacy-arg", action="append", metavar="KEY=VALUE", help="its arguments, e.g. gamma=0.05")
     p.add_argument("--exclude-batchnorm", action="store_true", help="ExcludeVars filter of BatchNorm entries (FedBN/FedBN+)")
     p.add_argument("--job-name", help="another job (folder) name")
+    p.add_argument("--sites", help="the client sites, comma-separated: the server's app goes to the server alone and "
+                                   "each site gets a client app (needed for fedfew; default: the job's)")
     p.add_argument("--tracking", help="experiment trackers, comma-separated: tensorboard, mlflow ('' for none; "
                                       "default: the job's, tensorboard)")
     p.add_argument("--tracking-uri", help="MLflow tracking server (default: an SQLite file mlflow.db in the job's "
@@ -206,7 +229,7 @@ def _add_setup_commands(ds: argparse._SubParsersAction) -> None:
 
 
 def _add_run_commands(ds: argparse._SubParsersAction) -> None:
-    """``start``, ``status``, ``submit``, ``abort``, ``stop``."""
+    """``start``, ``status``, ``submit``, ``download``, ``abort``, ``stop``."""
     p = ds.add_parser("start", help="start the server and sites of a workspace in the background")
     p.add_argument("--workspace", required=True)
     p.add_argument("--only", nargs="+", help="participants to start (default: server and every site)")
@@ -226,6 +249,13 @@ def _add_run_commands(ds: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--download", help="download the result into this folder")
     p.set_defaults(func=_quiet(_cmd_submit))
+
+    p = ds.add_parser("download", help="download a finished job's result (project admin: any job; org admins: none)")
+    p.add_argument("job_id")
+    p.add_argument("--workspace", required=True)
+    p.add_argument("--admin", help="admin name (default: the project admin)")
+    p.add_argument("--out", required=True, help="folder to download into")
+    p.set_defaults(func=_quiet(_cmd_download))
 
     p = ds.add_parser("abort", help="abort a running job (its completed rounds stay usable), optionally download it")
     p.add_argument("job_id")

@@ -23,6 +23,7 @@ def build_job(
     job_name: str | None = None,
     tracking: Sequence[str] | None = None,
     tracking_uri: str | None = None,
+    sites: Sequence[str] | None = None,
 ) -> Path:
     """Write a deployable job folder from a job in :data:`cxrfl.jobs.JOBS` (its recipe, exported).
 
@@ -38,6 +39,8 @@ def build_job(
         job_name: another name for the job (folder and meta).
         tracking: experiment trackers (``tensorboard``, ``mlflow``; empty: none); None: the job's.
         tracking_uri: MLflow tracking server; None: an SQLite file in the job's server workspace.
+        sites: the client sites by name (the server's app then goes to the server alone; FedFew needs
+            them); None: the job's (``fedfew``: site-1, site-2; the others: NVFlare's ``@ALL``).
     """
     from cxrfl.jobs import JOBS, write_job
 
@@ -55,7 +58,8 @@ def build_job(
     meta_min = int(overrides["min_clients"]) if "min_clients" in (overrides or {}) else spec.min_clients
     spec = dataclasses.replace(spec, name=job_name or spec.name, controller_args=args, privacy=privacy,
                                exclude_batchnorm=exclude_batchnorm, min_clients=meta_min, tracking_uri=tracking_uri,
-                               tracking=spec.tracking if tracking is None else tuple(tracking))
+                               tracking=spec.tracking if tracking is None else tuple(tracking),
+                               sites=spec.sites if sites is None else tuple(sites))
     out = Path(out)
     if (out / spec.name).exists():
         raise DeployError(f"{out / spec.name} exists; choose another --out")

@@ -4,7 +4,8 @@ authorization, and a hospital's data config in its kit.
 ``provision`` wraps ``nvflare provision`` (production) or ``nvflare poc prepare -i`` (POC), then
 ``prepare_kit`` writes each server and site kit's ``local/resources.json`` (job and snapshot
 storage moved out of /tmp/nvflare, ``cxrfl.`` added to ``class_allow_list``) and
-``local/authorization.json`` (:data:`ORG_ADMIN_RIGHTS`).
+``local/authorization.json`` (:data:`ORG_ADMIN_RIGHTS`); ``protect_keys`` leaves every private key
+and the provisioning state (root CA key) readable by their owner only. The policy: docs/security.md.
 """
 
 from __future__ import annotations
@@ -28,9 +29,15 @@ from cxrfl.errors import ConfigError
 from cxrfl.fl.site_config import LOCAL_CONFIG_NAME
 
 ALLOW_PREFIXES = ("cxrfl.",)
-ORG_ADMIN_RIGHTS = {"submit_job": "any", "byoc": "none"}
-"""Changes to NVFlare's default policy for ``org_admin``: a hospital's org admin may submit jobs
-(which then can only use code pre-installed on the sites) but never bring-your-own-code jobs."""
+ORG_ADMIN_ALWAYS = {"download_job": "none", "clone_job": "none", "byoc": "none"}
+"""Changes to NVFlare's default policy for ``org_admin``, always: a hospital's org admin never
+downloads a job's results (the server's records name every site's classes), clones no job and
+brings no code."""
+ORG_ADMIN_RIGHTS = {**ORG_ADMIN_ALWAYS, "submit_job": "any"}
+"""With ``org_admin_jobs`` (the default): an org admin may also submit jobs, which can then use
+only code pre-installed on the sites; the server refuses those whose mode sends class names to
+every site (:data:`cxrfl.fl.base.CLASS_NAME_ROLES`)."""
+OWNER_ONLY_FILE, OWNER_ONLY_DIR = 0o600, 0o700
 
 
 def _effective_project(project_file: str | Path, effective: Path, *, poc: bool, server_host: str | None,
@@ -115,8 +122,33 @@ def provision(
     for participant in [dep.server, *dep.clients]:
         prepare_kit(dep.kit(participant), storage=ws / "storage" if participant == dep.server else None,
                     org_admin_jobs=org_admin_jobs)
+    protect_keys(ws)
     dep.save()
     return dep
+
+
+def protect_keys(root: str | Path) -> dict[str, list[str]]:
+    """Make every private key under ``root`` and the provisioning state owner-only.
+
+    ``*.key`` files get mode 0o600; each ``state`` folder (NVFlare's ``cert.json`` holds the root
+    CA's and every participant's private key) 0o700 and every file in it 0o600.
+
+    Args:
+        root: a deployment workspace (or any folder holding kits).
+
+    Returns:
+        ``keys`` and ``state`` (folders): the paths made owner-only.
+    """
+    root = Path(root)
+    keys = sorted(p for p in root.rglob("*.key") if p.is_file() and not p.is_symlink())
+    states = sorted(p for p in root.rglob("state") if p.is_dir() and (p / "cert.json").is_file())
+    for state in states:
+        state.chmod(OWNER_ONLY_DIR)
+        for p in state.rglob("*"):
+            p.chmod(OWNER_ONLY_DIR if p.is_dir() else OWNER_ONLY_FILE)
+    for key in keys:
+        key.chmod(OWNER_ONLY_FILE)
+    return {"keys": [str(p) for p in keys], "state": [str(p) for p in states]}
 
 
 def _listen_on_loopback(server_kit: Path) -> None:
@@ -164,7 +196,7 @@ def prepare_kit(
     - server only: job and snapshot storage under ``storage`` (default ``<kit>/storage``)
       instead of /tmp/nvflare;
     - authorization: NVFlare's default policy with :data:`ORG_ADMIN_RIGHTS` for ``org_admin``
-      (``org_admin_jobs=False`` keeps NVFlare's default: org admins submit nothing).
+      (``org_admin_jobs=False``: :data:`ORG_ADMIN_ALWAYS` and org admins submit nothing).
 
     Args:
         kit: the kit folder.
@@ -205,11 +237,13 @@ def prepare_kit(
 
 
 def _move_server_storage(kit: Path, res: dict[str, Any], storage: str | Path | None) -> dict[str, str]:
-    """Point the server's job and snapshot storage at ``storage`` (default ``<kit>/storage``) in ``res``."""
+    """Point the server's job and snapshot storage at ``storage`` (default ``<kit>/storage``, owner-only) in ``res``."""
     root = Path(storage).resolve() if storage else kit / "storage"
     jobs, snapshots = root / "jobs-storage", root / "snapshot-storage"
-    jobs.mkdir(parents=True, exist_ok=True)
-    snapshots.mkdir(parents=True, exist_ok=True)
+    for folder in (jobs, snapshots):  # they keep every finished job's records: owner-only
+        folder.mkdir(parents=True, exist_ok=True)
+        for p in (folder, folder.parent):
+            p.chmod(OWNER_ONLY_DIR)
     try:
         res["snapshot_persistor"]["args"]["storage"]["args"]["root_dir"] = str(snapshots)
     except (KeyError, TypeError) as exc:
@@ -223,13 +257,14 @@ def _move_server_storage(kit: Path, res: dict[str, Any], storage: str | Path | N
 
 
 def _write_authorization(kit: Path, org_admin_jobs: bool) -> Any:
-    """The kit's ``local/authorization.json`` with :data:`ORG_ADMIN_RIGHTS` (never BYOC); the org admin's entry."""
+    """The kit's ``local/authorization.json`` with :data:`ORG_ADMIN_RIGHTS` (or no jobs); the org admin's entry."""
     policy = _load_local(kit, "authorization.json")
-    org_admin = policy.setdefault("permissions", {}).setdefault("org_admin", {})
-    if isinstance(org_admin, dict):
-        if org_admin_jobs:
-            org_admin.update(ORG_ADMIN_RIGHTS)
-        org_admin["byoc"] = "none"
+    permissions = policy.setdefault("permissions", {})
+    org_admin = permissions.get("org_admin")
+    if not isinstance(org_admin, dict):  # missing, or one expression for every right: replace by the explicit set
+        org_admin = permissions["org_admin"] = {"view": "any", "operate": "o:site", "shell_commands": "o:site",
+                                                "manage_job": "o:submitter", "submit_job": "none"}
+    org_admin.update(ORG_ADMIN_RIGHTS if org_admin_jobs else {**ORG_ADMIN_ALWAYS, "submit_job": "none"})
     (kit / "local" / "authorization.json").write_text(json.dumps(policy, indent=2) + "\n")
     return org_admin
 

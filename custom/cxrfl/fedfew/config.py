@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from cxrfl.common.config import Config
+from cxrfl.errors import ConfigError
+from cxrfl.surgical.aggregation import check_options
+from cxrfl.surgical.validation import MAX_NUM_SAMPLES
 from cxrfl.nn.precision import LEGACY_AMP, channels_last_field, precision_field
 
 ENERGY_OUTPUTS = ("all", "cc")
@@ -92,6 +95,16 @@ class FedFewConfig(Config):
         threshold_weighting: see :data:`THRESHOLD_WEIGHTINGS`.
         threshold_examples: see :data:`THRESHOLD_EXAMPLES`.
 
+    Federated averaging (stages 1-2; the server's, :meth:`cxrfl.fedfew.rounds.FederatedRounds.fedavg`):
+
+    Args:
+        robust: None (FedAvg weighted by images), ``median`` (coordinate-wise, unweighted) or
+            ``clip`` (each update's distance from the round's start clipped to ``clip_norm``); see
+            :func:`cxrfl.surgical.aggregation.surgical_aggregate`.
+        clip_norm: the norm bound of ``clip``, and of a ``median`` of fewer than 3 sites (needed by both).
+        max_num_samples: the largest image count a site may report; a site must also keep reporting
+            about the count of its first accepted result of a stage.
+
     General:
 
     Args:
@@ -136,6 +149,9 @@ class FedFewConfig(Config):
     threshold_bins: int = field(default=512, metadata={"ge": 2})
     threshold_weighting: str = field(default="count", metadata={"choices": THRESHOLD_WEIGHTINGS})
     threshold_examples: str = field(default="uc_labelled", metadata={"choices": THRESHOLD_EXAMPLES})
+    robust: str | None = field(default=None, metadata={"choices": ("median", "clip")})
+    clip_norm: float | None = field(default=None, metadata={"gt": 0})
+    max_num_samples: int = field(default=MAX_NUM_SAMPLES, metadata={"ge": 1})
     seed: int = 0
     precision: str = precision_field()
     channels_last: str | bool = channels_last_field()
@@ -143,6 +159,10 @@ class FedFewConfig(Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        try:
+            check_options("uniform", "fedavg", self.robust, self.clip_norm)
+        except ValueError as exc:
+            raise ConfigError(f"{self.SECTION}: {exc}") from None
         if self.m_in is not None and self.m_out is not None and self.m_in >= self.m_out:
             self.fail("m_in", f"({self.m_in}) must be below fedfew.m_out ({self.m_out})")
         if self.uc_negatives == "in" and self.uc_energy_on == "all":

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 def run_fedfew(data: Mapping[str, SiteData], *, config: FedFewConfig, model_config: ModelConfig, out_dir: str | Path,
                device: torch.device | None = None, min_clients: int = 1, min_clients_timeout: float = 0,
-               retry_pause: float = 0, resume_from: str | Path | None = None, evaluate_test: bool = False,
+               retry_pause: float = 0, resume_from: str | None = None, resume_root: str | Path | None = None,
+               evaluate_test: bool = False,
                info: Callable[[str], None] = log.info, warning: Callable[[str], None] = log.warning,
                site_info: Callable[[str], None] | None = None, hosts: Mapping[str, SiteHost] | None = None,
                on_round: RoundHook | None = None, aborted: Callable[[], bool] = lambda: False) -> FedFewOutcome:
@@ -42,8 +43,9 @@ def run_fedfew(data: Mapping[str, SiteData], *, config: FedFewConfig, model_conf
         min_clients_timeout: seconds a round with fewer is retried before the run stops (in-process
             sites do not come back by themselves: 0 stops at once).
         retry_pause: seconds between two attempts.
-        resume_from: an interrupted run's id (its resume folder under ``out_dir/cxrfl_resume``) or a
-            folder of stage files (see :mod:`cxrfl.fedfew.server`).
+        resume_from: an interrupted run's id (its resume folder under ``resume_root``; see
+            :mod:`cxrfl.fedfew.server`).
+        resume_root: folder of resume folders (default ``out_dir/cxrfl_resume``).
         evaluate_test: evaluate the final model on the sites' test splits.
         info: progress logger.
         warning: problem logger.
@@ -56,6 +58,6 @@ def run_fedfew(data: Mapping[str, SiteData], *, config: FedFewConfig, model_conf
     server = FedFewServer(inprocess_transport(hosts, warning, site_info), sites=list(data), config=config,
                           model_config=model_config, out_dir=out_dir, min_clients=min_clients,
                           min_clients_timeout=min_clients_timeout, retry_pause=retry_pause,
-                          resume_from=str(resume_from) if resume_from else None, evaluate_test=evaluate_test,
+                          resume_from=resume_from, resume_root=resume_root, evaluate_test=evaluate_test,
                           info=info, warning=warning, aborted=aborted, on_round=on_round)
     return server.run()

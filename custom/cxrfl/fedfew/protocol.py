@@ -6,8 +6,9 @@ site's endpoint (the :class:`cxrfl.common.transport.SiteHost` protocol): the NVF
 (:mod:`cxrfl.fedfew.inprocess`) both hand it every task; :func:`handle_task` is the whole site
 side, shared by both.
 
-Tasks (every task's ``meta`` carries ``fedfew_config`` and ``model_config``; stage-2/3 tasks also
-``cc_classes`` and ``uc_classes``, the UCs of the receiving site only):
+Tasks (every task's ``meta`` carries ``fedfew_config``, without the federation's UC list
+``uc_classes``, and ``model_config``; stage-2/3 tasks also ``cc_classes`` and ``uc_classes``, the
+UCs of the receiving site only):
 
 ==================  =============================================  ==============================================
 task                server sends                                   site answers (meta)

@@ -4,9 +4,11 @@ early stopping and the state a resumed run goes on from.
 A stage runs as one or more :class:`Phase` s (stage 1: SimSiam; stage 2: warm-up, then energy
 rounds, or plain BCE rounds). :meth:`FederatedRounds.run_phase` runs a phase's rounds:
 
-- every result is checked (:func:`cxrfl.surgical.validation.validate_update`: shapes, missing or
-  extra keys, NaN/Inf, sample counts); a malformed one is rejected with one warning line naming
-  the site and the reason, and the valid ones are averaged, weighted by their images;
+- every result is checked as a whole (:func:`cxrfl.surgical.validation.validate_update`: shapes,
+  dtypes, missing or extra keys, NaN/Inf; :class:`cxrfl.surgical.validation.SampleCounts`: image
+  counts capped and fixed per stage); a malformed one is rejected with one warning line naming
+  the site and the reason (and in the round's ``rejected``), and the valid ones are averaged,
+  weighted by their images (``robust``: their median, or clipped updates);
 - a round with fewer than ``min_clients`` valid results (at most the number of sites the phase
   trains: a warm-up round trains the CC sites only) changes nothing and is run again every
   ``retry_pause`` seconds (:class:`cxrfl.common.server.RetryClock`); after ``min_clients_timeout``
@@ -34,14 +36,14 @@ import numpy as np
 import torch
 
 from cxrfl.common.io import to_numpy
-from cxrfl.common.resume import STATE_FILE
+from cxrfl.common.resume import STATE_FILE, ResumeStore
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.common.server import RetryClock, RunStopped, ServerLoop
 from cxrfl.common.transport import Message
-from cxrfl.errors import UpdateRejected
+from cxrfl.errors import ConfigError, UpdateRejected
 from cxrfl.surgical.aggregation import aggregate, surgical_aggregate
 from cxrfl.surgical.head_modes import PLACEHOLDER_CLASS, with_placeholder_head
-from cxrfl.surgical.validation import validate_update
+from cxrfl.surgical.validation import MAX_NUM_SAMPLES, SampleCounts, expected_dtypes, validate_update
 
 log = logging.getLogger(__name__)
 
@@ -142,11 +144,15 @@ class FederatedRounds(ServerLoop):
         min_clients_timeout: seconds a round may be retried before the run stops.
         retry_pause: seconds between two attempts at a round.
         on_round: see :data:`RoundHook`.
+        robust: None, ``median`` or ``clip`` (:class:`cxrfl.fedfew.config.FedFewConfig`).
+        clip_norm: the norm bound of ``robust``.
+        max_num_samples: the largest image count a site may report.
         kwargs: :class:`cxrfl.common.server.ServerLoop`'s arguments.
     """
 
     def __init__(self, *, min_clients: int = 1, min_clients_timeout: float = 600, retry_pause: float = 10,
-                 on_round: RoundHook | None = None, **kwargs: Any) -> None:
+                 on_round: RoundHook | None = None, robust: str | None = None, clip_norm: float | None = None,
+                 max_num_samples: int = MAX_NUM_SAMPLES, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if min_clients < 1:
             raise ValueError("min_clients must be >= 1")
@@ -155,12 +161,24 @@ class FederatedRounds(ServerLoop):
         self.min_clients = min_clients
         self.clock = RetryClock(min_clients_timeout, retry_pause)
         self.on_round = on_round
+        self.robust, self.clip_norm, self.max_num_samples = robust, clip_norm, max_num_samples
+        self.counts: dict[str, SampleCounts] = {}  # task -> each site's image count (SSL and stage 2 differ)
         self.progress_settings: dict[str, Any] = {}
 
     # ----------------------------------------------------------------- FedAvg
     def fedavg(self, results: dict[str, Message], expected: Mapping[str, tuple], classes: list[str] | None,
-               needed: int) -> tuple[dict[str, np.ndarray] | None, dict[str, str], list[str]]:
-        """Weighted FedAvg of the valid results (``classes``: a stage-2 head; None: no head).
+               needed: int, *, reference: Mapping[str, np.ndarray], task: str
+               ) -> tuple[dict[str, np.ndarray] | None, dict[str, str], list[str]]:
+        """Weighted FedAvg of the valid results (``classes``: a stage-2 head; None: no head); with
+        ``robust``, their median or their clipped updates (unweighted median).
+
+        Args:
+            results: site -> its answer.
+            expected: name -> shape of the weights.
+            classes: the stage-2 head's classes (None: stage 1).
+            needed: fewest valid results.
+            reference: the weights the round started from (dtypes; what ``robust`` clips from).
+            task: the round's task (image counts are checked per task).
 
         Returns:
             the average (None: fewer than ``needed`` valid results), site -> why it was
@@ -168,27 +186,34 @@ class FederatedRounds(ServerLoop):
         """
         updates, rejected = [], {}
         shapes = dict(expected)
+        ref = dict(reference) if classes else with_placeholder_head(reference)
         if classes is None:
             shapes.update({"classifier.weight": (1, 1), "classifier.bias": (1,)})
+        counts = self.counts.setdefault(task, SampleCounts(self.max_num_samples))
+        dtypes = expected_dtypes(ref)
         for site, (params, meta) in sorted(results.items()):
             update = {"site": site, "classes": list(classes or [PLACEHOLDER_CLASS]), "num_samples": meta.get("num_samples"),
                       "params": dict(params) if classes else with_placeholder_head(params)}
             try:
-                validate_update(update, expected_shapes=shapes)
+                validate_update(update, expected_shapes=shapes, dtypes=dtypes)
+                counts.check(site, update["num_samples"])
             except UpdateRejected as exc:
                 rejected[site] = str(exc)
                 self.warning(f"rejected the update of site {site}: {exc}")
                 continue
+            counts.note(site, update["num_samples"])
             if classes is None:
                 update["params"] = dict(params)
             updates.append(update)
         used = [u["site"] for u in updates]
         if len(updates) < needed:
             return None, rejected, used
+        robust = {"robust": self.robust, "clip_norm": self.clip_norm, "reference": reference,
+                  "weighting": "uniform" if self.robust == "median" else "samples"}
         if classes is None:
-            params, _ = aggregate(updates, head_mode="local", weighting="samples")
+            params, _ = aggregate(updates, head_mode="local", **robust)
         else:
-            params, _ = surgical_aggregate(updates, weighting="samples", classes=classes)
+            params, _ = surgical_aggregate(updates, classes=classes, **robust)
         return {k: np.asarray(v) for k, v in params.items()}, rejected, used
 
     # ----------------------------------------------------------------- phases
@@ -226,7 +251,8 @@ class FederatedRounds(ServerLoop):
         start = time.perf_counter()
         results = self.broadcast(phase.task, phase.sites, progress.params, lambda s: meta_for(s, rnd))
         self.check_abort()  # aborted mid-round: the round is not recorded, nothing is written
-        agg, rejected, used = self.fedavg(results, expected, classes, self.needed(phase))
+        agg, rejected, used = self.fedavg(results, expected, classes, self.needed(phase), reference=progress.params,
+                                          task=phase.task)
         metrics = {s: m.get("metrics") for s, (_, m) in results.items()}
         record: dict[str, Any] = {"stage": phase.stage, "round": rnd, "phase": phase.name, "sites_answered": sorted(results),
                                   "sites_aggregated": used if agg is not None else [], "rejected": rejected,
@@ -297,7 +323,8 @@ class FederatedRounds(ServerLoop):
 
     def load_progress(self, folder: Path, stage: int) -> Progress | None:
         """The progress of ``stage`` an interrupted run left in ``folder`` (None: none, another stage,
-        or other settings: the stage then starts over, with a warning for the last).
+        other settings or a file that cannot be read: the stage then starts over, with a warning for
+        the last two).
 
         Args:
             folder: the interrupted run's resume folder.
@@ -306,7 +333,11 @@ class FederatedRounds(ServerLoop):
         path = folder / STATE_FILE
         if not path.is_file():
             return None
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            state = ResumeStore.read(path, remedy=f"stage {stage} starts over from its first round")
+        except ConfigError as exc:
+            self.warning(f"resume: {exc}")
+            return None
         if int(state.get("stage", 0)) != stage:
             return None
         saved = state.get("settings") or {}

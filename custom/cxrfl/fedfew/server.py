@@ -36,16 +36,17 @@ Written under ``out_dir`` (the server's app folder in a job):
 Resuming: every finished stage's file is kept in the run's resume folder
 (``cxrfl_resume/<run id>/`` under ``resume_root``; removed when the run finishes), and so is the
 stage in progress after each completed round (``state.pt``: its weights, best weights, early
-stopping, margins). A run with ``resume_from`` set to an interrupted run's id (or to a folder of
-stage files: its resume folder, or an earlier run's ``fedfew/`` folder or the app folder holding
-it) loads the latest finished stage there and goes on with the next one, from the round after the
-last completed one when that stage's progress is there (and was made with the same settings);
+stopping, margins). A run with ``resume_from`` set to an interrupted run's id (its resume folder
+under ``resume_root``; no other folder) loads the latest finished stage there and goes on with the
+next one, from the round after the last completed one when that stage's progress is there (and was
+made with the same settings);
 stage 3 also needs stage 2's file. The model settings and the CCs must match, otherwise the run
 stops and says why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -58,7 +59,6 @@ import numpy as np
 import torch
 
 from cxrfl.common.io import to_numpy, write_json
-from cxrfl.common.resume import RESUME_ROOT
 from cxrfl.common.server import RunStopped
 from cxrfl.common.transport import Send
 from cxrfl.fedfew import protocol as P
@@ -113,7 +113,7 @@ class FedFewServer(FederatedRounds):
         evaluate_test: evaluate the final model on every site's test split.
         run_id: this run's id (NVFlare: the job id); names its resume folder.
         resume_root: folder of resume folders (default ``out_dir/cxrfl_resume``).
-        resume_from: an interrupted run's id, or a folder of stage files (see the module docstring).
+        resume_from: an interrupted run's id (see the module docstring).
         info: logger of progress lines.
         warning: logger of problems that do not stop the run.
         aborted: returns True when the run must stop.
@@ -129,15 +129,18 @@ class FedFewServer(FederatedRounds):
         super().__init__(send=send, sites=sites, out_dir=out_dir, run_id=run_id, resume_root=resume_root,
                          resume_from=str(resume_from) if resume_from else None, info=info, warning=warning,
                          aborted=aborted, min_clients=min_clients, min_clients_timeout=min_clients_timeout,
-                         retry_pause=retry_pause, on_round=on_round)
+                         retry_pause=retry_pause, on_round=on_round, robust=config.robust, clip_norm=config.clip_norm,
+                         max_num_samples=config.max_num_samples)
         self.config = config
         self.model_config = model_config
         self.evaluate_test = evaluate_test
         self._site_config = ModelConfig.from_dict({**model_config.to_dict(), "pretrained": None})
+        # the federation's UC list stays here: a site learns its own UCs from its tasks' uc_classes (_roles)
+        self._site_fedfew = dataclasses.replace(config, uc_classes=None)
 
     # -------------------------------------------------------------- helpers
     def _meta(self, **extra: Any) -> dict[str, Any]:
-        return {"fedfew_config": self.config.to_dict(), "model_config": self._site_config.to_dict(), **extra}
+        return {"fedfew_config": self._site_fedfew.to_dict(), "model_config": self._site_config.to_dict(), **extra}
 
     def _roles(self, plan: ClassPlan, site: str) -> dict[str, Any]:
         return {"cc_classes": plan.cc_classes, "uc_classes": plan.site_ucs.get(site, [])}
@@ -151,15 +154,12 @@ class FedFewServer(FederatedRounds):
         copy_stage(self._stage_path(stage), self.resume.folder / STAGE_FILES[stage])
 
     def _resume_source(self) -> Path:
-        """The folder of stage files ``resume_from`` names."""
+        """The resume folder of the run ``resume_from`` names."""
         folder = self.resume.locate(self.resume_from).parent
-        if (folder / STAGE_DIR).is_dir():  # an app folder holding fedfew/
-            folder = folder / STAGE_DIR
         if not folder.is_dir():
             raise RunStopped(
                 f"resume_from={self.resume_from!r}: {folder} does not exist; give the job id of an interrupted FedFew "
-                f"run on this server (or the path of its {RESUME_ROOT}/<job id> folder or of an earlier run's "
-                f"{STAGE_DIR}/ folder), or remove resume_from")
+                f"run on this server, or remove resume_from")
         return folder
 
     def _load_resume(self, plan: ClassPlan) -> tuple[int, dict[str, Any], Progress | None]:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cxrfl.common.io import atomic_write, json_default, to_numpy, torch_save
+from cxrfl.common.io import atomic_write, json_default, to_numpy, torch_load, torch_save
 from cxrfl.common.server import RunStopped
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.nn.models import ModelConfig, load_checkpoint, save_checkpoint
@@ -114,6 +114,7 @@ def load_stages(folder: Path, done: int, site_config: ModelConfig, cc_classes: S
 
     Raises:
         RunStopped: a file of other model settings, other CCs, or not a stage file.
+        ConfigError: a stage file that cannot be read.
     """
     data: dict[str, Any] = {}
     if done >= 2:
@@ -130,7 +131,7 @@ def load_stages(folder: Path, done: int, site_config: ModelConfig, cc_classes: S
         data["stage3"] = json.loads((folder / STAGE_FILES[3]).read_text())
     if done == 1:
         path = folder / STAGE_FILES[1]
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch_load(path, "FedFew stage-1 file", "delete it (stage 1 then runs again) or remove resume_from")
         if not isinstance(obj, dict) or obj.get("format") != STAGE1_FORMAT:
             raise RunStopped(f"resume: {path} is not a FedFew stage-1 file")
         _same_model(path, obj["model_config"], site_config)

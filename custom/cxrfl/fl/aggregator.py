@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from nvflare.apis.event_type import EventType
+from nvflare.apis.fl_context import FLContext
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
 
+from cxrfl.fl.base import class_names_refusal
 from cxrfl.nn.models import HEAD_PREFIX
 from cxrfl.surgical.round_aggregator import RoundAggregator
 
@@ -26,9 +29,9 @@ class SurgicalAggregator(ModelAggregator):
         weighting: ``uniform`` (the papers) or ``samples`` (weighted by ``num_samples``).
         batchnorm: ``fedavg``, ``fedbn`` or ``fedbn+``.
         bn_keys: BatchNorm parameter and buffer names (from :func:`cxrfl.nn.models.batchnorm_keys`).
-        robust: None, ``median`` or ``clip`` (off by default). ``clip`` bounds each update relative
-            to the previous global model, so an aggregation without a reference is a plain mean.
-        clip_norm: update norm bound for ``clip``.
+        robust: None, ``median`` or ``clip`` (off by default). Both need the previous global model
+            (:meth:`expect`'s ``reference``): an aggregation without one fails, never a plain mean.
+        clip_norm: update norm bound for ``clip`` (and for ``median`` groups of fewer than 3 sites).
         head_prefix: state-dict prefix of the classification head.
     """
 
@@ -37,6 +40,15 @@ class SurgicalAggregator(ModelAggregator):
         super().__init__()
         self.core = RoundAggregator(weighting=weighting, batchnorm=batchnorm, bn_keys=bn_keys, robust=robust,
                                     clip_norm=clip_norm, head_prefix=head_prefix, warning=self.warning)
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        """At the job's start, refuse a job of a role that may not learn every site's classes: NVFlare's
+        workflows send the aggregated model's ``classes`` and ``contributors`` to every site."""
+        if event_type == EventType.START_RUN:
+            refusal = class_names_refusal(fl_ctx, type(self).__name__)
+            if refusal:
+                self.system_panic(refusal, fl_ctx)
+        super().handle_event(event_type, fl_ctx)
 
     def expect(self, shapes: dict[str, tuple] | None, announced: dict[str, list[str]] | None = None,
                classes: list[str] | None = None, reference: dict | None = None) -> None:

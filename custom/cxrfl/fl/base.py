@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import abc
 import inspect
+import json
 import math
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 from nvflare.apis.event_type import EventType
 from nvflare.apis.executor import Executor
-from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.fl_constant import FLContextKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
@@ -35,12 +37,12 @@ from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 from nvflare.app_common.workflows.model_controller import ModelController
 from nvflare.fuel.utils.memory_utils import cleanup_memory
 
-from cxrfl.common.resume import RESUME_ROOT
-from cxrfl.common.server import RunAborted, RunStopped, ServerLoop
+from cxrfl.common.resume import RESUME_ROOT, RESUME_ROOT_ENV
+from cxrfl.common.server import RunAborted, ServerLoop
 from cxrfl.common.transport import Message, OnAnswer, SiteHost
 from cxrfl.data.cache import IMAGE_CACHE
 from cxrfl.data.dataset import resolve_workers
-from cxrfl.data.site import SiteData, load_site
+from cxrfl.data.site import SiteData, load_site, training_refusal
 from cxrfl.errors import CxrflError
 from cxrfl.fl.site_config import resolve_site_config
 from cxrfl.nn.models import select_device
@@ -51,6 +53,44 @@ STATE_ROOT = "cxrfl_state"
 
 Scalars = tuple[dict[str, float], int]
 """Metrics to track (name -> value) and their step (round, cycle)."""
+
+CLASS_NAME_ROLES = ("project_admin", "lead")
+"""Roles whose jobs may send class names beyond a site's own to every site (union head, CWT,
+FedFew, cxrfl's aggregator in NVFlare's own workflows). An org admin operates one hospital's site
+and reads what it receives, so the server refuses such a job from any other role (docs/security.md)."""
+
+
+def submitter_role(fl_ctx: FLContext) -> str | None:
+    """The role of the job's submitter, as NVFlare recorded it in the job's ``meta.json`` on this party.
+
+    Args:
+        fl_ctx: the job's context (engine and job id).
+
+    Returns:
+        the role; None where no submitter is recorded (simulator, in-process runs).
+    """
+    engine = fl_ctx.get_engine()
+    path = Path(engine.get_workspace().get_job_meta_path(fl_ctx.get_job_id())) if engine is not None else None
+    if path is None or not path.is_file():
+        return None
+    from nvflare.apis.job_def import JobMetaKey
+
+    return json.loads(path.read_text()).get(JobMetaKey.SUBMITTER_ROLE.value)
+
+
+def class_names_refusal(fl_ctx: FLContext, what: str) -> str | None:
+    """Why a job that sends class names beyond a site's own to every site may not run (None: it may).
+
+    Args:
+        fl_ctx: the job's context.
+        what: the component and mode, for the message.
+    """
+    role = submitter_role(fl_ctx)
+    if role is None or role in CLASS_NAME_ROLES:
+        return None
+    return (f"{what} sends every site class names other sites hold, and this job was submitted by role {role!r}; "
+            f"only {' or '.join(CLASS_NAME_ROLES)} may submit it. Submit it as the lead, or use head_mode "
+            f"surgical or local (docs/security.md)")
 
 
 def write_every_arg(component: Any, args: Mapping[str, Any] | None = None) -> Any:
@@ -139,6 +179,11 @@ class TaskController(ModelController):
         self.analytic_sender_id = analytic_sender_id
         self.writer = None
 
+    @property
+    def discloses_class_names(self) -> bool:
+        """Whether this workflow sends a site class names beyond its own (only :data:`CLASS_NAME_ROLES` may run it)."""
+        return True
+
     @abc.abstractmethod
     def make_server(self, **common: Any) -> ServerLoop:
         """The method's server loop.
@@ -197,23 +242,28 @@ class TaskController(ModelController):
         return answers
 
     def run(self) -> None:
+        refusal = class_names_refusal(self.fl_ctx, type(self).__name__) if self.discloses_class_names else None
+        if refusal:
+            self.panic(refusal)
+            return
         engine = self.fl_ctx.get_engine()
         workspace = engine.get_workspace()
-        server = self.make_server(
-            send=self.send, sites=self.sample_clients(), out_dir=self.get_app_dir(), run_id=self.fl_ctx.get_job_id(),
-            resume_root=Path(workspace.get_root_dir()) / RESUME_ROOT, info=self.info, warning=self.warning,
-            aborted=lambda: bool(self.abort_signal.triggered),
-        )
-        self.writer = engine.get_component(self.analytic_sender_id) if self.analytic_sender_id else None
-        if self.writer is not None:
-            # a server job fires no ABOUT_TO_START_RUN: start NVFlare's writer as a site's would be started
-            self.writer.handle_event(EventType.ABOUT_TO_START_RUN, self.fl_ctx)
-            server.on_record = lambda name, record: track(self.writer, self.record_scalars(name, record))
+        resume_root = os.environ.get(RESUME_ROOT_ENV) or Path(workspace.get_root_dir()) / RESUME_ROOT
         try:
+            server = self.make_server(
+                send=self.send, sites=self.sample_clients(), out_dir=self.get_app_dir(), run_id=self.fl_ctx.get_job_id(),
+                resume_root=resume_root, info=self.info, warning=self.warning,
+                aborted=lambda: bool(self.abort_signal.triggered),
+            )
+            self.writer = engine.get_component(self.analytic_sender_id) if self.analytic_sender_id else None
+            if self.writer is not None:
+                # a server job fires no ABOUT_TO_START_RUN: start NVFlare's writer as a site's would be started
+                self.writer.handle_event(EventType.ABOUT_TO_START_RUN, self.fl_ctx)
+                server.on_record = lambda name, record: track(self.writer, self.record_scalars(name, record))
             server.run()
         except RunAborted:
             self.info("aborted: nothing more is written")
-        except RunStopped as exc:
+        except CxrflError as exc:  # stopped, a bad resume_from, an unreadable state, a full disk: one line
             self.panic(str(exc))
 
 
@@ -271,7 +321,8 @@ class TaskExecutor(Executor):
         if self.analytic_sender_id:
             self.writer = engine.get_component(self.analytic_sender_id)
         try:
-            path, how = resolve_site_config(self.site, workspace.get_site_config_dir())
+            simulator = bool(fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False))
+            path, how = resolve_site_config(self.site, workspace.get_site_config_dir(), simulator=simulator)
             self.log_info(fl_ctx, f"site {self.site}: reading site config {path} (from {how})")
             start = time.perf_counter()
             self.data = load_site(path, check_images=True)
@@ -284,13 +335,13 @@ class TaskExecutor(Executor):
             self.log_warning(fl_ctx, f"site {self.site}: {problem}")
         for path, reason in self.data.skipped[:10]:
             self.log_warning(fl_ctx, f"site {self.site}: skipped image {path}: {reason}")
-        splits = {s: len(self.data.split_table(s)) for s in ("train", "val", "test")}
+        splits = self.data.split_sizes()
         self.log_info(fl_ctx, f"site {self.site}: {len(self.data.table)} images ({splits}), {len(self.data.classes)} "
                               f"classes, {len(self.data.skipped)} skipped, loaded in {time.perf_counter() - start:.1f}s")
         self.log_info(fl_ctx, f"site {self.site}: {resolve_workers(self.num_workers)} loader worker(s) per loader "
                               f"(num_workers={self.num_workers}); preprocessed images cached in {self.data.cache_dir}")
-        if splits["train"] == 0 or splits["val"] == 0:
-            self.error = f"site {self.site}: empty train or val split {splits}; add images or change split fractions"
+        self.error = training_refusal(self.data)
+        if self.error:
             self.log_error(fl_ctx, self.error)
 
     def _host(self) -> SiteHost:
@@ -316,6 +367,9 @@ class TaskExecutor(Executor):
             if line:
                 self.log_info(fl_ctx, line)
             self._track(host, task_name, answer)
+        except CxrflError as exc:  # a refused setting, an unreadable state, a full disk: one line, no traceback
+            self.log_error(fl_ctx, f"site {self.site}: task {task_name} failed: {exc}")
+            return make_reply(ReturnCode.EXECUTION_EXCEPTION)
         except Exception as exc:  # one bad round at one site must not take the federation down
             self.log_exception(fl_ctx, f"site {self.site}: task {task_name} failed: {exc}")
             return make_reply(ReturnCode.EXECUTION_EXCEPTION)

@@ -7,9 +7,9 @@ benchmark and the tests run too; this module only carries its messages over NVFl
 :class:`cxrfl.cwt.host.CWTSiteHost` (:class:`cxrfl.fl.base.TaskExecutor`). Outputs: see
 :mod:`cxrfl.cwt.server`.
 
-Resuming: submit the job again with ``resume_from`` set to the interrupted job's id (or the path
-of its ``<server workspace>/cxrfl_resume/<job id>`` folder); the relay goes on from the cycle
-after the interrupted run's last completed one.
+Resuming: submit the job again with ``resume_from`` set to the interrupted job's id (its state is
+in ``<server workspace>/cxrfl_resume/<job id>``; a folder is never accepted); the relay goes on
+from the cycle after the interrupted run's last completed one.
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ class CyclicWeightTransfer(TaskController):
         task_timeout: seconds a site may take per task (0: no limit). A site that is down when
             its turn comes is skipped after this long, so set it in deployments.
         evaluate_test: evaluate the best model on every site's test split at the end.
-        resume_from: continue an interrupted run of this job: its job id on this server, or
-            the path of its ``cxrfl_resume/<job id>`` folder.
+        resume_from: continue an interrupted run of this job: its job id on this server.
         analytic_sender_id: the server's analytics writer for the pooled validation loss per
             cycle (:meth:`record_scalars`; "": none).
     """

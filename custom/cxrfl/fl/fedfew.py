@@ -12,8 +12,9 @@ Tasks: see :mod:`cxrfl.fedfew.protocol`. Written to the server's app folder: see
 :mod:`cxrfl.fedfew.server` (``fedfew/stage*``, ``FL_global_model.pt``, ``cxrfl/*.jsonl|json``).
 
 Resuming a stopped run: submit the job again with ``resume_from`` set to the interrupted job's
-id (its finished stages are kept in ``<server workspace>/cxrfl_resume/<job id>/``) or to a folder
-of stage files (absolute path); finished stages are loaded, not run again.
+id (its finished stages are kept in ``<server workspace>/cxrfl_resume/<job id>/``); finished
+stages are loaded, not run again. A folder is never accepted (the job's submitter would choose
+what the server reads).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from cxrfl.data.site import SiteData
+from cxrfl.errors import ConfigError
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.protocol import SiteHost
 from cxrfl.fedfew.server import FedFewServer
@@ -45,10 +47,8 @@ class FedFew(TaskController):
             results is retried; then the job stops with the reason.
         retry_pause: seconds between two attempts.
         task_timeout: seconds a site may take per task (0: no limit).
-        resume_from: go on from an interrupted run: its job id on this server, or a folder of stage
-            files; None: run every stage.
-        resume: deprecated alias of ``resume_from`` (a folder, relative paths against the new app
-            folder); removed in the next release.
+        resume_from: go on from an interrupted run: its job id on this server; None: run every stage.
+        resume: removed (it named a folder); given, the job is refused with what to set instead.
         evaluate_test: evaluate the final model on every site's test split.
         analytic_sender_id: the server's analytics writer for the sites' mean losses per round
             (:meth:`record_scalars`; "": none).
@@ -61,8 +61,9 @@ class FedFew(TaskController):
         super().__init__(task_timeout=task_timeout, analytic_sender_id=analytic_sender_id)
         if isinstance(min_clients, bool) or not isinstance(min_clients, int) or min_clients < 1:
             raise ValueError(f"min_clients must be an integer >= 1, got {min_clients!r}")
-        if resume_from and resume:
-            raise ValueError("give resume_from only (resume is its deprecated alias)")
+        if resume:
+            raise ConfigError(f"FedFew: resume={resume!r} is no longer accepted (a folder the server would read); "
+                              f"set resume_from to the interrupted job's id on this server instead")
         self.config = FedFewConfig.from_dict(fedfew_config)
         self.network = ModelConfig.from_dict(model_config or {})
         if min_clients_timeout < 0 or retry_pause < 0:
@@ -71,20 +72,12 @@ class FedFew(TaskController):
         self.min_clients_timeout = min_clients_timeout
         self.retry_pause = retry_pause
         self.resume_from = resume_from
-        self.resume = resume
         self.evaluate_test = evaluate_test
 
     def make_server(self, **common: Any) -> FedFewServer:
-        resume_from = self.resume_from
-        if self.resume:
-            common["warning"](f"FedFew: 'resume' is deprecated and will be removed in the next release; "
-                              f"use resume_from (the interrupted job's id, or a folder of stage files) instead of "
-                              f"resume={self.resume!r}")
-            path = Path(self.resume).expanduser()
-            resume_from = str(path if path.is_absolute() else (Path(common["out_dir"]) / path).resolve())
         return FedFewServer(config=self.config, model_config=self.network, min_clients=self.min_clients,
                             min_clients_timeout=self.min_clients_timeout, retry_pause=self.retry_pause,
-                            resume_from=resume_from, evaluate_test=self.evaluate_test, **common)
+                            resume_from=self.resume_from, evaluate_test=self.evaluate_test, **common)
 
     def record_scalars(self, name: str, record: Mapping[str, Any]) -> Scalars | None:
         """Per completed stage-1/2 round: the sites' mean SimSiam or training loss and, when stage 2

@@ -22,15 +22,16 @@ back. No recipe carries site data: each site reads its own config when the job s
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
 from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE
-from nvflare.apis.job_def import JobMetaKey
+from nvflare.apis.job_def import ALL_SITES, JobMetaKey
 from nvflare.app_common.filters.exclude_vars import ExcludeVars
 from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
 from nvflare.app_opt.tracking.tb.tb_receiver import TBAnalyticsReceiver
@@ -52,6 +53,7 @@ from cxrfl.fl.base import TaskController, TaskExecutor, write_every_arg
 from cxrfl.fl.cwt import CWTExecutor, CyclicWeightTransfer
 from cxrfl.fl.fedfew import FedFew, FedFewExecutor
 from cxrfl.fl.surgical import SiteExecutor, SurgicalAggregation
+from cxrfl.jobs import DEMO_SITES
 from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
@@ -99,6 +101,9 @@ class JobSettings(Config):
             difference by :class:`cxrfl.fl.privacy.UpdatePrivacy` (checked, and its missing args
             written explicitly, by :mod:`cxrfl.common.privacy`).
         custom: what ``app/custom`` holds (:data:`CUSTOM_MODES`).
+        sites: the client sites by name. Named: the server's app (``config_fed_server.json``) goes to
+            the server alone and each named site gets a client app; empty: one app to NVFlare's
+            ``@ALL`` (the server and every site, so every site also receives the server's config).
     """
 
     SECTION: ClassVar[str] = "job"
@@ -113,14 +118,20 @@ class JobSettings(Config):
     tracking_uri: str | None = None
     privacy: dict[str, Any] | None = None
     custom: str = field(default="readme", metadata={"choices": CUSTOM_MODES})
+    sites: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if len(set(self.sites)) != len(self.sites) or any(not s or s in ("server", ALL_SITES) for s in self.sites):
+            self.fail("sites", f"must list distinct client site names (not 'server' or '{ALL_SITES}'), "
+                               f"got {list(self.sites)}")
         bad = [t for t in self.tracking if t not in TRACKERS]
         if bad or len(set(self.tracking)) != len(self.tracking):
             self.fail("tracking", f"must list distinct trackers of {list(TRACKERS)}, got {list(self.tracking)}")
         if self.tracking_uri is not None and "mlflow" not in self.tracking:
             self.fail("tracking_uri", "is MLflow's; add 'mlflow' to tracking")
+        if "mlflow" in self.tracking and importlib.util.find_spec("mlflow") is None:
+            self.fail("tracking", "'mlflow' needs MLflow: pip install 'cxrfl[mlflow]' (or leave 'mlflow' out)")
         resolve_workers(self.num_workers)  # ConfigError naming num_workers
         check_privacy(self.privacy, f"job {self.name}")  # refuses update-destroying settings, warns about lossy ones
 
@@ -167,6 +178,19 @@ def controller_args(controller: type[TaskController], given: Mapping[str, Any],
     return json.loads(json.dumps(args))  # tuples as lists: what the job file holds
 
 
+def _to_sites(fed_job: FedJob, job: JobSettings, component: Any, **kwargs: Any) -> None:
+    """Put a component into every site's app: each named site's own (``job.sites``), else NVFlare's ``@ALL`` app.
+
+    Args:
+        fed_job: the job.
+        job: the job settings.
+        component: the component (its configuration is written into each app).
+        kwargs: ``FedJob.to``'s options (``tasks``, ``id``, ``filter_type``).
+    """
+    for target in job.sites or (ALL_SITES,):
+        fed_job.to(component, target, **kwargs)
+
+
 def batchnorm_state_keys(model: ModelConfig) -> list[str]:
     """Every BatchNorm state-dict entry of the network (selected by module type, not by name).
 
@@ -200,7 +224,7 @@ class CxrflRecipe(Recipe):
         fed_job.to_server(write_every_arg(controller(**args), args), id="controller")
         site = {"device": job.device, "num_workers": job.num_workers, "num_threads": job.num_threads,
                 "analytic_sender_id": job.sender_id}
-        fed_job.to_clients(write_every_arg(self.executor(**site), site), tasks=list(self.tasks))
+        _to_sites(fed_job, job, write_every_arg(self.executor(**site), site), tasks=list(self.tasks))
         if job.tracking:
             self._add_tracking(fed_job, job)
         self._add_filters(fed_job, job, result_filters)
@@ -213,11 +237,10 @@ class CxrflRecipe(Recipe):
     @staticmethod
     def _add_tracking(fed_job: FedJob, job: JobSettings) -> None:
         """Sites and server write NVFlare analytics events; the server's receivers store them."""
-        for target in ("server", "clients"):
-            writer = write_every_arg(TBWriter(event_type=ANALYTIC_EVENT_TYPE))
-            getattr(fed_job, f"to_{target}")(writer, id=ANALYTIC_SENDER)
-        fed_job.to_clients(write_every_arg(ConvertToFedEvent(events_to_convert=[ANALYTIC_EVENT_TYPE],
-                                                             fed_event_prefix="fed.")), id="event_to_fed")
+        fed_job.to_server(write_every_arg(TBWriter(event_type=ANALYTIC_EVENT_TYPE)), id=ANALYTIC_SENDER)
+        _to_sites(fed_job, job, write_every_arg(TBWriter(event_type=ANALYTIC_EVENT_TYPE)), id=ANALYTIC_SENDER)
+        _to_sites(fed_job, job, write_every_arg(ConvertToFedEvent(events_to_convert=[ANALYTIC_EVENT_TYPE],
+                                                                  fed_event_prefix="fed.")), id="event_to_fed")
         events = [FED_EVENT, ANALYTIC_EVENT_TYPE]  # the sites' and the server's own
         if "tensorboard" in job.tracking:
             fed_job.to_server(write_every_arg(TBAnalyticsReceiver(tb_folder="tb_events", events=events)),
@@ -237,11 +260,11 @@ class CxrflRecipe(Recipe):
         if job.privacy is not None:
             # the same class remembers what the site received (data filter) and filters the difference (result)
             privacy = {"method": job.privacy["method"], "args": privacy_args(job.privacy)}
-            fed_job.to_clients(write_every_arg(UpdatePrivacy(**privacy), privacy), filter_type=FilterType.TASK_DATA,
-                               tasks=[TRAIN_TASK])
+            _to_sites(fed_job, job, write_every_arg(UpdatePrivacy(**privacy), privacy),
+                      filter_type=FilterType.TASK_DATA, tasks=[TRAIN_TASK])
             chain.append(write_every_arg(UpdatePrivacy(**privacy), privacy))
         for result_filter in chain:
-            fed_job.to_clients(result_filter, filter_type=FilterType.TASK_RESULT, tasks=[TRAIN_TASK])
+            _to_sites(fed_job, job, result_filter, filter_type=FilterType.TASK_RESULT, tasks=[TRAIN_TASK])
 
 
 _S = SurgicalConfig()
@@ -332,6 +355,9 @@ class FedFewRecipe(CxrflRecipe):
         name: job name.
         min_clients: sites needed to start.
         min_results: fewest valid site results that make a round (the workflow's ``min_clients``).
+        sites: the client sites by name (required: FedFew's server config, e.g. ``fedfew_config.uc_classes``,
+            must reach the server only, and NVFlare 2.9 can send a client app to all sites but the
+            server only by naming them; see :class:`JobSettings`).
         fedfew_config: :class:`cxrfl.fedfew.config.FedFewConfig` (or its fields).
         model_config: :class:`cxrfl.nn.models.ModelConfig` (or its fields).
         settings: :class:`JobSettings` fields and every other argument of
@@ -342,9 +368,12 @@ class FedFewRecipe(CxrflRecipe):
     tasks = FEDFEW_TASKS
 
     def __init__(self, *, name: str = "fedfew", min_clients: int = 2, min_results: int = 1,
-                 fedfew_config: FedFewConfig | Mapping[str, Any] | None = None,
+                 sites: Sequence[str] = DEMO_SITES, fedfew_config: FedFewConfig | Mapping[str, Any] | None = None,
                  model_config: ModelConfig | Mapping[str, Any] | None = None, **settings: Any) -> None:
-        job, rest = JobSettings.split({"name": name, "min_clients": min_clients, **settings})
+        job, rest = JobSettings.split({"name": name, "min_clients": min_clients, "sites": tuple(sites), **settings})
+        if not job.sites:
+            raise ConfigError(f"{name}: name the sites (sites=[...]): FedFew's server config must reach the server "
+                              "only, and an unnamed set of sites gets the server's app too (NVFlare's @ALL)")
         given = {"fedfew_config": fedfew_config, "model_config": model_config, "min_clients": min_results,
                  "analytic_sender_id": job.sender_id, **rest}
         args = controller_args(FedFew, given, {"fedfew_config": FedFewConfig, "model_config": ModelConfig},

@@ -38,7 +38,7 @@ class SurgicalAggregation(TaskController):
         settings: every other argument is the :class:`cxrfl.surgical.config.SurgicalConfig` setting
             of the same name (meaning and default there; ``model_config`` and ``train_config`` as
             dicts of their fields): num_rounds, min_clients, model_config, train_config, batchnorm,
-            weighting, robust, clip_norm, patience, min_delta, min_clients_timeout, resume_from,
+            weighting, robust, clip_norm, max_num_samples, patience, min_delta, min_clients_timeout, resume_from,
             seed, evaluate_test, external_test, keep_round_checkpoints, head_mode, missing, retry_pause.
     """
 
@@ -53,6 +53,7 @@ class SurgicalAggregation(TaskController):
         weighting: str = _DEFAULTS.weighting,
         robust: str | None = _DEFAULTS.robust,
         clip_norm: float | None = _DEFAULTS.clip_norm,
+        max_num_samples: int = _DEFAULTS.max_num_samples,
         patience: int = _DEFAULTS.patience,
         min_delta: float = _DEFAULTS.min_delta,
         task_timeout: int = 0,
@@ -71,12 +72,17 @@ class SurgicalAggregation(TaskController):
         self.config = SurgicalConfig.from_dict({
             "num_rounds": num_rounds, "min_clients": min_clients, "model_config": model_config,
             "train_config": train_config, "batchnorm": batchnorm, "weighting": weighting, "robust": robust,
-            "clip_norm": clip_norm, "patience": patience, "min_delta": min_delta,
+            "clip_norm": clip_norm, "max_num_samples": max_num_samples, "patience": patience, "min_delta": min_delta,
             "min_clients_timeout": min_clients_timeout, "resume_from": resume_from, "seed": seed,
             "evaluate_test": evaluate_test, "external_test": external_test,
             "keep_round_checkpoints": keep_round_checkpoints, "head_mode": head_mode, "missing": missing,
             "retry_pause": retry_pause,
         }, where="the SurgicalAggregation arguments of the job's server config")
+
+    @property
+    def discloses_class_names(self) -> bool:
+        """Only the ``union`` head (vanilla FL, FL with partial loss) sends every site the union of classes."""
+        return self.config.head_mode == "union"
 
     def make_server(self, **common: Any) -> ServerLoop:
         return SurgicalServer(config=self.config, **common)

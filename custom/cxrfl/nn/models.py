@@ -26,7 +26,7 @@ import torchvision
 from torch import nn
 
 from cxrfl.common.config import Config
-from cxrfl.common.io import torch_save
+from cxrfl.common.io import torch_load, torch_save
 from cxrfl.errors import ConfigError
 
 ARCHS: tuple[str, ...] = ("densenet121",)
@@ -146,17 +146,9 @@ def build_model(config: ModelConfig, num_classes: int) -> CXRNet:
     return model
 
 
-def _torch_load(path: Path, map_location: str | torch.device, what: str) -> Any:
-    if not path.is_file():
-        raise ConfigError(f"{what} not found: {path}")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # torch raises many kinds for a file that is not a torch pickle
-        raise ConfigError(f"{path} is not a readable torch checkpoint ({type(exc).__name__}: {exc})") from exc
-
-
 def _load_pretrained_backbone(model: CXRNet, path: Path) -> None:
-    obj = _torch_load(path, "cpu", "pretrained checkpoint (model.pretrained)")
+    obj = torch_load(path, "pretrained checkpoint (model.pretrained)",
+                     "give a DenseNet121 state_dict or a cxrfl checkpoint saved with torch.save")
     if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):
         obj = obj["model"]  # cxrfl checkpoint or NVFlare persistor layout
     elif isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
@@ -376,6 +368,16 @@ def _infer_model_config(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     ).to_dict()
 
 
+def _check_finite(state: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Refuse a model whose weights hold NaN or infinite values (a diverged run): it predicts nothing usable."""
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ConfigError(
+            f"{path}: weights are not finite (NaN or infinite) in {len(bad)} tensor(s), e.g. {bad[0]}; a diverged or "
+            "damaged model is not used: take an earlier checkpoint (best_FL_global_model.pt) or train again"
+        )
+
+
 def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read and validate a cxrfl checkpoint.
 
@@ -391,11 +393,12 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
         The checkpoint dict with ``model``, ``classes``, ``model_config`` and ``format`` filled in.
 
     Raises:
-        ConfigError: missing file, unreadable file, or not a cxrfl checkpoint (the message names
-            the file).
+        ConfigError: missing file, unreadable file, not a cxrfl checkpoint, or weights that are
+            not finite (the message names the file).
     """
     path = Path(path)
-    obj = _torch_load(path, map_location, "checkpoint")
+    obj = torch_load(path, "checkpoint", "give a cxrfl checkpoint (FL_global_model.pt, best_FL_global_model.pt)",
+                     map_location)
     if not isinstance(obj, dict) or not isinstance(obj.get("model"), Mapping):
         keys = sorted(map(str, obj))[:8] if isinstance(obj, Mapping) else type(obj).__name__
         raise ConfigError(f"{path} is not a cxrfl checkpoint: no 'model' state_dict (found {keys})")
@@ -412,6 +415,7 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
     state = obj["model"]
     if not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"{path}: the 'model' state_dict holds values that are not tensors")
+    _check_finite(state, path)
     ckpt = dict(obj)
     ckpt["classes"] = _check_classes(classes, state, str(path))
     ckpt["model_config"] = dict(obj.get("model_config", meta.get("model_config")) or _infer_model_config(state))

@@ -41,6 +41,7 @@ from cxrfl.surgical.validation import (
     all_finite,
     as_numpy,
     as_tensor,
+    expected_dtypes,
     first_nonfinite,
     parse_update,
     shape_of,
@@ -53,6 +54,10 @@ WEIGHTINGS = ("uniform", "samples")
 """``uniform``: every site counts the same (the papers); ``samples``: weighted by ``num_samples``."""
 ROBUST_MODES = (None, "median", "clip")
 """None: the mean; ``median``: coordinate-wise median; ``clip``: updates clipped to a norm."""
+MEDIAN_MIN_SITES = 3
+"""Fewest contributors a coordinate-wise median outvotes one hostile site with (the median of two is
+their mean): a group with fewer (the feature extractor of a round with 1-2 results, the head row of a
+class 1-2 sites hold) is aggregated as ``clip`` does, with the same ``clip_norm``."""
 
 
 def check_options(weighting: str, batchnorm: str, robust: str | None, clip_norm: float | None) -> None:
@@ -62,7 +67,7 @@ def check_options(weighting: str, batchnorm: str, robust: str | None, clip_norm:
         weighting: one of :data:`WEIGHTINGS`.
         batchnorm: one of :data:`cxrfl.surgical.head_modes.BATCHNORM_MODES`.
         robust: one of :data:`ROBUST_MODES`.
-        clip_norm: a positive bound with ``robust="clip"``, else None.
+        clip_norm: a positive bound with ``robust`` ``clip`` or ``median`` (see :data:`MEDIAN_MIN_SITES`), else None.
     """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {list(WEIGHTINGS)}, got {weighting!r}")
@@ -72,11 +77,13 @@ def check_options(weighting: str, batchnorm: str, robust: str | None, clip_norm:
         raise ValueError(f"robust must be one of {list(ROBUST_MODES)}, got {robust!r}")
     if robust == "median" and weighting != "uniform":
         raise ValueError("robust='median' is an unweighted median; use weighting='uniform'")
-    if robust != "clip" and clip_norm is not None:
-        raise ValueError("clip_norm is only used with robust='clip'")
-    if robust == "clip" and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
-                             or not 0 < clip_norm < math.inf):
-        raise ValueError(f"robust='clip' needs a positive clip_norm, got {clip_norm!r}")
+    if robust is None and clip_norm is not None:
+        raise ValueError("clip_norm is only used with robust='clip' or robust='median'")
+    if robust is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
+                               or not 0 < clip_norm < math.inf):
+        extra = (" (it bounds the groups of fewer than 3 sites a median cannot protect: a class 1-2 sites hold, "
+                 "a round of 1-2 results)") if robust == "median" else ""
+        raise ValueError(f"robust={robust!r} needs a positive clip_norm{extra}, got {clip_norm!r}")
 
 
 def _site_weights(parsed: Sequence[ParsedUpdate], weighting: str) -> list[float]:
@@ -177,6 +184,7 @@ def _aggregate_head(
     for i, c in enumerate(global_classes):
         contrib = rows[c]
         ref = ref_rows.get(c) if ref_rows is not None else None
+        total = sum(w for w, _ in contrib)
         if not contrib:
             if ref is None:
                 raise ValueError(
@@ -184,19 +192,16 @@ def _aggregate_head(
                     "its row, or leave it out of classes="
                 )
             merged[i] = ref
-        elif robust == "median":
+        elif robust == "median" and len(contrib) >= MEDIAN_MIN_SITES:
             merged[i] = torch.from_numpy(np.median(np.stack([r.numpy() for _, r in contrib]), axis=0))
+        elif robust is not None and clip_norm is not None:  # clip, or a median of 1-2 rows: clipped around
+            ref = ref if ref is not None else torch.zeros(n_in + 1, dtype=torch.float64)  # the zero row if new
+            merged[i] = ref + sum(
+                (w / total) * min(1.0, clip_norm / max(float(torch.linalg.vector_norm(r - ref)), 1e-300)) * (r - ref)
+                for w, r in contrib
+            )
         else:
-            total = sum(w for w, _ in contrib)
-            if robust == "clip" and ref is not None and clip_norm is not None:
-                delta = sum(
-                    (w / total) * min(1.0, clip_norm / max(float(torch.linalg.vector_norm(r - ref)), 1e-300))
-                    * (r - ref)
-                    for w, r in contrib
-                )
-                merged[i] = ref + delta
-            else:
-                merged[i] = sum((w / total) * r for w, r in contrib)
+            merged[i] = sum((w / total) * r for w, r in contrib)
     dtype = as_tensor(parsed[0].params[wkey]).dtype
     return merged[:, :n_in].to(dtype), merged[:, n_in].to(dtype)
 
@@ -207,8 +212,10 @@ def _reference_tensors(
     classes: Sequence[str] | None,
     head_prefix: str,
     for_clip: bool,
+    need_head: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
-    """Reference body tensors (clipping only) and head rows per class (rows in ``classes`` order)."""
+    """Reference body tensors (clipping only) and head rows per class (rows in ``classes`` order);
+    ``need_head``: clipping needs the reference head (else rows are clipped around the zero row)."""
     body: dict[str, torch.Tensor] = {}
     wkey, bkey = head_prefix + "weight", head_prefix + "bias"
     for k, shape in shapes.items():
@@ -219,7 +226,7 @@ def _reference_tensors(
             raise ValueError(f"reference must hold {k!r} with shape {shape}, found {found}")
         body[k] = as_tensor(reference[k])
     has_head = wkey in reference and bkey in reference
-    if for_clip and not has_head:
+    if for_clip and need_head and not has_head:
         raise ValueError(f"robust='clip' needs the reference head ({wkey!r}, {bkey!r})")
     if classes is None or not has_head:
         return body, None
@@ -235,8 +242,8 @@ def _reference_tensors(
 
 
 def _parse_all(updates: Iterable[Mapping[str, Any]], *, head_prefix: str, order: list[str] | None,
-               check_finite: bool, drop: frozenset[str]) -> list[ParsedUpdate]:
-    """Every update checked against the first one's shapes; one update per site."""
+               check_finite: bool, drop: frozenset[str], dtypes: Mapping[str, str]) -> list[ParsedUpdate]:
+    """Every update checked against ``dtypes`` and the first one's shapes and dtypes; one update per site."""
     updates = updates if isinstance(updates, Sequence) else list(updates)
     if not updates:
         raise ValueError("no updates to aggregate")
@@ -244,11 +251,13 @@ def _parse_all(updates: Iterable[Mapping[str, Any]], *, head_prefix: str, order:
     expected: dict[str, tuple[int, ...]] | None = None
     for update in updates:
         p = parse_update(update, expected_shapes=expected, head_prefix=head_prefix, announced_classes=order,
-                         check_finite=check_finite, drop=drop)
+                         check_finite=check_finite, drop=drop, dtypes=dtypes)
         if p.site in {q.site for q in parsed}:
             raise UpdateRejected(f"site {p.site}: sent more than one update this round")
         parsed.append(p)
-        expected = expected or {k: shape_of(v) for k, v in p.params.items()}
+        if expected is None:
+            expected = {k: shape_of(v) for k, v in p.params.items()}
+            dtypes = {**expected_dtypes(p.params), **dtypes}
     return parsed
 
 
@@ -282,13 +291,18 @@ def surgical_aggregate(
         bn_keys: state-dict names of BatchNorm entries (:func:`cxrfl.nn.models.batchnorm_keys`).
         classes: global class order; every site class must be in it. Default: sorted union.
         robust: None (mean), ``median`` (coordinate-wise, unweighted; head rows over the sites
-            having the class) or ``clip`` (each site's ``params - reference`` clipped to L2 norm
-            ``clip_norm`` before averaging: one norm over all float non-head keys, one per head
-            row incl. its bias; the mean delta is added back to the reference).
-        clip_norm: the clipping norm (robust='clip' only).
+            having the class; a group of fewer than :data:`MEDIAN_MIN_SITES` contributors, whose
+            median would be their mean, is clipped as with ``clip``) or ``clip`` (each site's
+            ``params - reference`` clipped to L2 norm ``clip_norm`` before averaging: one norm over
+            all float non-head keys, one per head row incl. its bias; the mean delta is added back
+            to the reference; a class without a reference row, as in a warm-up or a late join, is
+            clipped around the zero row, i.e. its row's norm is at most ``clip_norm``).
+        clip_norm: the clipping norm (``clip`` and ``median``).
         reference: the previous global params, head rows in ``classes`` order (without
-            ``classes``: in the order of the returned sorted union). Needed by robust='clip';
-            with ``classes``, a class no site sent this round keeps its reference row.
+            ``classes``: in the order of the returned sorted union; the head may be absent then).
+            Needed by robust='clip' (and by a median of fewer than 3 updates); with ``classes``, a
+            class no site sent this round keeps its reference row. Every update must have the
+            dtype of its key here (else of the first update).
         running: the non-head sum of exactly these updates, fed as they arrived (what
             :class:`RoundAggregator` does at accept time, so each update
             is read once); used only for the plain mean (``robust=None``) and when its sites,
@@ -306,13 +320,18 @@ def surgical_aggregate(
     check_options(weighting, batchnorm, robust, clip_norm)
     if robust == "clip" and reference is None:
         raise ValueError("robust='clip' needs reference= (the previous global params)")
+    ref_dtypes = expected_dtypes(reference) if reference is not None else {}
     bn_keys = list(bn_keys)
     head_bn = [k for k in bn_keys if k.startswith(head_prefix)]
     if head_bn:
         raise ValueError(f"bn_keys may not include head parameters: {head_bn}")
     drop = frozenset(bn_keys) if batchnorm != "fedavg" else frozenset()
     order = unique_names(classes, "classes") if classes is not None else None
-    parsed = _parse_all(updates, head_prefix=head_prefix, order=order, check_finite=robust == "median", drop=drop)
+    parsed = _parse_all(updates, head_prefix=head_prefix, order=order, check_finite=robust == "median", drop=drop,
+                        dtypes=ref_dtypes)
+    few = robust == "median" and len(parsed) < MEDIAN_MIN_SITES  # the feature extractor is clipped instead
+    if few and reference is None:
+        raise ValueError(f"robust='median' over fewer than {MEDIAN_MIN_SITES} updates clips them: pass reference=")
     expected = {k: shape_of(v) for k, v in parsed[0].params.items()}
     global_classes = order if order is not None else sorted(set().union(*(p.classes for p in parsed)))
     wkey, bkey = head_prefix + "weight", head_prefix + "bias"
@@ -326,11 +345,11 @@ def surgical_aggregate(
                              "(other sites, weights or a robust mode)")
         keys = list(running.keys)
     ref_body, ref_rows = ({}, None) if reference is None else _reference_tensors(
-        reference, expected, global_classes if order is not None or robust == "clip" else None, head_prefix,
-        for_clip=robust == "clip")
+        reference, expected, global_classes if order is not None or robust is not None else None, head_prefix,
+        for_clip=robust == "clip" or few, need_head=order is not None)
 
     body: Mapping[str, Array]
-    if robust == "median":
+    if robust == "median" and not few:
         body = _median_body(parsed, keys)
     else:
         fits = summed and running.keys == keys

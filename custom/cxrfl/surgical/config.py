@@ -29,6 +29,7 @@ from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.aggregation import WEIGHTINGS, check_options
 from cxrfl.surgical.head_modes import BATCHNORM_MODES, HEAD_MODES, MISSING_POLICIES
+from cxrfl.surgical.validation import MAX_NUM_SAMPLES
 
 RESUME_KEYS = ("model_config", "batchnorm", "head_mode", "missing", "seed")
 """Settings a resumed run must share with the interrupted one (they decide the model)."""
@@ -51,15 +52,19 @@ class SurgicalConfig(Config):
         batchnorm: ``fedavg``, ``fedbn`` (BatchNorm local) or ``fedbn+`` (frozen at the statistics of
             the pretrained feature extractor; needs ``model_config.pretrained``).
         weighting: ``uniform`` (the papers) or ``samples``.
-        robust: None, ``median`` or ``clip`` robust aggregation (off by default).
-        clip_norm: update norm bound for ``robust="clip"``.
+        robust: None, ``median`` or ``clip`` robust aggregation (off by default) of every
+            aggregation: warm-up, rounds and late joins (:func:`cxrfl.surgical.aggregation.surgical_aggregate`).
+        clip_norm: update norm bound for ``clip``, and for the groups of fewer than 3 sites a
+            ``median`` cannot protect (needed by both).
+        max_num_samples: the largest ``num_samples`` a site may report; a site must also keep
+            reporting about the count of its first accepted result (its split is fixed).
         patience: rounds without improvement of the mean validation loss before stopping.
         min_delta: improvement smaller than this does not count.
         min_clients_timeout: seconds without a completed round (fewer than ``min_clients`` valid
             results: the round is run again) before the run stops with the reason.
         retry_pause: seconds between two attempts at a round.
-        resume_from: continue an interrupted run: its run (job) id, or the path of its
-            ``cxrfl_resume/<id>`` folder.
+        resume_from: continue an interrupted run: its run (job) id on this server (a plain name,
+            never a folder).
         seed: seed of the initial weights.
         evaluate_test: evaluate the selected model on every site's test split at the end.
         external_test: server-side site config of a fully annotated external test set (optional).
@@ -79,6 +84,7 @@ class SurgicalConfig(Config):
     weighting: str = field(default="uniform", metadata={"choices": WEIGHTINGS})
     robust: str | None = field(default=None, metadata={"choices": ("median", "clip")})
     clip_norm: float | None = field(default=None, metadata={"gt": 0})
+    max_num_samples: int = field(default=MAX_NUM_SAMPLES, metadata={"ge": 1})
     patience: int = field(default=5, metadata={"ge": 1})
     min_delta: float = field(default=1e-4, metadata={"ge": 0})
     min_clients_timeout: float = field(default=600, metadata={"ge": 0})

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from cxrfl.common.io import params_digest
+from cxrfl.common.io import params_digest, plain_name
 from cxrfl.common.transport import Message
 from cxrfl.data.cache import IMAGE_CACHE
 from cxrfl.data.site import SiteData
@@ -73,6 +73,9 @@ class LearnerSettings:
         Args:
             meta: the task meta.
             train_overrides: train settings this site replaces (e.g. a step cap).
+
+        Raises:
+            ConfigError: a ``run_key`` that is not a plain name (it names a folder of this site).
         """
         return cls(
             model_config=ModelConfig.from_dict({**(meta.get("model_config") or {}), "pretrained": None}),
@@ -80,7 +83,8 @@ class LearnerSettings:
             batchnorm=str(meta.get("batchnorm", "fedavg")),
             head_mode=str(meta.get("head_mode", "surgical")),
             missing=str(meta.get("missing", "negative")),
-            run_key=str(meta.get("run_key") or "run"),
+            run_key=plain_name(meta.get("run_key") or "run", "run_key",
+                               "the server sent a run key that is not a plain name; this site refuses the task"),
         )
 
 

@@ -43,10 +43,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from cxrfl.common.io import torch_save
+from cxrfl.common.io import torch_load, torch_save
 from cxrfl.common.transport import copy_params
 from cxrfl.data.dataset import make_loader
 from cxrfl.data.site import SiteData
+from cxrfl.errors import ConfigError
 from cxrfl.nn.models import (
     HEAD_PREFIX,
     ModelConfig,
@@ -290,7 +291,20 @@ class SiteLearner:
 
     def _load(self, name: str) -> Any:
         path = self.state_dir / name
-        return torch.load(path, map_location=self.device, weights_only=False) if path.is_file() else None
+        return self._read(path) if path.is_file() else None
+
+    def _read(self, path: Path, remedy: str | None = None) -> Any:
+        """A file of ``state_dir`` (tensors and plain values only: nothing in it is run).
+
+        Args:
+            path: the file.
+            remedy: what to do when it cannot be read (default: start this site's state afresh).
+
+        Raises:
+            ConfigError: damaged, or holding other objects (one line naming it).
+        """
+        remedy = remedy or f"delete {self.state_dir} (this site's state of the run) and run the job again"
+        return torch_load(path, f"site {self.data.site} state", remedy, self.device)
 
     # ---------------------------------------------------------------- tasks
     def validate(self, split: str = "val") -> EvalResult:
@@ -399,7 +413,8 @@ class SiteLearner:
         return SiteUpdate(self.outgoing_params(), self.classes, self.num_train, metrics)
 
     def _restore_optimizer(self, opt: torch.optim.Optimizer, round_num: int) -> None:
-        """Load the optimizer state stored after the latest round before ``round_num`` (if any).
+        """Load the optimizer state stored after the latest round before ``round_num`` (if any; a
+        file that cannot be read or does not fit: a warning, and the round starts with ``opt`` afresh).
 
         Args:
             opt: a fresh optimizer over this model.
@@ -411,8 +426,10 @@ class SiteLearner:
             return
         path = stored[max(earlier)]
         try:
-            opt.load_state_dict(torch.load(path, map_location=self.device, weights_only=False))
-        except ValueError:
+            opt.load_state_dict(self._read(path, "this round trains with a fresh optimizer"))
+        except ConfigError as exc:
+            log.warning("%s", exc)
+        except (ValueError, KeyError):
             log.warning("site %s: stored optimizer state %s does not fit the model; starting afresh",
                         self.data.site, path)
 
@@ -461,7 +478,7 @@ class SiteLearner:
         path = _round_file(folder, model_round)
         if path.is_file():
             state = self.model.state_dict()
-            state.update(torch.load(path, map_location=self.device, weights_only=False))
+            state.update(self._read(path))
             self.model.load_state_dict(state)
         else:
             torch_save(path, {k: v.detach().clone() for k, v in self.model.state_dict().items() if k in local})

@@ -1,6 +1,7 @@
 """What a server does with one round's results as they arrive: :class:`RoundAggregator`.
 
-Each result is validated (one rejection line per bad result, :mod:`cxrfl.surgical.validation`);
+Each result is validated as a whole (one rejection line per bad result, :mod:`cxrfl.surgical.validation`:
+fields, dtypes, shapes, sample counts) before any of it touches the sum;
 for the plain mean its feature extractor is added to a running sum
 (:class:`cxrfl.surgical.running_sum.RunningSum`) and dropped, and at the end the head rows are
 stitched by :func:`cxrfl.surgical.aggregation.surgical_aggregate`. Used by
@@ -21,7 +22,16 @@ from cxrfl.nn.threads import single_threaded
 from cxrfl.surgical.aggregation import check_options, surgical_aggregate
 from cxrfl.surgical.head_modes import PLACEHOLDER_CLASS, check_modes, drop_head, with_placeholder_head
 from cxrfl.surgical.running_sum import RunningSum
-from cxrfl.surgical.validation import HEAD_PREFIX, Array, first_nonfinite, normalize_shapes, validate_update
+from cxrfl.surgical.validation import (
+    HEAD_PREFIX,
+    MAX_NUM_SAMPLES,
+    Array,
+    SampleCounts,
+    expected_dtypes,
+    first_nonfinite,
+    normalize_shapes,
+    validate_update,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +66,23 @@ class RoundAggregator:
         weighting: ``uniform`` (the papers) or ``samples`` (weighted by ``num_samples``).
         batchnorm: ``fedavg``, ``fedbn`` or ``fedbn+`` (see :func:`surgical_aggregate`).
         bn_keys: BatchNorm parameter and buffer names (:func:`cxrfl.nn.models.batchnorm_keys`).
-        robust: None, ``median`` or ``clip``. ``clip`` bounds each update relative to the
-            previous global model, so an aggregation without a reference is a plain mean.
-        clip_norm: update norm bound for ``clip``.
+        robust: None, ``median`` or ``clip`` (see :func:`surgical_aggregate`). Both need the
+            reference of :meth:`expect` (the previous global model, or the initial feature
+            extractor of a warm-up): an aggregation without one fails rather than fall back to the mean.
+        clip_norm: update norm bound for ``clip`` and ``median`` (groups of fewer than 3 sites).
         head_mode: ``surgical``/``union`` (results carry head rows) or ``local`` (results carry
             the feature extractor only; the aggregate has no head).
         head_prefix: state-dict prefix of the classification head.
+        max_num_samples: the largest ``num_samples`` accepted; a site's later results must also
+            report about the count of its first accepted one (:class:`SampleCounts`).
         warning: where each rejection line goes.
     """
 
     def __init__(self, *, weighting: str = "uniform", batchnorm: str = "fedavg", bn_keys: Sequence[str] = (),
                  robust: str | None = None, clip_norm: float | None = None, head_mode: str = "surgical",
-                 head_prefix: str = HEAD_PREFIX, warning: Callable[[str], None] = log.warning) -> None:
-        check_options(weighting, batchnorm, robust, clip_norm if robust == "clip" else None)
+                 head_prefix: str = HEAD_PREFIX, max_num_samples: int = MAX_NUM_SAMPLES,
+                 warning: Callable[[str], None] = log.warning) -> None:
+        check_options(weighting, batchnorm, robust, clip_norm)
         check_modes(head_mode, "negative", batchnorm)
         self.weighting = weighting
         self.batchnorm = batchnorm
@@ -82,6 +96,8 @@ class RoundAggregator:
         self.announced: dict[str, list[str]] = {}
         self.classes: list[str] | None = None
         self.reference: Mapping[str, Array] | None = None
+        self.dtypes: dict[str, str] | None = None  # key -> dtype every result must have
+        self.counts = SampleCounts(max_num_samples)  # for the whole run, not one round
         self.rejected: dict[str, str] = {}
         self.updates: list[dict[str, Any]] = []
         self.running: RunningSum | None = None  # the plain mean's sum, fed at accept time
@@ -94,14 +110,19 @@ class RoundAggregator:
             shapes: non-head parameter name -> shape every site must send.
             announced: site -> the classes it announced; rows for other classes are rejected.
             classes: the global class order; a class no valid site sent keeps its ``reference`` row.
-            reference: the previous global parameters (needed with ``classes`` and for ``clip``).
+            reference: the previous global parameters (needed with ``classes`` and by ``robust``; a
+                warm-up's: the initial feature extractor); results must have its dtypes (without
+                it: those of the first accepted result).
         """
         self.reset()
         local = self.head_mode == "local"
         self.expected_shapes = normalize_shapes(shapes) if shapes is not None else None  # once, not per result
         self.announced = {s: [PLACEHOLDER_CLASS] if local else list(c) for s, c in (announced or {}).items()}
         self.classes = None if local or classes is None else list(classes)
-        self.reference = None if local else reference
+        if local and reference is not None:
+            reference = with_placeholder_head(drop_head(reference, self.head_prefix), self.head_prefix)
+        self.reference = reference
+        self.dtypes = expected_dtypes(reference) if reference is not None else None
 
     @single_threaded
     def accept(self, update: Mapping[str, Any]) -> bool:
@@ -123,16 +144,20 @@ class RoundAggregator:
         update["classes"] = list(update.get("classes") or [])
         update["params"] = update.get("params") or {}
         streaming = self.robust is None  # the plain mean: sum while checking, each array read once
-        try:
+        try:  # the whole update is checked before any of it is summed
             validate_update(update, expected_shapes=self.expected_shapes, head_prefix=self.head_prefix,
                             announced_classes=self.announced.get(site) if self.announced else None,
-                            check_finite=not streaming)
+                            check_finite=not streaming, dtypes=self.dtypes)
+            self.counts.check(site, update["num_samples"])
             if streaming:
                 self._add_checked(update)
         except UpdateRejected as exc:
             self.rejected[site] = str(exc)
             self.warning(f"rejected result: {exc}")
             return False
+        self.counts.note(site, update["num_samples"])
+        if self.dtypes is None:
+            self.dtypes = expected_dtypes(update["params"])
         if streaming and self.running is not None and self.running.usable:  # summed: keep the head rows only
             update["params"] = {k: v for k, v in update["params"].items() if k.startswith(self.head_prefix)}
         self.updates.append(update)
@@ -177,11 +202,10 @@ class RoundAggregator:
         try:
             if not self.updates:
                 raise UpdateRejected("no valid site result to aggregate")
-            clip = self.robust == "clip" and self.reference is not None
             params, classes = surgical_aggregate(
                 self.updates, head_prefix=self.head_prefix, classes=self.classes, weighting=self.weighting,
-                batchnorm=self.batchnorm, bn_keys=self.bn_keys, robust=self.robust if clip or self.robust != "clip" else None,
-                clip_norm=self.clip_norm if clip else None, reference=self.reference, running=self.running,
+                batchnorm=self.batchnorm, bn_keys=self.bn_keys, robust=self.robust, clip_norm=self.clip_norm,
+                reference=self.reference, running=self.running,
             )
             if self.head_mode == "local":
                 return RoundResult(drop_head(params, self.head_prefix), [], {}, sorted(self.accepted_sites))

@@ -161,7 +161,7 @@ class SurgicalServer(ServerLoop):
         self.expected = {k: tuple(v.shape) for k, v in self.init_params.items() if not (local_bn and k in self.bn_keys)}
         self.aggregator = RoundAggregator(weighting=cfg.weighting, batchnorm=cfg.batchnorm, bn_keys=sorted(self.bn_keys),
                                           robust=cfg.robust, clip_norm=cfg.clip_norm, head_mode=cfg.head_mode,
-                                          warning=self.warning)
+                                          max_num_samples=cfg.max_num_samples, warning=self.warning)
 
     # ----------------------------------------------------------- messages
     def task_meta(self, run_key: str, **extra: Any) -> dict[str, Any]:
@@ -198,7 +198,9 @@ class SurgicalServer(ServerLoop):
         """Round 0: the sites' head warm-ups, stitched; the sites that answered make the run."""
         start = time.perf_counter()
         meta = self.task_meta(self.run_id, phase="warmup", round=0)
-        self.aggregator.expect(self.expected)  # answers stream into the aggregator, as in the rounds
+        # answers stream into the aggregator, as in the rounds; the initial feature extractor is the
+        # reference (dtypes; robust modes bound each update from it, head rows from the zero row)
+        self.aggregator.expect(self.expected, reference=self.init_params)
         answers = self.exchange(TRAIN, {s: (dict(self.init_params), meta) for s in self.sites}, on_answer=self._accept)
         self.check_abort()
         result, rejected = self._finish()
@@ -240,7 +242,8 @@ class SurgicalServer(ServerLoop):
         with a valid answer join (see :mod:`cxrfl.surgical.join`); one ``join`` record."""
         if not waiting:
             return
-        result, rejected = self._aggregate(answers, None, None, None, minimum=1) if answers else (None, {})
+        reference = drop_head(state.params)  # dtypes; robust modes: new rows bounded from the zero row
+        result, rejected = self._aggregate(answers, None, None, reference, minimum=1) if answers else (None, {})
         joined = {s: list(answers[s][1]["classes"]) for s in result.sites} if result else {}
         added: list[str] = []
         if joined:

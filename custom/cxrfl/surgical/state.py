@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from cxrfl.common.io import to_numpy
 from cxrfl.common.selection import EarlyStopping
 
 
@@ -56,6 +57,8 @@ class RunState:
         Args:
             saved: the loaded resume state.
         """
-        return cls(int(saved["round"]), dict(saved["params"]), list(saved["classes"]), dict(saved["announced"]),
-                   EarlyStopping.from_dict(saved["stopper"]), saved.get("best_params"), list(saved.get("curve") or []),
+        best = saved.get("best_params")
+        return cls(int(saved["round"]), to_numpy(saved["params"]), list(saved["classes"]), dict(saved["announced"]),
+                   EarlyStopping.from_dict(saved["stopper"]), None if best is None else to_numpy(best),
+                   list(saved.get("curve") or []),
                    str(saved["run_key"]), dict(saved.get("joined") or {}))

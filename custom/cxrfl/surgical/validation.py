@@ -7,6 +7,12 @@ Framework-free (no NVFlare import). An update is a mapping::
      "params": {name: array},               # incl. classifier.weight [K, N], classifier.bias [K]
      "num_samples": 1234}                   # positive int (weights with weighting="samples")
 
+Every value must be a real number array: floating point, or integer for buffers (BatchNorm's
+``num_batches_tracked``); head values floating point. With expected dtypes (the previous global
+model's, per key) a value must have exactly its key's dtype, so float64, int64 or bool where float32 is
+expected is rejected; complex, bool, object and string arrays never pass. :class:`SampleCounts`
+bounds ``num_samples`` (a hard cap, and the count a site reported first).
+
 Finiteness checks (:func:`first_nonfinite`, and the sums of
 :class:`cxrfl.surgical.aggregation.RunningSum`) are one cheap pass: small arrays are concatenated
 and summed together, large ones summed one by one; only a sum that is not finite (a NaN/Inf, or
@@ -33,6 +39,12 @@ Array = Union[np.ndarray, torch.Tensor]
 """A parameter value: numpy array or torch tensor."""
 
 UPDATE_FIELDS = ("site", "classes", "params", "num_samples")
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+INT_DTYPES = frozenset({"uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64"})
+MAX_NUM_SAMPLES = 10_000_000
+"""Default hard cap on a site's ``num_samples`` (the largest public chest X-ray sets hold < 10**6 images)."""
+COUNT_TOLERANCE = 0.01
+"""Relative change of a site's ``num_samples`` from its first report that is still accepted (splits are fixed)."""
 
 @dataclass(frozen=True)
 class ParsedUpdate:
@@ -47,6 +59,16 @@ class ParsedUpdate:
 def shape_of(v: Array) -> tuple[int, ...]:
     """The shape as a tuple of Python ints."""
     return tuple(int(d) for d in v.shape)
+
+
+def dtype_name(v: Array) -> str:
+    """The dtype's name, the same for numpy and torch (``float32``, ``int64``, ``complex64``, ``object`` ...)."""
+    return v.dtype.name if isinstance(v, np.ndarray) else str(v.dtype).removeprefix("torch.")
+
+
+def expected_dtypes(params: Mapping[str, Array]) -> dict[str, str]:
+    """name -> dtype name of a model's arrays (what :func:`validate_update` compares with)."""
+    return {k: dtype_name(v) for k, v in params.items() if isinstance(v, (np.ndarray, torch.Tensor))}
 
 
 def as_tensor(v: Array) -> torch.Tensor:
@@ -148,6 +170,7 @@ def parse_update(
     announced_classes: Sequence[str] | None,
     check_finite: bool,
     drop: frozenset[str] = frozenset(),
+    dtypes: Mapping[str, str] | None = None,
 ) -> ParsedUpdate:
     """The checks of :func:`validate_update`, returning the parsed update.
 
@@ -158,6 +181,7 @@ def parse_update(
         announced_classes: the classes this site may send rows for (None: any).
         check_finite: check every value for NaN/Inf.
         drop: keys left out of the parsed parameters (local BatchNorm under FedBN).
+        dtypes: name -> the dtype each value must have (:func:`expected_dtypes`; None: any real type).
 
     Raises:
         UpdateRejected: ``"site <site>: <reason>"``.
@@ -176,7 +200,7 @@ def parse_update(
         n = update["num_samples"]
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0:
             raise _Invalid(f"num_samples must be a positive integer, got {n!r}")
-        params = _params(update["params"], len(classes), expected_shapes, head_prefix, drop)
+        params = _params(update["params"], len(classes), expected_shapes, head_prefix, drop, dtypes or {})
         bad = first_nonfinite(params.items()) if check_finite else None
         if bad is not None:
             raise _Invalid(f"non-finite values (NaN or Inf) in {bad!r}")
@@ -210,8 +234,8 @@ def _classes(classes: Any, announced: Sequence[str] | None) -> list[str]:
 
 
 def _params(raw: Any, n_classes: int, expected_shapes: Mapping[str, tuple[int, ...]] | None, head_prefix: str,
-            drop: frozenset[str]) -> dict[str, Array]:
-    """The update's parameters without ``drop``, checked: names, value kinds, shapes, one head row per class."""
+            drop: frozenset[str], dtypes: Mapping[str, str]) -> dict[str, Array]:
+    """The update's parameters without ``drop``, checked: names, value kinds and dtypes, shapes, one head row per class."""
     if not isinstance(raw, Mapping):
         raise _Invalid(f"'params' must be a mapping of name -> array, got {type(raw).__name__}")
     params = {k: v for k, v in raw.items() if k not in drop} if drop else dict(raw)
@@ -232,6 +256,7 @@ def _params(raw: Any, n_classes: int, expected_shapes: Mapping[str, tuple[int, .
     for k, v in params.items():  # one pass: the hot loop of a DenseNet update (~700 entries)
         if not isinstance(v, (np.ndarray, torch.Tensor)):
             raise _Invalid(f"value of {k!r} is a {type(v).__name__}, not a numpy array or torch tensor")
+        _check_dtype(k, dtype_name(v), dtypes.get(k), k in (wkey, bkey))
         if expected_shapes is not None and v.shape != expected_shapes.get(k, v.shape) and k not in (wkey, bkey):
             raise _Invalid(f"parameter {k!r} has shape {shape_of(v)}, expected {expected_shapes[k]}")
     w_shape, b_shape = shape_of(params[wkey]), shape_of(params[bkey])
@@ -245,6 +270,16 @@ def _params(raw: Any, n_classes: int, expected_shapes: Mapping[str, tuple[int, .
     return params
 
 
+def _check_dtype(key: str, name: str, want: str | None, head: bool) -> None:
+    """A value's dtype: ``want`` exactly when given, else real floating point (integer allowed off the head)."""
+    if want is not None:
+        if name != want:
+            raise _Invalid(f"parameter {key!r} has dtype {name}, expected {want}")
+    elif name not in FLOAT_DTYPES and (head or name not in INT_DTYPES):
+        kind = "real floating point" if head else "real floating point (integer for buffers)"
+        raise _Invalid(f"parameter {key!r} has dtype {name}, expected {kind}")
+
+
 def validate_update(
     update: Mapping[str, Any],
     *,
@@ -252,12 +287,14 @@ def validate_update(
     head_prefix: str = HEAD_PREFIX,
     announced_classes: Sequence[str] | None = None,
     check_finite: bool = True,
+    dtypes: Mapping[str, str] | None = None,
 ) -> None:
     """Check one site's update before it is aggregated.
 
     Checks: the four fields are present; ``site`` a non-empty string; ``classes`` non-empty,
     unique, and (when ``announced_classes`` is given) all announced; ``num_samples`` a positive
-    int; head weight [len(classes), N] and bias [len(classes)], no other head keys; with
+    int; head weight [len(classes), N] and bias [len(classes)], no other head keys; every value a
+    real number array (see the module docstring; exactly ``dtypes[key]`` where given); with
     ``expected_shapes``: no missing or extra non-head keys, equal shapes, and the head's N; every
     value finite.
 
@@ -269,6 +306,8 @@ def validate_update(
         announced_classes: the classes this site announced (it may not send rows for others).
         check_finite: False leaves the NaN/Inf check to the caller (:meth:`RunningSum.add`
             with ``check_finite=True`` does it while summing, or :func:`first_nonfinite`).
+        dtypes: name -> the dtype each value must have (:func:`expected_dtypes` of the previous
+            global model); keys not in it only need a real type.
 
     Raises:
         UpdateRejected: ``"site <site>: <reason>"``.
@@ -281,4 +320,38 @@ def validate_update(
         head_prefix=head_prefix,
         announced_classes=announced_classes,
         check_finite=check_finite,
+        dtypes=dtypes,
     )
+
+
+class SampleCounts:
+    """The ``num_samples`` each site may report: at most ``cap``, and within ``tolerance`` (relative)
+    of the count it reported first (its training split is fixed), so no site can outweigh the others
+    by claiming more images, at once or later.
+
+    Args:
+        cap: the largest count accepted.
+        tolerance: the relative change from the first report still accepted.
+    """
+
+    def __init__(self, cap: int = MAX_NUM_SAMPLES, tolerance: float = COUNT_TOLERANCE) -> None:
+        self.cap = int(cap)
+        self.tolerance = float(tolerance)
+        self.first: dict[str, int] = {}
+
+    def check(self, site: str, n: Any) -> None:
+        """Raise :class:`UpdateRejected` for a count above the cap or off the site's first one (nothing is noted).
+
+        Args:
+            site: the site.
+            n: the count it reports now (checked to be a positive int by :func:`validate_update`).
+        """
+        if isinstance(n, numbers.Integral) and n > self.cap:
+            raise UpdateRejected(f"site {site}: num_samples {n} is above the cap max_num_samples={self.cap}")
+        first = self.first.get(site)
+        if first is not None and isinstance(n, numbers.Integral) and abs(n - first) > self.tolerance * first:
+            raise UpdateRejected(f"site {site}: num_samples changed from {first} to {n} (its split is fixed)")
+
+    def note(self, site: str, n: int) -> None:
+        """Keep the count of an accepted result (the first one of each site only)."""
+        self.first.setdefault(site, int(n))

@@ -143,7 +143,7 @@ class SeedRun:
         for k in reused:
             shutil.copy2(stages / STAGE_FILES[k], source / STAGE_FILES[k])
         outcome = run_fedfew(self.data.train, config=self.config.replace(**changes), model_config=self.model_config,
-                             out_dir=out, resume_from=str(source.resolve()), info=lambda m: None,
+                             out_dir=out, resume_root=out, resume_from=source.name, info=lambda m: None,
                              warning=lambda m: self.log("  WARNING " + m))
         result = eval_fedfew(outcome.final_path, self.data, self.settings)
         result.update(threshold_stats=outcome.threshold_stats, stage2=stage2_summary(out))

@@ -1,0 +1,299 @@
+"""``cxrfl bench hostile``: one hostile site among honest ones, against each robust aggregation option.
+
+Surgical aggregation's own server loop (:func:`cxrfl.surgical.inprocess.run_surgical`) runs in this
+process on a synthetic profile of ``sites`` sites (default 5, ``synth-nih``), one of which
+(:class:`HostileHost`) alters every ``train`` answer (head warm-up and rounds) by an attack of
+:data:`ATTACKS`: its update scaled x100, its update sign-flipped, NaN weights, or a claim of 10**12
+training images. Every (attack, robust option, seed) runs until the mean validation loss stops
+improving (``patience``); the selected global model is scored by its mean AUROC on the profile's
+external test set, against the honest run (no attack, no robust option) of the same seed.
+``weighting`` is ``samples`` (a claimed count matters) except for ``median``, which is unweighted.
+Each run's result is written to ``results.json`` as it finishes, so an interrupted benchmark
+resumes where it stopped; ``report.md`` is written at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cxrfl.bench.evaluate import load_test_set, scores_on
+from cxrfl.bench.profiles import prepare
+from cxrfl.bench.protocol import code_label, code_version, command_line, machine
+from cxrfl.common.io import json_default
+from cxrfl.errors import ConfigError
+from cxrfl.nn.metrics import per_class_auroc
+from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.training import TrainConfig
+from cxrfl.surgical.config import SurgicalConfig
+from cxrfl.surgical.host import TRAIN, WarmupCache
+from cxrfl.surgical.inprocess import InProcessResult, global_model, make_hosts, run_surgical
+
+Log = Callable[[str], None]
+
+ATTACKS = ("none", "scale", "sign", "nan", "count")
+"""none: every site honest; scale: update x100; sign: update x-1; nan: NaN weights; count: claims 10**12 images."""
+ROBUST = ("none", "median", "clip")
+SCALE = 100.0
+CLAIMED = 10**12
+
+
+@dataclass
+class HostileBenchSettings:
+    """Settings of the hostile-site benchmark (every run shares them).
+
+    Args:
+        profile: a pool profile (``synth-nih`` or ``nih1000``).
+        sites: number of sites (one of them hostile).
+        pool: images of the synthetic pool (None: the profile's default).
+        seeds: training seeds 0 ... seeds-1.
+        rounds: most federated rounds after the warm-up.
+        patience: rounds without a better mean validation loss before stopping.
+        image_size: model input size.
+        steps: cap on optimiser steps per local epoch and site (None: the whole split).
+        warmup_epochs: head warm-up epochs.
+        batch_size: minibatch size.
+        lr: learning rate of the rounds.
+        warmup_lr: learning rate of the warm-up.
+        clip_norm: the norm bound of ``clip`` (and of ``median`` groups of fewer than 3 sites).
+        attacks: names in :data:`ATTACKS`.
+        robust: names in :data:`ROBUST`.
+        threads: torch CPU threads.
+    """
+
+    profile: str = "synth-nih"
+    sites: int = 5
+    pool: int | None = None
+    seeds: int = 3
+    rounds: int = 15
+    patience: int = 3
+    image_size: int = 64
+    steps: int | None = None
+    warmup_epochs: int = 1
+    batch_size: int = 16
+    lr: float = 1e-3
+    warmup_lr: float = 5e-3
+    clip_norm: float = 10.0
+    attacks: tuple[str, ...] = ATTACKS
+    robust: tuple[str, ...] = ROBUST
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        for name, given, known in (("attack", self.attacks, ATTACKS), ("robust option", self.robust, ROBUST)):
+            unknown = [g for g in given if g not in known]
+            if unknown:
+                raise ConfigError(f"unknown {name}(s) {unknown}; known: {list(known)}")
+        if self.sites < 3:
+            raise ConfigError(f"--sites must be at least 3 (one hostile among honest ones), got {self.sites}")
+        self.attacks, self.robust = tuple(self.attacks), tuple(self.robust)
+
+    def server_config(self, seed: int, robust: str) -> SurgicalConfig:
+        """The server settings of one run."""
+        train = TrainConfig(lr=self.lr, warmup_lr=self.warmup_lr, warmup_epochs=self.warmup_epochs,
+                            batch_size=self.batch_size, max_steps_per_epoch=self.steps, seed=seed)
+        mode = None if robust == "none" else robust
+        return SurgicalConfig(num_rounds=self.rounds, min_clients=2, model_config=ModelConfig(image_size=self.image_size),
+                              train_config=train, patience=self.patience, min_clients_timeout=0, seed=seed,
+                              weighting="uniform" if mode == "median" else "samples", robust=mode,
+                              clip_norm=self.clip_norm if mode else None, evaluate_test=False,
+                              keep_round_checkpoints=False)
+
+
+class HostileHost:
+    """A site host whose ``train`` answers are altered by ``attack`` (see :data:`ATTACKS`).
+
+    Args:
+        host: the site's honest host.
+        attack: the attack.
+    """
+
+    def __init__(self, host: Any, attack: str) -> None:
+        self.host = host
+        self.tasks = host.tasks
+        self.attack = attack
+
+    def handle(self, task: str, params: Mapping[str, Any], meta: Mapping[str, Any]) -> tuple[dict, dict]:
+        out, answer = self.host.handle(task, params, meta)
+        if task != TRAIN:
+            return out, answer
+        if self.attack == "count":
+            return out, {**answer, "num_samples": CLAIMED}
+        return {k: self._alter(np.asarray(v), params.get(k)) for k, v in out.items()}, answer
+
+    def _alter(self, value: np.ndarray, received: Any) -> np.ndarray:
+        """One array of the answer under the attack (integer buffers unchanged)."""
+        if value.dtype.kind != "f":
+            return value
+        if self.attack == "nan":
+            return np.full_like(value, np.nan)
+        start = np.asarray(received, dtype=value.dtype) if received is not None else np.zeros_like(value)
+        factor = SCALE if self.attack == "scale" else -1.0
+        return (start + factor * (value - start)).astype(value.dtype)
+
+    def describe(self, task: str, meta: Mapping[str, Any], answer: Mapping[str, Any]) -> str | None:
+        return self.host.describe(task, meta, answer)
+
+    def scalars(self, task: str, answer: Mapping[str, Any]) -> tuple[dict[str, float], int] | None:
+        return self.host.scalars(task, answer)
+
+
+def _key(attack: str, robust: str, seed: int) -> str:
+    return f"{attack}/{robust}/{seed}"
+
+
+def run_hostile(settings: HostileBenchSettings, out: str | Path, *, log: Log = print,
+                data_dir: str | Path | None = None) -> dict[str, Any]:
+    """Run every (attack, robust option, seed) not in ``out/results.json`` yet; write ``report.md``.
+
+    Args:
+        settings: the benchmark's settings.
+        out: output folder.
+        log: progress callback.
+        data_dir: where profile data is written (default ``out/data``).
+
+    Returns:
+        the results written to ``results.json``.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(settings.threads)
+    path = out / "results.json"
+    results: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
+    plain = json.loads(json.dumps(asdict(settings)))  # as results.json holds them (lists, not tuples)
+    if results.get("settings", plain) != plain:
+        raise ConfigError(f"{path} holds runs of other settings; use another --out or remove it")
+    data = prepare(settings.profile, Path(data_dir) if data_dir else out / "data", image_size=settings.image_size,
+                   n_per_site=settings.pool, n_sites=settings.sites)
+    if not data.external:
+        raise ConfigError(f"profile {settings.profile} has no external test set to score the models on")
+    tests = {n: load_test_set(d, kind="external", classes=data.union, image_size=settings.image_size)
+             for n, d in data.external.items()}
+    results.update(settings=asdict(settings), profile=data.profile, hostile=data.sites[0].site, notes=data.notes,
+                   code=code_version(), machine=machine(torch.device("cpu")), command_line=command_line())
+    start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="cxrfl-hostile-"))
+    try:
+        for seed in range(settings.seeds):
+            warmups = WarmupCache()  # honest warm-ups shared by the runs of a seed
+            for attack in settings.attacks:
+                for robust in settings.robust:
+                    if _key(attack, robust, seed) in results["runs"]:
+                        continue
+                    run = _run_one(settings, data, tests, attack, robust, seed, work, warmups)
+                    results["runs"][_key(attack, robust, seed)] = run
+                    path.write_text(json.dumps(results, indent=1, default=json_default))
+                    log(f"[{time.perf_counter() - start:7.0f}s] seed {seed} attack {attack} robust {robust}: mean AUROC "
+                        f"{_num(run['mean_auroc'])} (best round {run['best_round']}, rejected {run['rejected']})")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    (out / "report.md").write_text(format_report(results))
+    log(f"wrote {path} and {out / 'report.md'}")
+    return results
+
+
+def _run_one(settings: HostileBenchSettings, data: Any, tests: Mapping[str, Any], attack: str, robust: str, seed: int,
+             work: Path, warmups: WarmupCache) -> dict[str, Any]:
+    """One run; the hostile site (the first) trains honestly and alters what it sends."""
+    folder = work / f"{attack}-{robust}-{seed}"
+    hosts: dict[str, Any] = make_hosts(data.sites, folder / "sites", warmups=warmups)
+    bad = data.sites[0].site
+    if attack != "none":
+        hosts[bad] = HostileHost(hosts[bad], attack)
+    config = settings.server_config(seed, robust)
+    started = time.perf_counter()
+    result = run_surgical(hosts, config, folder / "server", info=lambda _: None, warning=lambda _: None)
+    records = [json.loads(line) for line in (folder / "server" / "cxrfl" / "rounds.jsonl").read_text().splitlines()]
+    rejected = sum(bad in (r.get("rejected") or {}) for r in records)
+    auroc = mean_auroc(result, config.model_config, tests)
+    run = {"attack": attack, "robust": robust, "seed": seed, "best_round": result.best_round, "rounds": result.rounds,
+           "mean_auroc": auroc, "rejected": rejected,
+           "val_loss": result.curve("mean_val_loss"), "seconds": time.perf_counter() - started}
+    shutil.rmtree(folder, ignore_errors=True)
+    return run
+
+
+def mean_auroc(result: InProcessResult, model_config: ModelConfig, tests: Mapping[str, Any]) -> float | None:
+    """The selected global model's mean AUROC over every class of the external test sets; a class the
+    model lacks (its only site was rejected) or scores with NaN (the attack broke it) counts 0.5 (no skill).
+
+    Args:
+        result: the run.
+        model_config: network settings.
+        tests: the external test sets.
+    """
+    model = global_model(result, model_config)
+    values = []
+    for test in tests.values():
+        scores = scores_on(model, result.classes, test)
+        usable = [j for j in range(len(test.classes)) if np.isfinite(scores[:, j]).all()]
+        aurocs = per_class_auroc(test.labels[:, usable], scores[:, usable], [test.classes[j] for j in usable])
+        values += [aurocs.get(c, 0.5) for c in test.classes]
+    return _mean(values)
+
+
+def summarise(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per (attack, robust): mean AUROC, its change against the honest run (none/none) of each seed, rejections.
+
+    Args:
+        results: what :func:`run_hostile` writes.
+    """
+    runs = list(results["runs"].values())
+    honest = {r["seed"]: r["mean_auroc"] for r in runs if r["attack"] == "none" and r["robust"] == "none"}
+    out: dict[str, dict[str, Any]] = {}
+    for r in runs:
+        cell = out.setdefault(f"{r['attack']}/{r['robust']}", {"aurocs": [], "deltas": [], "rejected": 0})
+        cell["aurocs"].append(r["mean_auroc"])
+        cell["rejected"] += r["rejected"]
+        if r["mean_auroc"] is not None and honest.get(r["seed"]) is not None:
+            cell["deltas"].append(r["mean_auroc"] - honest[r["seed"]])
+    return {k: {"mean_auroc": _mean(v["aurocs"]), "change": _mean(v["deltas"]), "seeds": len(v["aurocs"]),
+                "rejected": v["rejected"]} for k, v in out.items()}
+
+
+def format_report(results: Mapping[str, Any]) -> str:
+    """The Markdown report: one row per attack, one column per robust option.
+
+    Args:
+        results: what :func:`run_hostile` writes.
+    """
+    s, cells = results["settings"], summarise(results)
+    lines = [f"# One hostile site among {s['sites']} ({results['profile']})", "",
+             f"Site {results['hostile']} alters every update it sends (scale: x{SCALE:g}; sign: x-1; nan: NaN weights; "
+             f"count: claims {CLAIMED:.0e} images). {s['seeds']} seed(s), {s['image_size']} px, rounds until the mean "
+             f"validation loss has not improved for {s['patience']} (at most {s['rounds']}); clip_norm {s['clip_norm']:g}; "
+             "weighting by samples except median (unweighted). Cell: the selected global model's mean test AUROC on the "
+             "external set (a class it lacks or scores with NaN: 0.5), its change against the honest run (no attack, no robust "
+             "option) of the same seed, and how many of the hostile site's results were rejected.", "",
+             "| attack | " + " | ".join(s["robust"]) + " |", "| --- |" + " --- |" * len(s["robust"])]
+    for attack in s["attacks"]:
+        row = []
+        for robust in s["robust"]:
+            c = cells.get(f"{attack}/{robust}")
+            row.append("-" if c is None else f"{_num(c['mean_auroc'])} ({_signed(c['change'])}; {c['rejected']} rejected)")
+        lines.append(f"| {attack} | " + " | ".join(row) + " |")
+    code, where = results.get("code") or {}, results.get("machine") or {}
+    lines += ["", f"Code {code_label(code)}; {where.get('cpu', '?')}, {where.get('torch_threads', '?')} torch thread(s)."
+              + (f" Command: `{results['command_line']}`." if results.get("command_line") else "")]
+    return "\n".join(lines + [""] + [f"- {n}" for n in results.get("notes", [])]) + "\n"
+
+
+def _mean(values: Any) -> float | None:
+    finite = [float(v) for v in values if v is not None and np.isfinite(v)]
+    return float(np.mean(finite)) if finite else None
+
+
+def _num(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+def _signed(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:+.3f}"

@@ -1,0 +1,64 @@
+"""``cxrfl bench hostile`` (issue 40 point 6): the hostile site's attacks and the report, without training."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cxrfl.bench.hostile import CLAIMED, HostileBenchSettings, HostileHost, format_report, summarise
+from cxrfl.errors import ConfigError
+
+
+class Honest:
+    """A site host that adds 1 to every float array it receives and reports 10 images."""
+
+    tasks = ("train", "validate")
+
+    def handle(self, task, params, meta):
+        out = {k: v + 1 if v.dtype.kind == "f" else v for k, v in params.items()}
+        out["classifier.weight"] = np.full((1, 2), 2.0, np.float32)  # a warm-up row (nothing received)
+        return out, {"num_samples": 10, "metrics": {}}
+
+
+RECEIVED = {"w": np.full(3, 5.0, np.float32), "n": np.array(7, np.int64)}
+
+
+@pytest.mark.parametrize("attack, w, row", [("scale", 105.0, 200.0), ("sign", 4.0, -2.0)])
+def test_scale_and_sign_act_on_the_update_not_on_the_weights(attack, w, row):
+    out, meta = HostileHost(Honest(), attack).handle("train", dict(RECEIVED), {})
+    torch.testing.assert_close(torch.as_tensor(out["w"]), torch.full((3,), w))  # 5 + factor * (6 - 5)
+    torch.testing.assert_close(torch.as_tensor(out["classifier.weight"]), torch.full((1, 2), row))  # from zero
+    assert out["n"] == 7 and out["n"].dtype == np.int64 and meta["num_samples"] == 10
+
+
+def test_nan_and_count_attacks_and_other_tasks():
+    out, _ = HostileHost(Honest(), "nan").handle("train", dict(RECEIVED), {})
+    assert np.isnan(out["w"]).all() and out["n"] == 7
+    out, meta = HostileHost(Honest(), "count").handle("train", dict(RECEIVED), {})
+    assert meta["num_samples"] == CLAIMED and out["w"][0] == 6.0
+    out, _ = HostileHost(Honest(), "nan").handle("validate", dict(RECEIVED), {})
+    assert out["w"][0] == 6.0  # only train answers are altered
+
+
+def test_settings_refuse_unknown_options_and_too_few_sites():
+    with pytest.raises(ConfigError, match="unknown attack"):
+        HostileBenchSettings(attacks=("scale", "boom"))
+    with pytest.raises(ConfigError, match="at least 3"):
+        HostileBenchSettings(sites=2)
+
+
+def test_report_compares_each_cell_with_the_honest_run_of_its_seed():
+    settings = HostileBenchSettings(seeds=2, attacks=("none", "scale"), robust=("none", "clip"))
+    runs = {}
+    for seed, honest in ((0, 0.70), (1, 0.80)):
+        for attack, robust, auroc, rejected in (("none", "none", honest, 0), ("none", "clip", honest - 0.01, 0),
+                                                ("scale", "none", 0.5, 0), ("scale", "clip", honest - 0.02, 1)):
+            runs[f"{attack}/{robust}/{seed}"] = {"attack": attack, "robust": robust, "seed": seed,
+                                                 "mean_auroc": auroc, "rejected": rejected}
+    results = {"settings": vars(settings), "profile": "p", "hostile": "site-1", "runs": runs}
+    cells = summarise(results)
+    assert cells["scale/none"]["change"] == pytest.approx(-0.25) and cells["scale/clip"]["rejected"] == 2
+    assert cells["none/clip"]["change"] == pytest.approx(-0.01)
+    report = format_report(results)
+    assert "| scale | 0.500 (-0.250; 0 rejected) | 0.730 (-0.020; 2 rejected) |" in report
