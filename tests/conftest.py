@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -13,11 +14,26 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+def require_data(present: bool, message: str) -> None:
+    """Skip the calling test with ``message`` where its data is absent, but fail it when CI is set
+    (a CI run that silently skipped the real-data tests would prove nothing about them).
+
+    Args:
+        present: whether the data the test needs is there.
+        message: what is missing and where it was looked for.
+    """
+    if present:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{message}; CI must have it")
+    pytest.skip(message)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """The real data folder; tests that need it skip with a clear message where it is absent."""
-    if not (SHARED_DATA / "nih1000").is_dir():
-        pytest.skip(f"real NIH data not found at {SHARED_DATA} (the shared/ folder beside the checkout)")
+    """The real data folder; tests that need it skip with a clear message where it is absent (fail in CI)."""
+    require_data((SHARED_DATA / "nih1000").is_dir(),
+                 f"real NIH data not found at {SHARED_DATA} (the shared/ folder beside the checkout)")
     return SHARED_DATA
 
 

@@ -137,9 +137,41 @@ def test_pooled_site_marks_missing_labels_negative():
     assert t["patient"].nunique() == 3  # the same id at two sites is two patients
 
 
+def markdown_table_after(text: str, heading: str) -> list[list[str]]:
+    """The cells of the first Markdown table after ``heading`` (header row first, separator dropped)."""
+    lines = text[text.index(heading):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        if not line.startswith("|-"):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
 def test_report_renders_from_results_alone(compare_run):
     res = json.loads((compare_run / "results.json").read_text())
-    assert format_report(res) == (compare_run / "report.md").read_text()
+    text = (compare_run / "report.md").read_text()
+    assert format_report(res) == text
+    # issue 44 point 3: the line above compares the formatter with itself; the table of mean AUROCs is read back
+    # here and each cell checked against the results' numbers, under the right method and view
+    header, *rows = markdown_table_after(text, "## Mean AUROC, all classes")
+    views = [v for v, d in res["views"].items() if d["kind"] in ("site", "external")]
+    assert header == ["method"] + [f"{v} ({'test split' if res['views'][v]['kind'] == 'site' else 'external'})"
+                                   for v in views]
+    by_label = {r[0]: r[1:] for r in rows}
+    assert set(by_label) == {m["label"] for m in res["methods"].values()}
+    shown = set()
+    for m in res["methods"].values():
+        for v, cell in zip(views, by_label[m["label"]]):
+            mean, sd = m["test"][v]["mean"], m["test"][v]["sd"]
+            if mean is None:
+                assert cell == "-", (m["label"], v)
+            else:
+                assert cell.startswith(f"{mean:.3f} ± {sd:.3f}"), (m["label"], v, cell)
+                shown.add(f"{mean:.3f}")
+    assert len(shown) > 1  # the numbers tell the cells apart
 
 
 def test_pretrained_stand_in_loads_into_the_feature_extractor(tmp_path):

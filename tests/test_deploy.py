@@ -36,7 +36,7 @@ import yaml
 from cxrfl.deploy.admin import COMPLETED
 from cxrfl.deploy.jobs import build_job
 from cxrfl.deploy.processes import find_processes, terminate
-from cxrfl.deploy.provision import install_site_config, prepare_kit, provision
+from cxrfl.deploy.provision import declare_gpus, install_site_config, prepare_kit, provision
 from cxrfl.deploy.workspace import Deployment, free_port
 from cxrfl.errors import CxrflError
 from cxrfl.jobs import app_dirs
@@ -303,9 +303,74 @@ def test_update_privacy_filters_the_difference_not_the_weights():
     assert out.meta["classes"] == ["a"]
 
 
+def _kit_component(kit: Path, cid: str):
+    """The component ``cid`` of a kit's local/resources.json, built as NVFlare builds it at start."""
+    comp = next(c for c in json.loads((kit / "local" / "resources.json").read_text())["components"] if c["id"] == cid)
+    module, _, name = comp["path"].rpartition(".")
+    return getattr(__import__(module, fromlist=[name]), name)(**comp.get("args", {}))
+
+
+def test_a_site_offers_the_gpus_its_kit_declares_one_job_per_gpu(tmp_path, repo_root, monkeypatch):
+    """Issue 46 point 1: each site's resource manager, built from its kit as NVFlare builds it, is asked
+    for the committed GPU job's request the way NVFlare's scheduler asks it. A kit as NVFlare provisions
+    it offers no GPU; one that declares two GPUs runs two such jobs, each pinned to its own GPU, and a
+    third waits. Nothing checks the hardware here (a CPU machine declares GPU indices it does not have)."""
+    from nvflare.utils.job_launcher_utils import get_resource_manager_spec
+
+    monkeypatch.setenv("HOME", str(tmp_path / "userhome"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    dep = provision(repo_root / "poc" / "project.yml", tmp_path / "ws", server_host="localhost", port=free_port())
+    assert declare_gpus(dep.kit("hospital-a"), [0, 1])["gpus"] == [0, 1]
+    meta = json.loads((repo_root / "jobs" / "surgical_agg_gpu" / "meta.json").read_text())
+    with_gpus, without = _kit_component(dep.kit("hospital-a"), "resource_manager"), _kit_component(dep.kit("hospital-b"), "resource_manager")
+    asked = get_resource_manager_spec(meta, "hospital-a")
+    first, second, third = (with_gpus.check_resources(asked, None) for _ in range(3))
+    assert first[0] and second[0] and not third[0]  # one job per GPU
+    assert not without.check_resources(get_resource_manager_spec(meta, "hospital-b"), None)[0]
+    assert without.check_resources({}, None)[0] and with_gpus.check_resources({}, None)[0]  # CPU jobs go everywhere
+    consumer = _kit_component(dep.kit("hospital-a"), "resource_consumer")
+    for token, gpu in ((first[1], "0"), (second[1], "1")):
+        consumer.consume(with_gpus.allocate_resources(asked, token, None))
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == gpu  # the job process NVFlare starts next inherits it
+    prepare_kit(dep.kit("hospital-a"))  # preparing the kit again keeps what the site declared
+    assert _kit_component(dep.kit("hospital-a"), "resource_manager").check_resources(asked, None)[0]
+    with pytest.raises(CxrflError, match="distinct GPU indices"):
+        declare_gpus(dep.kit("hospital-b"), [0, 0])
+    with pytest.raises(CxrflError, match="site kit"):
+        declare_gpus(dep.kit("server"), [0])
+    assert declare_gpus(dep.kit("hospital-a"), [])["gpus"] == []
+    assert not _kit_component(dep.kit("hospital-a"), "resource_manager").check_resources(asked, None)[0]
+
+
+def test_submit_reports_why_nvflare_has_not_scheduled_a_job():
+    """Issue 46 point 1: a job no site can take waits in NVFlare's queue; `cxrfl deploy submit` said only
+    that waiting timed out. It now gives NVFlare's reasons (the job's schedule_history) and the request."""
+    from cxrfl.deploy.admin import not_scheduled
+
+    class Session:
+        def __init__(self, meta):
+            self.meta = meta
+
+        def get_job_meta(self, job_id):
+            return self.meta
+
+    spec = {"@default": {"num_of_gpus": 1}}
+    history = ["2026-11-25 10:00:01: not enough sites have enough resources (ok sites 1 < min sites 2)",
+               "2026-11-25 10:00:11: not enough sites have enough resources (ok sites 1 < min sites 2)",
+               "2026-11-25 10:10:11: exceeded max schedule count 10"]
+    waiting = not_scheduled(Session({"status": "SUBMITTED", "schedule_history": history[:2], "resource_spec": spec}), "j")
+    assert waiting == {"not_scheduled": "not enough sites have enough resources (ok sites 1 < min sites 2)",
+                       "resource_spec": spec}
+    gave_up = not_scheduled(Session({}), "j", {"status": "FINISHED:CAN_NOT_SCHEDULE", "schedule_history": history})
+    assert gave_up["not_scheduled"].endswith("(ok sites 1 < min sites 2); exceeded max schedule count 10")
+    ran = {"status": "FINISHED:COMPLETED", "schedule_history": history[:1] + ["2026-11-25 10:00:21: scheduled"]}
+    assert not_scheduled(Session(ran), "j") == {}
+
+
 def test_deploy_cli_is_wired(tmp_path):
     proc = cxrfl(tmp_path, "deploy", "--help")
-    for command in ("provision", "prepare-kit", "site-config", "job", "start", "status", "submit", "download", "abort",
+    for command in ("provision", "prepare-kit", "site-gpus", "site-config", "job", "start", "status", "submit", "download", "abort",
                     "stop"):
         assert command in proc.stdout
 
@@ -616,3 +681,62 @@ def test_poc_every_process_is_stopped(poc):
     assert stop["left_after"] == []
     assert stop["killed"] == [] and stop["terminated_after_stop"] == []  # nvflare poc stop ended the watchdog loops
     assert not (Path(poc["tmp"]) / "userhome").exists()
+
+
+# ------------------------------------------------------------------------ slow: GPU requests
+def _tiny_gpu_job(out: Path, min_clients: int) -> Path:
+    """A one-round CPU-sized surgical job (pre-installed mode) asking what jobs/surgical_agg_gpu asks of every site."""
+    from cxrfl.fl.recipes import SurgicalAggregationRecipe
+    from cxrfl.jobs import job_spec
+
+    recipe = SurgicalAggregationRecipe(
+        name=f"gpu_min{min_clients}", min_clients=min_clients, resources=job_spec("surgical_agg_gpu").resources,
+        num_rounds=1, evaluate_test=False, model_config={"image_size": 64}, custom="none", num_workers=0,
+        train_config={"warmup_epochs": 1, "batch_size": 16, "max_steps_per_epoch": 3})
+    recipe.export(str(out))
+    return out / recipe.name
+
+
+@pytest.mark.slow
+def test_gpu_job_goes_only_to_the_site_whose_kit_offers_a_gpu(tmp_path, repo_root):
+    """Issue 46 point 1, in a loopback production deployment (separate processes, real certificates):
+    hospital-a's kit declares one GPU (``cxrfl deploy site-gpus hospital-a 0``), hospital-b's kit is as
+    NVFlare provisions it (its GPUResourceManager offers no GPU). What this emulates: this machine has
+    no GPU, and neither NVFlare's ListResourceManager nor the consumer checks the hardware, so GPU 0 of
+    hospital-a exists only in its kit and the job trains on the CPU (device ``auto``). What is real is
+    NVFlare's scheduling: the committed GPU job's request (``@default``: one GPU) in a tiny job, read by
+    NVFlare's resolver and answered by each site's resource manager. A GPU job that needs both sites waits, and
+    ``cxrfl deploy submit`` shows NVFlare's reason; one that needs one site runs on hospital-a alone."""
+    ws = tmp_path / "ws"
+    configs = site_data(tmp_path)
+    cxrfl(tmp_path, "deploy", "provision", "--project", str(repo_root / "poc" / "project.yml"), "--workspace", str(ws),
+          "--server-host", "localhost", "--port", str(free_port()))
+    for site in ("hospital-a", "hospital-b"):
+        cxrfl(tmp_path, "deploy", "site-config", "--workspace", str(ws), site, str(configs[site]))
+    declared = json_out(cxrfl(tmp_path, "deploy", "site-gpus", "--workspace", str(ws), "hospital-a", "0"))
+    assert declared["gpus"] == [0]
+    both, one = _tiny_gpu_job(tmp_path / "jobs", 2), _tiny_gpu_job(tmp_path / "jobs", 1)
+    try:
+        cxrfl(tmp_path, "deploy", "start", "--workspace", str(ws), "--only", "server", "hospital-a", "hospital-b",
+              "--timeout", "240", timeout=400)
+        waiting = cxrfl(tmp_path, "deploy", "submit", str(both), "--workspace", str(ws), "--timeout", "30",
+                        timeout=300, check=False)
+        aborted = cxrfl(tmp_path, "deploy", "abort", json_out(waiting).get("job_id", "none"), "--workspace", str(ws),
+                        timeout=300, check=False)
+        ran = cxrfl(tmp_path, "deploy", "submit", str(one), "--workspace", str(ws), "--timeout", "600", timeout=900,
+                    check=False)
+    finally:
+        stop = _stop_and_check(tmp_path, ws)
+    waited = json_out(waiting)
+    assert waiting.returncode == 1 and waited["status"] == "WAIT_FAILED", waited
+    assert "not enough sites have enough resources (ok sites 1 < min sites 2)" in waited["not_scheduled"], waited
+    assert waited["resource_spec"] == {"@default": {"num_of_gpus": 1}}
+    assert "ok sites 1 < min sites 2" in waiting.stderr  # NVFlare's reason, on the submitter's terminal
+    assert json_out(aborted)["status"] == "FINISHED:ABORTED"
+    result = json_out(ran)
+    assert result["status"] == COMPLETED, result
+    dep = Deployment.load(ws)
+    runs = {site: sorted(p.name for p in dep.kit(site).iterdir() if (p / f"app_{site}").is_dir())
+            for site in ("hospital-a", "hospital-b")}
+    assert runs == {"hospital-a": [result["job_id"]], "hospital-b": []}
+    assert stop.get("rc") == 0 and stop["left_after"] == [], stop

@@ -444,9 +444,23 @@ def test_fedfew_checkpoint_is_an_ordinary_checkpoint(fedfew_checkpoint):
     assert classes == ["Atelectasis", "Cardiomegaly", NO_CC] and cfg.image_size == 32
     ff = FedFewModel.from_checkpoint(path)
     assert ff.cc_classes == ["Atelectasis", "Cardiomegaly"] and ff.uc_classes == ["Hernia"] and ff.threshold == -100.0
-    out = ff.predict(torch.randn(2, 3, 32, 32))
-    assert out["cc_probabilities"].shape == (2, 2) and out["flagged"].tolist() == [True, True]
-    assert out["uc"]["Hernia"]["positive"].shape == (2,)
+    torch.manual_seed(1)
+    x = torch.randn(6, 3, 32, 32)
+    out = ff.predict(x)
+    net.eval()
+    with torch.no_grad():
+        logits = net(x)
+    energy = -torch.nn.functional.softplus(logits).sum(dim=1).numpy()  # joint energy over all 3 outputs, T = 1
+    np.testing.assert_allclose(out["energy"], energy, rtol=1e-5)
+    np.testing.assert_allclose(out["cc_probabilities"], torch.sigmoid(logits[:, :2]).numpy(), rtol=1e-5)
+    assert out["flagged"].all() and out["uc"]["Hernia"]["positive"].shape == (6,)  # nothing is below -100
+    # issue 44 point 3: -100 flags every image; a threshold inside the batch's energies must split it
+    mid = float(np.median(energy))
+    extra = fedfew_extra(cc_classes=["Atelectasis", "Cardiomegaly"], threshold=mid, temperature=1.0, energy_outputs="all",
+                         prototypes={}, min_prototype_images=10)
+    save_checkpoint(path.with_name("mid.pt"), net, classes=classes, model_config=cfg, extra=extra)
+    flagged = FedFewModel.from_checkpoint(path.with_name("mid.pt")).predict(x)["flagged"]
+    assert flagged.tolist() == (energy > mid).tolist() and 0 < flagged.sum() < len(x)
 
 
 def test_predict_prints_the_uc_outputs_of_a_fedfew_model(fedfew_checkpoint, capsys):

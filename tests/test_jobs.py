@@ -72,8 +72,10 @@ def test_jobs_name_no_class_and_no_data_path(repo_root):
 
 
 def test_gpu_job_states_its_gpu_need_and_trains_from_scratch_at_a_from_scratch_rate(repo_root):
+    from nvflare.utils.job_launcher_utils import get_resource_manager_spec
+
     meta = json.loads((repo_root / "jobs" / "surgical_agg_gpu" / "meta.json").read_text())
-    assert meta["resource_spec"]["@ALL"]["num_of_gpus"] == 1
+    assert get_resource_manager_spec(meta, "hospital-a") == {"num_of_gpus": 1}  # what NVFlare asks each site
     server = json.loads((repo_root / "jobs" / "surgical_agg_gpu" / "app" / "config" / "config_fed_server.json").read_text())
     args = server["workflows"][0]["args"]
     assert args["model_config"]["image_size"] == 224 and args["model_config"]["pretrained"] is None
@@ -81,6 +83,22 @@ def test_gpu_job_states_its_gpu_need_and_trains_from_scratch_at_a_from_scratch_r
 
     config = SurgicalConfig.from_dict({k: v for k, v in args.items() if k not in ("task_timeout", "analytic_sender_id")})
     assert config.train_config.lr == FROM_SCRATCH_LR and config.rate_warning() is None
+
+
+def test_committed_resource_requests_are_read_by_nvflares_resolver(repo_root):
+    """Issue 46 point 1: jobs/surgical_agg_gpu asked for its GPU under "@ALL", a deploy_map keyword that
+    NVFlare 2.9's resolver never reads: no site's resource manager saw the request. Every committed
+    request passes NVFlare's own validation, is keyed by "@default" or a site of the job, and the GPU
+    job's reaches every site, named or not."""
+    from nvflare.utils.job_launcher_utils import get_resource_manager_spec, validate_portable_resource_spec
+
+    for spec in JOBS:
+        requested = json.loads((repo_root / "jobs" / spec.name / "meta.json").read_text())["resource_spec"]
+        validate_portable_resource_spec(requested)
+        assert set(requested) <= {"@default", *spec.sites}, spec.name
+    gpu = json.loads((repo_root / "jobs" / "surgical_agg_gpu" / "meta.json").read_text())
+    for site in ("hospital-a", "hospital-b", "site-1"):
+        assert get_resource_manager_spec(gpu, site) == {"num_of_gpus": 1}
 
 
 def test_job_spec_names_the_known_jobs():

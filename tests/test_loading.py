@@ -371,19 +371,28 @@ def test_the_cache_is_written_only_under_the_site_state_root(tmp_path: Path, mon
 # ------------------------------------------------------------------ the benchmark
 
 
-def test_loading_benchmark_reports_rates_per_worker_count_and_the_cache_size(tmp_path: Path) -> None:
+def test_loading_benchmark_reports_rates_per_worker_count_and_the_cache_size(tmp_path: Path, monkeypatch) -> None:
+    import time
+
     from cxrfl.bench.loading import LoadingSettings, format_loading, loading_benchmark, loading_verdicts, write_images
     from cxrfl.data.images import read_image
 
     (dicom,) = write_images("dicom", 1, tmp_path / "dicom")
     gray = read_image(dicom)
     assert gray.shape == (2500, 2048) and 0.0 <= gray.min() < gray.max() <= 1.0
-    s = LoadingSettings(image_size=32, batch_size=2, n_images=3, workers=(0, 1), warm_epochs=1, model_steps=1,
+    s = LoadingSettings(image_size=32, batch_size=2, n_images=3, workers=(0, 1), warm_epochs=1, model_steps=2,
                         threads=1, device="cpu", formats=("png",))
+    # issue 44 point 3: "images/s > 0" held for any count; with a clock that advances 0.5 s per reading, every
+    # timed pass (two readings) lasts 0.5 s, so each rate is exactly the images of the pass / 0.5 s
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 0.5)
     res = loading_benchmark(s, tmp_path / "work", log=lambda _: None)
+    monkeypatch.undo()
     png = res["formats"]["png"]
-    assert set(png["workers"]) == {"0", "1"} and res["model"]["images_per_second"] > 0
-    assert all(r["files"] > 0 and r["cold"] > 0 and len(r["warm"]) == 1 for r in png["workers"].values())
+    assert set(png["workers"]) == {"0", "1"}
+    assert res["model"]["images_per_second"] == 2 * 2 / 0.5  # 2 steps of batch 2
+    for r in png["workers"].values():  # 3 images per epoch
+        assert (r["files"], r["cold"], r["warm"], r["warm_mean"]) == (6.0, 6.0, [6.0], 6.0)
     per_image = png["cache_mb_per_1000_images"] * 1e6 / 1000
     assert 32 * 32 * 4 < per_image < 32 * 32 * 4 + 4096  # one float32 [1, 32, 32] tensor and its file header
     report = "\n".join(format_loading({"loading": res}))

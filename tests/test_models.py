@@ -112,6 +112,20 @@ def test_batchnorm_keys_on_torchvision_densenet121():
     assert len(cx_keys) == 605 and all(k.startswith("backbone.") for k in cx_keys)
 
 
+def test_batchnorm_keys_select_by_module_type_not_by_name():
+    # issue 44 point 3: in DenseNet every BatchNorm is named norm*, so a name rule passed the test above;
+    # here the BatchNorm names hold no "norm"/"bn" and the norm*-named modules are not BatchNorm
+    net = nn.Sequential()
+    net.add_module("stem", nn.Conv2d(1, 4, 3))
+    net.add_module("stats", nn.BatchNorm2d(4))
+    net.add_module("norm_proj", nn.Conv2d(4, 4, 1))
+    net.add_module("norm", nn.GroupNorm(2, 4))
+    net.add_module("norm5", nn.LayerNorm(4))
+    net.add_module("tail", nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    expected = [f"{m}.{s}" for m in ("stats", "tail.2") for s in BN_SUFFIXES]
+    assert batchnorm_keys(net) == expected  # exactly the BatchNorm entries, in state-dict order
+
+
 def test_fedbn_plus_keeps_bn_statistics_through_training():
     model = build_model(CFG, 3)
     set_batchnorm_frozen(model)

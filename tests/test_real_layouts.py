@@ -4,7 +4,6 @@ disease; read as published, on tiny synthetic trees and on the real sets in ../s
 from __future__ import annotations
 
 import math
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from cxrfl.data.site import load_site, training_refusal
 from cxrfl.data.site_config import load_site_config
 from cxrfl.data.summary import summarise
 from cxrfl.errors import DataError
+from conftest import require_data
 
 REPO = Path(__file__).resolve().parents[1]
 REAL = REPO.parent / "shared" / "data" / "real"
@@ -30,12 +30,21 @@ KERMANY_PATTERN = r"^(?P<patient>person\d+|(?:NORMAL2-)?IM-\d+)"
 @pytest.fixture(scope="module")
 def real() -> Path:
     """The real sets; skipped with a message where absent, but a failure in CI (CI is set)."""
-    if not all((REAL / name).is_dir() for name in ("kermany_pediatric", "hannover_mhh_covid")):
-        message = f"real data not found at {REAL} (the shared/ folder beside the checkout)"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}; CI must have it")
-        pytest.skip(message)
+    require_data(all((REAL / name).is_dir() for name in ("kermany_pediatric", "hannover_mhh_covid")),
+                 f"real data not found at {REAL} (the shared/ folder beside the checkout)")
     return REAL
+
+
+def test_absent_real_data_skips_but_fails_when_ci_is_set(monkeypatch):
+    # issue 44 point 3: in CI a missing ../shared/data must fail the tests that need it, not skip them
+    monkeypatch.delenv("CI", raising=False)
+    require_data(True, "unused")
+    with pytest.raises(pytest.skip.Exception, match="^no data at /x$"):
+        require_data(False, "no data at /x")
+    monkeypatch.setenv("CI", "true")
+    require_data(True, "unused")
+    with pytest.raises(pytest.fail.Exception, match="^no data at /x; CI must have it$"):
+        require_data(False, "no data at /x")
 
 
 def png(path: Path, value: int = 0) -> None:

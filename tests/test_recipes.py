@@ -191,3 +191,53 @@ def test_fedfew_recipe_refuses_unnamed_sites_and_names_bad_ones():
         FedFewRecipe(sites=[])
     with pytest.raises(ConfigError, match="job.sites must list distinct client site names"):
         FedFewRecipe(sites=["a", "server"])
+
+
+GPU_REQUEST = {"num_of_gpus": 1, "num_of_cpus": 4, "memory": "32Gi"}
+BIG_SITE = {"num_of_gpus": 2, "mem_per_gpu_in_GiB": 40}
+
+
+def test_resource_requests_are_what_nvflare_resolves_for_each_site(tmp_path):
+    """Issue 46 point 1: the GPU request sat under "@ALL" (a deploy_map keyword) where NVFlare 2.9's
+    resolver never looks, so every site's resource manager was asked for nothing. The recipes of the
+    three methods write the portable "@default" and per-site overrides, and NVFlare's own resolver
+    gives each site its request."""
+    from nvflare.utils.job_launcher_utils import get_resource_manager_spec, resolve_site_resource_spec
+
+    sites = ["hospital-a", "hospital-b"]
+    recipes = [SurgicalAggregationRecipe(name="s", resources=GPU_REQUEST, site_resources={"hospital-a": BIG_SITE}),
+               CWTRecipe(name="c", resources=GPU_REQUEST, site_resources={"hospital-a": BIG_SITE}),
+               FedFewRecipe(name="f", sites=sites, resources=GPU_REQUEST, site_resources={"hospital-a": BIG_SITE})]
+    for recipe in recipes:
+        meta = export(recipe, tmp_path)["meta"]
+        assert meta["resource_spec"] == {"@default": GPU_REQUEST, "hospital-a": BIG_SITE}, recipe.name
+        # what each site's resource manager is asked (cpus and memory are the container launchers')
+        assert get_resource_manager_spec(meta, "hospital-b") == {"num_of_gpus": 1}
+        assert get_resource_manager_spec(meta, "hospital-a") == BIG_SITE
+        assert resolve_site_resource_spec(meta, "hospital-b") == GPU_REQUEST
+    assert export(SurgicalAggregationRecipe(name="none"), tmp_path)["meta"]["resource_spec"] == {}
+    only_site = export(CWTRecipe(name="one", site_resources={"hospital-a": {"num_of_gpus": 1}}), tmp_path)["meta"]
+    assert get_resource_manager_spec(only_site, "hospital-a") == {"num_of_gpus": 1}
+    assert get_resource_manager_spec(only_site, "hospital-b") == {}
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: SurgicalAggregationRecipe(resources={"num_of_gpus": 1, "mem_per_gpu_in_GiB": 16}),
+     r"^job.resources .*unsupported field\(s\): \['mem_per_gpu_in_GiB'\]"),
+    (lambda: CWTRecipe(resources={"num_of_gpus": -1}), r"^job.resources .*num_of_gpus must be an integer"),
+    (lambda: SurgicalAggregationRecipe(resources={"memory": "16GB"}), r"^job.resources .*memory must be"),
+    (lambda: SurgicalAggregationRecipe(site_resources={"@ALL": {"num_of_gpus": 1}}),
+     r"^job.site_resources .*\['@ALL'\].*'@default'"),
+    (lambda: CWTRecipe(site_resources={"hospital-a": {"num_of_gpus": "1"}}),
+     r"^job.site_resources .*'hospital-a'.*num_of_gpus must be an integer"),
+    (lambda: FedFewRecipe(sites=["hospital-a", "hospital-b"], site_resources={"hospital-z": {"num_of_gpus": 1}}),
+     r"^job.site_resources .*\['hospital-z'\].*not among the job's sites"),
+    (lambda: SurgicalAggregationRecipe(resource_spec={"@ALL": {"num_of_gpus": 1}}),
+     r"^job.resource_spec is replaced by resources"),
+])
+def test_bad_resource_requests_fail_at_construction_in_one_line_naming_the_key(make, match):
+    """Issue 46 point 1: requests are checked by NVFlare's own validate_portable_resource_spec when the
+    recipe is built, not when a server refuses (or, for "@ALL", silently ignores) the job."""
+    with pytest.raises(ConfigError, match=match) as caught:
+        make()
+    assert "\n" not in str(caught.value)

@@ -14,13 +14,13 @@ imports NVFlare only when a job is written.
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cxrfl.fedfew.protocol import TASKS as FEDFEW_TASKS  # noqa: F401  (the fedfew job's tasks, for its tests)
+from cxrfl.job_folders import app_dirs
 from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
 
@@ -36,7 +36,9 @@ class JobSpec:
         controller_args: the workflow's arguments (the recipe writes every other one at its default).
         executor_args: the sites' executor arguments (device, num_workers, num_threads).
         min_clients: sites needed to start the job.
-        resource_spec: per-site resources NVFlare checks before deploying (e.g. GPUs).
+        resources: what every site must offer before NVFlare gives it the job (NVFlare's ``@default``:
+            ``num_of_gpus``, ``num_of_cpus``, ``memory``; see :class:`cxrfl.fl.recipes.JobSettings`).
+        site_resources: one site's own request over ``resources``.
         description: one line for meta.json.
         privacy: None (default: off), or ``{"method": "percentile" | "svt", "args": {...}}``
             (see :class:`cxrfl.fl.recipes.JobSettings`).
@@ -54,7 +56,8 @@ class JobSpec:
     executor_args: dict[str, Any] = field(
         default_factory=lambda: {"device": "auto", "num_workers": 0, "num_threads": 1})
     min_clients: int = 2
-    resource_spec: dict[str, Any] = field(default_factory=dict)
+    resources: dict[str, Any] = field(default_factory=dict)
+    site_resources: dict[str, dict[str, Any]] = field(default_factory=dict)
     description: str = ""
     privacy: dict[str, Any] | None = None
     exclude_batchnorm: bool = False
@@ -89,7 +92,7 @@ class JobSpec:
 
         args = dict(self.controller_args)
         job = {"name": self.name, "min_clients": self.min_clients, "description": self.description,
-               "resource_spec": self.resource_spec, "privacy": self.privacy, "tracking": self.tracking,
+               "resources": self.resources, "site_resources": self.site_resources, "privacy": self.privacy, "tracking": self.tracking,
                "tracking_uri": self.tracking_uri, "custom": custom, "sites": self.sites, **self.executor_args}
         if self.controller == FEDFEW:
             args["min_results"] = args.pop("min_clients", 1)
@@ -209,7 +212,7 @@ JOBS: tuple[JobSpec, ...] = (
         controller=SURGICAL,
         controller_args=surgical_args(CLINICAL_MODEL, CLINICAL_TRAIN, num_rounds=150, patience=25, task_timeout=86400),
         executor_args={"device": "auto", "num_workers": "auto", "num_threads": 1},
-        resource_spec={"@ALL": {"num_of_gpus": 1, "mem_per_gpu_in_GiB": 16}},
+        resources={"num_of_gpus": 1},
         description="Surgical aggregation, the papers' clinical settings (224x224, 15 warm-up epochs, 150 rounds) from "
         "scratch (Adam 1e-3; the papers' 5e-5 is for ImageNet weights in model_config.pretrained), one GPU per site",
     ),
@@ -289,15 +292,6 @@ def write_job(spec: JobSpec, out: Path, *, custom: str = "readme") -> Path:
             shutil.copytree(Path(cxrfl.__file__).resolve().parent, app / "custom" / "cxrfl",
                             ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo"))
     return root
-
-
-def app_dirs(job: Path) -> list[Path]:
-    """The app folders of an exported job (``app``, or ``app_server`` and one per named site), as its deploy_map lists them.
-
-    Args:
-        job: the job folder.
-    """
-    return [Path(job) / app for app in json.loads((Path(job) / "meta.json").read_text())["deploy_map"]]
 
 
 def export_all(out: Path) -> list[Path]:

@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from cxrfl.deploy.workspace import DeployError, Deployment
+from cxrfl.job_folders import app_dirs
 
 COMPLETED = "FINISHED:COMPLETED"
+UNSCHEDULED = ("SUBMITTED", "FINISHED:CAN_NOT_SCHEDULE")
+"""Job states of a job NVFlare's scheduler has not (or never) dispatched."""
 
 
 def admin_session(dep: Deployment, admin: str | None = None, *, timeout: float = 30):
@@ -79,7 +82,9 @@ def submit(
         download: folder to download the job's result into (after it ends).
 
     Returns:
-        ``job_id``, ``status``, ``refused`` (why NVFlare did not run it, if so), ``result`` and
+        ``job_id``, ``status``, ``refused`` (why NVFlare did not run it, if so), ``not_scheduled``
+        and ``resource_spec`` (why NVFlare's scheduler has not dispatched it, e.g. too few sites offer
+        the resources it asks for, and what it asks: :func:`not_scheduled`), ``result`` and
         ``download_refused`` (why the download was refused: org admins download no results,
         docs/security.md).
     """
@@ -97,8 +102,6 @@ def submit(
     job = Path(job).resolve()
     if not (job / "meta.json").is_file():
         raise DeployError(f"{job} is not a job folder (no meta.json)")
-    from cxrfl.jobs import app_dirs
-
     out: dict[str, Any] = {"job": str(job), "admin": admin,
                            "bring_your_own_code": any((app / "custom").is_dir() for app in app_dirs(job))}
     with contextlib.redirect_stdout(sys.stderr):
@@ -114,18 +117,44 @@ def submit(
             return out
         try:
             meta = sess.wait_for_job(job_id, timeout=timeout, poll_interval=3)
-        except Exception as exc:  # JobTimeout, lost connection: the job may still be running
-            out.update(status="WAIT_FAILED", error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # JobTimeout, lost connection: the job may still be running (or waiting)
+            out.update(status="WAIT_FAILED", error=f"{type(exc).__name__}: {exc}", **not_scheduled(sess, job_id))
             return out
         out["status"] = meta.get("status")
         detail = meta.get("job_deploy_detail")
         if out["status"] != COMPLETED and detail:
             out["refused"] = "; ".join(str(d) for d in detail) if isinstance(detail, list) else str(detail)
+        out.update(not_scheduled(sess, job_id, meta))
         if download and out["status"] == COMPLETED:
             out.update(_download(sess, job_id, download))
     finally:
         sess.close()
     return out
+
+
+def not_scheduled(sess: Any, job_id: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Why NVFlare's scheduler has not dispatched a job, from its ``schedule_history``; {} once it has.
+
+    Args:
+        sess: a FLARE API session.
+        job_id: the job.
+        meta: the job's meta if already fetched.
+
+    Returns:
+        ``not_scheduled`` (NVFlare's distinct reasons, oldest first) and ``resource_spec`` (what the
+        job asks of each site), or {} (the job was dispatched, or its meta cannot be read).
+    """
+    try:
+        meta = meta if meta is not None else sess.get_job_meta(job_id)
+    except Exception:  # lost connection: nothing more to say than the caller's error
+        return {}
+    if meta.get("status") not in UNSCHEDULED:
+        return {}
+    reasons = [str(h).split(": ", 1)[-1] for h in meta.get("schedule_history") or []]
+    reasons = list(dict.fromkeys(r for r in reasons if r != "scheduled"))
+    if not reasons:
+        return {}
+    return {"not_scheduled": "; ".join(reasons), "resource_spec": meta.get("resource_spec") or {}}
 
 
 def _download(sess: Any, job_id: str, destination: str | Path) -> dict[str, str]:

@@ -9,6 +9,8 @@ hospital's IT person and a researcher do:
 ``prepare-kit``       one kit's ``local/``: ``resources.json`` (job and snapshot storage moved out
                       of /tmp/nvflare, ``cxrfl.`` added to ``class_allow_list``) and
                       ``authorization.json`` (:data:`cxrfl.deploy.provision.ORG_ADMIN_RIGHTS`)
+``site-gpus``         the GPUs a site offers jobs, one job per GPU, in its kit's ``local/resources.json``
+                      (:func:`cxrfl.deploy.provision.declare_gpus`)
 ``site-config``       a hospital's data config into its kit: ``local/cxrfl_site.yaml``
 ``job``               a job folder for deployment: ``preinstalled`` (no ``app/custom``) or
                       ``byoc`` (the package copied into ``app/custom``), optional privacy filters
@@ -42,7 +44,14 @@ from typing import Any
 from cxrfl.deploy.admin import COMPLETED, abort, admin_session, download, submit
 from cxrfl.deploy.jobs import build_job
 from cxrfl.deploy.processes import find_processes, start, stop
-from cxrfl.deploy.provision import ALLOW_PREFIXES, install_site_config, prepare_kit, protect_keys, provision
+from cxrfl.deploy.provision import (
+    ALLOW_PREFIXES,
+    declare_gpus,
+    install_site_config,
+    prepare_kit,
+    protect_keys,
+    provision,
+)
 from cxrfl.deploy.workspace import DeployError, Deployment
 
 
@@ -99,9 +108,22 @@ def _cmd_provision(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gpu_indices(text: str) -> list[int]:
+    """``--gpus``: comma-separated GPU indices; ``none`` or empty: no GPU."""
+    items = [t.strip() for t in text.split(",") if t.strip() and t.strip().lower() != "none"]
+    if not all(t.isdigit() for t in items):
+        raise argparse.ArgumentTypeError(f"expected GPU indices such as 0,1 (or none), got {text!r}")
+    return [int(t) for t in items]
+
+
 def _cmd_prepare_kit(args: argparse.Namespace) -> int:
     _print(prepare_kit(_kit_arg(args, args.kit), storage=args.storage, allow=tuple(args.allow or ALLOW_PREFIXES),
                        org_admin_jobs=not args.no_org_admin_jobs))
+    return 0
+
+
+def _cmd_site_gpus(args: argparse.Namespace) -> int:
+    _print(declare_gpus(_kit_arg(args, args.kit), args.gpus))
     return 0
 
 
@@ -154,6 +176,12 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     if result.get("refused"):
         print(f"cxrfl: job refused for {result['admin']}: {result['refused']}", file=sys.stderr)
         return 1
+    if result.get("not_scheduled"):
+        spec = result["resource_spec"]
+        asks = f"; it asks {json.dumps(spec)} (sites declare GPUs with `cxrfl deploy site-gpus`)" if spec else ""
+        print(f"cxrfl: job {result['job_id']} not scheduled ({result['status']}): {result['not_scheduled']}{asks}",
+              file=sys.stderr)
+        return 1
     return _download_status(result) if result.get("status") in (COMPLETED, "SUBMITTED") else 1
 
 
@@ -184,7 +212,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 
 
 def _add_setup_commands(ds: argparse._SubParsersAction) -> None:
-    """``provision``, ``prepare-kit``, ``site-config``, ``job``."""
+    """``provision``, ``prepare-kit``, ``site-gpus``, ``site-config``, ``job``."""
     p = ds.add_parser("provision", help="provision every participant of a project.yml into a workspace")
     p.add_argument("--project", default="poc/project.yml", help="NVFlare project file (default poc/project.yml)")
     p.add_argument("--workspace", required=True, help="deployment workspace (everything is written under it)")
@@ -201,6 +229,12 @@ def _add_setup_commands(ds: argparse._SubParsersAction) -> None:
     p.add_argument("--allow", action="append", help="class-path prefix to allow (default: cxrfl.)")
     p.add_argument("--no-org-admin-jobs", action="store_true")
     p.set_defaults(func=_quiet(_cmd_prepare_kit))
+
+    p = ds.add_parser("site-gpus", help="the GPUs a site offers jobs (its kit's resource manager), one job per GPU")
+    p.add_argument("kit", help="the site's kit folder, or its name with --workspace")
+    p.add_argument("gpus", type=_gpu_indices, help="GPU indices as nvidia-smi numbers them, e.g. 0,1 ('none': no GPU)")
+    p.add_argument("--workspace")
+    p.set_defaults(func=_quiet(_cmd_site_gpus))
 
     p = ds.add_parser("site-config", help="put a site's data config into its kit (local/cxrfl_site.yaml)")
     p.add_argument("kit", help="the site's kit folder, or its name with --workspace")

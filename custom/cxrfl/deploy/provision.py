@@ -4,13 +4,15 @@ authorization, and a hospital's data config in its kit.
 ``provision`` wraps ``nvflare provision`` (production) or ``nvflare poc prepare -i`` (POC), then
 ``prepare_kit`` writes each server and site kit's ``local/resources.json`` (job and snapshot
 storage moved out of /tmp/nvflare, ``cxrfl.`` added to ``class_allow_list``) and
-``local/authorization.json`` (:data:`ORG_ADMIN_RIGHTS`); ``protect_keys`` leaves every private key
-and the provisioning state (root CA key) readable by their owner only. The policy: docs/security.md.
+``local/authorization.json`` (:data:`ORG_ADMIN_RIGHTS`); ``declare_gpus`` the GPUs a site offers jobs
+(:mod:`cxrfl.fl.resources`); ``protect_keys`` leaves every private key and the provisioning state (root
+CA key) readable by their owner only. The policy: docs/security.md.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,9 @@ ORG_ADMIN_RIGHTS = {**ORG_ADMIN_ALWAYS, "submit_job": "any"}
 only code pre-installed on the sites; the server refuses those whose mode sends class names to
 every site (:data:`cxrfl.fl.base.CLASS_NAME_ROLES`)."""
 OWNER_ONLY_FILE, OWNER_ONLY_DIR = 0o600, 0o700
+GPU_MANAGER = "nvflare.app_common.resource_managers.list_resource_manager.ListResourceManager"
+GPU_CONSUMER = "cxrfl.fl.resources.GPUListConsumer"
+"""A site's declared GPUs: NVFlare's list manager (one job per GPU index) and the consumer that pins a job to its own."""
 
 
 def _effective_project(project_file: str | Path, effective: Path, *, poc: bool, server_host: str | None,
@@ -292,6 +297,40 @@ def kit_participant(kit: Path) -> str:
         if name:
             return str(name)
     return Path(kit).name
+
+
+def declare_gpus(kit: str | Path, gpus: Sequence[int]) -> dict[str, Any]:
+    """Declare the GPUs a site offers jobs: its kit's ``resource_manager`` and ``resource_consumer``.
+
+    :data:`GPU_MANAGER` holds one unit per index, so a job asking for ``num_of_gpus`` (NVFlare's
+    ``@default`` or the site's own request) gets the site only while that many are free and holds
+    them until it ends; :data:`GPU_CONSUMER` pins its process to them (``CUDA_VISIBLE_DEVICES``).
+    Nothing else in ``local/resources.json`` changes. See :mod:`cxrfl.fl.resources`.
+
+    Args:
+        kit: the site's kit folder.
+        gpus: GPU indices as ``nvidia-smi`` numbers them; empty: the site offers no GPU.
+
+    Returns:
+        ``kit``, ``gpus`` and ``written`` (the file).
+    """
+    from cxrfl.fl.resources import GPU_KEY
+
+    kit, gpus = Path(kit).resolve(), list(gpus)
+    if kit_kind(kit) != "client":
+        raise DeployError(f"{kit} is not a site (client) kit: GPUs are declared on a site kit")
+    if len(set(gpus)) != len(gpus) or any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus):
+        raise DeployError(f"gpus must list distinct GPU indices (nvidia-smi's, >= 0), got {gpus}")
+    res = _load_local(kit, "resources.json")
+    others = [c for c in res.get("components", []) if c.get("id") not in ("resource_manager", "resource_consumer")]
+    res["components"] = [
+        {"id": "resource_manager", "path": GPU_MANAGER, "args": {"resources": {GPU_KEY: gpus}, "expiration_period": 300}},
+        {"id": "resource_consumer", "path": GPU_CONSUMER, "args": {}},
+        *others,
+    ]
+    path = kit / "local" / "resources.json"
+    path.write_text(json.dumps(res, indent=2) + "\n")
+    return {"kit": str(kit), "gpus": gpus, "written": str(path)}
 
 
 def install_site_config(kit: str | Path, config: str | Path) -> Path:

@@ -40,6 +40,7 @@ from nvflare.job_config.api import FedJob
 from nvflare.job_config.defs import FilterType
 from nvflare.recipe.spec import Recipe
 from nvflare.recipe.utils import set_recipe_meta
+from nvflare.utils.job_launcher_utils import validate_portable_resource_spec
 
 from cxrfl.common.config import Config
 from cxrfl.common.privacy import check_privacy, privacy_args
@@ -52,6 +53,7 @@ from cxrfl.fedfew.protocol import TASKS as FEDFEW_TASKS
 from cxrfl.fl.base import TaskController, TaskExecutor, write_every_arg
 from cxrfl.fl.cwt import CWTExecutor, CyclicWeightTransfer
 from cxrfl.fl.fedfew import FedFew, FedFewExecutor
+from cxrfl.fl.resources import DEFAULT_KEY, PORTABLE_KEYS
 from cxrfl.fl.surgical import SiteExecutor, SurgicalAggregation
 from cxrfl.jobs import DEMO_SITES
 from cxrfl.nn.models import ModelConfig
@@ -87,8 +89,11 @@ class JobSettings(Config):
         name: job name (and the folder an export writes).
         min_clients: sites that must be connected for the job to start (``meta.json``).
         description: one line for ``meta.json``.
-        resource_spec: per-site resources NVFlare checks before deploying (e.g.
-            ``{"@ALL": {"num_of_gpus": 1}}``).
+        resources: what every site must offer before NVFlare gives it the job (``resource_spec``'s
+            ``@default``): ``num_of_gpus``, ``num_of_cpus``, ``memory`` (``"32Gi"``); see
+            :mod:`cxrfl.fl.resources`.
+        site_resources: one site's request over ``resources`` (``{"hospital-a": {"num_of_gpus": 2}}``),
+            which may also name keys of that site's resource manager (``mem_per_gpu_in_GiB``).
         device: the sites' torch device: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:N``.
         num_workers: data-loader worker processes per site loader, or ``auto`` (one per core the
             site process is given, less one; :func:`cxrfl.data.dataset.resolve_workers`).
@@ -110,7 +115,8 @@ class JobSettings(Config):
     name: str
     min_clients: int = field(default=2, metadata={"ge": 1})
     description: str = ""
-    resource_spec: dict[str, dict] = field(default_factory=dict)
+    resources: dict[str, Any] = field(default_factory=dict)
+    site_resources: dict[str, dict[str, Any]] = field(default_factory=dict)
     device: str = "auto"
     num_workers: int | str = 0
     num_threads: int = field(default=1, metadata={"ge": 0})
@@ -134,6 +140,30 @@ class JobSettings(Config):
             self.fail("tracking", "'mlflow' needs MLflow: pip install 'cxrfl[mlflow]' (or leave 'mlflow' out)")
         resolve_workers(self.num_workers)  # ConfigError naming num_workers
         check_privacy(self.privacy, f"job {self.name}")  # refuses update-destroying settings, warns about lossy ones
+        self._check_resources()
+
+    def _check_resources(self) -> None:
+        """``resources`` and ``site_resources`` as NVFlare 2.9 reads them (its own validation), else one line."""
+        bad = [s for s in self.site_resources if s.startswith("@") or s == "server"]
+        if bad:
+            self.fail("site_resources", f"must be keyed by client site names, got {bad}; a request of every site "
+                                        f"goes in resources (NVFlare's '{DEFAULT_KEY}')")
+        unknown = [s for s in self.site_resources if self.sites and s not in self.sites]
+        if unknown:
+            self.fail("site_resources", f"names {unknown}, not among the job's sites {list(self.sites)}")
+        every_site = f" (it holds {list(PORTABLE_KEYS)}; a key of one site's resource manager goes in site_resources)"
+        for key, spec, hint in (("resources", {DEFAULT_KEY: self.resources}, every_site),
+                                ("site_resources", self.resource_spec, "")):
+            try:
+                validate_portable_resource_spec(spec)
+            except ValueError as exc:
+                self.fail(key, f"is not what NVFlare 2.9 reads: {exc}{hint}")
+
+    @property
+    def resource_spec(self) -> dict[str, dict[str, Any]]:
+        """``meta.json``'s ``resource_spec``: ``resources`` as ``@default``, then each site's own request."""
+        every = {DEFAULT_KEY: dict(self.resources)} if self.resources else {}
+        return {**every, **{site: dict(spec) for site, spec in self.site_resources.items()}}
 
     @classmethod
     def split(cls, settings: Mapping[str, Any]) -> tuple[JobSettings, dict[str, Any]]:
@@ -143,6 +173,9 @@ class JobSettings(Config):
             settings: the recipe's keyword arguments.
         """
         own = {f.name for f in fields(cls)}
+        if "resource_spec" in settings:
+            raise ConfigError(f"{cls.qualified('resource_spec')} is replaced by resources (every site: NVFlare's "
+                              f"'{DEFAULT_KEY}') and site_resources (one site's own), as NVFlare 2.9 reads them")
         return (cls.from_dict({k: v for k, v in settings.items() if k in own}, where="the recipe's arguments"),
                 {k: v for k, v in settings.items() if k not in own})
 
@@ -231,7 +264,7 @@ class CxrflRecipe(Recipe):
         if job.custom == "readme":
             fed_job.add_file_to_server(str(CUSTOM_README))
         super().__init__(fed_job)
-        if job.resource_spec:
+        if job.resource_spec:  # NVFlare refuses an empty one here; the exporter then writes {}
             set_recipe_meta(self, JobMetaKey.RESOURCE_SPEC, job.resource_spec)
 
     @staticmethod
