@@ -394,3 +394,27 @@ def test_clip_reference_rows_follow_the_global_class_order():
     params_yx, classes_yx = surgical_aggregate(ups, robust="clip", clip_norm=1.5, reference=ref_yx, classes=["y", "x"])
     assert classes_yx == ["y", "x"]
     np.testing.assert_allclose(params_yx[W], [[5.0], [2.0]])
+
+
+def test_adaptive_clip_bounds_every_update_by_the_lower_median_norm_of_its_round():
+    # clip_norm None with robust: the bound is the round's lower median update norm (hand-computed below).
+    ref = {"f": np.zeros(2, np.float32), W: np.zeros((1, 1), np.float32), B: np.zeros(1, np.float32)}
+    ups = [update("a", {"x": ([3.0], 4.0)}, {"f": [1.0, 0.0]}),    # body norm 1, head row norm 5
+           update("b", {"x": ([0.0], 1.0)}, {"f": [0.0, 2.0]}),    # 2, 1
+           update("c", {"x": ([1.0], 0.0)}, {"f": [3.0, 0.0]}),    # 3, 1
+           update("d", {"x": ([300.0], 400.0)}, {"f": [0.0, 400.0]})]  # hostile: 400, 500
+    params, _ = surgical_aggregate(ups, robust="clip", clip_norm=None, reference=ref, classes=["x"])
+    # body bound = lower median of (1, 2, 3, 400) = 2: c -> (2, 0), d -> (0, 2); mean (1+0+2+0, 0+2+0+2)/4
+    np.testing.assert_allclose(params["f"], [0.75, 1.0], rtol=1e-6)
+    # head bound = lower median of (5, 1, 1, 500) = 1: a -> (0.6, 0.8), d -> (0.6, 0.8); mean over 4 rows
+    np.testing.assert_allclose([params[W][0, 0], params[B][0]], [2.2 / 4, 2.6 / 4], rtol=1e-6)
+    plain, _ = surgical_aggregate(ups, reference=ref, classes=["x"])
+    assert plain["f"][1] > 100  # the positive control: without robust the hostile site sets the model
+
+
+def test_adaptive_median_of_two_bounds_both_by_the_smaller_update():
+    ref = {"f": np.zeros(1, np.float32), W: np.zeros((1, 1), np.float32), B: np.zeros(1, np.float32)}
+    ups = [update("a", {"x": ([0.0], 1.0)}, {"f": [1.0]}), update("b", {"x": ([0.0], 1e6)}, {"f": [-1e6]})]
+    params, _ = surgical_aggregate(ups, robust="median", reference=ref, classes=["x"])
+    np.testing.assert_allclose(params["f"], [0.0], atol=1e-6)  # (1 + (-1)) / 2
+    np.testing.assert_allclose(params[B], [1.0], rtol=1e-6)

@@ -174,7 +174,7 @@ def test_bad_workflow_settings_fail_at_construction_naming_the_key():
 
     with pytest.raises(ConfigError, match="surgical.head_mode must be one of"):
         SurgicalAggregation(head_mode="everything")
-    with pytest.raises(ConfigError, match="robust='clip' needs a positive clip_norm"):
-        SurgicalAggregation(robust="clip")
+    with pytest.raises(ConfigError, match="surgical.clip_norm must be > 0"):
+        SurgicalAggregation(robust="clip", clip_norm=0)
     with pytest.raises(ValueError, match="task_timeout"):
         SurgicalAggregation(task_timeout=-1)

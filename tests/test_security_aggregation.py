@@ -149,9 +149,10 @@ def test_median_of_two_falls_back_to_clipping_around_the_reference():
     assert np.linalg.norm(row) <= 1.0 + 1e-5  # reference row 0: the mean of two clipped deltas
 
 
-def test_median_without_clip_norm_is_refused_by_the_config():
+def test_clip_norm_is_adaptive_when_null_and_refused_when_not_positive():
+    assert SurgicalConfig(robust="median").clip_norm is None  # the round's lower median update norm
     with pytest.raises(ConfigError, match="clip_norm"):
-        SurgicalConfig(robust="median")
+        SurgicalConfig(robust="median", clip_norm=-1.0)
 
 
 def test_median_of_three_or_more_is_the_median():
@@ -284,6 +285,7 @@ def test_fedfew_clip_and_count_cap(tmp_path):
     assert np.linalg.norm(agg["w"]) <= 0.5 + 1e-6  # b's delta clipped to norm 1, averaged with a's 0
 
 
-def test_fedfew_median_needs_clip_norm():
+def test_fedfew_clip_norm_is_adaptive_when_null_and_refused_when_not_positive():
+    assert FedFewConfig(robust="median").clip_norm is None
     with pytest.raises(ConfigError, match="clip_norm"):
-        FedFewConfig(robust="median")
+        FedFewConfig(robust="median", clip_norm=0.0)

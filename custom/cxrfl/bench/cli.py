@@ -407,7 +407,8 @@ def _add_hostile(bsub: argparse._SubParsersAction) -> None:
     h.add_argument("--patience", type=int, help="rounds without a better validation loss before stopping (default 3)")
     h.add_argument("--image-size", type=int, help="model input size (default 64)")
     h.add_argument("--steps", type=int, help="max steps per local epoch and site (default 0: the whole split)")
-    h.add_argument("--clip-norm", type=float, help="norm bound of clip (and of median groups of 1-2 sites; default 10)")
+    h.add_argument("--clip-norm", type=float, help="norm bound of clip (and of median groups of 1-2 sites); "
+                   "default: each round's lower median update norm")
     h.add_argument("--attacks", default=None, help="comma-separated subset of none,scale,sign,nan,count (default: all)")
     h.add_argument("--robust", default=None, help="comma-separated subset of none,median,clip (default: all)")
     h.add_argument("--threads", type=int, help="torch CPU threads (default 1)")

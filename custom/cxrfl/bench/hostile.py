@@ -64,7 +64,8 @@ class HostileBenchSettings:
         batch_size: minibatch size.
         lr: learning rate of the rounds.
         warmup_lr: learning rate of the warm-up.
-        clip_norm: the norm bound of ``clip`` (and of ``median`` groups of fewer than 3 sites).
+        clip_norm: the norm bound of ``clip`` (and of ``median`` groups of fewer than 3 sites); None: each
+            round's lower median update norm (adaptive).
         attacks: names in :data:`ATTACKS`.
         robust: names in :data:`ROBUST`.
         threads: torch CPU threads.
@@ -82,7 +83,7 @@ class HostileBenchSettings:
     batch_size: int = 16
     lr: float = 1e-3
     warmup_lr: float = 5e-3
-    clip_norm: float = 10.0
+    clip_norm: float | None = None
     attacks: tuple[str, ...] = ATTACKS
     robust: tuple[str, ...] = ROBUST
     threads: int = 1
@@ -269,7 +270,8 @@ def format_report(results: Mapping[str, Any]) -> str:
     lines = [f"# One hostile site among {s['sites']} ({results['profile']})", "",
              f"Site {results['hostile']} alters every update it sends (scale: x{SCALE:g}; sign: x-1; nan: NaN weights; "
              f"count: claims {CLAIMED:.0e} images). {s['seeds']} seed(s), {s['image_size']} px, rounds until the mean "
-             f"validation loss has not improved for {s['patience']} (at most {s['rounds']}); clip_norm {s['clip_norm']:g}; "
+             f"validation loss has not improved for {s['patience']} (at most {s['rounds']}); clip_norm "
+             f"{'adaptive (each round: the lower median update norm)' if s['clip_norm'] is None else format(s['clip_norm'], 'g')}; "
              "weighting by samples except median (unweighted). Cell: the selected global model's mean test AUROC on the "
              "external set (a class it lacks or scores with NaN: 0.5), its change against the honest run (no attack, no robust "
              "option) of the same seed, and how many of the hostile site's results were rejected.", "",

@@ -101,7 +101,8 @@ class FedFewConfig(Config):
         robust: None (FedAvg weighted by images), ``median`` (coordinate-wise, unweighted) or
             ``clip`` (each update's distance from the round's start clipped to ``clip_norm``); see
             :func:`cxrfl.surgical.aggregation.surgical_aggregate`.
-        clip_norm: the norm bound of ``clip``, and of a ``median`` of fewer than 3 sites (needed by both).
+        clip_norm: the norm bound of ``clip``, and of a ``median`` of fewer than 3 sites; null: each round's
+            lower median update norm (adaptive).
         max_num_samples: the largest image count a site may report; a site must also keep reporting
             about the count of its first accepted result of a stage.
 

@@ -145,7 +145,7 @@ class FederatedRounds(ServerLoop):
         retry_pause: seconds between two attempts at a round.
         on_round: see :data:`RoundHook`.
         robust: None, ``median`` or ``clip`` (:class:`cxrfl.fedfew.config.FedFewConfig`).
-        clip_norm: the norm bound of ``robust``.
+        clip_norm: the norm bound of ``robust`` (None: each round's lower median update norm).
         max_num_samples: the largest image count a site may report.
         kwargs: :class:`cxrfl.common.server.ServerLoop`'s arguments.
     """

@@ -31,7 +31,8 @@ class SurgicalAggregator(ModelAggregator):
         bn_keys: BatchNorm parameter and buffer names (from :func:`cxrfl.nn.models.batchnorm_keys`).
         robust: None, ``median`` or ``clip`` (off by default). Both need the previous global model
             (:meth:`expect`'s ``reference``): an aggregation without one fails, never a plain mean.
-        clip_norm: update norm bound for ``clip`` (and for ``median`` groups of fewer than 3 sites).
+        clip_norm: update norm bound for ``clip`` (and for ``median`` groups of fewer than 3 sites); None:
+            each round's lower median update norm.
         head_prefix: state-dict prefix of the classification head.
     """
 

@@ -58,6 +58,14 @@ MEDIAN_MIN_SITES = 3
 """Fewest contributors a coordinate-wise median outvotes one hostile site with (the median of two is
 their mean): a group with fewer (the feature extractor of a round with 1-2 results, the head row of a
 class 1-2 sites hold) is aggregated as ``clip`` does, with the same ``clip_norm``."""
+ADAPTIVE = None
+"""``clip_norm`` None with a robust mode: the bound of a round is the lower median norm of that round's
+updates (feature extractor: over the sites; head: over every row a site sent), so it follows the model's
+scale without tuning and a minority of scaled updates cannot raise it (of two, the smaller bounds both)."""
+
+
+def _lower_median(values: Sequence[float]) -> float:
+    return float(np.quantile(values, 0.5, method="lower"))
 
 
 def check_options(weighting: str, batchnorm: str, robust: str | None, clip_norm: float | None) -> None:
@@ -67,7 +75,8 @@ def check_options(weighting: str, batchnorm: str, robust: str | None, clip_norm:
         weighting: one of :data:`WEIGHTINGS`.
         batchnorm: one of :data:`cxrfl.surgical.head_modes.BATCHNORM_MODES`.
         robust: one of :data:`ROBUST_MODES`.
-        clip_norm: a positive bound with ``robust`` ``clip`` or ``median`` (see :data:`MEDIAN_MIN_SITES`), else None.
+        clip_norm: a positive bound, or None (:data:`ADAPTIVE`), with ``robust`` ``clip`` or ``median`` (see
+            :data:`MEDIAN_MIN_SITES`); None without ``robust``.
     """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {list(WEIGHTINGS)}, got {weighting!r}")
@@ -79,19 +88,18 @@ def check_options(weighting: str, batchnorm: str, robust: str | None, clip_norm:
         raise ValueError("robust='median' is an unweighted median; use weighting='uniform'")
     if robust is None and clip_norm is not None:
         raise ValueError("clip_norm is only used with robust='clip' or robust='median'")
-    if robust is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
-                               or not 0 < clip_norm < math.inf):
-        extra = (" (it bounds the groups of fewer than 3 sites a median cannot protect: a class 1-2 sites hold, "
-                 "a round of 1-2 results)") if robust == "median" else ""
-        raise ValueError(f"robust={robust!r} needs a positive clip_norm{extra}, got {clip_norm!r}")
+    if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
+                                  or not 0 < clip_norm < math.inf):
+        raise ValueError(f"clip_norm must be a positive number or null (the median norm of each round's "
+                         f"updates), got {clip_norm!r}")
 
 
 def _site_weights(parsed: Sequence[ParsedUpdate], weighting: str) -> list[float]:
     return [float(p.num_samples) if weighting == "samples" else 1.0 for p in parsed]
 
 
-def _clip_scale(p: ParsedUpdate, keys: Sequence[str], ref: Mapping[str, torch.Tensor], clip_norm: float) -> float:
-    """Factor that brings the site's non-head update (params - reference) to norm <= clip_norm."""
+def _update_norm(p: ParsedUpdate, keys: Sequence[str], ref: Mapping[str, torch.Tensor]) -> float:
+    """L2 norm of the site's non-head update (params - reference) over its float keys."""
     sq = 0.0
     for k in keys:
         t = as_tensor(p.params[k])
@@ -100,8 +108,12 @@ def _clip_scale(p: ParsedUpdate, keys: Sequence[str], ref: Mapping[str, torch.Te
             if not math.isfinite(part):
                 raise UpdateRejected(f"site {p.site}: non-finite values (NaN or Inf) in {k!r}")
             sq += part
-    norm = math.sqrt(sq)
-    return min(1.0, clip_norm / norm) if norm > 0 else 1.0
+    return math.sqrt(sq)
+
+
+def _scale(norm: float, bound: float) -> float:
+    """Factor that brings an update of ``norm`` to norm <= ``bound``."""
+    return min(1.0, bound / norm) if norm > 0 else 1.0
 
 
 def _raise_for_bad_key(key: str, parsed: Sequence[ParsedUpdate]) -> None:
@@ -121,16 +133,19 @@ def _mean_body(
     clip_norm: float | None,
     running: RunningSum | None = None,
 ) -> dict[str, torch.Tensor]:
-    """(Weighted) mean of the non-head keys, streaming; with clip_norm, of clipped deltas.
+    """(Weighted) mean of the non-head keys, streaming; with ``ref``, of deltas clipped to ``clip_norm``
+    (None: :data:`ADAPTIVE`).
 
     ``running``: these updates' sum, already accumulated (with these weights, no clipping).
     """
     total = sum(weights)
-    clipping = clip_norm is not None and ref is not None
+    clipping = ref is not None
     if running is None:
         running = RunningSum(keys)
-        for w, p in zip(weights, parsed):
-            scale = _clip_scale(p, keys, ref, clip_norm) if clipping else 1.0
+        norms = [_update_norm(p, keys, ref) for p in parsed] if clipping else []
+        bound = clip_norm if clip_norm is not None else _lower_median(norms) if norms else 0.0
+        for i, (w, p) in enumerate(zip(weights, parsed)):
+            scale = _scale(norms[i], bound) if clipping else 1.0
             running.add(p.site, p.params, w * scale, int_weight=w)
     out = running.sums()
     running.usable = False  # its sums become the mean, in place
@@ -180,6 +195,12 @@ def _aggregate_head(
         for j, c in enumerate(p.classes):
             rows[c].append((w, site_rows[j]))
     n_in = shape_of(parsed[0].params[wkey])[1]
+    zero = torch.zeros(n_in + 1, dtype=torch.float64)  # the reference of a class new this round
+    bound = clip_norm
+    if robust is not None and bound is None:  # ADAPTIVE: the median norm of every row sent this round
+        refs = ref_rows or {}
+        bound = _lower_median([float(torch.linalg.vector_norm(r - refs.get(c, zero)))
+                               for c in global_classes for _, r in rows[c]])
     merged = torch.empty(len(global_classes), n_in + 1, dtype=torch.float64)
     for i, c in enumerate(global_classes):
         contrib = rows[c]
@@ -194,11 +215,10 @@ def _aggregate_head(
             merged[i] = ref
         elif robust == "median" and len(contrib) >= MEDIAN_MIN_SITES:
             merged[i] = torch.from_numpy(np.median(np.stack([r.numpy() for _, r in contrib]), axis=0))
-        elif robust is not None and clip_norm is not None:  # clip, or a median of 1-2 rows: clipped around
-            ref = ref if ref is not None else torch.zeros(n_in + 1, dtype=torch.float64)  # the zero row if new
+        elif robust is not None and bound is not None:  # clip, or a median of 1-2 rows: clipped around
+            ref = ref if ref is not None else zero  # the reference row, the zero row if new
             merged[i] = ref + sum(
-                (w / total) * min(1.0, clip_norm / max(float(torch.linalg.vector_norm(r - ref)), 1e-300)) * (r - ref)
-                for w, r in contrib
+                (w / total) * _scale(float(torch.linalg.vector_norm(r - ref)), bound) * (r - ref) for w, r in contrib
             )
         else:
             merged[i] = sum((w / total) * r for w, r in contrib)
@@ -297,7 +317,8 @@ def surgical_aggregate(
             all float non-head keys, one per head row incl. its bias; the mean delta is added back
             to the reference; a class without a reference row, as in a warm-up or a late join, is
             clipped around the zero row, i.e. its row's norm is at most ``clip_norm``).
-        clip_norm: the clipping norm (``clip`` and ``median``).
+        clip_norm: the clipping norm (``clip`` and ``median``); None: :data:`ADAPTIVE`, the lower median norm
+            of this round's updates (one bound for the feature extractor, one for the head rows).
         reference: the previous global params, head rows in ``classes`` order (without
             ``classes``: in the order of the returned sorted union; the head may be absent then).
             Needed by robust='clip' (and by a median of fewer than 3 updates); with ``classes``, a

@@ -55,7 +55,7 @@ class SurgicalConfig(Config):
         robust: None, ``median`` or ``clip`` robust aggregation (off by default) of every
             aggregation: warm-up, rounds and late joins (:func:`cxrfl.surgical.aggregation.surgical_aggregate`).
         clip_norm: update norm bound for ``clip``, and for the groups of fewer than 3 sites a
-            ``median`` cannot protect (needed by both).
+            ``median`` cannot protect; null: each round's lower median update norm (adaptive).
         max_num_samples: the largest ``num_samples`` a site may report; a site must also keep
             reporting about the count of its first accepted result (its split is fixed).
         patience: rounds without improvement of the mean validation loss before stopping.

@@ -69,7 +69,8 @@ class RoundAggregator:
         robust: None, ``median`` or ``clip`` (see :func:`surgical_aggregate`). Both need the
             reference of :meth:`expect` (the previous global model, or the initial feature
             extractor of a warm-up): an aggregation without one fails rather than fall back to the mean.
-        clip_norm: update norm bound for ``clip`` and ``median`` (groups of fewer than 3 sites).
+        clip_norm: update norm bound for ``clip`` and ``median`` (groups of fewer than 3 sites); None:
+            each round's lower median update norm.
         head_mode: ``surgical``/``union`` (results carry head rows) or ``local`` (results carry
             the feature extractor only; the aggregate has no head).
         head_prefix: state-dict prefix of the classification head.
