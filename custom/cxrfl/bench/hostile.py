@@ -190,6 +190,7 @@ def run_hostile(settings: HostileBenchSettings, out: str | Path, *, log: Log = p
                     if _key(attack, robust, seed) in results["runs"]:
                         continue
                     run = _run_one(settings, data, tests, attack, robust, seed, work, warmups)
+                    run["code"] = results["code"]  # a run resumed in a later session may run other code
                     results["runs"][_key(attack, robust, seed)] = run
                     path.write_text(json.dumps(results, indent=1, default=json_default))
                     log(f"[{time.perf_counter() - start:7.0f}s] seed {seed} attack {attack} robust {robust}: mean AUROC "
@@ -282,8 +283,10 @@ def format_report(results: Mapping[str, Any]) -> str:
             c = cells.get(f"{attack}/{robust}")
             row.append("-" if c is None else f"{_num(c['mean_auroc'])} ({_signed(c['change'])}; {c['rejected']} rejected)")
         lines.append(f"| {attack} | " + " | ".join(row) + " |")
-    code, where = results.get("code") or {}, results.get("machine") or {}
-    lines += ["", f"Code {code_label(code)}; {where.get('cpu', '?')}, {where.get('torch_threads', '?')} torch thread(s)."
+    codes = sorted({code_label(r.get("code") or results.get("code") or {}) for r in results["runs"].values()})
+    where = results.get("machine") or {}
+    lines += ["", f"Code {', '.join(codes)}; {where.get('cpu', '?')} ({where.get('cpu_capability', '?')}, native bf16: "
+              f"{where.get('native_bf16', '?')}), {where.get('torch_threads', '?')} torch thread(s)."
               + (f" Command: `{results['command_line']}`." if results.get("command_line") else "")]
     return "\n".join(lines + [""] + [f"- {n}" for n in results.get("notes", [])]) + "\n"
 

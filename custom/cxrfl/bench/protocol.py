@@ -28,6 +28,7 @@ from cxrfl.bench.methods import Method
 from cxrfl.bench.profiles import SYNTH_SPLIT
 from cxrfl.common.config import Config
 from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.precision import cpu_has_native_bf16
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
 
@@ -241,7 +242,8 @@ def load_text(record: dict[str, Any]) -> str:
 
 
 def machine(device: torch.device) -> dict[str, Any]:
-    """Where a run computes: CPU model, cores, torch threads, the device, versions, and the load average
+    """Where a run computes: CPU model and capability (AVX2 / AVX512; native bf16, which ``precision: auto``
+    trains in), cores, torch threads, the device, versions, and the load average
     (1, 5 and 15 min) when called, which says whether the machine was quiet.
 
     Args:
@@ -252,7 +254,9 @@ def machine(device: torch.device) -> dict[str, Any]:
         load = [round(x, 2) for x in os.getloadavg()]
     except (AttributeError, OSError):
         load = None
-    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": usable, "torch_threads": torch.get_num_threads(),
+    info = {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": cpu_has_native_bf16(), "cores": os.cpu_count(), "usable_cores": usable,
+            "torch_threads": torch.get_num_threads(),
             "device": device.type, "gpu": None, "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "load_average": load}
     if device.type == "cuda":
