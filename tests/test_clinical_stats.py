@@ -152,7 +152,8 @@ def test_minimum_cell_size_enforced_at_site_and_server() -> None:
     five = count_scores(s, np.array([1.0] * 5 + [0.0] * 15), bins=BINS, min_cell=5)
     assert (five.n_pos, five.n_neg) == (5, 15)
     unknown = np.array([1.0] * 5 + [np.nan] * 15)  # unknown labels are not negatives
-    assert count_scores(s, unknown, bins=BINS, min_cell=1) is None
+    assert count_scores(s, unknown, bins=BINS, min_cell=5).n_neg == 0  # an empty cell identifies nobody
+    assert count_scores(s, np.full(20, np.nan), bins=BINS, min_cell=1) is None  # no case: nothing
     small = count_scores(s, four_pos, bins=BINS, min_cell=1)
     with pytest.raises(UpdateRejected, match="site-3.*4 positives.*minimum cell size 5"):
         ScoreCounts.from_dict(small.to_dict(), bins=BINS, min_cell=5, where="site-3")

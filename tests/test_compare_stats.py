@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from cxrfl.bench.intervals import mean_ci, paired_comparison
 from cxrfl.bench.methods import DEFAULT_METHODS, select
 from cxrfl.bench.report import format_ablation, stars
 from cxrfl.bench.statistics import View, ablation_summary, compare_cells, versus, view_cell
 from cxrfl.bench.targets import evaluate_targets
 from cxrfl.errors import ConfigError
-from cxrfl.nn.metrics import mean_ci, paired_comparison
 from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig

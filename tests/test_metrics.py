@@ -9,7 +9,8 @@ import pytest
 from scipy import stats
 from sklearn.metrics import roc_auc_score
 
-from cxrfl.nn.metrics import bootstrap_auroc_ci, paired_ttest, per_class_auroc, summarise_auroc
+from cxrfl.bench.intervals import bootstrap_auroc_ci, bootstrap_aurocs, fast_auroc, paired_ttest, percentile_ci
+from cxrfl.nn.metrics import per_class_auroc, summarise_auroc
 
 Y = np.array([[1, 0, 1], [0, 0, 1], [1, 1, 1], [0, 1, 1], [1, 0, 1], [0, 0, 1]], dtype=float)
 S = np.array([[0.9, 0.2, 0.5], [0.3, 0.1, 0.4], [0.6, 0.8, 0.3], [0.7, 0.3, 0.9], [0.8, 0.6, 0.1], [0.2, 0.4, 0.2]])
@@ -101,15 +102,13 @@ def test_fast_auroc_matches_sklearn_with_ties():
     rng = np.random.default_rng(0)
     y = rng.integers(0, 2, (5, 40)).astype(float)
     s = np.round(rng.normal(size=(5, 40)) + y, 1)  # rounding makes ties
-    got = __import__("cxrfl.nn.metrics", fromlist=["fast_auroc"]).fast_auroc(y, s)
+    got = fast_auroc(y, s)
     np.testing.assert_allclose(got, [roc_auc_score(y[i], s[i]) for i in range(5)])
-    one = __import__("cxrfl.nn.metrics", fromlist=["fast_auroc"]).fast_auroc(np.ones(5), np.arange(5.0))
+    one = fast_auroc(np.ones(5), np.arange(5.0))
     assert np.isnan(one)
 
 
 def test_bootstrap_replicates_match_sklearn_and_the_one_class_interval():
-    from cxrfl.nn.metrics import bootstrap_aurocs, percentile_ci
-
     rng = np.random.default_rng(3)
     y = rng.integers(0, 2, (120, 3)).astype(float)
     s = y * 0.7 + rng.normal(size=(120, 3))

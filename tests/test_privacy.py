@@ -18,7 +18,7 @@ from cxrfl.common import privacy
 from cxrfl.common.privacy import NVFLARE_DEFAULTS, PRIVACY_DEFAULTS, check_privacy, destroyed, fidelity
 from cxrfl.data.site import load_site
 from cxrfl.errors import ConfigError
-from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.models import HEAD_PREFIX, ModelConfig
 from cxrfl.nn.training import TrainConfig
 
 BOUND_WEIGHTS_AND_HEAD = 0.9
@@ -67,7 +67,7 @@ def test_fidelity_compares_the_sent_with_the_true_update_per_part():
               "backbone.norm.num_batches_tracked": np.array(5), "classifier.weight": np.array([[0.5, -0.5]])}
     sent = {"backbone.w": np.array([2.0, 1.0, 1.0]), "backbone.norm.running_var": np.array([1.5]),
             "backbone.norm.num_batches_tracked": np.array(5), "classifier.weight": np.array([[0.5, 0.0]])}
-    report = fidelity(result, received, sent)
+    report = fidelity(result, received, sent, HEAD_PREFIX)
     assert set(report) == {"feature_extractor", "batchnorm_statistics", "head"}  # the integer buffer is left out
     fe = report["feature_extractor"]  # true change (1, 0, 2), sent (1, 0, 0)
     assert fe["cosine"] == pytest.approx(1 / math.sqrt(5)) and fe["relative_norm"] == pytest.approx(1 / math.sqrt(5))
@@ -76,7 +76,7 @@ def test_fidelity_compares_the_sent_with_the_true_update_per_part():
     head = report["head"]  # no received value: measured from zero
     assert head["cosine"] == pytest.approx(1 / math.sqrt(2)) and head["kept"] == 0.5
     assert destroyed(report) == ["feature_extractor"]  # cosine 0.45 < 0.5; the head's 0.71 and a quarter of the norm pass
-    assert destroyed(fidelity(result, received, received)) == ["feature_extractor", "batchnorm_statistics", "head"]
+    assert destroyed(fidelity(result, received, received, HEAD_PREFIX)) == ["feature_extractor", "batchnorm_statistics", "head"]
 
 
 # --------------------------------------------------------------- a real update

@@ -14,7 +14,7 @@ import torch
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from threadpoolctl import threadpool_limits
 
-import cxrfl.nn.threads as threads
+import cxrfl.common.cores as cores
 import cxrfl.surgical.aggregation as aggregation_module
 import cxrfl.surgical.round_aggregator as round_module
 from cxrfl.common.transport import inprocess_transport
@@ -174,7 +174,7 @@ def test_validation_and_aggregation_run_on_one_thread(monkeypatch):
 def test_a_site_uses_the_cores_it_is_given(monkeypatch, tmp_path):
     before = torch.get_num_threads()
     quota = tmp_path / "cpu.max"
-    monkeypatch.setattr(threads, "CGROUP_CPU_MAX", quota)
+    monkeypatch.setattr(cores, "CGROUP_CPU_MAX", quota)
     try:
         with threadpool_limits(limits=None):  # BLAS limits come back after the test
             monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -182,7 +182,7 @@ def test_a_site_uses_the_cores_it_is_given(monkeypatch, tmp_path):
             assert use_cores(3) == 3 and torch.get_num_threads() == 3
             monkeypatch.delenv("OMP_NUM_THREADS")
             quota.write_text("max 100000\n")
-            assert threads.available_cores() == len(__import__("os").sched_getaffinity(0))
+            assert cores.available_cores() == len(__import__("os").sched_getaffinity(0))
             quota.write_text("50000 100000\n")  # a container with --cpus 0.5
             assert use_cores(0) == 1 and torch.get_num_threads() == 1
     finally:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cxrfl.fedfew.protocol import TASKS as FEDFEW_TASKS  # noqa: F401  (the fedfew job's tasks, for its tests)
+from cxrfl.fl.site_config import DEMO_SITES
 from cxrfl.job_folders import app_dirs
 from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
@@ -166,9 +167,6 @@ def fedfew_args(model: ModelConfig, fedfew: dict[str, Any], **overrides: Any) ->
     }
     return _with_overrides(args, overrides)
 
-
-DEMO_SITES = ("site-1", "site-2")
-"""The simulator's default site names (its embedded demo hospitals): the sites of the FedFew demo job."""
 
 DEMO_MODEL = ModelConfig(image_size=64)
 """CPU demo setting: 64x64 inputs, trained from scratch (no weights can be downloaded here)."""

@@ -69,12 +69,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             raise ConfigError(f"--method must be 'cwt' or 'fedfew' (or left out for the method comparison), got {args.method!r}")
         if args.method == "fedfew" and args.profile not in (None, "fedfew"):
             raise ConfigError(f"--method fedfew runs on the fedfew profile only, got --profile {args.profile}")
-        from cxrfl.cli import build_parser
-
         seeds = [] if args.seeds is None else ["--seeds", str(args.seeds)]
         _say(f"--method {args.method}: running `cxrfl bench {args.method} --out {args.out} {' '.join(seeds)}` "
              f"(its other options: cxrfl bench {args.method} --help)")
-        other = build_parser().parse_args(["bench", args.method, "--out", str(args.out), *seeds])
+        parser = argparse.ArgumentParser(prog="cxrfl")
+        add_parser(parser.add_subparsers(dest="command", required=True))
+        other = parser.parse_args(["bench", args.method, "--out", str(args.out), *seeds])
         return other.func(other)
     from cxrfl.bench.compare import run_ablation, run_compare
 

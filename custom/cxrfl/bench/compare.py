@@ -30,10 +30,10 @@ from cxrfl.bench.protocol import CompareSettings, code_version, command_line, ma
 from cxrfl.bench.runs import Entry, RunStore, entries_for, outcome_line, run_all, train_and_store
 from cxrfl.bench.statistics import Bootstrap, View, ablation_summary, make_views, versus, view_cell
 from cxrfl.bench.targets import evaluate_targets
+from cxrfl.bench.warmups import WarmupCache
 from cxrfl.common.io import write_json
 from cxrfl.errors import ConfigError
 from cxrfl.nn.evaluation import shared_classes
-from cxrfl.surgical.host import WarmupCache
 
 Log = Callable[[str], None]
 

@@ -29,13 +29,14 @@ import torch
 from cxrfl.bench.evaluate import load_test_set, scores_on
 from cxrfl.bench.profiles import prepare
 from cxrfl.bench.protocol import code_label, code_version, command_line, machine
+from cxrfl.bench.warmups import WarmupCache
 from cxrfl.common.io import json_default
 from cxrfl.errors import ConfigError
 from cxrfl.nn.metrics import per_class_auroc
 from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
-from cxrfl.surgical.host import TRAIN, WarmupCache
+from cxrfl.surgical.host import TRAIN
 from cxrfl.surgical.inprocess import InProcessResult, global_model, make_hosts, run_surgical
 
 Log = Callable[[str], None]

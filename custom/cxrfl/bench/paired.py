@@ -1,7 +1,7 @@
 """Paired comparisons over seeds for the FedFew and CWT benchmarks' targets.
 
 Two methods run with the same seed share the data draw and the initial weights, so their
-difference per seed is the unit of comparison. :func:`cxrfl.nn.metrics.paired_comparison` gives
+difference per seed is the unit of comparison. :func:`cxrfl.bench.intervals.paired_comparison` gives
 the mean difference, its 95 % t-interval, Cohen's d_z and the two-sided paired t-test (and the
 Wilcoxon test); here a one-sided t-test against a margin is added (H1: the difference is above
 ``margin``, e.g. "at least 0.3 better" or "no worse than -0.01").
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from cxrfl.nn.metrics import paired_comparison
+from cxrfl.bench.intervals import paired_comparison
 
 
 def _one_sided(diffs: Sequence[float], margin: float) -> float | None:
@@ -34,7 +34,7 @@ def paired(a: Mapping[str, float | None], b: Mapping[str, float | None], margin:
         margin: the one-sided test's null boundary (H1: mean difference > margin).
 
     Returns:
-        :func:`cxrfl.nn.metrics.paired_comparison` of ``b`` against ``a`` (``difference``, ``ci``,
+        :func:`cxrfl.bench.intervals.paired_comparison` of ``b`` against ``a`` (``difference``, ``ci``,
         ``sd``, ``d_z``, ``p`` two-sided, ``wilcoxon_p`` ...) plus ``per_seed`` (the differences),
         ``margin`` and ``p_one_sided``.
     """

@@ -32,6 +32,7 @@ import torch
 from cxrfl.bench.evaluate import load_test_set, scores_on
 from cxrfl.bench.profiles import prepare
 from cxrfl.bench.protocol import code_version, machine
+from cxrfl.bench.warmups import WarmupCache
 from cxrfl.common.io import json_default
 from cxrfl.common.privacy import NVFLARE_DEFAULTS, PARTS, PRIVACY_DEFAULTS, check_privacy, fidelity
 from cxrfl.data.site import SiteData
@@ -40,7 +41,7 @@ from cxrfl.nn.metrics import per_class_auroc, summarise_auroc
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
-from cxrfl.surgical.host import TRAIN, WarmupCache
+from cxrfl.surgical.host import TRAIN
 from cxrfl.surgical.inprocess import global_model, make_hosts, run_surgical
 from cxrfl.surgical.learner import SiteLearner
 
@@ -164,7 +165,8 @@ def filter_update(inner: Any, result: Mapping[str, Any], received: Mapping[str, 
 
     sent, meta = privatize_update(inner, dict(result), dict(received), current_round=rnd)
     eps_call, eps_run = svt_epsilon(meta)
-    return sent, {"round": rnd, "parts": fidelity(result, received, sent), "epsilon": eps_call, "epsilon_run": eps_run}
+    parts = fidelity(result, received, sent, HEAD_PREFIX)
+    return sent, {"round": rnd, "parts": parts, "epsilon": eps_call, "epsilon_run": eps_run}
 
 
 def sample_updates(site: SiteData, model_config: ModelConfig, train_config: TrainConfig, state_dir: str | Path

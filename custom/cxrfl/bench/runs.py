@@ -17,7 +17,7 @@ this process) followed by the scoring of its selected model(s) on every test set
   invocations on the same folder (or ``--jobs`` workers) never train one run twice at once.
 
 Runs go seed by seed (every method of seed 0, then seed 1 ...): the sites' head warm-ups are
-trained once per seed and shared by its methods (:class:`cxrfl.surgical.host.WarmupCache`).
+trained once per seed and shared by its methods (:class:`cxrfl.bench.warmups.WarmupCache`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from cxrfl.bench.evaluate import TestSet, scores_on
 from cxrfl.bench.methods import Method
 from cxrfl.bench.profiles import BenchData, pooled_site
 from cxrfl.bench.protocol import CompareSettings, code_version, machine
+from cxrfl.bench.warmups import WarmupCache
 from cxrfl.common.io import json_default, read_records, write_json
 from cxrfl.common.resume import RESUME_ROOT, STATE_FILE
 from cxrfl.common.server import RECORDS_DIR
@@ -47,7 +48,6 @@ from cxrfl.data.site import SiteData
 from cxrfl.errors import ConfigError
 from cxrfl.nn.metrics import per_class_auroc, summarise_auroc
 from cxrfl.nn.models import ModelConfig
-from cxrfl.surgical.host import WarmupCache
 from cxrfl.surgical.inprocess import InProcessResult, global_model, make_hosts, run_surgical, site_models
 
 Log = Callable[[str], None]

@@ -10,7 +10,7 @@ restricted to one site's classes):
 - the mean AUROC per seed with its t-interval over seeds;
 - 95 % percentile bootstrap intervals per class and of the mean (test images resampled, the same
   resamples for every method of a seed, replicates pooled over seeds);
-- paired comparisons against surgical aggregation (:func:`cxrfl.nn.metrics.paired_comparison`):
+- paired comparisons against surgical aggregation (:func:`cxrfl.bench.intervals.paired_comparison`):
   over classes (per-class AUROC averaged over seeds; paired t-test as the papers, Wilcoxon
   signed-rank test, mean difference with its interval, Cohen's d_z) and over seeds (the mean
   AUROC of each seed; the same tests), on all of a view's classes and on its shared and unique
@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 
 from cxrfl.bench.evaluate import TestSet
+from cxrfl.bench.intervals import bootstrap_aurocs, mean_ci, paired_comparison, percentile_ci
 from cxrfl.bench.profiles import BenchData
 from cxrfl.bench.runs import GLOBAL
 from cxrfl.nn.evaluation import shared_classes
-from cxrfl.nn.metrics import bootstrap_aurocs, mean_ci, paired_comparison, percentile_ci, summarise_auroc
+from cxrfl.nn.metrics import summarise_auroc
 
 Scores = Callable[[str, int], Mapping[str, np.ndarray] | None]
 """(entry, seed) -> the run's stored scores (None: not available)."""
@@ -115,7 +116,7 @@ def compare_cells(a: Mapping[str, Any], b: Mapping[str, Any], classes: Sequence[
         classes: the classes compared (default: all of the view's).
 
     Returns:
-        ``{'classes': ..., 'seeds': ...}`` (:func:`cxrfl.nn.metrics.paired_comparison`), or None
+        ``{'classes': ..., 'seeds': ...}`` (:func:`cxrfl.bench.intervals.paired_comparison`), or None
         when the mean of A or B over those classes is not defined.
     """
     keep = list(classes if classes is not None else a["auroc"])

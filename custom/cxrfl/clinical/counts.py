@@ -156,10 +156,16 @@ class ScoreCounts:
                                  f"the server asked for {bins.to_dict()}")
         arrays = {k: _int_list(data[k], k, bins.size, where) for k in ("positives", "negatives")}
         counts = cls(bins, arrays["positives"], arrays["negatives"])
-        if min(counts.n_pos, counts.n_neg) < min_cell:
+        if _too_few(counts.n_pos, counts.n_neg, min_cell):
             raise UpdateRejected(f"{where}: score counts hold {counts.n_pos} positives and {counts.n_neg} "
                                  f"negatives, below the minimum cell size {min_cell}; a site sends nothing then")
         return counts
+
+
+def _too_few(n_pos: int, n_neg: int, min_cell: int) -> bool:
+    """A class a site sends nothing for: no case at all, or a non-empty cell below ``min_cell`` (an empty
+    one, e.g. no positive in the split, identifies nobody and its negatives still count in the pool)."""
+    return n_pos + n_neg == 0 or 0 < n_pos < min_cell or 0 < n_neg < min_cell
 
 
 def _int_list(value: Any, key: str, size: int, where: str) -> np.ndarray:
@@ -183,8 +189,8 @@ def count_scores(scores: np.ndarray, labels: np.ndarray, *, bins: BinSpec, min_c
         min_cell: the least number of positives and of negatives to send anything (>= 1).
 
     Returns:
-        The counts, or None (the site sends nothing for this class) when positives or negatives
-        are fewer than ``min_cell``.
+        The counts, or None (the site sends nothing for this class) when there is no case, or when
+        positives or negatives are more than none but fewer than ``min_cell``.
     """
     scores = np.asarray(scores, dtype=float).ravel()
     labels = np.asarray(labels, dtype=float).ravel()
@@ -200,7 +206,7 @@ def count_scores(scores: np.ndarray, labels: np.ndarray, *, bins: BinSpec, min_c
         raise ValueError("scores must be probabilities in [0, 1] (apply the sigmoid to logits), found "
                          f"{scores[~((scores >= 0) & (scores <= 1))][:3].tolist()}")
     pos = labels == 1
-    if min(int(pos.sum()), int((~pos).sum())) < min_cell:
+    if _too_few(int(pos.sum()), int((~pos).sum()), min_cell):
         return None
     idx = bins.index(scores)
     return ScoreCounts(bins, np.bincount(idx[pos], minlength=bins.size), np.bincount(idx[~pos], minlength=bins.size))
@@ -242,3 +248,47 @@ def refine_bins(counts: ScoreCounts, *, mass: float = 0.999) -> BinSpec:
     if high <= low:  # every score in one open bin: nothing to zoom into
         return counts.bins
     return BinSpec(low=float(low), high=float(high), n=counts.bins.n)
+
+
+def count_request(classes: Sequence[str], bins: Mapping[str, BinSpec], min_cell: int) -> dict[str, Any]:
+    """Server side: the ``counts`` entry of an evaluation task for one site.
+
+    Args:
+        classes: the site's classes being evaluated (never another site's).
+        bins: class -> the bins to count it in.
+        min_cell: the least number of positives and of negatives a site sends counts for.
+    """
+    return {"min_cell": int(min_cell), "bins": {c: bins[c].to_dict() for c in classes}}
+
+
+def count_classes(scores: np.ndarray, labels: np.ndarray, classes: Sequence[str],
+                  request: Mapping[str, Any], *, site_min_cell: int = 1) -> dict[str, dict[str, Any] | None]:
+    """Site side: answer a server's count request (:func:`count_request`) for the evaluated classes.
+
+    Args:
+        scores: [n, K] probabilities, columns in ``classes`` order.
+        labels: [n, K] 1, 0 or NaN (not annotated).
+        classes: the column names.
+        request: ``{"min_cell": int, "bins": {class: BinSpec dict}}`` from the task.
+        site_min_cell: the site's own floor: a request asking for less is raised to it.
+
+    Returns:
+        class -> :meth:`ScoreCounts.to_dict`, or None (too few cases: nothing sent), for every
+        class of ``classes`` the request names.
+
+    Raises:
+        ConfigError: a malformed request (one line; the site answers nothing).
+    """
+    if not isinstance(request, Mapping) or set(request) != {"min_cell", "bins"}:
+        raise ConfigError(f"the server's count request must hold 'min_cell' and 'bins', got {request!r:.200}")
+    min_cell, wanted = request["min_cell"], request["bins"]
+    if isinstance(min_cell, bool) or not isinstance(min_cell, int) or min_cell < 1 or not isinstance(wanted, Mapping):
+        raise ConfigError(f"bad count request: min_cell {min_cell!r} (an integer >= 1), bins of type "
+                          f"{type(wanted).__name__} (a mapping class -> bins)")
+    out: dict[str, dict[str, Any] | None] = {}
+    for j, c in enumerate(classes):
+        if c in wanted:
+            got = count_scores(scores[:, j], labels[:, j], bins=BinSpec.from_dict(wanted[c], where=f"bins of {c}"),
+                               min_cell=max(min_cell, site_min_cell))
+            out[c] = None if got is None else got.to_dict()
+    return out

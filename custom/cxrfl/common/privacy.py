@@ -37,7 +37,6 @@ from typing import Any
 import numpy as np
 
 from cxrfl.errors import ConfigError
-from cxrfl.nn.models import HEAD_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -190,12 +189,12 @@ def _gamma_problems(gamma: float) -> list[tuple[bool, str]]:
     return []
 
 
-def part_of(key: str, head_prefix: str = HEAD_PREFIX) -> str:
+def part_of(key: str, head_prefix: str) -> str:
     """Which :data:`PARTS` entry a parameter belongs to.
 
     Args:
         key: the state-dict name.
-        head_prefix: state-dict prefix of the head.
+        head_prefix: state-dict prefix of the head (:data:`cxrfl.nn.models.HEAD_PREFIX`).
     """
     if key.startswith(head_prefix):
         return "head"
@@ -203,7 +202,7 @@ def part_of(key: str, head_prefix: str = HEAD_PREFIX) -> str:
 
 
 def fidelity(result: Mapping[str, Any], received: Mapping[str, Any], sent: Mapping[str, Any],
-             head_prefix: str = HEAD_PREFIX) -> dict[str, dict[str, float | int | None]]:
+             head_prefix: str) -> dict[str, dict[str, float | int | None]]:
     """How much of a site's update a filter let through, per part (:data:`PARTS`).
 
     The true update is ``result - received``, the sent one ``sent - received`` (a parameter
@@ -214,7 +213,7 @@ def fidelity(result: Mapping[str, Any], received: Mapping[str, Any], sent: Mappi
         result: the site's parameters before the filter.
         received: what it received for the task.
         sent: the parameters after the filter.
-        head_prefix: state-dict prefix of the head.
+        head_prefix: state-dict prefix of the head (:data:`cxrfl.nn.models.HEAD_PREFIX`).
 
     Returns:
         part -> ``cosine`` (of the sent with the true update; None when either is zero),

@@ -31,10 +31,10 @@ from monai.data import DataLoader as MonaiDataLoader
 from monai.transforms import Compose
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from cxrfl.common.cores import available_cores
 from cxrfl.data.cache import disk_cache
 from cxrfl.data.transforms import BatchTransform, augment_transforms, input_transforms, preprocess_transforms
 from cxrfl.errors import ConfigError
-from cxrfl.nn.threads import available_cores
 
 MAX_AUTO_WORKERS = 8
 """Most loader workers ``num_workers="auto"`` starts (a warm cache needs few; see the README's GPU-site section)."""
@@ -49,7 +49,7 @@ def resolve_workers(value: int | str, cores: int | None = None) -> int:
         value: ``"auto"`` (one per available core less one for training, at most
             :data:`MAX_AUTO_WORKERS`; 0 on one core) or an integer >= 0.
         cores: the cores to size ``auto`` for (default: the cores this process is given,
-            :func:`cxrfl.nn.threads.available_cores`).
+            :func:`cxrfl.common.cores.available_cores`).
 
     Raises:
         ConfigError: anything else.

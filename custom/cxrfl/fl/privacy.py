@@ -36,6 +36,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 
 from cxrfl.common.privacy import METHODS, check_privacy, destroyed, fidelity
+from cxrfl.nn.models import HEAD_PREFIX
 
 SVT_BUDGET, SVT_ACCOUNTANT = "svt_privacy_budget", "svt_privacy_accountant"
 """DXO meta keys where NVFlare's SVTPrivacy puts the epsilon of one call and of the run so far."""
@@ -106,7 +107,7 @@ class UpdatePrivacy(Filter):
         if dxo.data_kind != DataKind.WEIGHTS or not dxo.data:
             return shareable
         filtered, meta = privatize_update(self.inner, dxo.data, received, meta=dxo.meta, shareable=shareable, fl_ctx=fl_ctx)
-        report = fidelity(dxo.data, received, filtered)
+        report = fidelity(dxo.data, received, filtered, HEAD_PREFIX)
         line = (f"{self.method} privacy applied to {sum(1 for v in filtered.values() if _is_float(v))} parameter arrays "
                 f"({sum(1 for k in filtered if k not in received)} without a received value, filtered from zero); "
                 f"{describe(report, meta)}")

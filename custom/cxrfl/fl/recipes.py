@@ -48,17 +48,20 @@ from cxrfl.cwt.config import CWTConfig
 from cxrfl.cwt.relay import TASKS as CWT_TASKS
 from cxrfl.data.dataset import resolve_workers
 from cxrfl.errors import ConfigError
+from cxrfl.fedeval.config import FedEvalConfig
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.protocol import TASKS as FEDFEW_TASKS
 from cxrfl.fl.base import TaskController, TaskExecutor, write_every_arg
 from cxrfl.fl.cwt import CWTExecutor, CyclicWeightTransfer
+from cxrfl.fl.fedeval import FederatedEvaluation
 from cxrfl.fl.fedfew import FedFew, FedFewExecutor
 from cxrfl.fl.resources import DEFAULT_KEY, PORTABLE_KEYS
+from cxrfl.fl.site_config import DEMO_SITES
 from cxrfl.fl.surgical import SiteExecutor, SurgicalAggregation
-from cxrfl.jobs import DEMO_SITES
 from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
+from cxrfl.surgical.host import EVALUATION_TASKS
 from cxrfl.surgical.host import TASKS as SURGICAL_TASKS
 
 TRACKERS = ("tensorboard", "mlflow")
@@ -243,13 +246,14 @@ class CxrflRecipe(Recipe):
         controller: the workflow class.
         args: its arguments (every one, as JSON values: :func:`controller_args`).
         result_filters: filters on every site's ``train`` results before the privacy filter.
+        server_config_files: files shipped in the server's app only (its ``config/`` folder).
     """
 
     executor: ClassVar[type[TaskExecutor]]
     tasks: ClassVar[tuple[str, ...]]
 
     def __init__(self, job: JobSettings, controller: type[TaskController], args: dict[str, Any],
-                 result_filters: tuple[Any, ...] = ()) -> None:
+                 result_filters: tuple[Any, ...] = (), server_config_files: tuple[Path, ...] = ()) -> None:
         self.settings = job
         self.controller_args = args
         fed_job = FedJob(name=job.name, min_clients=job.min_clients, meta_props={"description": job.description})
@@ -263,6 +267,8 @@ class CxrflRecipe(Recipe):
         self._add_filters(fed_job, job, result_filters)
         if job.custom == "readme":
             fed_job.add_file_to_server(str(CUSTOM_README))
+        for path in server_config_files:
+            fed_job.add_file_to_server(str(path), app_folder_type="config")
         super().__init__(fed_job)
         if job.resource_spec:  # NVFlare refuses an empty one here; the exporter then writes {}
             set_recipe_meta(self, JobMetaKey.RESOURCE_SPEC, job.resource_spec)
@@ -412,6 +418,42 @@ class FedFewRecipe(CxrflRecipe):
         args = controller_args(FedFew, given, {"fedfew_config": FedFewConfig, "model_config": ModelConfig},
                                skip=("resume",))
         super().__init__(job, FedFew, args)
+
+
+class FedEvalRecipe(CxrflRecipe):
+    """Evaluation only (NVFlare's ``FedEvalRecipe`` for class-heterogeneous sites): a trained model scored at
+    every site from binned score counts, nothing trained (:mod:`cxrfl.fedeval`).
+
+    Args:
+        model: the checkpoint to evaluate: a file, shipped in the server's app (``config/``) and named there
+            by its file name; with ``ship_model=False`` the plain name of one in the server's
+            ``$CXRFL_MODEL_ROOT``.
+        name: job name.
+        min_clients: sites needed to start.
+        sites: the client sites by name (required: the model, whose class list names every site's
+            classes, must reach the server only; see :class:`FedFewRecipe`).
+        fedeval_config: :class:`cxrfl.fedeval.config.FedEvalConfig` (or its fields).
+        ship_model: put ``model`` into the job (False: the server's operator holds it).
+        settings: :class:`JobSettings` fields and ``task_timeout``.
+    """
+
+    executor = SiteExecutor
+    tasks = EVALUATION_TASKS
+
+    def __init__(self, *, model: str | Path, name: str = "fedeval", min_clients: int = 2,
+                 sites: Sequence[str] = DEMO_SITES, fedeval_config: FedEvalConfig | Mapping[str, Any] | None = None,
+                 ship_model: bool = True, **settings: Any) -> None:
+        job, rest = JobSettings.split({"name": name, "min_clients": min_clients, "sites": tuple(sites),
+                                       "tracking": (), **settings})
+        if not job.sites:
+            raise ConfigError(f"{name}: name the sites (sites=[...]): the model must reach the server only, and "
+                              "an unnamed set of sites gets the server's app too (NVFlare's @ALL)")
+        path = Path(model)
+        if ship_model and not path.is_file():
+            raise ConfigError(f"{name}: model {str(model)!r} is not a file; give the checkpoint to evaluate")
+        given = {"model": path.name, "fedeval_config": fedeval_config, "analytic_sender_id": job.sender_id, **rest}
+        args = controller_args(FederatedEvaluation, given, {"fedeval_config": FedEvalConfig})
+        super().__init__(job, FederatedEvaluation, args, server_config_files=(path,) if ship_model else ())
 
 
 def add_run_arguments(parser: Any) -> None:

@@ -11,6 +11,8 @@ SITE_CONFIG_ENV = "CXRFL_SITE_CONFIG"
 SITE_CONFIG_DIR_ENV = "CXRFL_SITE_CONFIG_DIR"
 LOCAL_CONFIG_NAME = "cxrfl_site.yaml"
 """The file a deployed kit keeps its data config in, under ``local/`` (``cxrfl deploy site-config``)."""
+DEMO_SITES = ("site-1", "site-2")
+"""The simulator's default site names (its embedded demo hospitals): the sites of the FedFew demo job."""
 
 
 def resolve_site_config(site: str, local_dir: str | Path | None = None, *, simulator: bool = False) -> tuple[Path, str]:

@@ -15,48 +15,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
-import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 import torch
 from threadpoolctl import threadpool_limits
 
-CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+from cxrfl.common.cores import available_cores
+
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-def _cgroup_cpus() -> int | None:
-    """CPUs allowed by a cgroup v2 quota (``cpu.max``), None without a quota."""
-    try:
-        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
-    except (OSError, ValueError):
-        return None
-    return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
-
-
-def available_cores() -> int:
-    """The cores this process is given: ``OMP_NUM_THREADS`` when set, else its CPU affinity
-    capped by a cgroup CPU quota (a container's ``--cpus``)."""
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    quota = _cgroup_cpus()
-    return max(1, min(cores, quota) if quota else cores)
 
 
 def use_cores(num_threads: int) -> int:
     """Make torch and the BLAS/OpenMP libraries of this process use ``num_threads`` threads.
 
     Args:
-        num_threads: threads (0: :func:`available_cores`).
+        num_threads: threads (0: :func:`cxrfl.common.cores.available_cores`).
 
     Returns:
         the thread count now in use.

@@ -23,14 +23,14 @@ the state of the last :data:`KEEP_STATES` runs is kept.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from cxrfl.common.io import params_digest, plain_name
+from cxrfl.common.io import plain_name
 from cxrfl.common.transport import Message
 from cxrfl.data.cache import IMAGE_CACHE
 from cxrfl.data.site import SiteData
@@ -38,8 +38,11 @@ from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.learner import SiteLearner, SiteUpdate
 
-TRAIN, VALIDATE = "train", "validate"
+TRAIN, VALIDATE, CLASSES = "train", "validate", "classes"
 TASKS: tuple[str, ...] = (TRAIN, VALIDATE)
+"""The tasks of a training job."""
+EVALUATION_TASKS: tuple[str, ...] = (CLASSES, VALIDATE)
+"""The tasks of an evaluation-only job (:mod:`cxrfl.fedeval`)."""
 """Every task a surgical-aggregation site answers."""
 
 KEEP_STATES = 3
@@ -88,33 +91,27 @@ class LearnerSettings:
         )
 
 
-class WarmupCache:
-    """Head warm-ups done in this process, taken over by later runs of the same site with the same
-    settings and initial model (a benchmark's methods share one warm-up per seed)."""
+class Warmups(Protocol):
+    """Head warm-ups done earlier in this process that a host takes over instead of training one
+    (the benchmarks' ``cxrfl.bench.warmups.WarmupCache``: a benchmark's methods share one per seed)."""
 
-    def __init__(self) -> None:
-        self._done: dict[tuple, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
-
-    @staticmethod
-    def key(site: str, params: Mapping[str, Any], settings: LearnerSettings) -> tuple:
-        """What a warm-up depends on: the site, the initial model, the network and training settings.
+    def key(self, site: str, params: Mapping[str, Any], settings: LearnerSettings) -> Hashable:
+        """What a warm-up depends on.
 
         Args:
             site: the site name.
             params: the received initial feature extractor.
             settings: the learner's settings.
         """
-        return site, params_digest(params), settings.model_config, settings.train_config
 
-    def get(self, key: tuple) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    def get(self, key: Hashable) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         """The model state and metrics of an earlier warm-up (None: none yet).
 
         Args:
             key: from :meth:`key`.
         """
-        return self._done.get(key)
 
-    def put(self, key: tuple, state: dict[str, torch.Tensor], metrics: dict[str, Any]) -> None:
+    def put(self, key: Hashable, state: dict[str, torch.Tensor], metrics: dict[str, Any]) -> None:
         """Keep a warm-up.
 
         Args:
@@ -122,7 +119,6 @@ class WarmupCache:
             state: the full model state after it.
             metrics: its metrics.
         """
-        self._done[key] = (state, dict(metrics))
 
 
 class SurgicalSiteHost:
@@ -137,10 +133,10 @@ class SurgicalSiteHost:
         train_overrides: train settings this site replaces (e.g. ``max_steps_per_epoch``).
     """
 
-    tasks: tuple[str, ...] = TASKS
+    tasks: tuple[str, ...] = (*TASKS, CLASSES)
 
     def __init__(self, data: SiteData, state_root: str | Path, *, device: torch.device | None = None,
-                 num_workers: int = 0, warmups: WarmupCache | None = None,
+                 num_workers: int = 0, warmups: Warmups | None = None,
                  train_overrides: Mapping[str, Any] | None = None) -> None:
         self.data = data
         self.state_root = Path(state_root)
@@ -174,20 +170,25 @@ class SurgicalSiteHost:
         """Answer one task (see the module docstring).
 
         Args:
-            task: ``train`` or ``validate``.
+            task: ``train``, ``validate`` (with ``counts`` in the meta: binned score counts too, see
+                :meth:`SiteLearner.evaluate_params`) or ``classes`` (the site's class names, for an
+                evaluation-only run; nothing else).
             params: the received parameters.
             meta: the task meta.
 
         Raises:
             ValueError: an unknown task; any error of the site's computation propagates.
         """
+        if task == CLASSES:
+            return {}, {"classes": list(self.data.classes)}
         learner = self.learner_for(meta)
         if task == TRAIN:
             update = self._train(learner, dict(params), meta)
             return update.params, {"classes": update.classes, "num_samples": update.num_samples, "metrics": update.metrics}
         if task == VALIDATE:
             metrics = learner.evaluate_params(dict(params), str(meta.get("split", "test")), classes=meta.get("classes"),
-                                              model_round=meta.get("model_round"), keep_rounds=meta.get("keep_rounds") or ())
+                                              model_round=meta.get("model_round"), keep_rounds=meta.get("keep_rounds") or (),
+                                              counts=meta.get("counts"))
             return {}, {"classes": list(learner.classes), "metrics": metrics}
         raise ValueError(f"unknown surgical-aggregation task {task!r}")
 
@@ -197,7 +198,7 @@ class SurgicalSiteHost:
                                        keep_rounds=meta.get("keep_rounds") or ())
         if self.warmups is None:
             return learner.warmup(params)
-        key = WarmupCache.key(self.data.site, params, self.settings)
+        key = self.warmups.key(self.data.site, params, self.settings)
         done = self.warmups.get(key)
         if done is not None:
             return learner.adopt_warmup(*done)
@@ -221,6 +222,8 @@ class SurgicalSiteHost:
     def describe(self, task: str, meta: Mapping[str, Any], answer: Mapping[str, Any]) -> str | None:
         """One operator line per task: losses, validation AUROC and time."""
         m = answer.get("metrics") or {}
+        if task == CLASSES:
+            return None
         if task == TRAIN:
             return (f"site {self.data.site} {m.get('phase', meta.get('phase'))} round {meta.get('round', 0)}: "
                     f"train_loss {_fmt(m.get('train_loss'))} val_loss {_fmt(m.get('val_loss'))} "

@@ -5,7 +5,7 @@
 :class:`cxrfl.surgical.host.SurgicalSiteHost` per site: what the benchmark (``cxrfl bench
 compare``) and the fast tests run. With one site it is local training (the individually trained
 and centralized baselines): aggregating a single update returns it unchanged. A
-:class:`cxrfl.surgical.host.WarmupCache` lets several runs share the sites' head warm-ups.
+:class:`cxrfl.surgical.host.Warmups` lets several runs share the sites' head warm-ups.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from cxrfl.common.transport import Message, OnAnswer, Send, SiteHost, inprocess_
 from cxrfl.data.site import SiteData
 from cxrfl.nn.models import ModelConfig, build_model
 from cxrfl.surgical.config import SurgicalConfig
-from cxrfl.surgical.host import TRAIN, SurgicalSiteHost, WarmupCache
+from cxrfl.surgical.host import TRAIN, SurgicalSiteHost, Warmups
 from cxrfl.surgical.server import SurgicalOutcome, SurgicalServer
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def _metered(send: Send, comm: dict[str, dict[str, int]], speeds: list[float]) -
     return wrapped
 
 
-def make_hosts(sites: Sequence[SiteData], state_root: str | Path, *, warmups: WarmupCache | None = None,
+def make_hosts(sites: Sequence[SiteData], state_root: str | Path, *, warmups: Warmups | None = None,
                train_overrides: Mapping[str, Mapping[str, Any]] | None = None,
                device: torch.device | None = None) -> dict[str, SurgicalSiteHost]:
     """One host per site, keeping its state under ``state_root/<site>``.
@@ -134,7 +134,7 @@ def make_hosts(sites: Sequence[SiteData], state_root: str | Path, *, warmups: Wa
 
 
 def run_surgical(sites: Sequence[SiteData] | Mapping[str, SiteHost], config: SurgicalConfig, out_dir: str | Path, *,
-                 run_id: str = "run", warmups: WarmupCache | None = None,
+                 run_id: str = "run", warmups: Warmups | None = None,
                  train_overrides: Mapping[str, Mapping[str, Any]] | None = None, device: torch.device | None = None,
                  info: Callable[[str], None] = log.info, warning: Callable[[str], None] = log.warning,
                  aborted: Callable[[], bool] = lambda: False) -> InProcessResult:

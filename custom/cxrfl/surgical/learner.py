@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from cxrfl.clinical.counts import count_classes
 from cxrfl.common.io import torch_load, torch_save
 from cxrfl.common.transport import copy_params
 from cxrfl.data.dataset import make_loader
@@ -491,7 +492,8 @@ class SiteLearner:
                 or (self.batchnorm == "fedbn" and k in self.bn_keys)}
 
     def evaluate_params(self, params: dict[str, Any], split: str, classes: list[str] | None = None, *,
-                        model_round: int | None = None, keep_rounds: Iterable[int] = ()) -> dict[str, Any]:
+                        model_round: int | None = None, keep_rounds: Iterable[int] = (),
+                        counts: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Evaluate received parameters on one split.
 
         Args:
@@ -500,9 +502,15 @@ class SiteLearner:
             classes: the row order of the received head (required by a ``union`` head).
             model_round: the round the model comes from (see :meth:`receive`).
             keep_rounds: model rounds whose local parts stay on disk.
+            counts: a server's request for binned score counts (:func:`cxrfl.clinical.counts.count_request`);
+                the answer's ``counts`` then holds them per class (evaluation-only federation).
         """
         start = time.perf_counter()
         self.receive(params, classes, model_round=model_round, keep_rounds=keep_rounds)
         res = self.validate(split)
-        return {"split": split, "loss": res.loss, "auroc": res.aurocs, "mean_auroc": res.mean_auroc,
-                "n": len(res.y_true), "seconds": time.perf_counter() - start}
+        out = {"split": split, "loss": res.loss, "auroc": res.aurocs, "mean_auroc": res.mean_auroc,
+               "n": len(res.y_true), "seconds": time.perf_counter() - start}
+        if counts is not None:
+            labels = np.where(res.mask > 0, res.y_true, np.nan)
+            out["counts"] = count_classes(res.scores, labels, res.classes or list(self.classes), counts)
+        return out

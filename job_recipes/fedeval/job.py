@@ -1,0 +1,53 @@
+"""Evaluation only: a trained cxrfl model scored at every site, nothing trained, as an NVFlare 2.9 recipe.
+
+    python job.py --model best_FL_global_model.pt                    # simulator, the demo hospitals site-1, site-2
+    python job.py --model M.pt --split val --min_cell 20
+    python job.py --model M.pt --env poc | --env prod --startup_kit KIT --clients hospital-a,hospital-b
+    python job.py --model M.pt --export --export-dir jobs            # write the job folder: jobs/fedeval
+
+Each site receives the feature extractor and the head rows of its own classes, and sends back, per class,
+binned counts of its positives' and negatives' scores (nothing below --min_cell cases). The server writes
+cxrfl/evaluation.json: per class the AUROC pooled over the sites that label it, with its interval,
+sensitivity and specificity and calibration. The model is shipped inside the job's server app only.
+"""
+
+import argparse
+
+# importing the recipes imports nvflare.recipe, which takes --export/--export-dir out of sys.argv
+from cxrfl.fedeval.config import SPLITS, FedEvalConfig
+from cxrfl.fl.recipes import FedEvalRecipe, add_run_arguments, run_recipe
+
+DEFAULTS = FedEvalConfig()
+
+
+def define_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="the checkpoint to evaluate (FL_global_model.pt, best_..., a bundle's model.pt)")
+    p.add_argument("--name", default="fedeval", help="job name")
+    p.add_argument("--split", choices=SPLITS, default=DEFAULTS.split, help="the sites' split to score")
+    p.add_argument("--min_cell", type=int, default=DEFAULTS.min_cell,
+                   help="fewest positives (and negatives) of a class a site sends counts for")
+    p.add_argument("--threshold", type=float, default=DEFAULTS.threshold,
+                   help="probability whose sensitivity and specificity are reported")
+    p.add_argument("--task_timeout", type=int, default=0, help="seconds a site may take (0: no limit)")
+    add_run_arguments(p)
+    return p
+
+
+def main() -> None:
+    args = define_parser().parse_args()
+    sites = [c for c in (args.clients or "").split(",") if c] or [f"site-{i + 1}" for i in range(args.n_clients)]
+    recipe = FedEvalRecipe(
+        model=args.model,
+        name=args.name,
+        min_clients=len(sites),
+        sites=sites,
+        fedeval_config={"split": args.split, "min_cell": args.min_cell, "threshold": args.threshold},
+        task_timeout=args.task_timeout,
+        num_threads=args.num_threads,
+    )
+    run_recipe(recipe, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Evaluation-only federation (issue 45 point 1), in process on tiny synthetic sites.
+
+The expectation is independent of the federation: each site's test images are scored by
+``cxrfl predict``'s code path (:func:`cxrfl.predict.predict_images`), the scores of every site
+that labels a class are pooled, and scikit-learn's AUROC of the pooled scores is what the
+binned counts must give (issue 45: within 0.002).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import roc_auc_score
+
+from cxrfl.common.transport import inprocess_transport
+from cxrfl.data.site import load_site
+from cxrfl.fedeval.config import FedEvalConfig
+from cxrfl.fedeval.inprocess import run_fedeval
+from cxrfl.fedeval.server import FedEvalServer
+from cxrfl.nn.models import ModelConfig, build_model, load_checkpoint, save_checkpoint
+from cxrfl.predict import predict_images
+from cxrfl.surgical.inprocess import make_hosts
+from cxrfl.synth import write_profile
+
+SITES = ["hospital-a", "hospital-b"]
+EXTRA = "Hernia-of-nobody"  # a model class no site labels
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fedeval")
+    paths = write_profile("two-hospitals", root, n_per_site=120, image_size=32, sites=SITES)
+    return [load_site(p, check_images=False) for p in sorted(paths) if p.stem in SITES]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(sites, tmp_path_factory) -> Path:
+    classes = sorted(set().union(*(s.classes for s in sites))) + [EXTRA]
+    torch.manual_seed(0)
+    config = ModelConfig(image_size=32)
+    path = tmp_path_factory.mktemp("model") / "model.pt"
+    save_checkpoint(path, build_model(config, len(classes)), classes=classes, model_config=config)
+    return path
+
+
+def fp32_hosts(sites, root: Path):
+    return make_hosts(sites, root, train_overrides={s.site: {"precision": "fp32"} for s in sites})
+
+
+def central_auroc(sites, checkpoint: Path, cls: str) -> float:
+    """sklearn's AUROC of the pooled per-image scores of every site labelling ``cls``."""
+    scores, labels = [], []
+    for site in sites:
+        if cls not in site.classes:
+            continue
+        table = site.split_table("test")
+        known = table[cls].notna()
+        rows = predict_images(checkpoint, table.loc[known, "path"].tolist(), device="cpu", precision="fp32")
+        scores += [r["probabilities"][cls] for r in rows]
+        labels += table.loc[known, cls].tolist()
+    return float(roc_auc_score(labels, scores))
+
+
+def test_pooled_auroc_from_counts_equals_sklearn_on_the_pooled_scores(sites, checkpoint, tmp_path):
+    report = run_fedeval(fp32_hosts(sites, tmp_path / "sites"), checkpoint, FedEvalConfig(min_cell=1), tmp_path)
+    evaluated = [c for c, e in report["classes"].items() if e["auroc"] is not None]
+    shared = set(sites[0].classes) & set(sites[1].classes)
+    assert len(evaluated) >= 6 and shared & set(evaluated), report["classes"].keys()
+    for c in evaluated:
+        entry = report["classes"][c]
+        assert entry["sites_pooled"] == sorted(s.site for s in sites if c in s.classes)  # a site without a
+        # positive in its split still sends its negatives' counts (an empty cell identifies nobody)
+        assert abs(entry["auroc"]["value"] - central_auroc(sites, checkpoint, c)) <= 0.002, c
+        assert entry["auroc"]["low"] <= entry["auroc"]["value"] <= entry["auroc"]["high"]
+    assert report["not_labelled"] == [EXTRA]
+    written = json.loads((tmp_path / "cxrfl" / "evaluation.json").read_text())
+    assert written["classes"].keys() == report["classes"].keys()
+    assert (tmp_path / "cxrfl" / "evaluation.json").stat().st_mode & 0o077 == 0  # names sites per class
+
+
+def test_a_class_below_the_minimum_cell_size_is_not_sent(sites, checkpoint, tmp_path):
+    ckpt = load_checkpoint(checkpoint)
+    smallest = min(n for s in sites for c in s.classes for v in (0.0, 1.0)
+                   if (n := int((s.split_table("test")[c] == v).sum())) > 0)
+    report = run_fedeval(fp32_hosts(sites, tmp_path / "sites"), ckpt, FedEvalConfig(min_cell=smallest + 1), tmp_path)
+    withheld = {c for c, e in report["classes"].items() if e["sites_withheld"]}
+    assert withheld, "some site has a class with exactly `smallest` cases: it must send nothing for it"
+    for c, entry in report["classes"].items():
+        if entry["sites_pooled"]:  # what was pooled comes from sites with enough cases
+            for s in sites:
+                if s.site in entry["sites_pooled"]:
+                    table = s.split_table("test")
+                    assert all(n == 0 or n > smallest for n in ((table[c] == 1).sum(), (table[c] == 0).sum()))
+    high = run_fedeval(fp32_hosts(sites, tmp_path / "s2"), ckpt, FedEvalConfig(min_cell=10**6), tmp_path / "high")
+    assert all(e["auroc"] is None and not e["sites_pooled"] for e in high["classes"].values())
+
+
+def test_a_site_receives_and_is_asked_about_only_its_own_classes(sites, checkpoint, tmp_path):
+    hosts = fp32_hosts(sites, tmp_path / "sites")
+    sent: dict[str, list] = {s: [] for s in hosts}
+    transport = inprocess_transport(hosts)
+
+    def recording(task, payloads, **kw):
+        for site, (params, meta) in payloads.items():
+            sent[site].append((task, {k: np.asarray(v).shape for k, v in params.items()}, json.dumps(meta)))
+        return transport(task, payloads, **kw)
+
+    server = FedEvalServer(recording, config=FedEvalConfig(min_cell=1), checkpoint=load_checkpoint(checkpoint),
+                           sites=list(hosts), out_dir=tmp_path)
+    server.run()
+    by_name = {s.site: s for s in sites}
+    for site, messages in sent.items():
+        others = sorted((set().union(*(s.classes for s in sites)) | {EXTRA}) - set(by_name[site].classes))
+        assert others, "positive control: there are other sites' classes to leak"
+        for task, shapes, meta in messages:
+            assert [c for c in others if c in meta] == [], (site, task)
+            if task == "validate":
+                assert shapes["classifier.weight"][0] == len(by_name[site].classes)
+        planted = messages[-1][2].replace("}", f', "x": "{others[0]}"}}', 1)
+        assert others[0] in planted  # the scan above finds a name when one is there
