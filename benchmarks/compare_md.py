@@ -272,7 +272,7 @@ def fill(document: str, blocks: dict[str, str]) -> str:
         pattern = re.compile(rf"(<!-- BEGIN {name}\b[^\n]*-->\n)(.*?)(<!-- END {name} -->)", re.S)
         if not pattern.search(document):
             raise SystemExit(f"no '<!-- BEGIN {name} ... -->' ... '<!-- END {name} -->' markers in the document")
-        document = pattern.sub(lambda m: m.group(1) + body + m.group(3), document, count=1)
+        document = pattern.sub(lambda m, body=body: m.group(1) + body + m.group(3), document, count=1)
     return document
 
 

@@ -170,7 +170,8 @@ def test_a_variant_added_to_a_finished_benchmark_runs_alone_and_joins_its_report
     assert variant["label"] == "FedFew w/ EBM, lambda = 1*" and variant["mean_uc_f1"]["mean"] == pytest.approx(0.55)
     assert variant["stage2"]["energy"]["uc_energy_gap"]["mean"] == pytest.approx(0.3)
     report = (out / "report.md").read_text()
-    assert "| FedFew w/ EBM, lambda = 1* | 0.85 ± 0.07 | 0.85 ± 0.07 | 0.85 ± 0.07 | 0.30 ± 0.14 | 0.55 ± 0.07 | 0.720 ± 0.014 |" in report
+    assert ("| FedFew w/ EBM, lambda = 1* | 0.85 ± 0.07 | 0.85 ± 0.07 | 0.85 ± 0.07 | 0.30 ± 0.14 | 0.55 ± 0.07 "
+            "| 0.720 ± 0.014 |") in report
     assert "| FedFew w/ EBM | 0.90 ± 0.00 | 0.90 ± 0.00 | 0.90 ± 0.00 | - | 0.45 ± 0.07 | 0.720 ± 0.028 |" in report
     assert "weighted by lambda = 1 instead of 0.1" in report
     assert "\\* FedFew w/ EBM, lambda = 1: labelled variants of stage 2" in report

@@ -203,7 +203,10 @@ def test_too_few_sites_until_the_timeout_stops_the_run_with_the_reason(datas, tm
 
 def test_the_relay_does_not_start_without_min_sites(datas, tmp_path):
     relay = RelayConfig(min_sites=2, min_sites_timeout=0, retry_pause=0)
-    wrap = lambda name, host: Failing(host, lambda task, meta: name == "site-a" and task == "counts") if name == "site-a" else host
+
+    def wrap(name, host):
+        return Failing(host, lambda task, meta: name == "site-a" and task == "counts") if name == "site-a" else host
+
     with pytest.raises(RunStopped, match=r"only 1 site\(s\) can take part \(min_sites=2\)"):
         run(datas, config(), tmp_path / "out", wrap=wrap, relay=relay)
 

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 
-from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
+from cxrfl.data.labels import KNOWN_CLASSES, NIH_CLASSES
 from cxrfl.common.io import read_records
 from cxrfl.common.resume import RESUME_ROOT_ENV
 from cxrfl.nn.models import load_checkpoint

@@ -150,7 +150,7 @@ def test_the_selected_model_has_the_lowest_validation_loss_not_the_latest(sites,
     assert_same_model(out / "best_FL_global_model.pt", out / "cxrfl" / "checkpoints" / "round_001.pt")
     assert differs(out / "best_FL_global_model.pt", out / "FL_global_model.pt")
     best = load_checkpoint(out / "best_FL_global_model.pt")
-    for name, host in hosts.items():  # the sites tested the selected model: the round-1 model, their rows
+    for host in hosts.values():  # the sites tested the selected model: the round-1 model, their rows
         task, meta, params = host.received[-1]
         assert (task, meta["split"], meta["model_round"]) == ("validate", "test", 1)
         own = site_payload(best["model"], best["classes"], host.host.data.classes)
@@ -317,7 +317,7 @@ def test_abort_writes_nothing_and_a_resumed_run_continues_from_the_saved_weights
     second = tmp_path / "second"
     run_surgical(hosts, settings(num_rounds=4, resume_from="first"), second, run_id="second")
     saved = load_checkpoint(first / "cxrfl" / "checkpoints" / "round_002.pt")
-    for name, host in hosts.items():
+    for host in hosts.values():
         task, meta, params = host.received[0]
         assert (task, meta["phase"], meta["round"], meta["run_key"]) == ("train", "train", 3, "first")
         expected = site_payload(saved["model"], saved["classes"], host.host.data.classes)

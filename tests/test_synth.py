@@ -186,6 +186,11 @@ def test_effusion_brightens_the_lower_zone() -> None:
         assert diff[int(0.6 * 128) : int(0.85 * 128)].mean() > 3 and lower > 4 * upper
 
 
+def _detail(im: np.ndarray, mask: np.ndarray) -> float:
+    """Mean high-frequency detail (image minus its blur) inside ``mask``."""
+    return float(np.abs(im - ndimage.gaussian_filter(im, 2))[mask].mean())
+
+
 def test_pneumothorax_darkens_and_clears_the_periphery() -> None:
     for seed in range(3):
         base, ptx = _pair("Pneumothorax", seed=seed)
@@ -194,8 +199,7 @@ def test_pneumothorax_darkens_and_clears_the_periphery() -> None:
         assert darker.sum() > 60
         rows, cols = np.nonzero(darker)
         assert rows.mean() < 0.6 * 128, "apical / lateral, not basal"
-        detail = lambda im: np.abs(im - ndimage.gaussian_filter(im, 2))[darker].mean()  # noqa: E731
-        assert detail(ptx) < detail(base), "no lung markings beyond the pleural line"
+        assert _detail(ptx, darker) < _detail(base, darker), "no lung markings beyond the pleural line"
 
 
 def test_render_api_contract() -> None:

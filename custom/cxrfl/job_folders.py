@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 def app_dirs(job: str | Path) -> list[Path]:
-    """The app folders of an exported job (``app``, or ``app_server`` and one per named site), as its deploy_map lists them.
+    """The app folders of an exported job (``app``, or ``app_server`` and one per named site), as its deploy_map
+    lists them.
 
     Args:
         job: the job folder.

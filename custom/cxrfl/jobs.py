@@ -114,7 +114,9 @@ def _with_overrides(args: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 
 
 def surgical_args(model: ModelConfig, train: TrainConfig, **overrides: Any) -> dict[str, Any]:
-    """Full argument dict of :class:`cxrfl.fl.surgical.SurgicalAggregation` (defaults: :class:`cxrfl.surgical.config.SurgicalConfig`).
+    """Full argument dict of :class:`cxrfl.fl.surgical.SurgicalAggregation`.
+
+    Defaults: :class:`cxrfl.surgical.config.SurgicalConfig`.
 
     Args:
         model: network settings.
@@ -203,7 +205,8 @@ JOBS: tuple[JobSpec, ...] = (
         controller=SURGICAL,
         controller_args=surgical_args(DEMO_MODEL, DEMO_TRAIN, num_rounds=6, patience=3, batchnorm="fedbn"),
         description="Surgical aggregation with FedBN (BatchNorm stays at the sites), CPU-sized demo settings. "
-        "FedBN+ (BatchNorm frozen at pretrained statistics) needs weights: batchnorm fedbn+ with model_config.pretrained",
+        "FedBN+ (BatchNorm frozen at pretrained statistics) needs weights: batchnorm fedbn+ with "
+        "model_config.pretrained",
     ),
     JobSpec(
         name="surgical_agg_gpu",
@@ -246,8 +249,8 @@ JOBS: tuple[JobSpec, ...] = (
         name="cwt",
         controller=CWT,
         controller_args=cwt_args(DEMO_MODEL, CWT_DEMO),
-        description="Cyclical weight transfer (PLTI, CLR, LWMS, CWL switchable in cwt_config), CPU-sized demo settings. "
-        "The whole model travels: not class-private",
+        description="Cyclical weight transfer (PLTI, CLR, LWMS, CWL switchable in cwt_config), CPU-sized demo "
+        "settings. The whole model travels: not class-private",
     ),
     # ---- FedFew (cxrfl.fedfew): rare classes held by few sites, three stages in one workflow
     JobSpec(
@@ -256,7 +259,8 @@ JOBS: tuple[JobSpec, ...] = (
         controller_args=fedfew_args(DEMO_MODEL, FEDFEW_DEMO),
         sites=DEMO_SITES,
         description="FedFew: federated SimSiam, energy-based CC classifier, energy threshold and UC prototypes "
-        "(one final model), CPU-sized demo settings. The whole model travels; the server learns which site labels which class",
+        "(one final model), CPU-sized demo settings. The whole model travels; the server learns which site "
+        "labels which class",
     ),
 )
 

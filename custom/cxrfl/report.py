@@ -147,7 +147,8 @@ def _evaluation_lines(evaluation: Mapping[str, Any] | None, external: Mapping[st
     lines = ["", f"test AUROC of the selected model (round {evaluation.get('best_round', '?')}; "
                  f"{len(evaluation.get('classes') or [])} classes, {len(shared)} shared by two or more sites):"]
     for site, m in sorted((evaluation.get("sites") or {}).items()):
-        lines.append(f"  {site:<14} mean {_f(m.get('mean'))} ± {_f(m.get('sd'))}   shared {_f((m.get('shared') or {}).get('mean'))}"
+        lines.append(f"  {site:<14} mean {_f(m.get('mean'))} ± {_f(m.get('sd'))}   "
+                     f"shared {_f((m.get('shared') or {}).get('mean'))}"
                      f"   unique {_f((m.get('unique') or {}).get('mean'))}   ({len(m.get('auroc') or {})} classes"
                      + (f", {m['images']} images)" if "images" in m else ")"))
     for ext in (evaluation.get("external"), external):
@@ -174,7 +175,8 @@ def format_report(run: Mapping[str, Any], external: Mapping[str, Any] | None = N
     best = (evaluation or {}).get("best_round")
     lines = [f"run: {_stop_reason(rounds, curve, best)}; selected model: round {best if best is not None else '?'}"]
     if curve:
-        lines += ["", f"mean validation loss of the global model per round (lower is better)   {sparkline([p['loss'] for p in curve])}",
+        lines += ["", "mean validation loss of the global model per round (lower is better)   "
+                  f"{sparkline([p['loss'] for p in curve])}",
                   "  round  " + " ".join(f"{p['model']:>6}" for p in curve),
                   "  loss   " + " ".join(f"{p['loss']:>6.3f}" for p in curve),
                   "  AUROC  " + " ".join(f"{_f(p['auroc']):>6}" for p in curve)]

@@ -118,7 +118,8 @@ def run_compare(settings: CompareSettings, out: Path, *, log: Log = _print, data
     if settings.threads:
         torch.set_num_threads(settings.threads)
     methods = select(settings.methods, pretrained=settings.pretrained is not None)
-    clock(f"preparing profile {settings.profile} (images {settings.data_image_size}px, model input {settings.image_size}px)")
+    clock(f"preparing profile {settings.profile} (images {settings.data_image_size}px, "
+          f"model input {settings.image_size}px)")
     data = _data(settings, Path(data_dir) if data_dir else default_data_dir())
     tests = _tests(data, settings.image_size)
     views = make_views(data, tests)

@@ -150,6 +150,7 @@ def pick_patients(patients: pd.DataFrame, a: int, b: int, rng: np.random.Generat
                     return chosen
         if best is None or ra + rb < best[0]:
             best = (ra + rb, ra, rb)
+    assert best is not None  # tries >= 1
     raise DataError(f"cannot draw whole patients with exactly {a} abnormal + {b} normal images "
                     f"(closest: {a - best[1]} + {b - best[2]}); lower per_class or the test/val sizes")
 

@@ -194,8 +194,9 @@ def run_hostile(settings: HostileBenchSettings, out: str | Path, *, log: Log = p
                     run["code"] = results["code"]  # a run resumed in a later session may run other code
                     results["runs"][_key(attack, robust, seed)] = run
                     path.write_text(json.dumps(results, indent=1, default=json_default))
-                    log(f"[{time.perf_counter() - start:7.0f}s] seed {seed} attack {attack} robust {robust}: mean AUROC "
-                        f"{_num(run['mean_auroc'])} (best round {run['best_round']}, rejected {run['rejected']})")
+                    log(f"[{time.perf_counter() - start:7.0f}s] seed {seed} attack {attack} robust {robust}: "
+                        f"mean AUROC {_num(run['mean_auroc'])} (best round {run['best_round']}, "
+                        f"rejected {run['rejected']})")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     (out / "report.md").write_text(format_report(results))
@@ -273,9 +274,10 @@ def format_report(results: Mapping[str, Any]) -> str:
              f"Site {results['hostile']} alters every update it sends (scale: x{SCALE:g}; sign: x-1; nan: NaN weights; "
              f"count: claims {CLAIMED:.0e} images). {s['seeds']} seed(s), {s['image_size']} px, rounds until the mean "
              f"validation loss has not improved for {s['patience']} (at most {s['rounds']}); clip_norm "
-             f"{'adaptive (each round: the lower median update norm)' if s['clip_norm'] is None else format(s['clip_norm'], 'g')}; "
+             f"{_clip_text(s['clip_norm'])}; "
              "weighting by samples except median (unweighted). Cell: the selected global model's mean test AUROC on the "
-             "external set (a class it lacks or scores with NaN: 0.5), its change against the honest run (no attack, no robust "
+             "external set (a class it lacks or scores with NaN: 0.5), its change against the honest run (no "
+             "attack, no robust "
              "option) of the same seed, and how many of the hostile site's results were rejected.", "",
              "| attack | " + " | ".join(s["robust"]) + " |", "| --- |" + " --- |" * len(s["robust"])]
     for attack in s["attacks"]:
@@ -295,6 +297,10 @@ def format_report(results: Mapping[str, Any]) -> str:
 def _mean(values: Any) -> float | None:
     finite = [float(v) for v in values if v is not None and np.isfinite(v)]
     return float(np.mean(finite)) if finite else None
+
+
+def _clip_text(clip_norm: float | None) -> str:
+    return "adaptive (each round: the lower median update norm)" if clip_norm is None else format(clip_norm, "g")
 
 
 def _num(v: float | None) -> str:

@@ -8,10 +8,10 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-from sklearn.metrics import roc_curve  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.ticker import MaxNLocator
+from sklearn.metrics import roc_curve
 
 
 def _safe(name: str) -> str:
@@ -31,7 +31,7 @@ def auroc_by_method(results: dict[str, Any], view: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(classes) + 3), 4.5))
     n = len(methods)
     markers = "os^vD<>pP*hX"
-    for i, (name, d) in enumerate(methods.items()):
+    for i, d in enumerate(methods.values()):
         a = d["test"][view]["auroc"]
         xs = [j + (i - (n - 1) / 2) * 0.06 for j, c in enumerate(classes) if a.get(c) is not None]
         ys = [a[c] for c in classes if a.get(c) is not None]

@@ -302,7 +302,7 @@ def summarise(settings: PrivacyBenchSettings, rows: Sequence[Mapping[str, Any]],
         fid = {phase: {part: {k: _mean(r["parts"][part][k] for r in mine if r["phase"] == phase and part in r["parts"]
                                        and r["parts"][part]["entries"]) for k in ("cosine", "relative_norm", "kept")}
                        for part in PARTS} for phase in ("warmup", "train")}
-        per_site_run = {}
+        per_site_run: dict[tuple[Any, Any], float] = {}
         for r in mine:
             if r["epsilon_run"] is not None:
                 key = (r["seed"], r["site"])
@@ -326,7 +326,8 @@ def format_report(results: Mapping[str, Any]) -> str:
     """
     s = results["settings"]
     lines = [f"# Privacy filters on surgical aggregation ({results['profile']})", "",
-             f"{s['seeds']} seed(s), {s['image_size']} px, rounds of {_steps(s['steps'])} until the mean validation loss has not "
+             f"{s['seeds']} seed(s), {s['image_size']} px, rounds of {_steps(s['steps'])} until the mean "
+             "validation loss has not "
              f"improved for {s['patience']} (at most {s['rounds']}), lr {s['lr']:g}; "
              f"test images: {results['tests']}. Cosine and norm: the sent vs the true update of each site answer "
              "(mean over sites, rounds and seeds); kept: share of the changed entries sent; epsilon: NVFlare's "

@@ -24,6 +24,7 @@ papers' split).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,7 +154,7 @@ def _write_csv_site(out: Path, name: str, rows: pd.DataFrame, classes: list[str]
         dataset["split_column"] = "split"
     cfg = {"site": name, "dataset": dataset, "split": {"train": 0.7, "val": 0.1, "test": 0.2, "seed": int(seed)}}
     path = out / f"{name}.yaml"
-    path.write_text(f"# written by 'cxrfl bench compare' from a pool of images; paths relative to this file\n"
+    path.write_text("# written by 'cxrfl bench compare' from a pool of images; paths relative to this file\n"
                     + yaml.safe_dump(cfg, sort_keys=False))
     return path
 
@@ -236,8 +237,10 @@ def _two_hospitals(profile: str, out: Path, *, image_size: int, n_train: int, n_
     sites = [loaded["hospital-a"], loaded["hospital-b"]]
     external = {"external": loaded["external"]}
     notes = [
-        f"{profile}: synthetic, {n_train} images written per hospital ({image_size}x{image_size} px; hospital-b's lateral "
-        f"views are left out), split {'/'.join(f'{100 * f:.0f}' for f in split)} % by patient; {len(external['external'].table)} "
+        f"{profile}: synthetic, {n_train} images written per hospital ({image_size}x{image_size} px; "
+        "hospital-b's lateral "
+        f"views are left out), split {'/'.join(f'{100 * f:.0f}' for f in split)} % by patient; "
+        f"{len(external['external'].table)} "
         f"images in the external test site; " + "; ".join(_split_text(s) for s in sites) + "."
     ]
     return BenchData(profile, sites, external, notes, {p.name.split(".")[0]: p for p in cfgs})
@@ -301,7 +304,8 @@ def prepare(
     raise ConfigError(f"unknown benchmark profile {profile!r}; available: {', '.join(PROFILE_NAMES)}")
 
 
-def from_site_configs(site_configs: list[str | Path], external_configs: list[str | Path] = (), name: str = "custom") -> BenchData:
+def from_site_configs(site_configs: Sequence[str | Path], external_configs: Sequence[str | Path] = (),
+                      name: str = "custom") -> BenchData:
     """A comparison on your own data: one site config per training site (train/val/test splits as
     the configs say) and optional fully annotated external test sets (every image is a test image).
 

@@ -82,9 +82,12 @@ def _header(results: dict[str, Any]) -> list[str]:
              else "over whole training splits")
     out += [
         f"Protocol: {len(results['seeds'])} seed(s) (model init, data order; data and splits fixed); DenseNet121 "
-        f"{'from ' + s['pretrained'] if s.get('pretrained') else 'from scratch'} at {s['image_size']}x{s['image_size']} px, "
-        f"batch {s['batch_size']}, Adam lr {s['lr']:g}; head warm-up {s['warmup_epochs']} epoch(s) at lr {s['warmup_lr']:g} "
-        f"(feature extractor frozen, shared by the methods of a seed); then rounds of one local epoch {steps} until the "
+        f"{'from ' + s['pretrained'] if s.get('pretrained') else 'from scratch'} at "
+        f"{s['image_size']}x{s['image_size']} px, "
+        f"batch {s['batch_size']}, Adam lr {s['lr']:g}; head warm-up {s['warmup_epochs']} epoch(s) at lr "
+        f"{s['warmup_lr']:g} "
+        f"(feature extractor frozen, shared by the methods of a seed); then rounds of one local epoch {steps} "
+        "until the "
         f"mean validation BCE of the sites has not improved by {s['min_delta']:g} for {s['patience']} rounds (at most "
         f"{s['max_rounds']} rounds, a guard); the model of the lowest mean validation loss is selected. The one-site "
         f"baselines run the same loop: epochs until their validation loss stops improving. {s['n_boot']} bootstrap "
@@ -94,7 +97,8 @@ def _header(results: dict[str, Any]) -> list[str]:
     for m in results["machines"]:
         gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""
         out.append(f"Machine ({m['runs']} run(s)): {m['cpu']}, {m['cores']} core(s) ({m['usable_cores']} usable), "
-                   f"{m['torch_threads']} torch thread(s), device {m['device']}{gpu}; torch {m['torch']}, Python {m['python']}.")
+                   f"{m['torch_threads']} torch thread(s), device {m['device']}{gpu}; torch {m['torch']}, "
+                   f"Python {m['python']}.")
     for c in results["commits"]:
         out.append(f"Code ({c['runs']} run(s)): commit {code_label(c, 10)}.")
     out += ["", f"Training time, all runs: {results['run_seconds'] / 3600:.2f} h.", ""]
@@ -275,8 +279,8 @@ def _stats_text(t: dict[str, Any]) -> str:
     c, s = t.get("classes") or {}, t.get("seeds") or {}
     parts = []
     if c.get("n"):
-        parts.append(f"over {c['n']} classes: 95% CI {_ci(c.get('ci'))}, d_z {_num(c.get('d_z'), 2)}, t-test p {_p(c.get('p'))}, "
-                     f"Wilcoxon p {_p(c.get('wilcoxon_p'))}")
+        parts.append(f"over {c['n']} classes: 95% CI {_ci(c.get('ci'))}, d_z {_num(c.get('d_z'), 2)}, "
+                     f"t-test p {_p(c.get('p'))}, Wilcoxon p {_p(c.get('wilcoxon_p'))}")
     if (s.get("n") or 0) >= 2:
         parts.append(f"over {s['n']} seeds: {_num(s.get('difference'))} {_ci(s.get('ci'))}, d_z {_num(s.get('d_z'), 2)}, "
                      f"p {_p(s.get('p'))}")
@@ -302,8 +306,8 @@ def target_sentence(t: dict[str, Any], methods: dict[str, Any]) -> str:
     if t["met"] is None:
         return f"{t['target']} {where}: not measurable ({a} {_num(t['value'])}, {b} {_num(t['other'])})."
     stats = _stats_text(t)
-    return (f"{t['target']} {where}: **{'MET' if t['met'] else 'NOT MET'}** — {a} {t['value']:.3f} vs {b} {t['other']:.3f}, "
-            f"difference {t['difference']:+.3f} (rule {t['rule']}){'; ' + stats if stats else ''}.")
+    return (f"{t['target']} {where}: **{'MET' if t['met'] else 'NOT MET'}** — {a} {t['value']:.3f} "
+            f"vs {b} {t['other']:.3f}, difference {t['difference']:+.3f} (rule {t['rule']}){'; ' + stats if stats else ''}.")
 
 
 def format_ablation(summary: dict[str, Any]) -> str:
@@ -334,7 +338,8 @@ def format_ablation(summary: dict[str, Any]) -> str:
     seeds = max((len(d["by_value"][v]["mean_by_seed"]) for d in summary["methods"].values() for v in values), default=0)
     return "\n".join([
         f"# Ablation: {what} ({summary['profile']})", "",
-        f"Mean AUROC on the held-out fully annotated test set, mean ± SD over {seeds} seed(s); marks: paired t-test over "
+        f"Mean AUROC on the held-out fully annotated test set, mean ± SD over {seeds} seed(s); marks: paired "
+        "t-test over "
         f"the seeds against {ref}.", "", markdown_table(["method"] + [str(v) for v in values], rows), "",
         f"## {ref} against each method", "",
         f"Δ = {ref} - method. Paired over the settings (each setting's mean over seeds; the papers' test) and over "

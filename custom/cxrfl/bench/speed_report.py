@@ -52,7 +52,8 @@ def _training(res: dict[str, Any]) -> list[str]:
               f"{'channels-last' if tr['channels_last'] else 'NCHW'}"
     return ["### Training precision and memory format (default vs float32 NCHW)", "",
             f"DenseNet121 training steps (forward, backward, Adam), {tr['image_size']} px, batch {tr['batch_size']}, "
-            f"{tr['steps']} steps per repeat, {tr['threads']} torch thread(s), the same in-memory batches; the settings take "
+            f"{tr['steps']} steps per repeat, {tr['threads']} torch thread(s), the same in-memory batches; "
+            "the settings take "
             f"turns ({tr['repeats']} repeats each). Default on this machine: {default}.", "",
             markdown_table(["setting", "images/s per repeat", "mean"], [
                 ["float32, NCHW", ", ".join(f"{x:.1f}" for x in tr["images_per_second"]["fp32"]), f"{tr['fp32_img_s']:.1f}"],
@@ -70,12 +71,26 @@ def _accuracy(res: dict[str, Any]) -> list[str]:
 
     return ["### Accuracy of the default against float32", "",
             f"DenseNet121 from scratch on the {acc['site']} split of two-hospitals ({acc['train_images']} training, "
-            f"{acc['test_images']} test images) at {acc['image_size']} px, {acc['epochs']} epochs, Adam {acc['lr']:g}, batch "
-            f"{acc['batch_size']}, {acc['seeds']} seeds; mean test AUROC, each setting evaluated on its own inference path.", "",
+            f"{acc['test_images']} test images) at {acc['image_size']} px, {acc['epochs']} epochs, Adam "
+            f"{acc['lr']:g}, batch "
+            f"{acc['batch_size']}, {acc['seeds']} seeds; mean test AUROC, each setting evaluated on its own "
+            "inference path.", "",
             markdown_table(["setting", "per seed", "mean"], [
                 ["float32, NCHW", cells(acc["auroc"]["fp32"]), f"{acc['fp32_mean_auroc']:.3f}"],
                 [f"default ({acc['precision']}, {'channels-last' if acc['channels_last'] else 'NCHW'})",
                  cells(acc["auroc"]["default"]), f"{acc['default_mean_auroc']:.3f}"]]), ""]
+
+
+def _extra(row: dict[str, Any], method: str) -> str:
+    v = row[method]["extra_model_sizes"]
+    return "-" if v is None else f"{row[method]['memory']['extra'] / 1e6:.0f} MB ({v:.2f} models)"
+
+
+def _timed(row: dict[str, Any], method: str) -> list[str]:
+    if method not in row:
+        return ["-", "-"]
+    r, q = row[method]["ratio_to_nvflare_fedavg"], row[method].get("ratio_of_minima")
+    return [f"{row[method]['median_seconds']:.3f}", f"{r:.2f}" + (f" ({q:.2f})" if q is not None else "")]
 
 
 def _aggregation(res: dict[str, Any]) -> list[str]:
@@ -85,25 +100,18 @@ def _aggregation(res: dict[str, Any]) -> list[str]:
     repeats = _settings_of(res, "aggregation")["repeats"]
     busy = f"{agg.get('busy', 0)} busy-loop process(es) running" if agg.get("busy") else "no load of its own"
     lines = ["### Aggregation of K full DenseNet121 updates", "",
-             f"One update = {agg['model_bytes'] / 1e6:.1f} MB (float32 feature extractor, BatchNorm buffers and a 20-class head; "
-             "FedAvg sites send all 20 rows, surgical sites the 7 shared classes plus a random third of the others). Median of "
+             f"One update = {agg['model_bytes'] / 1e6:.1f} MB (float32 feature extractor, BatchNorm buffers "
+             "and a 20-class head; "
+             "FedAvg sites send all 20 rows, surgical sites the 7 shared classes plus a random third of the "
+             "others). Median of "
              f"{repeats} repeats, the methods taking turns within each repeat (in brackets: the ratio of the fastest "
              f"repeats); torch at {agg.get('threads', 1)} thread(s) in the process, {busy}; peak extra memory in a fresh "
              "process. The job's path is the server's `RoundAggregator` (validation + aggregation).", ""]
     rows = []
     for k, row in agg["sites"].items():
-        def extra(method: str) -> str:
-            v = row[method]["extra_model_sizes"]
-            return "-" if v is None else f"{row[method]['memory']['extra'] / 1e6:.0f} MB ({v:.2f} models)"
-
-        def timed(method: str) -> list[str]:
-            if method not in row:
-                return ["-", "-"]
-            r, q = row[method]["ratio_to_nvflare_fedavg"], row[method].get("ratio_of_minima")
-            return [f"{row[method]['median_seconds']:.3f}", f"{r:.2f}" + (f" ({q:.2f})" if q is not None else "")]
-
-        rows.append([k, f"{row['nvflare_fedavg']['median_seconds']:.3f}", *timed("round_aggregator"), *timed("surgical"),
-                     *timed("surgical_nvflare"), extra("nvflare_fedavg"), extra("surgical"), extra("surgical_nvflare")])
+        rows.append([k, f"{row['nvflare_fedavg']['median_seconds']:.3f}", *_timed(row, "round_aggregator"),
+                     *_timed(row, "surgical"), *_timed(row, "surgical_nvflare"), _extra(row, "nvflare_fedavg"),
+                     _extra(row, "surgical"), _extra(row, "surgical_nvflare")])
     header = ["K", "NVFlare FedAvg (s)", "job's path (s)", "ratio", "surgical_aggregate (s)", "ratio",
               "SurgicalAggregator (s)", "ratio", "peak extra: NVFlare", "surgical_aggregate", "SurgicalAggregator"]
     return lines + [markdown_table(header, rows), ""]
@@ -114,7 +122,8 @@ def _payload(res: dict[str, Any]) -> list[str]:
     if not pay:
         return []
     lines = ["### Bytes per site per round", "",
-             f"Full model: {pay['full_model_bytes'] / 1e6:.2f} MB raw ({pay['full_model_wire_bytes'] / 1e6:.2f} MB as FOBS task "
+             f"Full model: {pay['full_model_bytes'] / 1e6:.2f} MB raw "
+             f"({pay['full_model_wire_bytes'] / 1e6:.2f} MB as FOBS task "
              f"data); feature extractor {pay['feature_extractor_bytes'] / 1e6:.2f} MB; one head row {pay['head_row_bytes']} "
              "bytes. Down = up for every mode (a site sends back what it received, trained).", ""]
     rows = [[site, mode, str(r["head_rows"]), f"{r['raw_bytes'] / 1e6:.3f}", f"{r['wire_bytes'] / 1e6:.3f}",
@@ -178,7 +187,8 @@ def _aggregation_verdicts(row: dict[str, Any], busy: int) -> list[str]:
     if ex is not None:
         out.append(f"Peak extra memory of aggregating 10 updates under 3 model sizes: {_met(ex < 3)} "
                    f"({ex:.2f} model sizes for surgical_aggregate; SurgicalAggregator "
-                   f"{row['surgical_nvflare']['extra_model_sizes']:.2f}; NVFlare FedAvg {row['nvflare_fedavg']['extra_model_sizes']:.2f}).")
+                   f"{row['surgical_nvflare']['extra_model_sizes']:.2f}; NVFlare FedAvg "
+                   f"{row['nvflare_fedavg']['extra_model_sizes']:.2f}).")
     return out
 
 

@@ -58,8 +58,6 @@ def settings_compared(device: str = "cpu") -> dict[str, Any]:
     Args:
         device: ``cpu`` or ``cuda``.
     """
-    import torch
-
     from cxrfl.nn.models import select_device
     from cxrfl.nn.precision import Compute, resolve
 

@@ -191,7 +191,8 @@ def view_cell(entry: str, records: Sequence[Mapping[str, Any]], view: View, boot
         view: the view.
         boot: bootstrap replicates of the stored runs.
     """
-    by_seed, knows = [], []
+    by_seed: list[dict[str, float | None]] = []
+    knows: list[str] = []
     for r in records:
         aurocs, knows = view_aurocs(r, view)
         by_seed.append(aurocs)

@@ -154,9 +154,9 @@ class CWTSiteHost:
         if task == COUNTS_TASK:
             return f"site {self.name}: sending counts {answer.get('counts')}"
         if task == TRAIN_TASK:
-            return (f"site {self.name} cycle {m.get('cycle')} visit {int(m.get('position', 0)) + 1}: {m.get('steps')} steps "
-                    f"at lr {m.get('lr', 0):.3g} (iteration {m.get('iteration')}), train_loss {_num(m.get('train_loss'))}, "
-                    f"time {m.get('seconds', 0):.1f}s")
+            return (f"site {self.name} cycle {m.get('cycle')} visit {int(m.get('position', 0)) + 1}: "
+                    f"{m.get('steps')} steps at lr {m.get('lr', 0):.3g} (iteration {m.get('iteration')}), "
+                    f"train_loss {_num(m.get('train_loss'))}, time {m.get('seconds', 0):.1f}s")
         if task == VALIDATE_TASK:
             return (f"site {self.name} {m.get('split')}: loss {_num(m.get('loss'))} accuracy {_num(m.get('accuracy'))} "
                     f"mean AUROC {_num(m.get('mean_auroc'))}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -13,12 +13,12 @@ import torch
 from monai.data.utils import set_rnd
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from cxrfl.cwt.config import BINARY_CLASS, TASKS, CWTConfig
 from cxrfl.cwt.optimizations import cwl_loss_weights, label_warnings, lwms_sample_weights
 from cxrfl.cwt.relay import Visit, lr_factor, visit_seed
-from cxrfl.data.dataset import make_loader
+from cxrfl.data.dataset import DeviceLoader, make_loader
 from cxrfl.data.labels import union_classes
 from cxrfl.data.site import SiteData
 from cxrfl.errors import ConfigError
@@ -131,6 +131,11 @@ class VisitSampler(Sampler[int]):
         return iter(torch.cat(passes)[: self.num_samples].tolist())
 
 
+def _visit_sampler(loader: DataLoader | DeviceLoader) -> VisitSampler:
+    """A training loader's sampler: :meth:`CWTSite.loader` gives it a :class:`VisitSampler`."""
+    return cast(VisitSampler, loader.sampler)
+
+
 class CWTSite:
     """One site of the relay: its data in the task's form, its label counts, its local training.
 
@@ -168,7 +173,7 @@ class CWTSite:
         self._labels = self.tables["train"][self.classes].to_numpy(dtype=np.float64)
         self.positives = (self._labels == 1.0).sum(axis=0).astype(np.int64)
         self.known = (~np.isnan(self._labels)).sum(axis=0).astype(np.int64)
-        self._loaders: dict[tuple, torch.utils.data.DataLoader] = {}
+        self._loaders: dict[tuple, DataLoader | DeviceLoader] = {}
         self.configure(config)
 
     def configure(self, config: CWTConfig) -> None:
@@ -204,7 +209,7 @@ class CWTSite:
             out["classes"] = list(self.own_classes)
         return out
 
-    def loader(self, split: str) -> torch.utils.data.DataLoader:
+    def loader(self, split: str) -> DataLoader | DeviceLoader:
         """The site's loader of one split, built once (training: :class:`VisitSampler`; images cached).
 
         Args:
@@ -222,7 +227,7 @@ class CWTSite:
             )
         loader = self._loaders[key]
         if train:
-            loader.sampler.set_weights(self.sample_weights)
+            _visit_sampler(loader).set_weights(self.sample_weights)
         return loader
 
     def train_visit(self, model: nn.Module, optimizer: torch.optim.Optimizer, visit: Visit, cycle: int) -> dict[str, Any]:
@@ -246,7 +251,7 @@ class CWTSite:
         hook = optimizer.register_step_post_hook(lambda *_: schedule.step())
         loader = self.loader("train")
         seed = visit_seed(self.config.seed, cycle, self.name)
-        loader.sampler.start_visit(visit.steps * self.config.batch_size, seed)
+        _visit_sampler(loader).start_visit(visit.steps * self.config.batch_size, seed)
         set_rnd(loader.dataset, seed)
         torch.manual_seed(seed)
         pos_weight, class_weight = self.loss_weights

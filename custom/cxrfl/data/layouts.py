@@ -56,7 +56,8 @@ def _image_files(root: Path, problems: list[str]) -> list[str]:
     """
     if not root.is_dir():
         raise DataError(f"dataset.images folder {root} does not exist; check the path in the site config")
-    found, other = [], []
+    found: list[str] = []
+    other: list[str] = []
     for folder, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         rel = Path(folder).relative_to(root)
@@ -184,6 +185,7 @@ def read_categorical(config: SiteConfig) -> pd.DataFrame:
         DataError: a value neither mapped nor unlabelled (names the file, line and values).
     """
     ds = config.dataset
+    assert ds.labels is not None  # required for this format (DatasetConfig)
     column = ds.finding_column
     assert column is not None
     raw = _read_csv(ds.labels, "dataset.labels", [*csv_special_columns(config), column])
@@ -208,6 +210,7 @@ def read_registry(config: SiteConfig) -> pd.DataFrame:
         config: the site config (``dataset.format == "registry"``).
     """
     ds = config.dataset
+    assert ds.labels is not None  # required for this format (DatasetConfig)
     raw = _read_csv(ds.labels, "dataset.labels", [*csv_special_columns(config), *ds.derived.values()])
     problems: list[str] = []
     columns = {ds.site_label: pd.Series(1.0, index=raw.index)} if ds.site_label else {}

@@ -280,6 +280,7 @@ def read_nih(config: SiteConfig) -> pd.DataFrame:
         config: the site config (``dataset.format == "nih"``).
     """
     ds = config.dataset
+    assert ds.labels is not None  # required for this format (DatasetConfig)
     key = "Image Index"
     need = (key, "Finding Labels", "Patient ID", "View Position")
     raw = _read_csv(ds.labels, "dataset.labels", need, usecols=need).apply(lambda s: s.str.strip())
@@ -333,6 +334,7 @@ def _chexpert_root(images: Path, first: str) -> Callable[[str], str]:
 def _label_frame(raw: pd.DataFrame, mapping: dict[str, str], config: SiteConfig, blank: float) -> pd.DataFrame:
     """Parse the label columns ``mapping`` of ``raw`` into a float frame named by class."""
     ds = config.dataset
+    assert ds.labels is not None  # required for this format (DatasetConfig)
     columns = {
         k: _parse_values(raw[c], path=ds.labels, name=c, blank=blank, uncertain=ds.uncertain)
         for c, k in mapping.items()
@@ -350,6 +352,7 @@ def read_chexpert(config: SiteConfig) -> pd.DataFrame:
         config: the site config (``dataset.format == "chexpert"``).
     """
     ds = config.dataset
+    assert ds.labels is not None  # required for this format (DatasetConfig)
     key = "Path"
     raw = _read_csv(ds.labels, "dataset.labels", (key, "Frontal/Lateral"))
     problems: list[str] = []
@@ -387,6 +390,7 @@ def read_mimic(config: SiteConfig) -> pd.DataFrame:
         config: the site config (``dataset.format == "mimic"``, ``dataset.metadata`` set).
     """
     ds = config.dataset
+    assert ds.labels is not None  # required for this format (DatasetConfig)
     if ds.metadata is None:
         where = f" in {config.source}" if config.source else ""
         raise ConfigError(f"dataset.metadata (mimic-cxr-2.0.0-metadata.csv) is required for format mimic{where}")
@@ -430,6 +434,7 @@ def read_csv(config: SiteConfig) -> pd.DataFrame:
         config: the site config (``dataset.format == "csv"``).
     """
     ds = config.dataset
+    assert ds.labels is not None  # required for this format (DatasetConfig)
     special = csv_special_columns(config)
     raw = _read_csv(ds.labels, "dataset.labels", special)
     problems: list[str] = []
@@ -458,6 +463,7 @@ def csv_images(raw: pd.DataFrame, config: SiteConfig) -> pd.DataFrame:
         DataError: an empty path, patient or split cell (names the line).
     """
     ds = config.dataset
+    assert ds.labels is not None  # required for this format (DatasetConfig)
     for col in csv_special_columns(config):
         empty = raw[col].str.strip().eq("")
         if empty.any():

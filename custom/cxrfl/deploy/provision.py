@@ -42,7 +42,8 @@ every site (:data:`cxrfl.fl.base.CLASS_NAME_ROLES`)."""
 OWNER_ONLY_FILE, OWNER_ONLY_DIR = 0o600, 0o700
 GPU_MANAGER = "nvflare.app_common.resource_managers.list_resource_manager.ListResourceManager"
 GPU_CONSUMER = "cxrfl.fl.resources.GPUListConsumer"
-"""A site's declared GPUs: NVFlare's list manager (one job per GPU index) and the consumer that pins a job to its own."""
+"""A site's declared GPUs: NVFlare's list manager (one job per GPU index) and the consumer that pins a job to its
+own."""
 
 
 def _effective_project(project_file: str | Path, effective: Path, *, poc: bool, server_host: str | None,
@@ -353,6 +354,7 @@ def install_site_config(kit: str | Path, config: str | Path) -> Path:
     if cfg.site != name:
         raise DeployError(f"{config} describes site {cfg.site!r} but the kit {kit} is {name!r}")
     target = kit / "local" / LOCAL_CONFIG_NAME
-    header = f"# {name}'s data, read by cxrfl at job start (written by `cxrfl deploy site-config` from {Path(config).resolve()})\n"
+    header = (f"# {name}'s data, read by cxrfl at job start "
+              f"(written by `cxrfl deploy site-config` from {Path(config).resolve()})\n")
     target.write_text(header + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return target

@@ -8,8 +8,9 @@ task (NVFlare simulator with ``-t`` < ``-n``) lose nothing.
 
 What leaves the site: model weights and the number of labelled images (FedAvg), its class
 names with per-class label counts (to tell CCs from UCs), energy sums/ranges, each stage-2
-round's mean energy per role, and per-threshold error counts (never an energy per image), and for each of its UCs the two mean features, only
-when each is averaged over at least ``min_prototype_images`` images.
+round's mean energy per role, and per-threshold error counts (never an energy per image), and for
+each of its UCs the two mean features, only when each is averaged over at least
+``min_prototype_images`` images.
 
 Roles of the site's training images (``split == "train"``):
 

@@ -88,7 +88,8 @@ def split_classes(infos: Mapping[str, Mapping[str, Any]], config: FedFewConfig) 
             n_neg = int(infos[s]["negatives"].get(c, 0))
             if min(n_pos, n_neg) < config.min_prototype_images:
                 notes.append(
-                    f"site {s} labels UC {c!r} with {n_pos} positive and {n_neg} negative training image(s), fewer than "
+                    f"site {s} labels UC {c!r} with {n_pos} positive and {n_neg} negative training image(s), "
+                    "fewer than "
                     f"fedfew.min_prototype_images={config.min_prototype_images}: it will refuse to send that prototype"
                 )
     cc_sites = sorted({s for c in ccs for s in sites_of[c]})

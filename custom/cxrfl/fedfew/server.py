@@ -365,7 +365,8 @@ class FedFewServer(FederatedRounds):
         return dict(result), margins
 
     def _validation_loss(self, plan: ClassPlan) -> Callable[[Mapping[str, np.ndarray]], tuple[float | None, dict[str, Any]]]:
-        """A new stage-2 model's CC validation loss: the CC sites' BCE on their validation splits, pooled over the known labels."""
+        """A new stage-2 model's CC validation loss: the CC sites' BCE on their validation splits, pooled over the
+        known labels."""
         def score(params: Mapping[str, np.ndarray]) -> tuple[float | None, dict[str, Any]]:
             answers = self.broadcast(P.VALIDATE, plan.cc_sites, params,
                                      lambda s: self._meta(split="val", **self._roles(plan, s)))

@@ -46,7 +46,8 @@ def resolve_site_config(site: str, local_dir: str | Path | None = None, *, simul
         raise ConfigError(
             f"no site config for {site!r}: describe the site's data in a YAML file (site_configs/README.md) and "
             f"install it with 'cxrfl deploy site-config <kit folder> <file.yaml>' (it becomes "
-            f"local/{LOCAL_CONFIG_NAME}), or set ${SITE_CONFIG_ENV}; the embedded demo data is for NVFlare's simulator only"
+            f"local/{LOCAL_CONFIG_NAME}), or set ${SITE_CONFIG_ENV}; the embedded demo data is for NVFlare's "
+            "simulator only"
         )
     from cxrfl.synth import demo_site_config
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -23,6 +23,14 @@ from cxrfl.common.config import Config
 from cxrfl.nn.losses import masked_bce
 from cxrfl.nn.metrics import per_class_auroc, summarise_auroc
 from cxrfl.nn.precision import LEGACY_AMP, Compute, as_compute, backward_step, channels_last_field, precision_field
+
+
+class Batches(Protocol):
+    """What the loops read: a sized iterable of batches (a DataLoader, a DeviceLoader, a list)."""
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def __len__(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,7 @@ def _progress(iterable: Iterable, desc: str | None, total: int | None):
 
 def train_epochs(
     model: nn.Module,
-    loader: torch.utils.data.DataLoader,
+    loader: Batches,
     optimizer: torch.optim.Optimizer,
     compute: Compute | torch.device,
     *,
@@ -170,7 +178,7 @@ def train_epochs(
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
-    loader: torch.utils.data.DataLoader,
+    loader: Batches,
     classes: Sequence[str],
     compute: Compute | torch.device,
     *,

@@ -27,7 +27,7 @@ import numbers
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ import torch
 from cxrfl.errors import UpdateRejected
 from cxrfl.nn.models import HEAD_PREFIX
 
-Array = Union[np.ndarray, torch.Tensor]
+Array = np.ndarray | torch.Tensor
 """A parameter value: numpy array or torch tensor."""
 
 UPDATE_FIELDS = ("site", "classes", "params", "num_samples")
@@ -235,7 +235,8 @@ def _classes(classes: Any, announced: Sequence[str] | None) -> list[str]:
 
 def _params(raw: Any, n_classes: int, expected_shapes: Mapping[str, tuple[int, ...]] | None, head_prefix: str,
             drop: frozenset[str], dtypes: Mapping[str, str]) -> dict[str, Array]:
-    """The update's parameters without ``drop``, checked: names, value kinds and dtypes, shapes, one head row per class."""
+    """The update's parameters without ``drop``, checked: names, value kinds and dtypes, shapes, one head row per
+    class."""
     if not isinstance(raw, Mapping):
         raise _Invalid(f"'params' must be a mapping of name -> array, got {type(raw).__name__}")
     params = {k: v for k, v in raw.items() if k not in drop} if drop else dict(raw)

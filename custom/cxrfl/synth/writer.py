@@ -203,7 +203,8 @@ def _chexpert_values(exams: list[Exam], rng: np.random.Generator) -> list[dict[s
 
 def _write_chexpert(spec: SiteSpec, folder: Path, exams: list[Exam], size: int, seed: int) -> None:
     values = _chexpert_values(exams, np.random.default_rng([*site_seed(seed, spec), 6]))
-    rels, view_no = [], {}
+    rels: list[str] = []
+    view_no: dict[tuple[int, int], int] = {}
     for ex in exams:
         k = view_no[(ex.patient, ex.study)] = view_no.get((ex.patient, ex.study), 0) + 1
         kind = "lateral" if ex.view == "LL" else "frontal"

@@ -138,19 +138,29 @@ def _header(result: dict[str, Any], commit: str) -> list[str]:
         f"({seed_minutes:.0f} min of method time); load average {load_text(machine)} at the "
         "start." + (f" {result['note']}" if result.get("note") else ""),
         "",
-        f"Settings: DenseNet121 from scratch at {s['image_size']}x{s['image_size']} (images written at {s['data_image_size']}); "
-        f"3 CC sites of {s['n_cc']} images ({s['cc_label_fraction']:.0%} of training images labelled), 3 UC sites with ~20 "
-        f"positives and ~200 negatives in their training split, {s['train_fraction']:.0%} train / rest validation by patient; "
+        f"Settings: DenseNet121 from scratch at {s['image_size']}x{s['image_size']} (images written at "
+        f"{s['data_image_size']}); "
+        f"3 CC sites of {s['n_cc']} images ({s['cc_label_fraction']:.0%} of training images labelled), 3 UC "
+        "sites with ~20 "
+        f"positives and ~200 negatives in their training split, {s['train_fraction']:.0%} train / rest "
+        "validation by patient; "
         f"UC test sets balanced, "
-        f"up to {s['test_per_class']} positives + as many negatives; CC AUROC on all {3 * s.get('n_test', 200)} test images. "
+        f"up to {s['test_per_class']} positives + as many negatives; CC AUROC on all "
+        f"{3 * s.get('n_test', 200)} test images. "
         f"FedFew: {ff['ssl_rounds']} SimSiam round(s) (batch {ff['ssl_batch_size']}, projector {ff['ssl_proj_dim']}, "
-        f"predictor {ff['ssl_pred_dim']}), linear probe of the encoder every {s.get('probe_every', '-')} round(s); stage 2 "
+        f"predictor {ff['ssl_pred_dim']}), linear probe of the encoder every {s.get('probe_every', '-')} "
+        "round(s); stage 2 "
         f"at most {ff['warmup_rounds']} warm-up + {ff['rounds']} energy round(s), each phase stopped after "
-        f"{ff.get('patience')} round(s) without a lower CC validation loss and its best round kept ({ff['local_epochs']} "
-        f"local epoch(s), batch {ff['batch_size']}, Adam {ff['lr']}), T={ff['temperature']}, lambda={ff['energy_weight']}, "
-        f"margins from the warm-up (widen {ff['margin_widen']}), min {ff['min_prototype_images']} images per prototype, "
-        f"threshold rule `{ff['threshold_weighting']}` (the paper's) on `{ff['threshold_examples']}` examples. MLC: at most "
-        f"{s['mlc_rounds']} rounds x {s.get('mlc_local_epochs', 1)} local epoch(s), stopped after {s.get('mlc_patience', '-')} "
+        f"{ff.get('patience')} round(s) without a lower CC validation loss and its best round kept "
+        f"({ff['local_epochs']} "
+        f"local epoch(s), batch {ff['batch_size']}, Adam {ff['lr']}), T={ff['temperature']}, "
+        f"lambda={ff['energy_weight']}, "
+        f"margins from the warm-up (widen {ff['margin_widen']}), min {ff['min_prototype_images']} images per "
+        "prototype, "
+        f"threshold rule `{ff['threshold_weighting']}` (the paper's) on `{ff['threshold_examples']}` "
+        "examples. MLC: at most "
+        f"{s['mlc_rounds']} rounds x {s.get('mlc_local_epochs', 1)} local epoch(s), stopped after "
+        f"{s.get('mlc_patience', '-')} "
         f"round(s) without a lower validation loss, CheXNet weighted BCE, batch {s['mlc_batch_size']}.",
     ]
 
@@ -158,7 +168,7 @@ def _header(result: dict[str, Any], commit: str) -> list[str]:
 def _table(table: dict[str, Any]) -> list[str]:
     lines = ["| Method | " + " | ".join(f"{uc} A / P / R / F1" for uc in FEDFEW_UCS) + " | mean UC F1 | mean CC AUROC |",
              "| --- |" + " --- |" * (len(FEDFEW_UCS) + 2)]
-    for m, e in ((m, table[m]) for m in METHODS if m in table):
+    for e in (table[m] for m in METHODS if m in table):
         cells = [" / ".join(_fmt(e["uc"][uc][k]) for k in UC_METRICS) for uc in FEDFEW_UCS]
         lines.append(f"| {e['label']} | {' | '.join(cells)} | {_fmt(e['mean_uc_f1'])} | {_fmt(e['mean_cc_auroc'], 3)} |")
     lines += ["", "Mean ± SD over seeds. A / P / R / F1: accuracy, precision, recall, F1 of each UC on its balanced test set."]

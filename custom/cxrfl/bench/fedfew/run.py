@@ -97,7 +97,7 @@ class RunStore:
 
 
 def run_seed(settings: BenchSettings, seed: int, methods: Sequence[str], data_root: Path, work: Path, out: Path,
-             log: Callable[[str], None], done: Callable[[], None] = lambda: None) -> int:
+             log: Callable[[str], None], done: Callable[[], object] = lambda: None) -> int:
     """Run some methods of one seed, keeping each result as it finishes.
 
     Args:

@@ -187,7 +187,7 @@ def stage2_summary(out: Path) -> dict[str, Any]:
             p["best_round"], p["best_val_loss"] = r["round"], loss
         p["energy"].append({"round": r["round"], **_site_energies(r.get("site_metrics") or {})})
     for p in phases.values():
-        best = next((e for e in p["energy"] if e["round"] == p["best_round"]), {})
+        best: dict[str, Any] = next((e for e in p["energy"] if e["round"] == p["best_round"]), {})
         gap = None if best.get("out") is None or best.get("uc_neg") is None else best["out"] - best["uc_neg"]
         p["uc_energy_gap"] = gap
     return phases
