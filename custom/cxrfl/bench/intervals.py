@@ -206,7 +206,8 @@ def mean_ci(values: Iterable[float | None], alpha: float = 0.05) -> dict[str, An
         ``{'mean', 'sd', 'n', 'ci'}``: mean None when no value is defined; sd and ci None below two
         values; ci ``(mean, mean)`` when every value is the same.
     """
-    x = np.array([float(v) for v in values if _defined(v)], dtype=float)
+    defined: list[float] = [float(v) for v in values if v is not None and not math.isnan(v)]
+    x = np.asarray(defined, dtype=float)
     n = int(x.size)
     if n == 0:
         return {"mean": None, "sd": None, "n": 0, "ci": None}
