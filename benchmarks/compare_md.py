@@ -32,11 +32,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from cxrfl.bench.cwt_report import report_markdown as cwt_markdown
+from cxrfl.bench.fedfew import code_text, format_markdown
 from cxrfl.bench.report import format_ablation, format_report, markdown_table
 from cxrfl.bench.speed import format_speed
 from cxrfl.bench.targets import TARGET_PROFILES
-from cxrfl.bench.cwt_report import report_markdown as cwt_markdown
-from cxrfl.bench.fedfew import code_text, format_markdown
 
 ORDER = ("two-hospitals", "two-hospitals-shared", "nih1000", "ablation-sites", "two-hospitals-gpu")
 SPEED_ROWS = "<!-- speed verdict rows -->"

@@ -16,7 +16,6 @@ import textwrap
 
 import numpy as np
 import pandas as pd
-
 from cxrfl.data.labels import NIH_CLASSES, NIH_COLUMN_NAMES
 
 MIN_COUNT = 3

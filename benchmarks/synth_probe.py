@@ -21,15 +21,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import roc_auc_score
-from sklearn.preprocessing import StandardScaler
-
 from cxrfl.data.labels import KNOWN_CLASSES
 from cxrfl.synth.anatomy import jitter_position, sample_anatomy
 from cxrfl.synth.cohort import sample_cohort
 from cxrfl.synth.profiles import EXTERNAL_MIX
 from cxrfl.synth.render import render_cxr
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import roc_auc_score
+from sklearn.preprocessing import StandardScaler
 
 STYLES = ("nih", "chexpert", "mimic")
 

@@ -9,10 +9,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from PIL import Image
-
 from cxrfl.common.transport import SiteHost
 from cxrfl.data.site import SiteData
+from PIL import Image
 
 
 def tiny_site(folder: Path, name: str, labels: dict[str, list[float]], splits: list[str]) -> SiteData:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from nvflare.app_common.aggregators.weighted_aggregation_helper import WeightedAggregationHelper
-
 from cxrfl.errors import UpdateRejected
 from cxrfl.surgical.aggregation import surgical_aggregate
 from cxrfl.surgical.head_modes import site_payload
 from cxrfl.surgical.validation import validate_update
+from nvflare.app_common.aggregators.weighted_aggregation_helper import WeightedAggregationHelper
 
 W, B = "classifier.weight", "classifier.bias"
 

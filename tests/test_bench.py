@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cxrfl.bench.profiles import partition_classes, pooled_site
 from cxrfl.bench.report import format_report
 from cxrfl.data.labels import NIH_CLASSES
@@ -123,7 +122,6 @@ def test_partition_classes_for_the_ablations():
 
 def test_pooled_site_marks_missing_labels_negative():
     import pandas as pd
-
     from cxrfl.data.site import SiteData
 
     a = SiteData("a", ["x", "y"], pd.DataFrame({"path": ["1", "2"], "patient": ["p", "q"], "split": ["train", "val"],
@@ -176,7 +174,6 @@ def test_report_renders_from_results_alone(compare_run):
 
 def test_pretrained_stand_in_loads_into_the_feature_extractor(tmp_path):
     import torch
-
     from cxrfl.bench.pretrain import pretrain_backbone
     from cxrfl.nn.models import ModelConfig, build_model, load_checkpoint
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from cxrfl.cli import build_parser, main
 from cxrfl.errors import ConfigError
 

@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-
 from cxrfl.bench.fedfew import format_markdown
 from cxrfl.bench.fedfew import run as bench_run
 from cxrfl.bench.fedfew.methods import mean_uc_f1

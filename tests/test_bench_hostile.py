@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from cxrfl.bench.hostile import CLAIMED, HostileBenchSettings, HostileHost, format_report, summarise
 from cxrfl.errors import ConfigError
 

@@ -13,15 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-from pydicom.data import get_testdata_file
-from pydicom.dataset import FileDataset, FileMetaDataset
-from pydicom.uid import ExplicitVRLittleEndian, generate_uid
-
 from cxrfl.cli import main
 from cxrfl.errors import ConfigError
 from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
 from cxrfl.predict import predict_images
+from PIL import Image
+from pydicom.data import get_testdata_file
+from pydicom.dataset import FileDataset, FileMetaDataset
+from pydicom.uid import ExplicitVRLittleEndian, generate_uid
 
 CLASSES = ["Atelectasis", "Edema", "Pneumonia"]
 CONFIG = ModelConfig(image_size=32)

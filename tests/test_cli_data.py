@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pandas as pd
-
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
 
 

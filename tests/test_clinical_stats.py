@@ -13,6 +13,11 @@ import json
 
 import numpy as np
 import pytest
+from cxrfl.clinical.calibration import CalibrationMap, fit_calibration, reliability
+from cxrfl.clinical.counts import BinSpec, ScoreCounts, count_scores, merge, refine_bins
+from cxrfl.clinical.operating import choose_threshold
+from cxrfl.clinical.pooled import at_threshold, auroc_gap, pooled_auroc, roc_curve
+from cxrfl.errors import ConfigError, UpdateRejected
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import minimize_scalar
@@ -20,12 +25,6 @@ from scipy.special import expit, logit
 from scipy.stats import rankdata
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
-
-from cxrfl.clinical.calibration import CalibrationMap, fit_calibration, reliability
-from cxrfl.clinical.counts import BinSpec, ScoreCounts, count_scores, merge, refine_bins
-from cxrfl.clinical.operating import choose_threshold
-from cxrfl.clinical.pooled import at_threshold, auroc_gap, pooled_auroc, roc_curve
-from cxrfl.errors import ConfigError, UpdateRejected
 
 BINS = BinSpec()
 MIN_CELL = 5

@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
-
 import cxrfl.bench.runs as runs
+import pytest
 from cxrfl.bench.compare import run_compare
 from cxrfl.bench.protocol import RESULTS_PATH, CompareSettings, code_label, code_version, command_line, load_text
 from cxrfl.errors import ConfigError

@@ -7,8 +7,6 @@ import math
 
 import numpy as np
 import pytest
-from scipy import stats
-
 from cxrfl.bench.intervals import mean_ci, paired_comparison
 from cxrfl.bench.methods import DEFAULT_METHODS, select
 from cxrfl.bench.report import format_ablation, stars
@@ -18,6 +16,7 @@ from cxrfl.errors import ConfigError
 from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
+from scipy import stats
 
 A = {"c1": 0.8, "c2": 0.7, "c3": 0.75, "c4": 0.6}
 B = {"c1": 0.7, "c2": 0.5, "c3": 0.45, "c4": 0.6}  # differences 0.1, 0.2, 0.3, 0.0

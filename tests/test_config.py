@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from cxrfl.data.site_config import load_site_config, site_config_from_dict
 from cxrfl.errors import ConfigError
 

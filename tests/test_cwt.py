@@ -9,18 +9,34 @@ import pandas as pd
 import pytest
 import torch
 from cwt_helpers import tiny_site
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-
 from cxrfl.common.io import params_digest
 from cxrfl.cwt.config import BINARY_CLASS, CWTConfig, RelayConfig
-from cxrfl.cwt.optimizations import clr_rates, cwl_class_weights, cwl_loss_weights, default_local_steps, label_groups, label_warnings, lwms_sample_weights, plti_steps
-from cxrfl.cwt.relay import load_optimizer_arrays, lr_factor, optimizer_arrays, relay_order, relay_plan, relay_sites, split_params, Visit
-from cxrfl.cwt.site import binary_labels, CWTSite, global_classes, make_sites, pooled_loss, VisitSampler
+from cxrfl.cwt.optimizations import (
+    clr_rates,
+    cwl_class_weights,
+    cwl_loss_weights,
+    default_local_steps,
+    label_groups,
+    label_warnings,
+    lwms_sample_weights,
+    plti_steps,
+)
+from cxrfl.cwt.relay import (
+    Visit,
+    load_optimizer_arrays,
+    lr_factor,
+    optimizer_arrays,
+    relay_order,
+    relay_plan,
+    relay_sites,
+    split_params,
+)
+from cxrfl.cwt.site import CWTSite, VisitSampler, binary_labels, global_classes, make_sites, pooled_loss
 from cxrfl.errors import ConfigError
 from cxrfl.nn.losses import masked_bce
 from cxrfl.nn.models import ModelConfig, build_model
 from cxrfl.nn.training import adam
-
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,14 +8,13 @@ import json
 import math
 import os
 
+import cxrfl.bench.cwt as bench
 import numpy as np
 import pandas as pd
 import pytest
-
-import cxrfl.bench.cwt as bench
 from cxrfl.bench.cwt import BenchSettings, run_cwt_benchmark
-from cxrfl.bench.cwt_report import CENTRAL, provenance, results_table, stopping, stopping_line, summarise
 from cxrfl.bench.cwt_data import TABLE_1, TABLE_3, partition, prepare_data, scale_split
+from cxrfl.bench.cwt_report import CENTRAL, provenance, results_table, stopping, stopping_line, summarise
 from cxrfl.bench.protocol import code_version
 from cxrfl.errors import DataError
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from cwt_helpers import Failing, Recorder, ScriptedLoss, chain, tiny_site
-
 from cxrfl.common.io import params_digest, read_records
 from cxrfl.common.server import RunAborted, RunStopped
 from cxrfl.cwt.config import BINARY_CLASS, OPTIMIZER_PREFIX, CWTConfig, RelayConfig

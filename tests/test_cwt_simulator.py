@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cxrfl.common.io import params_digest, read_records, to_numpy
 from cxrfl.common.resume import RESUME_ROOT_ENV
 from cxrfl.cwt.config import BINARY_CLASS

@@ -32,7 +32,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
+from conftest import names_in
+from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.deploy.admin import COMPLETED
 from cxrfl.deploy.jobs import build_job
 from cxrfl.deploy.processes import find_processes, terminate
@@ -40,9 +41,7 @@ from cxrfl.deploy.provision import declare_gpus, install_site_config, prepare_ki
 from cxrfl.deploy.workspace import Deployment, free_port
 from cxrfl.errors import CxrflError
 from cxrfl.jobs import app_dirs
-from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.synth import write_profile
-from conftest import names_in
 
 NIH_ONLY = sorted(set(NIH_CLASSES) - set(CHEXPERT_CLASSES))
 NIH_ONLY_SPELLINGS = NIH_ONLY + [k for k, v in NIH_COLUMN_NAMES.items() if v in NIH_ONLY]
@@ -205,10 +204,9 @@ def _component_paths(obj):
 
 
 def test_every_job_builds_in_both_modes_and_passes_a_prepared_allow_list(tmp_path, repo_root):
+    from cxrfl.jobs import JOBS
     from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
     from nvflare.app_common.widgets.component_path_authorizer import ComponentPathAuthorizer
-
-    from cxrfl.jobs import JOBS
 
     allow = [*DEFAULT_CLASS_ALLOW_LIST, "cxrfl."]  # what prepare-kit writes into local/resources.json
     for spec in JOBS:
@@ -255,13 +253,12 @@ def test_privacy_options_are_off_by_default_and_written_explicitly(tmp_path, rep
 
 
 def test_exclude_vars_filter_keeps_every_batchnorm_entry_on_the_site():
+    from cxrfl.fl.recipes import batchnorm_state_keys
+    from cxrfl.nn.models import ModelConfig, build_model
     from nvflare.apis.dxo import DXO, DataKind
     from nvflare.apis.fl_context import FLContext
     from nvflare.apis.shareable import Shareable
     from nvflare.app_common.filters.exclude_vars import ExcludeVars
-
-    from cxrfl.fl.recipes import batchnorm_state_keys
-    from cxrfl.nn.models import ModelConfig, build_model
 
     cfg = ModelConfig(image_size=64)
     state = {k: v.numpy() for k, v in build_model(cfg, 2).state_dict().items()}
@@ -272,13 +269,12 @@ def test_exclude_vars_filter_keeps_every_batchnorm_entry_on_the_site():
 
 
 def test_update_privacy_filters_the_difference_not_the_weights():
+    from cxrfl.fl.privacy import UpdatePrivacy
     from nvflare.apis.filter import FilterChainType, FilterContextKey
     from nvflare.apis.fl_constant import FLContextKey
     from nvflare.apis.fl_context import FLContext
     from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
     from nvflare.app_common.utils.fl_model_utils import FLModelUtils
-
-    from cxrfl.fl.privacy import UpdatePrivacy
 
     rng = np.random.default_rng(0)
     received = {"w": rng.normal(size=(50, 20)).astype(np.float32), "n": np.array(7)}

@@ -15,11 +15,10 @@ from pathlib import Path
 import numpy as np
 import pydicom
 import pytest
+from cxrfl.data.images import ImageError, read_image
 from pydicom import uid
 from pydicom.data import get_testdata_file
 from pydicom.pixels import get_decoder
-
-from cxrfl.data.images import ImageError, read_image
 
 
 def dicom_file(name: str) -> str:

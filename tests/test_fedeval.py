@@ -14,8 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from sklearn.metrics import roc_auc_score
-
 from cxrfl.common.transport import inprocess_transport
 from cxrfl.data.site import load_site
 from cxrfl.fedeval.config import FedEvalConfig
@@ -25,6 +23,7 @@ from cxrfl.nn.models import ModelConfig, build_model, load_checkpoint, save_chec
 from cxrfl.predict import predict_images
 from cxrfl.surgical.inprocess import make_hosts
 from cxrfl.synth import write_profile
+from sklearn.metrics import roc_auc_score
 
 SITES = ["hospital-a", "hospital-b"]
 EXTRA = "Hernia-of-nobody"  # a model class no site labels

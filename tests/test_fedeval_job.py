@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
+from conftest import names_in
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
 from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
 from cxrfl.synth import write_profile
-from conftest import names_in
 
 pytestmark = pytest.mark.slow
 

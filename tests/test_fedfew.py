@@ -13,12 +13,10 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from PIL import Image
-
 from cxrfl.cli import main
 from cxrfl.data.dataset import make_loader
-from cxrfl.data.site_config import SplitConfig, site_config_from_dict
 from cxrfl.data.site import SiteData, load_site
+from cxrfl.data.site_config import SplitConfig, site_config_from_dict
 from cxrfl.errors import ConfigError, DataError
 from cxrfl.fedfew import protocol as P
 from cxrfl.fedfew.config import FedFewConfig
@@ -35,6 +33,7 @@ from cxrfl.fedfew.energy import (
 )
 from cxrfl.fedfew.learner import NO_CC, FedFewSite, stage2_classes
 from cxrfl.fedfew.model import FedFewModel, fedfew_extra
+from cxrfl.fedfew.plan import split_classes
 from cxrfl.fedfew.prototypes import (
     DualPrototype,
     PrototypeRefused,
@@ -43,9 +42,9 @@ from cxrfl.fedfew.prototypes import (
     match_prototypes,
     predict_ucs,
 )
-from cxrfl.fedfew.plan import split_classes
 from cxrfl.fedfew.ssl import SimSiam, negative_cosine, simsiam_loss
 from cxrfl.nn.models import CXRNet, ModelConfig, build_model, model_from_checkpoint, save_checkpoint
+from PIL import Image
 
 
 # ----------------------------------------------------------------------------- energy score

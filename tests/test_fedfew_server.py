@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from cxrfl.common.server import RunAborted, RunStopped
 from cxrfl.errors import ConfigError
 from cxrfl.fedfew import protocol as P

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cxrfl.cli import main
 from cxrfl.common.io import read_records
 from cxrfl.common.resume import RESUME_ROOT_ENV

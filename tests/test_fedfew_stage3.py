@@ -16,7 +16,6 @@ import json
 
 import numpy as np
 import pandas as pd
-
 from cxrfl.common.transport import inprocess_transport
 from cxrfl.data.site import SiteData
 from cxrfl.fedfew import protocol as P

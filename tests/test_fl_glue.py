@@ -7,11 +7,10 @@ import logging
 
 import numpy as np
 import pytest
-from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
-
 from cxrfl.errors import ConfigError
 from cxrfl.fl.aggregator import SurgicalAggregator
 from cxrfl.fl.site_config import LOCAL_CONFIG_NAME, resolve_site_config
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 
 
 def test_site_config_resolution_order(tmp_path, monkeypatch):

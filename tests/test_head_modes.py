@@ -7,7 +7,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-
 from cxrfl.common.io import to_numpy
 from cxrfl.data.site import SiteData, load_site
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, load_checkpoint, save_checkpoint

@@ -10,14 +10,13 @@ import pandas as pd
 import pydicom
 import pytest
 import torch
-from PIL import Image
-from pydicom.dataset import FileDataset, FileMetaDataset
-from pydicom.uid import ExplicitVRLittleEndian, generate_uid
-
 from cxrfl.data.dataset import CXRDataset, make_loader
 from cxrfl.data.images import ImageError, read_image
 from cxrfl.data.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms
 from cxrfl.errors import DataError
+from PIL import Image
+from pydicom.dataset import FileDataset, FileMetaDataset
+from pydicom.uid import ExplicitVRLittleEndian, generate_uid
 
 DX_STORAGE = "1.2.840.10008.5.1.4.1.1.1.1"  # Digital X-Ray Image Storage - For Presentation
 

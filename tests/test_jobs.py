@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from cxrfl.data.labels import KNOWN_CLASSES
 from cxrfl.jobs import JOBS, app_dirs, export_all, job_spec
 

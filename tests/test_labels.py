@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
-
 from cxrfl.data.labels import (
     CHEXPERT_CLASSES,
     KNOWN_CLASSES,
-    LabelConflictError,
     NIH_CLASSES,
     NIH_COLUMN_NAMES,
     NO_FINDING,
+    LabelConflictError,
     UnknownLabelError,
     canonical_name,
     harmonise,

@@ -9,20 +9,19 @@ import re
 import tempfile
 from pathlib import Path
 
+import cxrfl.data.transforms as transforms_module
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from monai.data.utils import set_rnd
-from monai.transforms import AdjustContrast, Flip, Rotate, Zoom
-from PIL import Image
-
-import cxrfl.data.transforms as transforms_module
 from cxrfl.data import cache as cache_module
 from cxrfl.data.cache import IMAGE_CACHE, cache_size, disk_cache
 from cxrfl.data.dataset import DeviceLoader, make_loader, resolve_workers
 from cxrfl.data.transforms import BatchTransform, build_transforms, preprocess_transforms
 from cxrfl.errors import ConfigError
+from monai.data.utils import set_rnd
+from monai.transforms import AdjustContrast, Flip, Rotate, Zoom
+from PIL import Image
 
 N = 6
 
@@ -314,14 +313,13 @@ def test_the_cache_is_written_only_under_the_site_state_root(tmp_path: Path, mon
     """A site executor started in a workspace, answering its warm-up task: every file written
     during the run (the data folder, the workspace and the system temp folder watched) lies under
     ``<workspace>/cxrfl_state``, and the preprocessed images are there."""
-    from nvflare.apis.fl_context import FLContext
-    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
-    from nvflare.app_common.utils.fl_model_utils import FLModelUtils
-
     from cxrfl.fl.base import STATE_ROOT
     from cxrfl.fl.surgical import SiteExecutor
     from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, build_model
     from cxrfl.synth import write_profile
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+    from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 
     (config,) = write_profile("two-hospitals", tmp_path / "data", n_per_site=24, image_size=48, sites=["hospital-a"])
     ws, temp = tmp_path / "ws", tmp_path / "temp"

@@ -6,11 +6,10 @@ import math
 
 import numpy as np
 import pytest
-from scipy import stats
-from sklearn.metrics import roc_auc_score
-
 from cxrfl.bench.intervals import bootstrap_auroc_ci, bootstrap_aurocs, fast_auroc, paired_ttest, percentile_ci
 from cxrfl.nn.metrics import per_class_auroc, summarise_auroc
+from scipy import stats
+from sklearn.metrics import roc_auc_score
 
 Y = np.array([[1, 0, 1], [0, 0, 1], [1, 1, 1], [0, 1, 1], [1, 0, 1], [0, 0, 1]], dtype=float)
 S = np.array([[0.9, 0.2, 0.5], [0.3, 0.1, 0.4], [0.6, 0.8, 0.3], [0.7, 0.3, 0.9], [0.8, 0.6, 0.1], [0.2, 0.4, 0.2]])

@@ -5,12 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import cxrfl.nn.models as models
 import pytest
 import torch
 import torchvision
-from torch import nn
-
-import cxrfl.nn.models as models
 from cxrfl.errors import ConfigError, StorageError
 from cxrfl.nn.losses import masked_bce
 from cxrfl.nn.models import (
@@ -25,6 +23,7 @@ from cxrfl.nn.models import (
     select_device,
     set_batchnorm_frozen,
 )
+from torch import nn
 
 CFG = ModelConfig(image_size=64)
 BN_SUFFIXES = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")

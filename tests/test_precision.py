@@ -9,12 +9,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import cxrfl.common.config as config_module
 import numpy as np
 import pytest
 import torch
-from torch import nn
-
-import cxrfl.common.config as config_module
 from cxrfl.common.config import Config, LegacyKey
 from cxrfl.common.io import to_numpy
 from cxrfl.common.transport import copy_params
@@ -24,6 +22,7 @@ from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.nn import precision
 from cxrfl.nn.precision import Compute, resolve
 from cxrfl.nn.training import TrainConfig, adam, evaluate, train_epochs
+from torch import nn
 
 CONFIGS = (TrainConfig, CWTConfig, FedFewConfig)
 

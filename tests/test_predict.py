@@ -10,12 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-from pydicom.data import get_testdata_file
-
 from cxrfl.cli import main
 from cxrfl.data.transforms import build_transforms
 from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
+from PIL import Image
+from pydicom.data import get_testdata_file
 
 CLASSES = ["Cardiomegaly", "Pleural Effusion", "Support Devices"]
 

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
 from cxrfl.bench.privacy import filter_update, sample_updates
 from cxrfl.common import privacy
 from cxrfl.common.privacy import NVFLARE_DEFAULTS, PRIVACY_DEFAULTS, check_privacy, destroyed, fidelity

@@ -12,13 +12,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image
-
-from cxrfl.data.site_config import SiteConfig, site_config_from_dict
+from cxrfl.data.labels import CHEXPERT_CLASSES, NIH_CLASSES
 from cxrfl.data.readers import read_labels
 from cxrfl.data.site import load_site
+from cxrfl.data.site_config import SiteConfig, site_config_from_dict
 from cxrfl.errors import ConfigError, DataError
-from cxrfl.data.labels import CHEXPERT_CLASSES, NIH_CLASSES
+from PIL import Image
 
 CHEXPERT_HEADER = [
     "Path", "Sex", "Age", "Frontal/Lateral", "AP/PA", "No Finding", "Enlarged Cardiomediastinum", "Cardiomegaly",

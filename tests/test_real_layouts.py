@@ -11,15 +11,14 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from PIL import Image
-
+from conftest import require_data
 from cxrfl.cli import main
 from cxrfl.data.readers import read_labels
 from cxrfl.data.site import load_site, training_refusal
 from cxrfl.data.site_config import load_site_config
 from cxrfl.data.summary import summarise
 from cxrfl.errors import DataError
-from conftest import require_data
+from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
 REAL = REPO.parent / "shared" / "data" / "real"

@@ -11,13 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
-from cxrfl.data.site_config import SplitConfig, load_site_config, site_config_from_dict
 from cxrfl.data.images import read_image
 from cxrfl.data.readers import read_labels
 from cxrfl.data.site import SiteData, load_site
+from cxrfl.data.site_config import SplitConfig, load_site_config, site_config_from_dict
 from cxrfl.data.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms
+from PIL import Image
 
 NIH_TO_CANONICAL = {"Effusion": "Pleural Effusion", "Pleural_Thickening": "Pleural Thickening"}
 README_POSITIVES = {  # data/README.md, NIH spelling

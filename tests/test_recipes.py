@@ -7,14 +7,13 @@ import json
 import math
 
 import pytest
-from nvflare.recipe.spec import Recipe
-
 from cwt_helpers import tiny_site
 from cxrfl.common.server import ServerLoop
 from cxrfl.errors import ConfigError
 from cxrfl.fl.base import mean_over_sites, track, write_every_arg
 from cxrfl.fl.recipes import CWTRecipe, FedFewRecipe, SurgicalAggregationRecipe
 from cxrfl.jobs import app_dirs
+from nvflare.recipe.spec import Recipe
 
 
 def export(recipe, tmp_path) -> dict[str, dict]:
@@ -164,9 +163,8 @@ def test_write_every_arg_refuses_an_attribute_that_would_hide_the_argument():
 def test_job_py_arguments_choose_nvflares_execution_environment(tmp_path, monkeypatch):
     import argparse
 
-    from nvflare.recipe import PocEnv, ProdEnv, SimEnv
-
     from cxrfl.fl.recipes import add_run_arguments, env_from_args
+    from nvflare.recipe import PocEnv, ProdEnv, SimEnv
 
     monkeypatch.setenv("HOME", str(tmp_path))
     parser = argparse.ArgumentParser()

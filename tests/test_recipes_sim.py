@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cxrfl.common.io import read_records
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
 from cxrfl.jobs import app_dirs, job_spec, write_job

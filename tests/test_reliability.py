@@ -30,10 +30,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from cxrfl.data.labels import KNOWN_CLASSES, NIH_CLASSES
 from cxrfl.common.io import read_records
 from cxrfl.common.resume import RESUME_ROOT_ENV
+from cxrfl.data.labels import KNOWN_CLASSES, NIH_CLASSES
 from cxrfl.nn.models import load_checkpoint
 from cxrfl.surgical.head_modes import site_payload
 from cxrfl.synth import write_profile

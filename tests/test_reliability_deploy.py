@@ -32,15 +32,14 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
+from cxrfl.common.io import read_records
+from cxrfl.data.labels import KNOWN_CLASSES
 from cxrfl.deploy.admin import COMPLETED, abort, admin_session, submit, wait_ready
 from cxrfl.deploy.jobs import build_job
 from cxrfl.deploy.processes import start, stop, terminate
 from cxrfl.deploy.provision import install_site_config, provision
 from cxrfl.deploy.workspace import Deployment, free_port
-from cxrfl.data.labels import KNOWN_CLASSES
 from cxrfl.nn.models import load_checkpoint
-from cxrfl.common.io import read_records
 from cxrfl.synth import write_profile
 
 pytestmark = pytest.mark.slow

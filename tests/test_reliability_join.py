@@ -12,7 +12,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from cxrfl.common.io import read_records
 from cxrfl.common.server import RunAborted
 from cxrfl.common.transport import inprocess_transport

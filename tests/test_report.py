@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cxrfl.report import external_parts, format_report, learning_curve, load_run, sparkline, write_plots
 
 

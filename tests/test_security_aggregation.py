@@ -11,7 +11,6 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-
 from cxrfl.common.io import read_records
 from cxrfl.cwt.config import CWTConfig
 from cxrfl.cwt.relay import Visit

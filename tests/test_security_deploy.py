@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cxrfl.deploy.provision import prepare_kit
 from cxrfl.deploy.workspace import Deployment, free_port
 
@@ -173,9 +172,8 @@ def test_controller_refuses_a_class_name_disclosing_job_from_an_org_admin(job, r
 
 def test_surgical_aggregator_in_nvflare_workflows_refuses_an_org_admins_job(tmp_path):
     # issue 40 point 1: cxrfl's aggregator inside NVFlare's own FedAvg broadcasts classes and contributors to every site
-    from nvflare.apis.event_type import EventType
-
     from cxrfl.fl.aggregator import SurgicalAggregator
+    from nvflare.apis.event_type import EventType
 
     for role, refused in (("org_admin", True), ("lead", False)):
         agg, panics = SurgicalAggregator(), []
@@ -189,7 +187,6 @@ def test_server_records_naming_sites_per_class_are_owner_only(tmp_path):
     # issue 40 point 1: rounds.jsonl (contributors), evaluation.json (per-site AUROC) and the global model were
     # written 0o644 in 0o755 folders
     import torch
-
     from cxrfl.common.server import RECORDS_DIR, ServerLoop
     from cxrfl.nn.models import ModelConfig, save_checkpoint
 

@@ -11,15 +11,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from nvflare.apis.fl_constant import FLContextKey
-from nvflare.apis.fl_context import FLContext
-from PIL import Image
-
 from cxrfl.cli import main
 from cxrfl.data.site import load_site
 from cxrfl.errors import ConfigError, DataError
 from cxrfl.fl.site_config import LOCAL_CONFIG_NAME, resolve_site_config
 from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
+from nvflare.apis.fl_constant import FLContextKey
+from nvflare.apis.fl_context import FLContext
+from PIL import Image
 
 
 # ------------------------------------------------------------- point 5: no demo data outside the simulator

@@ -8,11 +8,10 @@ import os
 import pickle
 from pathlib import Path
 
+import cxrfl.common.io as io_module
 import numpy as np
 import pytest
 import torch
-
-import cxrfl.common.io as io_module
 from cxrfl.common.io import torch_save
 from cxrfl.common.resume import ResumeStore
 from cxrfl.common.server import RunStopped, ServerLoop
@@ -229,13 +228,12 @@ def test_a_file_that_is_no_checkpoint_is_one_cxrfl_line(tmp_path, kind):
 
 def test_a_site_task_that_hits_a_full_disk_fails_with_one_line_and_no_traceback(tmp_path, monkeypatch):
     # issue 40 point 9: TaskExecutor logged a full disk (any CxrflError) with log_exception, a traceback
+    from cxrfl.fl.base import TaskExecutor
     from nvflare.apis.fl_constant import ReturnCode
     from nvflare.apis.fl_context import FLContext
     from nvflare.apis.signal import Signal
     from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
     from nvflare.app_common.utils.fl_model_utils import FLModelUtils
-
-    from cxrfl.fl.base import TaskExecutor
 
     class FullDisk:
         tasks = ("train",)

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
+from conftest import names_in
 from cxrfl.common.io import read_records
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.nn.models import load_checkpoint
 from cxrfl.synth import write_profile
-from conftest import names_in
 
 pytestmark = pytest.mark.slow
 

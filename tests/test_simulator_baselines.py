@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
+from conftest import names_in
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.synth import write_profile
-from conftest import names_in
 
 pytestmark = pytest.mark.slow
 

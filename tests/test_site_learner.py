@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
+from cxrfl.common.io import to_numpy
 from cxrfl.data.site import SiteData, load_site
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model
-from cxrfl.common.io import to_numpy
-from cxrfl.surgical.learner import OPTIMIZER_ROUNDS, SiteLearner
 from cxrfl.nn.training import TrainConfig
+from cxrfl.surgical.learner import OPTIMIZER_ROUNDS, SiteLearner
 
 MODEL = ModelConfig(image_size=32)
 TRAIN = TrainConfig(lr=1e-3, warmup_lr=5e-3, warmup_epochs=1, batch_size=8, max_steps_per_epoch=2, augment=False)

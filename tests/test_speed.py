@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-
 from cxrfl.bench.speed import payload_benchmark
 from cxrfl.bench.speed_aggregation import aggregate_with, make_updates
 from cxrfl.bench.speed_report import speed_verdicts
@@ -81,7 +80,6 @@ def test_only_some_parts_carries_the_others_over(tmp_path, monkeypatch):
     import json
 
     import pytest
-
     from cxrfl.bench import speed
     from cxrfl.cli import build_parser
     from cxrfl.errors import ConfigError
@@ -140,7 +138,6 @@ def test_training_part_prints_one_json_object_measured_in_this_run(tmp_path, cap
 def test_aggregation_summary_with_busy_cores():
     import psutil
     import torch
-
     from cxrfl.bench.speed_aggregation import aggregation_benchmark, aggregation_summary, busy_cores
 
     with busy_cores(2) as pids:

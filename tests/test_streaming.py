@@ -8,20 +8,19 @@ import gc
 import weakref
 from types import SimpleNamespace
 
-import numpy as np
-import pytest
-import torch
-from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
-from threadpoolctl import threadpool_limits
-
 import cxrfl.common.cores as cores
 import cxrfl.surgical.aggregation as aggregation_module
 import cxrfl.surgical.round_aggregator as round_module
+import numpy as np
+import pytest
+import torch
 from cxrfl.common.transport import inprocess_transport
 from cxrfl.nn.models import HEAD_PREFIX
 from cxrfl.nn.threads import torch_threads, use_cores
 from cxrfl.surgical.aggregation import surgical_aggregate
 from cxrfl.surgical.round_aggregator import RoundAggregator
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from threadpoolctl import threadpool_limits
 
 W, B = HEAD_PREFIX + "weight", HEAD_PREFIX + "bias"
 SHAPES = {"body.conv": (16, 8, 3, 3), "body.bn": (16,), "body.n": ()}

@@ -9,14 +9,13 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from PIL import Image
-
 from cxrfl.cli import main
-from cxrfl.data.site_config import SplitConfig
 from cxrfl.data.site import load_site
+from cxrfl.data.site_config import SplitConfig
 from cxrfl.data.splits import patient_split
 from cxrfl.data.summary import format_summary, summarise
 from cxrfl.errors import DataError
+from PIL import Image
 
 BAD = {"truncated.png": "truncated", "text.png": "not an image", "missing.png": "missing"}
 

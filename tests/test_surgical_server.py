@@ -12,11 +12,10 @@ import math
 import shutil
 from pathlib import Path
 
+import cxrfl.surgical.learner as learner_module
 import numpy as np
 import pytest
 import torch
-
-import cxrfl.surgical.learner as learner_module
 from cxrfl.bench.warmups import WarmupCache
 from cxrfl.common.io import read_records
 from cxrfl.common.server import RunAborted, RunStopped

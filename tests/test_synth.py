@@ -14,17 +14,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from PIL import Image
-from scipy import ndimage
-
+from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.data.site_config import load_site_config
 from cxrfl.errors import ConfigError
-from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.synth import PROFILES, SHARED_CLASSES, demo_site_config, render_cxr, sample_cohort, write_profile
 from cxrfl.synth.anatomy import sample_anatomy
 from cxrfl.synth.profiles import CHEXPERT_MIX, NIH_MIX
 from cxrfl.synth.styles import STYLES
 from cxrfl.synth.writer import MARKER, NIH_HEADER, _chexpert_values
+from PIL import Image
+from scipy import ndimage
 
 N = 40
 SIZE = 64

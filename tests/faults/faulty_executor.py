@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from cxrfl.data.site import SiteData
 from cxrfl.fl.surgical import SiteExecutor
 from cxrfl.surgical.host import SurgicalSiteHost

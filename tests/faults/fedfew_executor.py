@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from cxrfl.data.site import SiteData
 from cxrfl.fedfew import protocol as P
 from cxrfl.fl.fedfew import FedFewExecutor

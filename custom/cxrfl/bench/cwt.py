@@ -49,7 +49,15 @@ import torch
 
 from cxrfl.bench.cwt_data import DEFAULT_SITE_CONFIG, REPO, BenchData, prepare_data, synthetic_site_config
 from cxrfl.bench.cwt_report import (
-    CENTRAL, DATASET_TITLES, METHODS, SPLIT_METHODS, plot, plot_curves, provenance, report_markdown, results_table,
+    CENTRAL,
+    DATASET_TITLES,
+    METHODS,
+    SPLIT_METHODS,
+    plot,
+    plot_curves,
+    provenance,
+    report_markdown,
+    results_table,
     summarise,
 )
 from cxrfl.bench.protocol import code_version, command_line, machine

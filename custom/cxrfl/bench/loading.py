@@ -119,8 +119,8 @@ def write_images(fmt: str, n: int, folder: Path, seed: int = 0) -> list[Path]:
 
 def worker_counts(s: LoadingSettings) -> list[int]:
     """The worker counts to measure (``s.workers``, else :data:`WORKER_STEPS` up to the cores, and ``auto``'s)."""
-    from cxrfl.data.dataset import resolve_workers
     from cxrfl.common.cores import available_cores
+    from cxrfl.data.dataset import resolve_workers
 
     if s.workers:
         return sorted(set(s.workers))

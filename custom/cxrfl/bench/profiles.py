@@ -32,9 +32,9 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from cxrfl.data.labels import NIH_CLASSES
 from cxrfl.data.site import SiteData, load_site
 from cxrfl.errors import ConfigError
-from cxrfl.data.labels import NIH_CLASSES
 
 PROFILE_NAMES = ("two-hospitals", "two-hospitals-shared", "nih1000", "synth-nih")
 ABLATION_SITES = (2, 4, 6, 10)

@@ -193,8 +193,8 @@ def payload_benchmark() -> dict[str, Any]:
     from nvflare.app_common.utils.fl_model_utils import FLModelUtils
     from nvflare.fuel.utils import fobs
 
-    from cxrfl.surgical.head_modes import payload_for
     from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model
+    from cxrfl.surgical.head_modes import payload_for
 
     common_decomposers.register()
     state = model_state()

@@ -29,9 +29,8 @@ import logging
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 from cxrfl.errors import ConfigError

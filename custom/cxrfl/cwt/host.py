@@ -19,8 +19,16 @@ import torch
 from cxrfl.common.io import params_digest, to_numpy
 from cxrfl.common.transport import Message
 from cxrfl.cwt.config import CWTConfig
-from cxrfl.cwt.relay import (COUNTS_TASK, TASKS, TRAIN_TASK, VALIDATE_TASK, Visit, load_optimizer_arrays,
-                             optimizer_arrays, split_params)
+from cxrfl.cwt.relay import (
+    COUNTS_TASK,
+    TASKS,
+    TRAIN_TASK,
+    VALIDATE_TASK,
+    Visit,
+    load_optimizer_arrays,
+    optimizer_arrays,
+    split_params,
+)
 from cxrfl.cwt.site import CWTSite, eval_summary
 from cxrfl.data.site import SiteData
 from cxrfl.errors import ConfigError

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+
 def _counts(site_counts: Mapping[str, int]) -> tuple[list[str], np.ndarray]:
     names = list(site_counts)
     n = np.array([site_counts[s] for s in names], dtype=np.float64)

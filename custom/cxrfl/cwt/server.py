@@ -57,7 +57,16 @@ from cxrfl.common.server import RECORDS_DIR, RetryClock, RunStopped, ServerLoop
 from cxrfl.common.transport import Message, Send
 from cxrfl.cwt.config import CWTConfig, RelayConfig
 from cxrfl.cwt.host import site_model_config
-from cxrfl.cwt.relay import COUNTS_TASK, TRAIN_TASK, VALIDATE_TASK, Visit, relay_order, relay_plan, relay_sites, split_params
+from cxrfl.cwt.relay import (
+    COUNTS_TASK,
+    TRAIN_TASK,
+    VALIDATE_TASK,
+    Visit,
+    relay_order,
+    relay_plan,
+    relay_sites,
+    split_params,
+)
 from cxrfl.cwt.site import global_classes, pooled_loss
 from cxrfl.errors import ConfigError, UpdateRejected
 from cxrfl.nn.metrics import summarise_auroc

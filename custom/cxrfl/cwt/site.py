@@ -26,6 +26,7 @@ from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.precision import compute_for
 from cxrfl.nn.training import EvalResult, evaluate, train_epochs
 
+
 def binary_labels(table: pd.DataFrame, classes: Sequence[str]) -> pd.Series:
     """The binary task's label: 1 if any finding is positive, 0 if every finding is known negative.
 

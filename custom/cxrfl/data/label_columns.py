@@ -8,7 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cxrfl.data.labels import NO_FINDING, LabelConflictError, UnknownLabelError, canonical_name, harmonise, normalise_key
+from cxrfl.data.labels import (
+    NO_FINDING,
+    LabelConflictError,
+    UnknownLabelError,
+    canonical_name,
+    harmonise,
+    normalise_key,
+)
 from cxrfl.data.site_config import SiteConfig
 from cxrfl.errors import ConfigError, DataError
 

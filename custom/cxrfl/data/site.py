@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from cxrfl.data.site_config import SiteConfig, load_site_config
 from cxrfl.data.images import ImageError, read_image
 from cxrfl.data.readers import read_labels
+from cxrfl.data.site_config import SiteConfig, load_site_config
 from cxrfl.data.splits import SPLITS, patient_split, resolve_overlap, val_from_train
 from cxrfl.errors import DataError
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cxrfl.data.site_config import SiteConfig, load_site_config
 from cxrfl.data.site import load_site, training_refusal
+from cxrfl.data.site_config import SiteConfig, load_site_config
 from cxrfl.data.splits import SPLITS
 
 EXAMPLES = 5  # skipped images shown by name

@@ -7,9 +7,9 @@ from typing import ClassVar
 
 from cxrfl.common.config import Config
 from cxrfl.errors import ConfigError
+from cxrfl.nn.precision import LEGACY_AMP, channels_last_field, precision_field
 from cxrfl.surgical.aggregation import check_options
 from cxrfl.surgical.validation import MAX_NUM_SAMPLES
-from cxrfl.nn.precision import LEGACY_AMP, channels_last_field, precision_field
 
 ENERGY_OUTPUTS = ("all", "cc")
 """Which outputs the joint energy sums over: ``all`` (the CCs and the extra "no CC" output, so

@@ -15,11 +15,10 @@ sum of the distance margins).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import math
 
 import numpy as np
 from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score

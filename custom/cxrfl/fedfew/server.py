@@ -72,7 +72,14 @@ from cxrfl.fedfew.rounds import FederatedRounds, Phase, Progress, RoundHook
 from cxrfl.fedfew.ssl import load_encoder
 from cxrfl.fedfew.stage3 import collect_prototypes, threshold_from_counts
 from cxrfl.fedfew.stages import (
-    STAGE_DIR, STAGE_FILES, copy_stage, finished_stages, load_stages, write_stage1, write_stage2, write_stage3,
+    STAGE_DIR,
+    STAGE_FILES,
+    copy_stage,
+    finished_stages,
+    load_stages,
+    write_stage1,
+    write_stage2,
+    write_stage3,
 )
 from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
 

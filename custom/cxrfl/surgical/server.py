@@ -63,11 +63,11 @@ from cxrfl.errors import ConfigError, CxrflError
 from cxrfl.nn.evaluation import evaluate_on_site, shared_classes
 from cxrfl.nn.metrics import summarise_auroc
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, save_checkpoint
-from cxrfl.surgical.round_aggregator import RoundAggregator, RoundResult
 from cxrfl.surgical.config import RESUME_KEYS, SurgicalConfig
 from cxrfl.surgical.head_modes import drop_head, payload_for
 from cxrfl.surgical.host import TRAIN, VALIDATE
 from cxrfl.surgical.join import add_classes, waiting_sites
+from cxrfl.surgical.round_aggregator import RoundAggregator, RoundResult
 from cxrfl.surgical.state import RunState
 
 GLOBAL_MODEL = "FL_global_model.pt"

@@ -6,12 +6,12 @@ for the NVFlare simulator; ``render_cxr`` draws a single radiograph from a findi
 See ``shared/SYNTHETIC.md`` for what the images show and why.
 """
 
+from cxrfl.synth import fedfew_profile as _fedfew_profile  # noqa: F401  registers the `fedfew` profile
 from cxrfl.synth.cohort import CaseMix, Exam, sample_cohort
 from cxrfl.synth.profiles import PROFILES, SHARED_CLASSES, Profile, SiteSpec, get_profile
 from cxrfl.synth.render import render_cxr
 from cxrfl.synth.styles import STYLES, AcquisitionStyle
 from cxrfl.synth.writer import demo_site_config, write_profile
-from cxrfl.synth import fedfew_profile as _fedfew_profile  # noqa: F401  registers the `fedfew` profile
 
 __all__ = [
     "PROFILES",

@@ -21,7 +21,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cxrfl.synth.draw import Array, Grid, blur, disc, ellipse_r, segment_distance, segment_samples, smooth_noise, soft, splat
+from cxrfl.synth.draw import (
+    Array,
+    Grid,
+    blur,
+    disc,
+    ellipse_r,
+    segment_distance,
+    segment_samples,
+    smooth_noise,
+    soft,
+    splat,
+)
 
 SIDES = (-1, 1)
 AIR_K = 0.5

@@ -29,8 +29,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from cxrfl.errors import ConfigError
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
+from cxrfl.errors import ConfigError
 from cxrfl.synth.cohort import CaseMix
 from cxrfl.synth.styles import STYLES
 

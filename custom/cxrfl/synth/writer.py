@@ -37,8 +37,8 @@ import numpy as np
 import yaml
 from PIL import Image
 
+from cxrfl.data.labels import CHEXPERT_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.errors import ConfigError
-from cxrfl.data.labels import CHEXPERT_CLASSES, NIH_COLUMN_NAMES, NIH_CLASSES
 from cxrfl.synth.anatomy import Anatomy, jitter_position, sample_anatomy
 from cxrfl.synth.cohort import Exam, sample_cohort
 from cxrfl.synth.profiles import DEFAULT_IMAGE_SIZE, SiteSpec, get_profile

@@ -32,9 +32,8 @@ from cxrfl.bench.fedfew.settings import BenchSettings
 from cxrfl.common.io import to_numpy
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.data.dataset import make_loader
-from cxrfl.fedfew.prototypes import uc_metrics
 from cxrfl.fedfew.model import FedFewModel
-from cxrfl.fedfew.prototypes import cosine_distance
+from cxrfl.fedfew.prototypes import cosine_distance, uc_metrics
 from cxrfl.fedfew.ssl import load_encoder
 from cxrfl.nn.metrics import per_class_auroc
 from cxrfl.nn.models import CXRNet, ModelConfig, build_model
