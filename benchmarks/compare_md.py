@@ -85,29 +85,39 @@ def speed_verdict_rows(res: dict[str, Any]) -> list[str]:
     rows = []
     sim = res.get("simulator")
     if sim:
-        rows.append(f"| simulator >= 0.9x plain loop | {_met(sim['ratio'] >= 0.9)}: {sim['ratio']:.2f}x "
-                    f"({sim['simulator_mean']:.1f} vs {sim['plain_mean']:.1f} images/s) | |")
+        rows.append(
+            f"| simulator >= 0.9x plain loop | {_met(sim['ratio'] >= 0.9)}: {sim['ratio']:.2f}x "
+            f"({sim['simulator_mean']:.1f} vs {sim['plain_mean']:.1f} images/s) | |"
+        )
     row = (res.get("aggregation") or {}).get("sites", {}).get("10")
     if row:
         core, comp, nv = row["surgical"], row["surgical_nvflare"], row["nvflare_fedavg"]
         r, rn = core["ratio_to_nvflare_fedavg"], comp["ratio_to_nvflare_fedavg"]
-        rows.append(f"| surgical aggregation of 10 updates <= 1.5x NVFlare FedAvg | `surgical_aggregate` {_met(r <= 1.5)}: "
-                    f"{r:.2f}x ({core['median_seconds']:.3f} s vs {nv['median_seconds']:.3f} s); the job's NVFlare component "
-                    f"`SurgicalAggregator`, which also validates every update, {_met(rn <= 1.5)}: {rn:.2f}x "
-                    f"({comp['median_seconds']:.3f} s) | |")
+        rows.append(
+            f"| surgical aggregation of 10 updates <= 1.5x NVFlare FedAvg | `surgical_aggregate` {_met(r <= 1.5)}: "
+            f"{r:.2f}x ({core['median_seconds']:.3f} s vs {nv['median_seconds']:.3f} s); the job's NVFlare component "
+            f"`SurgicalAggregator`, which also validates every update, {_met(rn <= 1.5)}: {rn:.2f}x "
+            f"({comp['median_seconds']:.3f} s) | |"
+        )
         if core["extra_model_sizes"] is not None:
-            rows.append(f"| peak extra memory < 3 model sizes | {_met(core['extra_model_sizes'] < 3)}: "
-                        f"{core['extra_model_sizes']:.2f} (`surgical_aggregate`), {comp['extra_model_sizes']:.2f} "
-                        f"(`SurgicalAggregator`); NVFlare's FedAvg {nv['extra_model_sizes']:.2f} | |")
+            rows.append(
+                f"| peak extra memory < 3 model sizes | {_met(core['extra_model_sizes'] < 3)}: "
+                f"{core['extra_model_sizes']:.2f} (`surgical_aggregate`), {comp['extra_model_sizes']:.2f} "
+                f"(`SurgicalAggregator`); NVFlare's FedAvg {nv['extra_model_sizes']:.2f} | |"
+            )
     pay = res.get("payload")
     if pay:
         ok = all(r["surgical"]["equals_feature_extractor_plus_own_rows"] for r in pay["sites"].values())
-        sizes = ", ".join(f"{r['surgical']['raw_bytes'] / 1e6:.3f} MB for {r['surgical']['head_rows']} rows"
-                          for r in pay["sites"].values())
+        sizes = ", ".join(
+            f"{r['surgical']['raw_bytes'] / 1e6:.3f} MB for {r['surgical']['head_rows']} rows"
+            for r in pay["sites"].values()
+        )
         share = 100 * pay["feature_extractor_bytes"] / pay["full_model_bytes"]
-        rows.append(f"| payload = feature extractor + own head rows | {'met exactly' if ok else '**not met**'} ({sizes}, full "
-                    f"model {pay['full_model_bytes'] / 1e6:.3f} MB): the DenseNet feature extractor is {share:.1f} % of the "
-                    "model, so surgical aggregation saves almost no traffic; its point is privacy, not bandwidth | |")
+        rows.append(
+            f"| payload = feature extractor + own head rows | {'met exactly' if ok else '**not met**'} ({sizes}, full "
+            f"model {pay['full_model_bytes'] / 1e6:.3f} MB): the DenseNet feature extractor is {share:.1f} % of the "
+            "model, so surgical aggregation saves almost no traffic; its point is privacy, not bandwidth | |"
+        )
     return rows
 
 
@@ -134,8 +144,10 @@ def target_verdict_rows(name: str, res: dict[str, Any]) -> list[str]:
             measured = f"{a} {t['value']:.3f}" + (f" (95% CI {lo:.3f}-{hi:.3f})" if lo is not None else "")
         else:
             tests = "; ".join(x for x in (_p_text(t.get("classes"), "classes"), _p_text(t.get("seeds"), "seeds")) if x)
-            measured = (f"{a} {t['value']:.3f} vs {methods[t['against']]['label']} {t['other']:.3f}: "
-                        f"{t['difference']:+.3f}" + (f" ({tests})" if tests else ""))
+            measured = (
+                f"{a} {t['value']:.3f} vs {methods[t['against']]['label']} {t['other']:.3f}: "
+                f"{t['difference']:+.3f}" + (f" ({tests})" if tests else "")
+            )
         rows.append(f"| `{name}` | {t['target']} | {where} | {verdict} | {measured} |")
     return rows
 
@@ -166,19 +178,43 @@ def ablation_settings(res: dict[str, Any], folder: Path) -> list[str]:
         setting = folder / f"{res['ablation']}-{value}"
         r = json.loads((setting / "results.json").read_text())
         runs = [run for d in r["methods"].values() for run in d["runs"]]
-        rounds = "; ".join(f"{d['label']} {', '.join(str(run['best_round']) for run in d['runs'])}"
-                           for d in r["methods"].values())
+        rounds = "; ".join(
+            f"{d['label']} {', '.join(str(run['best_round']) for run in d['runs'])}" for d in r["methods"].values()
+        )
         early = sum(bool(run["stopped_early"]) for run in runs)
         commits_ = ", ".join(f"`{c['commit'][:7]}`" + (" (dirty)" if c["dirty"] else "") for c in r["commits"])
-        machines = "; ".join(f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} thread(s), {m['device']}"
-                             for m in r["machines"])
-        rows.append([str(value), str(len(runs)), rounds, f"{early} of {len(runs)}", f"{r['run_seconds'] / 3600:.2f}",
-                     commits_, machines, f"[curves]({setting / 'learning_curves.png'})"])
-    header = [res["ablation"], "runs", "selected round per seed", "stopped early", "training (h)", "commits", "machine",
-              "learning curves"]
-    return ["Convergence and provenance per setting (each run trains until the mean validation loss has not "
-            "improved for the protocol's patience; a run that reached the max-rounds guard did not stop early):", "",
-            markdown_table(header, rows), ""]
+        machines = "; ".join(
+            f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} thread(s), {m['device']}" for m in r["machines"]
+        )
+        rows.append(
+            [
+                str(value),
+                str(len(runs)),
+                rounds,
+                f"{early} of {len(runs)}",
+                f"{r['run_seconds'] / 3600:.2f}",
+                commits_,
+                machines,
+                f"[curves]({setting / 'learning_curves.png'})",
+            ]
+        )
+    header = [
+        res["ablation"],
+        "runs",
+        "selected round per seed",
+        "stopped early",
+        "training (h)",
+        "commits",
+        "machine",
+        "learning curves",
+    ]
+    return [
+        "Convergence and provenance per setting (each run trains until the mean validation loss has not "
+        "improved for the protocol's patience; a run that reached the max-rounds guard did not stop early):",
+        "",
+        markdown_table(header, rows),
+        "",
+    ]
 
 
 def comparison_section(name: str, path: Path) -> list[str]:
@@ -187,24 +223,46 @@ def comparison_section(name: str, path: Path) -> list[str]:
     if path.name == "ablation.json":
         title, _, rest = demote(format_ablation(res), 2).partition("\n")
         plot = path.parent / f"ablation_{res['ablation']}.png"
-        return [title, "", provenance(path), rest, "", *ablation_settings(res, path.parent),
-                *([f"![mean AUROC per setting, {name}]({plot})", ""] if plot.is_file() else []),
-                f"Each setting's full report (per-class AUROCs, intervals, plots): "
-                f"`{path.parent}/{res['ablation']}-<value>/report.md`.", ""]
+        return [
+            title,
+            "",
+            provenance(path),
+            rest,
+            "",
+            *ablation_settings(res, path.parent),
+            *([f"![mean AUROC per setting, {name}]({plot})", ""] if plot.is_file() else []),
+            f"Each setting's full report (per-class AUROCs, intervals, plots): "
+            f"`{path.parent}/{res['ablation']}-<value>/report.md`.",
+            "",
+        ]
     if "machines" not in res:  # written by the short-budget protocol this one replaced
-        return [f"### `{name}`", "", f"`{path}` holds results of the earlier short-budget protocol (issue 4); rerun "
-                "`cxrfl bench compare` with the converged protocol (issue 14) to report it here.", ""]
+        return [
+            f"### `{name}`",
+            "",
+            f"`{path}` holds results of the earlier short-budget protocol (issue 4); rerun "
+            "`cxrfl bench compare` with the converged protocol (issue 14) to report it here.",
+            "",
+        ]
     c = commits(path)
-    origin = (f"Every run's commit and machine are recorded with it (Code and Machine below); this summary is of "
-              f"`{path.name}` as committed in {c['current']}.")
+    origin = (
+        f"Every run's commit and machine are recorded with it (Code and Machine below); this summary is of "
+        f"`{path.name}` as committed in {c['current']}."
+    )
     text = format_report(res, summary=True, heading="###")
     if name != res["profile"]:  # e.g. the same profile from a pretrained feature extractor, or on a GPU
         text = text.replace(f"`{res['profile']}`", f"`{res['profile']}` ({name})", 1)
     title, _, rest = text.partition("\n")
     curves = path.parent / "learning_curves.png"
-    return [title, "", origin, rest, "",
-            *([f"![learning curves of every run, {name}]({curves})", ""] if curves.is_file() else []),
-            f"Full report with per-class AUROCs, intervals and plots: `{path.parent / 'report.md'}`.", ""]
+    return [
+        title,
+        "",
+        origin,
+        rest,
+        "",
+        *([f"![learning curves of every run, {name}]({curves})", ""] if curves.is_file() else []),
+        f"Full report with per-class AUROCs, intervals and plots: `{path.parent / 'report.md'}`.",
+        "",
+    ]
 
 
 def compare_block(root: Path, intro: Path | None) -> str:
@@ -226,8 +284,11 @@ def compare_block(root: Path, intro: Path | None) -> str:
             parts += comparison_section(name, found[name])
     if speed:
         c = commits(speed_path)
-        ran = [p for p in ("simulator", "aggregation", "payload") if p in speed and p not in speed.get("carried_over", {})]
+        ran = [
+            p for p in ("simulator", "aggregation", "payload") if p in speed and p not in speed.get("carried_over", {})
+        ]
         kept = list(speed.get("carried_over", {}))
+
         def names(parts: list[str]) -> str:
             return " and ".join(parts) + (" parts were" if len(parts) > 1 else " part was")
 
@@ -261,8 +322,10 @@ def cwt_block(root: Path) -> str:
         return "(no `cwt/results.json` yet: run `cxrfl bench cwt --seeds 5 --out benchmarks/results/cwt`)\n"
     res = json.loads(path.read_text())
     title, _, rest = demote(relink(cwt_markdown(res), path.parent), 2).partition("\n")
-    origin = (f"The runs went on across sessions; each names the commit it was trained with (Code below). This summary "
-              f"is of `{path}` as committed in {commits(path)['current']}.")
+    origin = (
+        f"The runs went on across sessions; each names the commit it was trained with (Code below). This summary "
+        f"is of `{path}` as committed in {commits(path)['current']}."
+    )
     return "\n".join([title, "", origin, rest.rstrip(), ""])
 
 
@@ -284,8 +347,11 @@ def main() -> None:
     args = p.parse_args()
     root = Path(args.results)
     out = Path(args.out)
-    blocks = {"compare": compare_block(root, Path(args.intro) if args.intro else None), "fedfew": fedfew_block(root),
-              "cwt": cwt_block(root)}
+    blocks = {
+        "compare": compare_block(root, Path(args.intro) if args.intro else None),
+        "fedfew": fedfew_block(root),
+        "cwt": cwt_block(root),
+    }
     out.write_text(fill(out.read_text(), blocks))
     print(f"wrote the generated blocks of {out}")
 

@@ -1,6 +1,6 @@
 """Load benchmark (issue 8): ``cxrfl bench load`` (every option: ``cxrfl bench load --help``).
 
-    python benchmarks/load_sites.py --sites 10 --rounds 3 --out benchmarks/results/load
+python benchmarks/load_sites.py --sites 10 --rounds 3 --out benchmarks/results/load
 """
 
 from __future__ import annotations

@@ -45,14 +45,18 @@ def make_data(n: int, size: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.
         if ex.study > 1:
             anat = jitter_position(anat, np.random.default_rng([seed, 3, ex.patient, ex.study]))
         style = STYLES[ex.patient % len(STYLES)]
-        img = render_cxr(ex.findings, style, np.random.default_rng([seed, 2, i]), size, view=ex.view, supine=ex.supine, anatomy=anat)
+        img = render_cxr(
+            ex.findings, style, np.random.default_rng([seed, 2, i]), size, view=ex.view, supine=ex.supine, anatomy=anat
+        )
         images[i] = img / 255.0
     labels = np.array([[c in ex.findings for c in KNOWN_CLASSES] for ex in exams], dtype=np.float32)
     return images, labels, np.array([ex.patient for ex in exams])
 
 
 def _auroc(y: np.ndarray, p: np.ndarray) -> dict[str, float]:
-    return {c: float(roc_auc_score(y[:, j], p[:, j])) for j, c in enumerate(KNOWN_CLASSES) if 0 < y[:, j].sum() < len(y)}
+    return {
+        c: float(roc_auc_score(y[:, j], p[:, j])) for j, c in enumerate(KNOWN_CLASSES) if 0 < y[:, j].sum() < len(y)
+    }
 
 
 def probe_logreg(x_tr: np.ndarray, y_tr: np.ndarray, x_te: np.ndarray, y_te: np.ndarray) -> dict[str, float]:
@@ -72,7 +76,9 @@ def probe_logreg(x_tr: np.ndarray, y_tr: np.ndarray, x_te: np.ndarray, y_te: np.
     return _auroc(y_te, scores)
 
 
-def probe_cnn(x_tr: np.ndarray, y_tr: np.ndarray, x_te: np.ndarray, y_te: np.ndarray, epochs: int, seed: int) -> dict[str, float]:
+def probe_cnn(
+    x_tr: np.ndarray, y_tr: np.ndarray, x_te: np.ndarray, y_te: np.ndarray, epochs: int, seed: int
+) -> dict[str, float]:
     """A small CNN (4 conv blocks, global pooling, linear head) trained with multi-label BCE."""
     import torch
     from torch import nn
@@ -81,9 +87,25 @@ def probe_cnn(x_tr: np.ndarray, y_tr: np.ndarray, x_te: np.ndarray, y_te: np.nda
     torch.set_num_threads(2)
 
     def block(i: int, o: int) -> nn.Module:
-        return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU(), nn.Conv2d(o, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU(), nn.MaxPool2d(2))
+        return nn.Sequential(
+            nn.Conv2d(i, o, 3, padding=1),
+            nn.BatchNorm2d(o),
+            nn.ReLU(),
+            nn.Conv2d(o, o, 3, padding=1),
+            nn.BatchNorm2d(o),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
 
-    model = nn.Sequential(block(1, 16), block(16, 32), block(32, 64), block(64, 96), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(96, y_tr.shape[1]))
+    model = nn.Sequential(
+        block(1, 16),
+        block(16, 32),
+        block(32, 64),
+        block(64, 96),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(96, y_tr.shape[1]),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
     xt, yt = torch.from_numpy(x_tr[:, None]), torch.from_numpy(y_tr)
     gen = torch.Generator().manual_seed(seed)
@@ -114,9 +136,15 @@ def main() -> None:
     x, y, patients = make_data(args.n, args.size, args.seed)
     render_s = time.time() - t0
     test = patients % 3 == 0
-    results: dict[str, object] = {"n": args.n, "size": args.size, "seed": args.seed, "render_s": round(render_s, 1),
-                                  "train": int((~test).sum()), "test": int(test.sum()),
-                                  "test_positives": {c: int(v) for c, v in zip(KNOWN_CLASSES, y[test].sum(0))}}
+    results: dict[str, object] = {
+        "n": args.n,
+        "size": args.size,
+        "seed": args.seed,
+        "render_s": round(render_s, 1),
+        "train": int((~test).sum()),
+        "test": int(test.sum()),
+        "test_positives": {c: int(v) for c, v in zip(KNOWN_CLASSES, y[test].sum(0))},
+    }
     for name in ("logreg", "cnn"):
         if args.model not in (name, "both"):
             continue
@@ -125,8 +153,11 @@ def main() -> None:
             auc = probe_logreg(x[~test], y[~test], x[test], y[test])
         else:
             auc = probe_cnn(x[~test], y[~test], x[test], y[test], args.epochs, args.seed)
-        results[name] = {"auroc": {k: round(v, 3) for k, v in auc.items()}, "mean": round(float(np.mean(list(auc.values()))), 3),
-                         "seconds": round(time.time() - t, 1)}
+        results[name] = {
+            "auroc": {k: round(v, 3) for k, v in auc.items()},
+            "mean": round(float(np.mean(list(auc.values()))), 3),
+            "seconds": round(time.time() - t, 1),
+        }
     print(json.dumps(results, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")

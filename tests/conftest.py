@@ -32,8 +32,10 @@ def require_data(present: bool, message: str) -> None:
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The real data folder; tests that need it skip with a clear message where it is absent (fail in CI)."""
-    require_data((SHARED_DATA / "nih1000").is_dir(),
-                 f"real NIH data not found at {SHARED_DATA} (the shared/ folder beside the checkout)")
+    require_data(
+        (SHARED_DATA / "nih1000").is_dir(),
+        f"real NIH data not found at {SHARED_DATA} (the shared/ folder beside the checkout)",
+    )
     return SHARED_DATA
 
 

@@ -21,7 +21,9 @@ def tiny_site(folder: Path, name: str, labels: dict[str, list[float]], splits: l
     for i, split in enumerate(splits):
         path = folder / f"{name}-{i}.png"
         Image.fromarray(rng.integers(0, 255, (32, 32), dtype=np.uint8)).save(path)
-        rows.append({"path": str(path), "patient": f"{name}-p{i}", "split": split, **{c: v[i] for c, v in labels.items()}})
+        rows.append(
+            {"path": str(path), "patient": f"{name}-p{i}", "split": split, **{c: v[i] for c, v in labels.items()}}
+        )
     return SiteData(site=name, classes=list(labels), table=pd.DataFrame(rows))
 
 
@@ -61,8 +63,12 @@ class Recorder(Wrapper):
 class Failing(Wrapper):
     """Raises ``error`` on the tasks for which ``when(task, meta)`` is true (a site that is down)."""
 
-    def __init__(self, host: SiteHost, when: Callable[[str, Mapping[str, Any]], bool],
-                 error: Callable[[], BaseException] = lambda: RuntimeError("site is down")) -> None:
+    def __init__(
+        self,
+        host: SiteHost,
+        when: Callable[[str, Mapping[str, Any]], bool],
+        error: Callable[[], BaseException] = lambda: RuntimeError("site is down"),
+    ) -> None:
         super().__init__(host)
         self.when = when
         self.error = error

@@ -71,8 +71,11 @@ def test_unique_class_keeps_its_row_exactly():
 
 
 def test_explicit_class_order_and_unknown_class():
-    params, classes = surgical_aggregate(three_sites(), classes=["z", "y", "x", "w", "extra"],
-                                         reference={W: np.full((5, 2), 7.0, np.float32), B: np.full(5, 7.0, np.float32)})
+    params, classes = surgical_aggregate(
+        three_sites(),
+        classes=["z", "y", "x", "w", "extra"],
+        reference={W: np.full((5, 2), 7.0, np.float32), B: np.full(5, 7.0, np.float32)},
+    )
     assert classes == ["z", "y", "x", "w", "extra"]
     np.testing.assert_allclose(params[W], [[6, 0], [2, 2], [2, 1], [9, 9], [7, 7]])  # extra: reference row
     np.testing.assert_allclose(params[B], [6, 2, 2, 9, 7])
@@ -135,8 +138,11 @@ def test_payload_rows_in_site_order():
 def random_sites(rng, n_sites, classes, kind):
     ups = []
     for i in range(n_sites):
-        body = {"conv.weight": rng.normal(size=(4, 3, 3, 3)), "norm.running_var": rng.random(4) + 0.5,
-                "fc.bias": rng.normal(size=6)}
+        body = {
+            "conv.weight": rng.normal(size=(4, 3, 3, 3)),
+            "norm.running_var": rng.random(4) + 0.5,
+            "fc.bias": rng.normal(size=6),
+        }
         head = {c: (rng.normal(size=6), rng.normal()) for c in classes}
         u = update(f"site-{i}", head, body, n=int(rng.integers(1, 500)))
         ups.append(to_torch(u) if kind == "torch" else u)
@@ -218,7 +224,13 @@ def test_finiteness_check_is_exact_behind_the_cheap_sums(kind):
     values is not a rejection, and the key named is the first bad one in the update's order."""
     big = np.full((64, 128), 3e38, np.float32)  # large (summed alone): finite, its sum overflows
     small = {f"f.s{i}": np.full((4,), 3e38, np.float32) for i in range(3)}  # small: their joint sum overflows
-    params = {"f.big": big, **small, "f.n": np.zeros(3, np.int64), W: np.ones((1, 2), np.float32), B: np.ones(1, np.float32)}
+    params = {
+        "f.big": big,
+        **small,
+        "f.n": np.zeros(3, np.int64),
+        W: np.ones((1, 2), np.float32),
+        B: np.ones(1, np.float32),
+    }
     u = {"site": "h1", "classes": ["x"], "params": params, "num_samples": 1}
     conv = (lambda u: to_torch(u)) if kind == "torch" else (lambda u: u)
     validate_update(conv(u))  # finite everywhere: accepted
@@ -382,8 +394,11 @@ def test_clip_reference_rows_follow_the_global_class_order():
         update("a", {"y": ([5.0], 5.0), "x": ([1.0], 1.0)}, {"f": [0.0]}),
         update("b", {"x": ([3.0], 3.0)}, {"f": [2.0]}),
     ]
-    ref_sorted = {"f": np.zeros(1, np.float32), W: np.array([[2.0], [4.0]], np.float32),
-                  B: np.array([2.0, 4.0], np.float32)}
+    ref_sorted = {
+        "f": np.zeros(1, np.float32),
+        W: np.array([[2.0], [4.0]], np.float32),
+        B: np.array([2.0, 4.0], np.float32),
+    }
     # clip_norm 1.5: x deltas (-1, -1) and (1, 1) have norm 1.41 (kept); y delta (1, 1) kept; body deltas 0 and 2 -> 1.5
     params, classes = surgical_aggregate(ups, robust="clip", clip_norm=1.5, reference=ref_sorted)
     assert classes == ["x", "y"]
@@ -398,10 +413,12 @@ def test_clip_reference_rows_follow_the_global_class_order():
 def test_adaptive_clip_bounds_every_update_by_the_lower_median_norm_of_its_round():
     # clip_norm None with robust: the bound is the round's lower median update norm (hand-computed below).
     ref = {"f": np.zeros(2, np.float32), W: np.zeros((1, 1), np.float32), B: np.zeros(1, np.float32)}
-    ups = [update("a", {"x": ([3.0], 4.0)}, {"f": [1.0, 0.0]}),    # body norm 1, head row norm 5
-           update("b", {"x": ([0.0], 1.0)}, {"f": [0.0, 2.0]}),    # 2, 1
-           update("c", {"x": ([1.0], 0.0)}, {"f": [3.0, 0.0]}),    # 3, 1
-           update("d", {"x": ([300.0], 400.0)}, {"f": [0.0, 400.0]})]  # hostile: 400, 500
+    ups = [
+        update("a", {"x": ([3.0], 4.0)}, {"f": [1.0, 0.0]}),  # body norm 1, head row norm 5
+        update("b", {"x": ([0.0], 1.0)}, {"f": [0.0, 2.0]}),  # 2, 1
+        update("c", {"x": ([1.0], 0.0)}, {"f": [3.0, 0.0]}),  # 3, 1
+        update("d", {"x": ([300.0], 400.0)}, {"f": [0.0, 400.0]}),
+    ]  # hostile: 400, 500
     params, _ = surgical_aggregate(ups, robust="clip", clip_norm=None, reference=ref, classes=["x"])
     # body bound = lower median of (1, 2, 3, 400) = 2: c -> (2, 0), d -> (0, 2); mean (1+0+2+0, 0+2+0+2)/4
     np.testing.assert_allclose(params["f"], [0.75, 1.0], rtol=1e-6)

@@ -19,11 +19,39 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def compare_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bench")
-    cmd = [str(Path(sys.executable).with_name("cxrfl")), "bench", "compare", "--profile", "two-hospitals",
-           "--out", str(out / "res"), "--data-dir", str(out / "data"), "--seeds", "1", "--max-rounds", "1", "--steps", "1",
-           "--batch-size", "8", "--image-size", "32", "--data-image-size", "32", "--n-per-site", "30",
-           "--n-external", "30", "--n-boot", "20", "--threads", "1",
-           "--methods", "individual,vanilla-fedavg,pfl-fedavg,partial-fedavg"]
+    cmd = [
+        str(Path(sys.executable).with_name("cxrfl")),
+        "bench",
+        "compare",
+        "--profile",
+        "two-hospitals",
+        "--out",
+        str(out / "res"),
+        "--data-dir",
+        str(out / "data"),
+        "--seeds",
+        "1",
+        "--max-rounds",
+        "1",
+        "--steps",
+        "1",
+        "--batch-size",
+        "8",
+        "--image-size",
+        "32",
+        "--data-image-size",
+        "32",
+        "--n-per-site",
+        "30",
+        "--n-external",
+        "30",
+        "--n-boot",
+        "20",
+        "--threads",
+        "1",
+        "--methods",
+        "individual,vanilla-fedavg,pfl-fedavg,partial-fedavg",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "surgical-fedavg: round 1: 2 of 2 site(s) aggregated" in proc.stdout  # progress lines while it runs
@@ -33,8 +61,14 @@ def compare_run(tmp_path_factory) -> Path:
 def test_results_json_structure(compare_run):
     res = json.loads((compare_run / "results.json").read_text())
     assert res["profile"] == "two-hospitals" and res["reference"] == "surgical-fedavg"
-    assert set(res["methods"]) == {"individual:hospital-a", "individual:hospital-b", "pfl-fedavg", "vanilla-fedavg",
-                                   "partial-fedavg", "surgical-fedavg"}
+    assert set(res["methods"]) == {
+        "individual:hospital-a",
+        "individual:hospital-b",
+        "pfl-fedavg",
+        "vanilla-fedavg",
+        "partial-fedavg",
+        "surgical-fedavg",
+    }
     assert set(res["views"]) == {"hospital-a", "hospital-b", "external", "external@hospital-a", "external@hospital-b"}
     assert len(res["data"]["shared_classes"]) == 7 and len(res["data"]["union"]) == 20
     assert res["seeds"] == [0] and res["settings"]["max_rounds"] == 1
@@ -54,7 +88,17 @@ def test_results_json_structure(compare_run):
         assert run["val_loss"][0] == pytest.approx(np.mean([run["site_val_loss"][s][0] for s in sites]))
         for view, cell in m["test"].items():
             assert set(cell["auroc"]) == set(res["views"][view]["classes"])
-            for key in ("mean", "sd", "n", "ci", "mean_ci", "mean_by_seed", "auroc_by_seed", "vs_reference", "model_knows"):
+            for key in (
+                "mean",
+                "sd",
+                "n",
+                "ci",
+                "mean_ci",
+                "mean_by_seed",
+                "auroc_by_seed",
+                "vs_reference",
+                "model_knows",
+            ):
                 assert key in cell, (name, view, key)
             assert [set(a) for a in cell["auroc_by_seed"]] == [set(cell["auroc"])]  # per seed, per class
             for c, v in cell["auroc"].items():
@@ -86,8 +130,14 @@ def test_results_json_structure(compare_run):
 
 def test_report_has_the_papers_tables(compare_run):
     text = (compare_run / "report.md").read_text()
-    for heading in ("## Mean AUROC, all classes", "## Shared vs unique classes", "## External set by each site's classes",
-                    "## Per-class AUROC", "## Targets", "## Plots"):
+    for heading in (
+        "## Mean AUROC, all classes",
+        "## Shared vs unique classes",
+        "## External set by each site's classes",
+        "## Per-class AUROC",
+        "## Targets",
+        "## Plots",
+    ):
         assert heading in text
     assert "| FL + SA (FedAvg) |" in text and "| hospital-a (individual) |" in text
     assert "hospital-a shared | hospital-a unique" in text
@@ -99,8 +149,13 @@ def test_report_has_the_papers_tables(compare_run):
 def test_plots_are_non_empty_pngs(compare_run):
     res = json.loads((compare_run / "results.json").read_text())
     names = set(res["plots"])
-    assert {"auroc_hospital-a.png", "auroc_hospital-b.png", "auroc_external.png", "roc_external.png",
-            "learning_curves.png"} <= names
+    assert {
+        "auroc_hospital-a.png",
+        "auroc_hospital-b.png",
+        "auroc_external.png",
+        "roc_external.png",
+        "learning_curves.png",
+    } <= names
     for name in names:
         data = (compare_run / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
@@ -124,9 +179,16 @@ def test_pooled_site_marks_missing_labels_negative():
     import pandas as pd
     from cxrfl.data.site import SiteData
 
-    a = SiteData("a", ["x", "y"], pd.DataFrame({"path": ["1", "2"], "patient": ["p", "q"], "split": ["train", "val"],
-                                                 "x": [1.0, np.nan], "y": [0.0, 1.0]}))
-    b = SiteData("b", ["y", "z"], pd.DataFrame({"path": ["3"], "patient": ["p"], "split": ["train"], "y": [1.0], "z": [1.0]}))
+    a = SiteData(
+        "a",
+        ["x", "y"],
+        pd.DataFrame(
+            {"path": ["1", "2"], "patient": ["p", "q"], "split": ["train", "val"], "x": [1.0, np.nan], "y": [0.0, 1.0]}
+        ),
+    )
+    b = SiteData(
+        "b", ["y", "z"], pd.DataFrame({"path": ["3"], "patient": ["p"], "split": ["train"], "y": [1.0], "z": [1.0]})
+    )
     pooled = pooled_site([a, b])
     assert pooled.classes == ["x", "y", "z"]
     t = pooled.table
@@ -137,7 +199,7 @@ def test_pooled_site_marks_missing_labels_negative():
 
 def markdown_table_after(text: str, heading: str) -> list[list[str]]:
     """The cells of the first Markdown table after ``heading`` (header row first, separator dropped)."""
-    lines = text[text.index(heading):].splitlines()
+    lines = text[text.index(heading) :].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("|"))
     rows = []
     for line in lines[start:]:
@@ -156,8 +218,9 @@ def test_report_renders_from_results_alone(compare_run):
     # here and each cell checked against the results' numbers, under the right method and view
     header, *rows = markdown_table_after(text, "## Mean AUROC, all classes")
     views = [v for v, d in res["views"].items() if d["kind"] in ("site", "external")]
-    assert header == ["method"] + [f"{v} ({'test split' if res['views'][v]['kind'] == 'site' else 'external'})"
-                                   for v in views]
+    assert header == ["method"] + [
+        f"{v} ({'test split' if res['views'][v]['kind'] == 'site' else 'external'})" for v in views
+    ]
     by_label = {r[0]: r[1:] for r in rows}
     assert set(by_label) == {m["label"] for m in res["methods"].values()}
     shown = set()
@@ -178,8 +241,16 @@ def test_pretrained_stand_in_loads_into_the_feature_extractor(tmp_path):
     from cxrfl.nn.models import ModelConfig, build_model, load_checkpoint
 
     ckpt = tmp_path / "pre.pt"
-    summary = pretrain_backbone(ckpt, data_dir=tmp_path / "data", n_images=30, image_size=32, data_image_size=32, steps=2,
-                                batch_size=8, log=lambda _m: None)
+    summary = pretrain_backbone(
+        ckpt,
+        data_dir=tmp_path / "data",
+        n_images=30,
+        image_size=32,
+        data_image_size=32,
+        steps=2,
+        batch_size=8,
+        log=lambda _m: None,
+    )
     assert summary["steps"] == 2 and ckpt.is_file()
     saved = load_checkpoint(ckpt)
     assert len(saved["classes"]) == 20

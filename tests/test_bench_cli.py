@@ -18,8 +18,9 @@ def fedfew_calls(monkeypatch):
     import cxrfl.bench.fedfew as bench_fedfew
 
     calls = []
-    monkeypatch.setattr(bench_fedfew, "run_fedfew_benchmark",
-                        lambda out, seeds, **kw: calls.append({"out": out, "seeds": seeds, **kw}))
+    monkeypatch.setattr(
+        bench_fedfew, "run_fedfew_benchmark", lambda out, seeds, **kw: calls.append({"out": out, "seeds": seeds, **kw})
+    )
     return calls
 
 
@@ -31,8 +32,27 @@ def run(argv: list[str]) -> int:
 def test_bench_fedfew_options_reach_the_benchmark(tmp_path, fedfew_calls):
     from cxrfl.bench.fedfew import QUICK
 
-    assert run(["bench", "fedfew", "--quick", "--methods", "mlc,fedfew", "--rounds", "3", "--jobs", "1",
-                "--out", str(tmp_path), "--seeds", "2", "--no-resume"]) == 0
+    assert (
+        run(
+            [
+                "bench",
+                "fedfew",
+                "--quick",
+                "--methods",
+                "mlc,fedfew",
+                "--rounds",
+                "3",
+                "--jobs",
+                "1",
+                "--out",
+                str(tmp_path),
+                "--seeds",
+                "2",
+                "--no-resume",
+            ]
+        )
+        == 0
+    )
     (call,) = fedfew_calls
     s = call["settings"]
     assert call["out"] == tmp_path and call["seeds"] == 2 and call["resume"] is False

@@ -23,11 +23,23 @@ from cxrfl.synth.fedfew_profile import FEDFEW_UCS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # per (method, seed) the F1 of Edema, Pneumonia, Hernia; mean UC F1: fedfew 0.4 and 0.5, mlc 0.2 and 0.25
-F1 = {("fedfew", 0): (0.2, 0.4, 0.6), ("fedfew", 1): (0.3, 0.5, 0.7), ("mlc", 0): (0.1, 0.2, 0.3), ("mlc", 1): (0.15, 0.25, 0.35),
-      ("fedfew-lambda1", 0): (0.5, 0.5, 0.5), ("fedfew-lambda1", 1): (0.6, 0.6, 0.6)}
+F1 = {
+    ("fedfew", 0): (0.2, 0.4, 0.6),
+    ("fedfew", 1): (0.3, 0.5, 0.7),
+    ("mlc", 0): (0.1, 0.2, 0.3),
+    ("mlc", 1): (0.15, 0.25, 0.35),
+    ("fedfew-lambda1", 0): (0.5, 0.5, 0.5),
+    ("fedfew-lambda1", 1): (0.6, 0.6, 0.6),
+}
 PROBE = {0: [(0, 0.55), (5, 0.65)], 1: [(0, 0.57), (5, 0.71)]}
-AUROC = {("fedfew", 0): 0.70, ("fedfew", 1): 0.74, ("mlc", 0): 0.60, ("mlc", 1): 0.66, ("fedfew-lambda1", 0): 0.71,
-         ("fedfew-lambda1", 1): 0.73}
+AUROC = {
+    ("fedfew", 0): 0.70,
+    ("fedfew", 1): 0.74,
+    ("mlc", 0): 0.60,
+    ("mlc", 1): 0.66,
+    ("fedfew-lambda1", 0): 0.71,
+    ("fedfew-lambda1", 1): 0.73,
+}
 
 
 class FakeSeedRun:
@@ -43,16 +55,31 @@ class FakeSeedRun:
         if (method, self.seed) == FakeSeedRun.fail:
             raise RuntimeError("killed")
         FakeSeedRun.calls.append((method, self.seed))
-        uc = {u: {"accuracy": 0.5, "precision": f, "recall": f, "f1": f, "flagged_positives": 0.8,
-                  "flagged_negatives": 0.1} for u, f in zip(FEDFEW_UCS, F1[method, self.seed])}
+        uc = {
+            u: {
+                "accuracy": 0.5,
+                "precision": f,
+                "recall": f,
+                "f1": f,
+                "flagged_positives": 0.8,
+                "flagged_negatives": 0.1,
+            }
+            for u, f in zip(FEDFEW_UCS, F1[method, self.seed])
+        }
         run = {"mean_cc_auroc": AUROC[method, self.seed], "uc": uc, "seconds": 1.0}
         if method == "fedfew":
             run["ssl_probe"] = [{"round": r, "mean_auroc": a} for r, a in PROBE[self.seed]]
-            run["test_energy"] = {u: {"energy_auroc": 0.9, "prototype_margin_auroc": 0.6 + 0.1 * self.seed} for u in FEDFEW_UCS}
+            run["test_energy"] = {
+                u: {"energy_auroc": 0.9, "prototype_margin_auroc": 0.6 + 0.1 * self.seed} for u in FEDFEW_UCS
+            }
             run["stage2"] = {"warm-up": {"rounds": 8 + self.seed, "best_round": 3, "best_val_loss": 0.3}}
         elif method == "fedfew-lambda1":
-            run["test_energy"] = {u: {"energy_auroc": 0.8 + 0.1 * self.seed, "prototype_margin_auroc": 0.7} for u in FEDFEW_UCS}
-            run["stage2"] = {"energy": {"rounds": 10, "best_round": 12, "best_val_loss": 0.3, "uc_energy_gap": 0.2 + 0.2 * self.seed}}
+            run["test_energy"] = {
+                u: {"energy_auroc": 0.8 + 0.1 * self.seed, "prototype_margin_auroc": 0.7} for u in FEDFEW_UCS
+            }
+            run["stage2"] = {
+                "energy": {"rounds": 10, "best_round": 12, "best_val_loss": 0.3, "uc_energy_gap": 0.2 + 0.2 * self.seed}
+            }
         else:
             run["training"] = {"rounds": 10, "best_round": 5}
         return mean_uc_f1(run)
@@ -88,7 +115,7 @@ def test_results_report_and_plots_and_an_interrupted_run_goes_on(tmp_path, fake_
     run = saved["runs"]["fedfew"]["1"]
     assert run["mean_uc_f1"] == pytest.approx(0.5) and run["mean_cc_auroc"] == 0.74 and run["uc"]["Hernia"]["f1"] == 0.7
     ff = saved["summary"]["methods"]["fedfew"]
-    assert ff["mean_uc_f1"]["mean"] == pytest.approx(0.45) and ff["mean_uc_f1"]["sd"] == pytest.approx(0.1 / 2 ** 0.5)
+    assert ff["mean_uc_f1"]["mean"] == pytest.approx(0.45) and ff["mean_uc_f1"]["sd"] == pytest.approx(0.1 / 2**0.5)
     assert ff["mean_cc_auroc"]["mean"] == pytest.approx(0.72) and ff["uc"]["Edema"]["f1"]["mean"] == pytest.approx(0.25)
     assert saved["summary"]["methods"]["mlc"]["mean_uc_f1"]["mean"] == pytest.approx(0.225)
     t = saved["summary"]["targets"]
@@ -110,11 +137,16 @@ def test_results_report_and_plots_and_an_interrupted_run_goes_on(tmp_path, fake_
     report = (out / "report.md").read_text()
     assert "| FedFew w/ EBM | 0.50 ± 0.00 / 0.25 ± 0.07 / 0.25 ± 0.07 / 0.25 ± 0.07 |" in report
     assert "| 0.45 ± 0.07 | 0.720 ± 0.028 |" in report and "| MLC w/o FSSL |" in report
-    assert ("FedFew mean UC F1 at least 0.3 above MLC w/o FSSL: **not met** (0.450 vs 0.225, difference +0.225; "
-            "paired: +0.225 [95% CI") in report
+    assert (
+        "FedFew mean UC F1 at least 0.3 above MLC w/o FSSL: **not met** (0.450 vs 0.225, difference +0.225; "
+        "paired: +0.225 [95% CI"
+    ) in report
     assert "| Hernia | 0.90 ± 0.00 | 0.65 ± 0.07 | 0.80 ± 0.00 | 0.10 ± 0.00 | 0.65 ± 0.07 |" in report
     assert "| probe AUROC | 0.560 ± 0.014 | 0.680 ± 0.042 |" in report
-    assert "FedFew stage 2: warm-up 8.5 ± 0.7 round(s) (best: stage-2 round 3.0" in report and "MLC w/o FSSL 10.0 ± 0.0 round(s)" in report
+    assert (
+        "FedFew stage 2: warm-up 8.5 ± 0.7 round(s) (best: stage-2 round 3.0" in report
+        and "MLC w/o FSSL 10.0 ± 0.0 round(s)" in report
+    )
     assert saved["plots"] == ["uc_f1.png", "cc_auroc.png", "ssl_probe.png"]
     for name in saved["plots"]:
         assert (out / name).read_bytes().startswith(PNG_MAGIC)
@@ -129,12 +161,18 @@ def test_results_name_the_code_and_machine_that_ran_and_results_written_before_s
     m = saved["machine"]
     assert m["cores"] == os.cpu_count() and m["device"] == "cpu" and m["torch"] == torch.__version__
     assert len(m["load_average"]) == 3
-    assert f"load average {', '.join(f'{x:.1f}' for x in m['load_average'])} at the start." in (out / "report.md").read_text()
+    assert (
+        f"load average {', '.join(f'{x:.1f}' for x in m['load_average'])} at the start."
+        in (out / "report.md").read_text()
+    )
     named = f"`{code['commit'][:7]}`" + (" with uncommitted changes" if code["dirty"] else "")
     assert f"Commit: {named}. Machine: {os.cpu_count()} CPU cores, " in (out / "report.md").read_text()
     # results.json as the benchmark wrote it before 2026-11-25
-    old = {**{k: v for k, v in saved.items() if k != "code"}, "commit": "`6b96718`",
-           "machine": {"cpus": 2, "cuda": False, "load_average_at_start": 0.27}}
+    old = {
+        **{k: v for k, v in saved.items() if k != "code"},
+        "commit": "`6b96718`",
+        "machine": {"cpus": 2, "cuda": False, "load_average_at_start": 0.27},
+    }
     report = format_markdown(old)
     assert "Commit: `6b96718`. Machine: 2 CPU cores, " in report and "no GPU" in report
     assert "load average 0.3 at the start." in report
@@ -147,7 +185,9 @@ def test_other_settings_are_refused_or_start_over(tmp_path, fake_methods):
     with pytest.raises(ConfigError, match="holds runs of other settings.*--no-resume"):
         bench_run.run_fedfew_benchmark(out, 1, settings=other, data_root=tmp_path / "data", log=lambda m: None)
     fake_methods.calls = []
-    bench_run.run_fedfew_benchmark(out, 1, settings=other, data_root=tmp_path / "data", log=lambda m: None, resume=False)
+    bench_run.run_fedfew_benchmark(
+        out, 1, settings=other, data_root=tmp_path / "data", log=lambda m: None, resume=False
+    )
     assert fake_methods.calls == [("fedfew", 0), ("mlc", 0)]
     assert json.loads((out / "runs" / "settings.json").read_text())["mlc_rounds"] == 1
 
@@ -169,8 +209,10 @@ def test_a_variant_added_to_a_finished_benchmark_runs_alone_and_joins_its_report
     assert variant["label"] == "FedFew w/ EBM, lambda = 1*" and variant["mean_uc_f1"]["mean"] == pytest.approx(0.55)
     assert variant["stage2"]["energy"]["uc_energy_gap"]["mean"] == pytest.approx(0.3)
     report = (out / "report.md").read_text()
-    assert ("| FedFew w/ EBM, lambda = 1* | 0.85 ± 0.07 | 0.85 ± 0.07 | 0.85 ± 0.07 | 0.30 ± 0.14 | 0.55 ± 0.07 "
-            "| 0.720 ± 0.014 |") in report
+    assert (
+        "| FedFew w/ EBM, lambda = 1* | 0.85 ± 0.07 | 0.85 ± 0.07 | 0.85 ± 0.07 | 0.30 ± 0.14 | 0.55 ± 0.07 "
+        "| 0.720 ± 0.014 |"
+    ) in report
     assert "| FedFew w/ EBM | 0.90 ± 0.00 | 0.90 ± 0.00 | 0.90 ± 0.00 | - | 0.45 ± 0.07 | 0.720 ± 0.028 |" in report
     assert "weighted by lambda = 1 instead of 0.1" in report
     assert "\\* FedFew w/ EBM, lambda = 1: labelled variants of stage 2" in report
@@ -200,22 +242,48 @@ def test_stage2_summary_reads_the_sites_training_energies_per_round(tmp_path):
         return {f"train_energy_{k}": v for k, v in energies.items()}
 
     rounds = [
-        {"stage": 2, "phase": "warm-up", "round": 1, "val_loss": 0.5,
-         "site_metrics": {"cc-1": site(**{"in": -2.0, "out": None, "uc_neg": None}), "cc-2": site(**{"in": -3.0})}},
-        {"stage": 2, "phase": "energy", "round": 2, "val_loss": 0.4,
-         "site_metrics": {"cc-1": site(**{"in": -2.5}), "uc-a": site(out=-1.0, uc_neg=-2.0), "uc-b": site(out=-2.0, uc_neg=-2.0)}},
-        {"stage": 2, "phase": "energy", "round": 3, "val_loss": 0.45,
-         "site_metrics": {"uc-a": site(out=-0.5, uc_neg=-2.5)}},
+        {
+            "stage": 2,
+            "phase": "warm-up",
+            "round": 1,
+            "val_loss": 0.5,
+            "site_metrics": {"cc-1": site(**{"in": -2.0, "out": None, "uc_neg": None}), "cc-2": site(**{"in": -3.0})},
+        },
+        {
+            "stage": 2,
+            "phase": "energy",
+            "round": 2,
+            "val_loss": 0.4,
+            "site_metrics": {
+                "cc-1": site(**{"in": -2.5}),
+                "uc-a": site(out=-1.0, uc_neg=-2.0),
+                "uc-b": site(out=-2.0, uc_neg=-2.0),
+            },
+        },
+        {
+            "stage": 2,
+            "phase": "energy",
+            "round": 3,
+            "val_loss": 0.45,
+            "site_metrics": {"uc-a": site(out=-0.5, uc_neg=-2.5)},
+        },
         {"stage": 2, "phase": "energy", "round": 4, "status": "stopped"},
         {"stage": 3, "threshold": {}},
     ]
     (tmp_path / RECORDS_DIR).mkdir()
     (tmp_path / RECORDS_DIR / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     phases = stage2_summary(tmp_path)
-    assert phases["warm-up"] == {"rounds": 1, "best_round": 1, "best_val_loss": 0.5, "uc_energy_gap": None,
-                                 "energy": [{"round": 1, "in": -2.5, "out": None, "uc_neg": None}]}
+    assert phases["warm-up"] == {
+        "rounds": 1,
+        "best_round": 1,
+        "best_val_loss": 0.5,
+        "uc_energy_gap": None,
+        "energy": [{"round": 1, "in": -2.5, "out": None, "uc_neg": None}],
+    }
     energy = phases["energy"]
     assert (energy["rounds"], energy["best_round"], energy["best_val_loss"]) == (2, 2, 0.4)
-    assert energy["energy"] == [{"round": 2, "in": -2.5, "out": -1.5, "uc_neg": -2.0},
-                                {"round": 3, "in": None, "out": -0.5, "uc_neg": -2.5}]
+    assert energy["energy"] == [
+        {"round": 2, "in": -2.5, "out": -1.5, "uc_neg": -2.0},
+        {"round": 3, "in": None, "out": -0.5, "uc_neg": -2.5},
+    ]
     assert energy["uc_energy_gap"] == pytest.approx(0.5)  # at the kept round 2: -1.5 - (-2.0)

@@ -51,10 +51,19 @@ def test_report_compares_each_cell_with_the_honest_run_of_its_seed():
     settings = HostileBenchSettings(seeds=2, attacks=("none", "scale"), robust=("none", "clip"))
     runs = {}
     for seed, honest in ((0, 0.70), (1, 0.80)):
-        for attack, robust, auroc, rejected in (("none", "none", honest, 0), ("none", "clip", honest - 0.01, 0),
-                                                ("scale", "none", 0.5, 0), ("scale", "clip", honest - 0.02, 1)):
-            runs[f"{attack}/{robust}/{seed}"] = {"attack": attack, "robust": robust, "seed": seed,
-                                                 "mean_auroc": auroc, "rejected": rejected}
+        for attack, robust, auroc, rejected in (
+            ("none", "none", honest, 0),
+            ("none", "clip", honest - 0.01, 0),
+            ("scale", "none", 0.5, 0),
+            ("scale", "clip", honest - 0.02, 1),
+        ):
+            runs[f"{attack}/{robust}/{seed}"] = {
+                "attack": attack,
+                "robust": robust,
+                "seed": seed,
+                "mean_auroc": auroc,
+                "rejected": rejected,
+            }
     results = {"settings": vars(settings), "profile": "p", "hostile": "site-1", "runs": runs}
     cells = summarise(results)
     assert cells["scale/none"]["change"] == pytest.approx(-0.25) and cells["scale/clip"]["rejected"] == 2

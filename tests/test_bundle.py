@@ -61,10 +61,17 @@ def trained(tmp_path_factory):
     save_checkpoint(app / "best_FL_global_model.pt", model, classes=CLASSES, model_config=CONFIG, extra={"round": 3})
     (app / "cxrfl").mkdir()
     (app / "cxrfl" / "run_config.json").write_text(json.dumps({"num_rounds": 7, "head_mode": "surgical"}))
-    (app / "cxrfl" / "evaluation.json").write_text(json.dumps({"best_round": 3, "sites": {
-        "hospital-a": {"auroc": {"Atelectasis": 0.8, "Edema": 0.6}, "mean_auroc": 0.7},
-        "hospital-b": {"auroc": {"Atelectasis": 0.6, "Edema": None, "Pneumonia": 0.9}, "mean_auroc": 0.75},
-    }}))
+    (app / "cxrfl" / "evaluation.json").write_text(
+        json.dumps(
+            {
+                "best_round": 3,
+                "sites": {
+                    "hospital-a": {"auroc": {"Atelectasis": 0.8, "Edema": 0.6}, "mean_auroc": 0.7},
+                    "hospital-b": {"auroc": {"Atelectasis": 0.6, "Edema": None, "Pneumonia": 0.9}, "mean_auroc": 0.75},
+                },
+            }
+        )
+    )
     images = tmp / "images"
     images.mkdir()
     rng = np.random.default_rng(0)
@@ -75,18 +82,40 @@ def trained(tmp_path_factory):
     (images / "d_ct.dcm").write_bytes(Path(get_testdata_file("CT_small.dcm")).read_bytes())  # a real DICOM
     (images / "notes.txt").write_text("not an image: left out")
     bundle = tmp / "bundle"
-    assert main(["export", "bundle", "--model", str(app / "best_FL_global_model.pt"), "--out", str(bundle),
-                 "--name", "tiny-cxr"]) == 0
-    expected = {Path(r["image"]).name: r["probabilities"] for r in
-                predict_images(app / "best_FL_global_model.pt", [p for p in sorted(images.iterdir()) if p.suffix != ".txt"],
-                               precision="fp32")}
+    assert (
+        main(
+            [
+                "export",
+                "bundle",
+                "--model",
+                str(app / "best_FL_global_model.pt"),
+                "--out",
+                str(bundle),
+                "--name",
+                "tiny-cxr",
+            ]
+        )
+        == 0
+    )
+    expected = {
+        Path(r["image"]).name: r["probabilities"]
+        for r in predict_images(
+            app / "best_FL_global_model.pt",
+            [p for p in sorted(images.iterdir()) if p.suffix != ".txt"],
+            precision="fp32",
+        )
+    }
     return {"tmp": tmp, "app": app, "images": images, "bundle": bundle, "expected": expected, "model": model}
 
 
 def test_the_bundle_has_monais_layout_and_names_the_classes_in_order(trained):
     bundle = trained["bundle"]
     assert {str(p.relative_to(bundle)) for p in bundle.rglob("*") if p.is_file()} == {
-        "configs/metadata.json", "configs/inference.json", "models/model.pt", "docs/README.md"}
+        "configs/metadata.json",
+        "configs/inference.json",
+        "models/model.pt",
+        "docs/README.md",
+    }
     meta = json.loads((bundle / "configs" / "metadata.json").read_text())
     pred = meta["network_data_format"]["outputs"]["pred"]
     assert pred["channel_def"] == {"0": "Atelectasis", "1": "Edema", "2": "Pneumonia"} and pred["num_channels"] == 3
@@ -133,10 +162,26 @@ def test_monais_config_parser_builds_network_and_preprocessing_that_match_cxrfl_
 def test_monai_bundle_run_predicts_a_folder_of_png_and_dicom_like_cxrfl_predict(trained, tmp_path):
     bundle = trained["bundle"]
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "monai.bundle", "run", "--config_file",
-                           str(bundle / "configs" / "inference.json"), "--bundle_root", str(bundle),
-                           "--dataset_dir", str(trained["images"]), "--output_dir", str(out)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "monai.bundle",
+            "run",
+            "--config_file",
+            str(bundle / "configs" / "inference.json"),
+            "--bundle_root",
+            str(bundle),
+            "--dataset_dir",
+            str(trained["images"]),
+            "--output_dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.reader((out / "predictions.csv").read_text().splitlines()))
     assert [Path(r[0]).name for r in rows] == sorted(trained["expected"])  # PNG and DICOM; the .txt left out
@@ -147,8 +192,13 @@ def test_monai_bundle_run_predicts_a_folder_of_png_and_dicom_like_cxrfl_predict(
 
 def test_a_fedfew_model_is_refused_with_the_reason(tmp_path):
     path = tmp_path / "fedfew.pt"
-    save_checkpoint(path, build_model(CONFIG, 2), classes=["A", "no CC"], model_config=CONFIG,
-                    extra={"fedfew": {"cc_classes": ["A"]}})
+    save_checkpoint(
+        path,
+        build_model(CONFIG, 2),
+        classes=["A", "no CC"],
+        model_config=CONFIG,
+        extra={"fedfew": {"cc_classes": ["A"]}},
+    )
     with pytest.raises(ConfigError, match="FedFew model"):
         from cxrfl.bundle import export_bundle
 

@@ -41,7 +41,9 @@ def counts_in_label_file(root: Path, site: str) -> tuple[int, int, dict[str, int
 
 def test_synth_then_summary_of_every_written_site(tmp_path):
     out = tmp_path / "demo"
-    synth = cxrfl("data", "synth", "--profile", "two-hospitals", "--out", str(out), "--n-per-site", "40", "--image-size", "64")
+    synth = cxrfl(
+        "data", "synth", "--profile", "two-hospitals", "--out", str(out), "--n-per-site", "40", "--image-size", "64"
+    )
     assert synth.returncode == 0, synth.stderr
     configs = sorted(out.glob("*.yaml"))
     assert [p.stem for p in configs] == ["external", "hospital-a", "hospital-b"]

@@ -30,8 +30,9 @@ BINS = BinSpec()
 MIN_CELL = 5
 
 
-def _site(rng: np.random.Generator, n: int, prevalence: float, centre: float, sd: float, sep: float,
-          *, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+def _site(
+    rng: np.random.Generator, n: int, prevalence: float, centre: float, sd: float, sep: float, *, scale: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
     """Binormal logits (negatives N(centre, sd), positives ``sep`` SDs higher), as float32 probabilities."""
     y = (rng.random(n) < prevalence).astype(float)
     z = rng.normal(centre + sep * sd * y, sd) * scale
@@ -41,8 +42,12 @@ def _site(rng: np.random.Generator, n: int, prevalence: float, centre: float, sd
 def _sites(kind: str, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Four sites of one class: different sizes, prevalences and score distributions."""
     rng = np.random.default_rng(seed)
-    sites = [_site(rng, 3000, 0.05, -3.0, 1.5, 1.2), _site(rng, 800, 0.3, -1.0, 0.8, 1.5),
-             _site(rng, 1500, 0.12, -4.5, 2.5, 0.7), _site(rng, 400, 0.5, 0.5, 0.4, 1.0)]
+    sites = [
+        _site(rng, 3000, 0.05, -3.0, 1.5, 1.2),
+        _site(rng, 800, 0.3, -1.0, 0.8, 1.5),
+        _site(rng, 1500, 0.12, -4.5, 2.5, 0.7),
+        _site(rng, 400, 0.5, 0.5, 0.4, 1.0),
+    ]
     if kind == "ties":  # a site that rounds its scores: many exact ties, several per bin near 0.5
         sites = [(np.round(s, 2), y) for s, y in sites]
     elif kind == "extreme":  # saturated scores 0.0 and 1.0 and logits beyond the bins' range
@@ -85,6 +90,7 @@ def _raw_ece(p: np.ndarray, y: np.ndarray, n_bins: int = 15) -> float:
 
 
 # --- pooled AUROC ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["plain", "ties", "extreme", "unknown"])
 @pytest.mark.parametrize("seed", [0, 1])
@@ -141,6 +147,7 @@ def test_auroc_gap_of_independent_groups() -> None:
 
 
 # --- minimum cell size and received messages ------------------------------------------------------
+
 
 def test_minimum_cell_size_enforced_at_site_and_server() -> None:
     # issue 45: a site with fewer than min_cell positives or negatives sends nothing for the class
@@ -203,10 +210,13 @@ def test_site_refuses_bad_scores_and_merge_refuses_mixed_bins() -> None:
 
 # --- calibration ------------------------------------------------------------------------------------
 
+
 def test_platt_and_temperature_from_counts_match_fits_on_scores() -> None:
     # issue 45: calibration fitted from counts vs fitted on the pooled raw logits
-    sites = [_site(np.random.default_rng(5 + i), 2000, p, c, 1.0, 1.5, scale=2.0)
-             for i, (p, c) in enumerate([(0.1, -2.0), (0.3, -1.0), (0.05, -3.0)])]
+    sites = [
+        _site(np.random.default_rng(5 + i), 2000, p, c, 1.0, 1.5, scale=2.0)
+        for i, (p, c) in enumerate([(0.1, -2.0), (0.3, -1.0), (0.05, -3.0)])
+    ]
     merged = merge([_send(s, y) for s, y in sites])
     s, y = _pooled(sites)
     z = logit(s)
@@ -216,8 +226,9 @@ def test_platt_and_temperature_from_counts_match_fits_on_scores() -> None:
     assert platt.intercept == pytest.approx(ref.intercept_[0], abs=2e-3)
     temp = fit_calibration(merged, "temperature")
     nll = lambda a: -(y * np.log(expit(a * z)) + (1 - y) * np.log(expit(-a * z))).mean()  # noqa: E731
-    assert temp.slope == pytest.approx(minimize_scalar(nll, bounds=(0.01, 10), method="bounded",
-                                                       options={"xatol": 1e-9}).x, abs=2e-3)
+    assert temp.slope == pytest.approx(
+        minimize_scalar(nll, bounds=(0.01, 10), method="bounded", options={"xatol": 1e-9}).x, abs=2e-3
+    )
     assert temp.intercept == 0.0
     assert CalibrationMap.from_dict(json.loads(json.dumps(platt.to_dict()))) == platt
     assert np.allclose(platt.apply(s), expit(ref.decision_function(z[:, None])), atol=1e-3)
@@ -225,10 +236,14 @@ def test_platt_and_temperature_from_counts_match_fits_on_scores() -> None:
 
 def test_ece_from_counts_matches_ece_on_scores_before_and_after_calibration() -> None:
     # issue 45: ECE and the reliability diagram from counts vs from the raw scores
-    val = [_site(np.random.default_rng(10 + i), 3000, p, c, 1.0, 1.5, scale=0.5)
-           for i, (p, c) in enumerate([(0.1, -2.0), (0.25, -1.0)])]
-    test = [_site(np.random.default_rng(20 + i), 3000, p, c, 1.0, 1.5, scale=0.5)
-            for i, (p, c) in enumerate([(0.1, -2.0), (0.25, -1.0)])]
+    val = [
+        _site(np.random.default_rng(10 + i), 3000, p, c, 1.0, 1.5, scale=0.5)
+        for i, (p, c) in enumerate([(0.1, -2.0), (0.25, -1.0)])
+    ]
+    test = [
+        _site(np.random.default_rng(20 + i), 3000, p, c, 1.0, 1.5, scale=0.5)
+        for i, (p, c) in enumerate([(0.1, -2.0), (0.25, -1.0)])
+    ]
     cal = fit_calibration(merge([_send(s, y) for s, y in val]))
     for s, y in test:  # each site's test split, as the issue's target reads
         counts = _send(s, y)
@@ -241,6 +256,7 @@ def test_ece_from_counts_matches_ece_on_scores_before_and_after_calibration() ->
 
 
 # --- operating points -----------------------------------------------------------------------------
+
 
 def _raw_rates(s: np.ndarray, y: np.ndarray, threshold: float) -> tuple[float, float]:
     return float((s[y == 1] >= threshold).mean()), float((s[y == 0] < threshold).mean())

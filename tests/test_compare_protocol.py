@@ -15,8 +15,16 @@ from cxrfl.bench.compare import run_compare
 from cxrfl.bench.protocol import RESULTS_PATH, CompareSettings, code_label, code_version, command_line, load_text
 from cxrfl.errors import ConfigError
 
-TINY = {"profile": "two-hospitals", "image_size": 32, "data_image_size": 32, "n_per_site": 30, "n_external": 24,
-        "batch_size": 8, "n_boot": 10, "threads": 1}
+TINY = {
+    "profile": "two-hospitals",
+    "image_size": 32,
+    "data_image_size": 32,
+    "n_per_site": 30,
+    "n_external": 24,
+    "batch_size": 8,
+    "n_boot": 10,
+    "threads": 1,
+}
 """A tiny profile; otherwise the protocol's code path (whole training splits, max_rounds only a guard)."""
 
 
@@ -88,8 +96,9 @@ def test_early_stopping_ends_every_run_and_the_curves_reach_results(tmp_path, mo
 
 def test_an_interrupted_comparison_continues_where_it_stopped(tmp_path, monkeypatch):
     calls: list = []
-    settings = CompareSettings.from_dict({**TINY, "seeds": 2, "max_rounds": 3, "patience": 5,
-                                          "methods": ["surgical-fedavg"], "steps": 1})
+    settings = CompareSettings.from_dict(
+        {**TINY, "seeds": 2, "max_rounds": 3, "patience": 5, "methods": ["surgical-fedavg"], "steps": 1}
+    )
     out, data = tmp_path / "out", tmp_path / "data"
     lines: list[str] = []
 
@@ -145,20 +154,27 @@ def test_jobs_train_the_same_runs_in_worker_processes(tmp_path):
     seed's head warm-up) equal the runs of one process, score for score."""
     import numpy as np
 
-    settings = CompareSettings.from_dict({**TINY, "seeds": 1, "max_rounds": 2, "patience": 5, "steps": 2,
-                                          "methods": ["individual"]})
+    settings = CompareSettings.from_dict(
+        {**TINY, "seeds": 1, "max_rounds": 2, "patience": 5, "steps": 2, "methods": ["individual"]}
+    )
     lines: list[str] = []
     one = run_compare(settings, tmp_path / "one", data_dir=tmp_path / "data", log=lambda m: None)
     two = run_compare(settings.replace(jobs=2), tmp_path / "two", data_dir=tmp_path / "data", log=lines.append)
     assert any("training 3 in 2 worker process(es)" in line for line in lines)
-    assert set(two["methods"]) == set(one["methods"]) == {"individual:hospital-a", "individual:hospital-b", "surgical-fedavg"}
+    assert (
+        set(two["methods"])
+        == set(one["methods"])
+        == {"individual:hospital-a", "individual:hospital-b", "surgical-fedavg"}
+    )
     for name in one["methods"]:
         a, b = runs.RunStore(tmp_path / "one"), runs.RunStore(tmp_path / "two")
         assert a.load(name, 0)["val_loss"] == pytest.approx(b.load(name, 0)["val_loss"], rel=1e-6), name
         sa, sb = a.scores(name, 0), b.scores(name, 0)
         assert set(sa) == set(sb) and all(np.allclose(sa[k], sb[k], atol=1e-6, equal_nan=True) for k in sa), name
-    assert json.loads((tmp_path / "two" / "runs" / "protocol.json").read_text())["protocol"] == \
-        json.loads((tmp_path / "one" / "runs" / "protocol.json").read_text())["protocol"]  # jobs decides no model
+    assert (
+        json.loads((tmp_path / "two" / "runs" / "protocol.json").read_text())["protocol"]
+        == json.loads((tmp_path / "one" / "runs" / "protocol.json").read_text())["protocol"]
+    )  # jobs decides no model
 
 
 def test_a_run_is_trained_by_one_process_at_a_time(tmp_path, monkeypatch):
@@ -199,7 +215,9 @@ def test_the_recorded_commit_is_dirty_for_code_changes_but_not_for_stored_result
     (tmp_path / RESULTS_PATH / "r.json").write_text("{}\n")
     git("add", ".")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
-    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     assert code_version(tmp_path) == {"commit": head, "dirty": False}
     (tmp_path / RESULTS_PATH / "r.json").unlink()  # a benchmark rewrites or removes its stored runs
     (tmp_path / "new_untracked.txt").write_text("scratch\n")

@@ -60,7 +60,9 @@ def test_mean_ci_is_the_student_t_interval():
 
 def cell(by_seed: list[dict[str, float | None]], knows: list[str]) -> dict:
     classes = list(by_seed[0])
-    auroc = {c: None if any(s[c] is None for s in by_seed) else float(np.mean([s[c] for s in by_seed])) for c in classes}
+    auroc = {
+        c: None if any(s[c] is None for s in by_seed) else float(np.mean([s[c] for s in by_seed])) for c in classes
+    }
     return {"auroc": auroc, "auroc_by_seed": by_seed, "model_knows": knows}
 
 
@@ -72,7 +74,9 @@ def test_compare_cells_pairs_classes_over_seed_means_and_seeds_over_class_means(
     assert got["classes"]["difference"] == pytest.approx(0.4 / 3)
     assert got["classes"]["p"] == pytest.approx(stats.ttest_rel([0.8, 0.7, 0.7], [0.6, 0.55, 0.65]).pvalue)
     # seeds: per-seed means a = (0.8, 0.6667), b = (0.6333, 0.5667)
-    assert got["seeds"]["keys"] == [0, 1] and got["seeds"]["difference"] == pytest.approx(((0.8 - 1.9 / 3) + (2 / 3 - 1.7 / 3)) / 2)
+    assert got["seeds"]["keys"] == [0, 1] and got["seeds"]["difference"] == pytest.approx(
+        ((0.8 - 1.9 / 3) + (2 / 3 - 1.7 / 3)) / 2
+    )
     only_xy = compare_cells(a, b, ["x", "y"])
     assert only_xy["classes"]["keys"] == ["x", "y"] and only_xy["classes"]["difference"] == pytest.approx(0.175)
     lacks_z = cell([{"x": 0.5, "y": 0.5, "z": None}], ["x", "y"])
@@ -99,8 +103,10 @@ class NoScores:
 
 def test_view_cell_averages_over_seeds_and_marks_classes_the_model_lacks():
     view = View("h", "h", ["x", "y"], "h", "site", shared=["x"])
-    records = [{"seed": 0, "models": {"*": ["x", "y"]}, "auroc": {"h": {"*": {"x": 0.8, "y": 0.6}}}},
-               {"seed": 1, "models": {"*": ["x", "y"]}, "auroc": {"h": {"*": {"x": 0.6, "y": None}}}}]
+    records = [
+        {"seed": 0, "models": {"*": ["x", "y"]}, "auroc": {"h": {"*": {"x": 0.8, "y": 0.6}}}},
+        {"seed": 1, "models": {"*": ["x", "y"]}, "auroc": {"h": {"*": {"x": 0.6, "y": None}}}},
+    ]
     got = view_cell("m", records, view, NoScores())
     assert got["auroc"] == {"x": pytest.approx(0.7), "y": None}  # undefined in one seed: undefined
     assert got["mean"] == pytest.approx(0.7) and got["mean_by_seed"] == [pytest.approx(0.7), pytest.approx(0.6)]
@@ -113,32 +119,49 @@ def test_view_cell_averages_over_seeds_and_marks_classes_the_model_lacks():
 
 
 def results_for(profile: str, cells: dict[str, dict[str, dict]]) -> dict:
-    views = {"h": {"kind": "site", "classes": ["c1", "c2", "c3"], "shared": ["c1"]},
-             "ext": {"kind": "external", "classes": ["c1", "c2", "c3"], "shared": None}}
+    views = {
+        "h": {"kind": "site", "classes": ["c1", "c2", "c3"], "shared": ["c1"]},
+        "ext": {"kind": "external", "classes": ["c1", "c2", "c3"], "shared": None},
+    }
     methods = {name: {"label": name, "test": test} for name, test in cells.items()}
     return {"profile": profile, "reference": "surgical-fedavg", "views": views, "methods": methods}
 
 
 def hand(values: list[float] | None, seeds: int = 2) -> dict:
     if values is None:
-        return {"mean": None, "auroc": {"c1": None, "c2": None, "c3": None}, "auroc_by_seed": [], "model_knows": [],
-                "unique": {"mean": None}, "shared": {"mean": None}}
-    by_seed = [{c: v + (0.01 if s else -0.01) * (i + 1) for i, (c, v) in enumerate(zip(("c1", "c2", "c3"), values))}
-               for s in range(seeds)]
+        return {
+            "mean": None,
+            "auroc": {"c1": None, "c2": None, "c3": None},
+            "auroc_by_seed": [],
+            "model_knows": [],
+            "unique": {"mean": None},
+            "shared": {"mean": None},
+        }
+    by_seed = [
+        {c: v + (0.01 if s else -0.01) * (i + 1) for i, (c, v) in enumerate(zip(("c1", "c2", "c3"), values))}
+        for s in range(seeds)
+    ]
     c = cell(by_seed, ["c1", "c2", "c3"])
-    c.update(mean=float(np.mean(values)), unique={"mean": float(np.mean(values[1:]))}, shared={"mean": values[0]},
-             mean_seed_ci=[0.0, 1.0])
+    c.update(
+        mean=float(np.mean(values)),
+        unique={"mean": float(np.mean(values[1:]))},
+        shared={"mean": values[0]},
+        mean_seed_ci=[0.0, 1.0],
+    )
     return c
 
 
 def test_targets_on_a_hand_made_result():
-    res = results_for("two-hospitals", {
-        "surgical-fedavg": {"h": hand([0.80, 0.82, 0.78]), "ext": hand([0.75, 0.76, 0.74])},
-        "individual:h": {"h": hand([0.81, 0.83, 0.79]), "ext": hand(None)},
-        "centralized": {"h": hand([0.70, 0.71, 0.69]), "ext": hand([0.70, 0.69, 0.68])},
-        "vanilla-fedavg": {"h": hand([0.80, 0.70, 0.72]), "ext": hand([0.70, 0.72, 0.66])},
-        "partial-fedavg": {"h": hand([0.79, 0.85, 0.80]), "ext": hand([0.76, 0.77, 0.75])},
-    })
+    res = results_for(
+        "two-hospitals",
+        {
+            "surgical-fedavg": {"h": hand([0.80, 0.82, 0.78]), "ext": hand([0.75, 0.76, 0.74])},
+            "individual:h": {"h": hand([0.81, 0.83, 0.79]), "ext": hand(None)},
+            "centralized": {"h": hand([0.70, 0.71, 0.69]), "ext": hand([0.70, 0.69, 0.68])},
+            "vanilla-fedavg": {"h": hand([0.80, 0.70, 0.72]), "ext": hand([0.70, 0.72, 0.66])},
+            "partial-fedavg": {"h": hand([0.79, 0.85, 0.80]), "ext": hand([0.76, 0.77, 0.75])},
+        },
+    )
     by = {(t["target"][:15], t["method"], t["against"]): t for t in evaluate_targets(res)}
     learned = by[("the model learn", "individual:h", None)]
     assert learned["met"] is True and learned["value"] == pytest.approx(0.81)
@@ -160,10 +183,13 @@ def test_targets_on_a_hand_made_result():
 
 
 def test_shared_profile_target_is_equality_with_fedavg():
-    shared_views = results_for("two-hospitals-shared", {
-        "surgical-fedavg": {"h": hand([0.80, 0.82, 0.78]), "ext": hand([0.75, 0.76, 0.74])},
-        "vanilla-fedavg": {"h": hand([0.80, 0.82, 0.78]), "ext": hand([0.70, 0.76, 0.74])},
-    })
+    shared_views = results_for(
+        "two-hospitals-shared",
+        {
+            "surgical-fedavg": {"h": hand([0.80, 0.82, 0.78]), "ext": hand([0.75, 0.76, 0.74])},
+            "vanilla-fedavg": {"h": hand([0.80, 0.82, 0.78]), "ext": hand([0.70, 0.76, 0.74])},
+        },
+    )
     shared_views["views"]["h"]["shared"] = ["c1", "c2", "c3"]
     got = {t["view"]: t for t in evaluate_targets(shared_views)}
     assert got["h"]["met"] is True and got["h"]["difference"] == pytest.approx(0.0)
@@ -173,16 +199,32 @@ def test_shared_profile_target_is_equality_with_fedavg():
 
 def test_ablation_summary_pairs_settings_as_the_papers():
     def res(sa: list[float], other: list[float]) -> dict:
-        return {"views": {"nih-test": {"kind": "external"}},
-                "methods": {"surgical-fedavg": {"label": "SA", "test": {"nih-test": {"mean": float(np.mean(sa)), "mean_by_seed": sa}}},
-                            "vanilla-fedavg": {"label": "FL", "test": {"nih-test": {"mean": float(np.mean(other)),
-                                                                                     "mean_by_seed": other, "vs_reference": None}}}}}
-    runs = {"2": res([0.80, 0.82], [0.70, 0.74]), "4": res([0.78, 0.80], [0.72, 0.72]), "6": res([0.76, 0.78], [0.75, 0.73]),
-            "10": res([0.75, 0.75], [0.70, 0.70])}
+        return {
+            "views": {"nih-test": {"kind": "external"}},
+            "methods": {
+                "surgical-fedavg": {
+                    "label": "SA",
+                    "test": {"nih-test": {"mean": float(np.mean(sa)), "mean_by_seed": sa}},
+                },
+                "vanilla-fedavg": {
+                    "label": "FL",
+                    "test": {"nih-test": {"mean": float(np.mean(other)), "mean_by_seed": other, "vs_reference": None}},
+                },
+            },
+        }
+
+    runs = {
+        "2": res([0.80, 0.82], [0.70, 0.74]),
+        "4": res([0.78, 0.80], [0.72, 0.72]),
+        "6": res([0.76, 0.78], [0.75, 0.73]),
+        "10": res([0.75, 0.75], [0.70, 0.70]),
+    }
     got = ablation_summary("sites", runs, "surgical-fedavg")
     vs = got["methods"]["vanilla-fedavg"]["vs_reference"]
     sa, fl = [0.81, 0.79, 0.77, 0.75], [0.72, 0.72, 0.74, 0.70]  # seed-averaged means per setting
-    assert vs["settings"]["keys"] == ["10", "2", "4", "6"] and vs["settings"]["difference"] == pytest.approx(np.mean(sa) - np.mean(fl))
+    assert vs["settings"]["keys"] == ["10", "2", "4", "6"] and vs["settings"]["difference"] == pytest.approx(
+        np.mean(sa) - np.mean(fl)
+    )
     assert vs["settings"]["p"] == pytest.approx(stats.ttest_rel(sa, fl).pvalue)
     assert vs["setting_seeds"]["n"] == 8
     assert got["methods"]["vanilla-fedavg"]["by_value"]["2"]["over_seeds"]["mean"] == pytest.approx(0.72)
@@ -208,7 +250,10 @@ def test_surgical_config_refuses_fedbn_plus_from_scratch_and_warns_about_fine_tu
     scratch = SurgicalConfig(train_config=TrainConfig(lr=5e-5))
     assert "5e-05 is a fine-tuning rate" in scratch.rate_warning() and "use lr 0.001" in scratch.rate_warning()
     assert SurgicalConfig(train_config=TrainConfig(lr=1e-3)).rate_warning() is None
-    assert SurgicalConfig(train_config=TrainConfig(lr=5e-5), model_config=ModelConfig(pretrained="/w.pt")).rate_warning() is None
+    assert (
+        SurgicalConfig(train_config=TrainConfig(lr=5e-5), model_config=ModelConfig(pretrained="/w.pt")).rate_warning()
+        is None
+    )
 
 
 def test_cli_settings_quick_preset_and_given_options():
@@ -220,7 +265,13 @@ def test_cli_settings_quick_preset_and_given_options():
         return _compare_settings(build_parser().parse_args(["bench", "compare", "--out", "x", *argv]))
 
     default = settings()
-    assert (default.seeds, default.max_rounds, default.patience, default.steps, default.image_size) == (5, 40, 5, None, 64)
+    assert (default.seeds, default.max_rounds, default.patience, default.steps, default.image_size) == (
+        5,
+        40,
+        5,
+        None,
+        64,
+    )
     assert (default.lr, default.batch_size, default.threads) == (1e-3, 32, None)
     quick = settings("--quick", "--seeds", "1", "--steps", "0")
     assert quick.seeds == 1 and quick.steps is None and quick.max_rounds == QUICK["max_rounds"]

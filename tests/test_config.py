@@ -31,8 +31,13 @@ def test_defaults_and_relative_paths(tmp_path: Path) -> None:
 def test_full_config_round_trips_through_to_dict(tmp_path: Path) -> None:
     data = {
         "site": "b",
-        "dataset": {"format": "chexpert", "labels": "/x/train.csv", "images": "/x", "uncertain": "ignore",
-                    "views": ["pa"]},
+        "dataset": {
+            "format": "chexpert",
+            "labels": "/x/train.csv",
+            "images": "/x",
+            "uncertain": "ignore",
+            "views": ["pa"],
+        },
         "classes": ["Edema"],
         "label_map": {"Effusion": "Pleural Effusion"},
         "drop": ["Fracture"],
@@ -85,8 +90,10 @@ def test_invalid_configs_name_the_file_and_the_key(tmp_path: Path, change: dict,
 
 def test_yaml_lists_views_and_empty_keys_read_as_meant(tmp_path: Path) -> None:
     path = tmp_path / "site.yaml"
-    path.write_text("site: a\ndataset:\n  format: nih\n  labels: labels.csv\n  images: img\n  views: [pa, ' Ap']\n"
-                    "classes: [Cardiomegaly]\nlabel_map:\ndrop:\nsplit: {seed: 7}\nmax_bad_fraction: 0.1\n")
+    path.write_text(
+        "site: a\ndataset:\n  format: nih\n  labels: labels.csv\n  images: img\n  views: [pa, ' Ap']\n"
+        "classes: [Cardiomegaly]\nlabel_map:\ndrop:\nsplit: {seed: 7}\nmax_bad_fraction: 0.1\n"
+    )
     cfg = load_site_config(path)
     assert cfg.dataset.views == ("PA", "AP") and cfg.classes == ("Cardiomegaly",) and cfg.split.seed == 7
     assert cfg.label_map == {} and cfg.drop == ()  # a key without a value is its default

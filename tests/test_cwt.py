@@ -79,7 +79,10 @@ def test_relay_plan_switches_plti_and_clr_independently():
     counts = {"a": 300, "b": 100}
     base = CWTConfig(batch_size=25, lr=1e-3)  # default local steps: 400 / (2 * 25) = 8
     assert relay_plan(counts, base) == {"a": Visit(8, 1e-3), "b": Visit(8, 1e-3)}
-    assert relay_plan(counts, CWTConfig(batch_size=25, lr=1e-3, plti=True)) == {"a": Visit(12, 1e-3), "b": Visit(4, 1e-3)}
+    assert relay_plan(counts, CWTConfig(batch_size=25, lr=1e-3, plti=True)) == {
+        "a": Visit(12, 1e-3),
+        "b": Visit(4, 1e-3),
+    }
     clr = relay_plan(counts, CWTConfig(batch_size=25, lr=1e-3, clr=True))
     assert (clr["a"].steps, clr["b"].steps) == (8, 8)
     assert (clr["a"].lr, clr["b"].lr) == pytest.approx((1.5e-3, 0.5e-3))
@@ -110,7 +113,9 @@ def test_lwms_minibatches_are_label_balanced_over_many_draws():
     plain.start_visit(100 * batch, seed=0)
     assert y[list(plain)].mean() == pytest.approx(0.95)  # without LWMS: the local share, every image equally
     # also usable with torch's own sampler
-    torch_sampler = torch.utils.data.WeightedRandomSampler(lwms_sample_weights(y), 20000, generator=torch.Generator().manual_seed(0))
+    torch_sampler = torch.utils.data.WeightedRandomSampler(
+        lwms_sample_weights(y), 20000, generator=torch.Generator().manual_seed(0)
+    )
     assert y[list(torch_sampler)].mean() == pytest.approx(0.5, abs=0.02)
 
 
@@ -146,8 +151,10 @@ def test_cwl_loss_equals_the_weighted_cross_entropy():
     pos_weight, class_weight = cwl_loss_weights([6, 3], [8, 8])
     w_pos, w_neg = cwl_class_weights([6, 3], [8, 8])
     p = torch.sigmoid(logits)
-    expected = -(torch.as_tensor(w_pos, dtype=torch.float32) * y * torch.log(p)
-                 + torch.as_tensor(w_neg, dtype=torch.float32) * (1 - y) * torch.log(1 - p)).mean()
+    expected = -(
+        torch.as_tensor(w_pos, dtype=torch.float32) * y * torch.log(p)
+        + torch.as_tensor(w_neg, dtype=torch.float32) * (1 - y) * torch.log(1 - p)
+    ).mean()
     got = masked_bce(logits, y, mask, pos_weight=pos_weight, class_weight=class_weight)
     assert got.item() == pytest.approx(expected.item(), rel=1e-5)
 
@@ -177,9 +184,19 @@ def test_relay_order_fixed_or_shuffled_reproducibly():
 def test_config_is_validated():
     assert CWTConfig(plti=True, cwl=True).method == "CWT+PLTI+CWL"
     assert CWTConfig.from_dict(CWTConfig(lwms=True).to_dict()) == CWTConfig(lwms=True)
-    for bad in ({"task": "triage"}, {"order": "random"}, {"num_cycles": 0}, {"lr": 0}, {"plti": "yes"},
-                {"local_steps": 0}, {"optimizer_state": "keep"}, {"lr_decay": 1.5}, {"lr_decay": 0},
-                {"lr_decay_every": 0}, {"weight_decay": -1e-4}):
+    for bad in (
+        {"task": "triage"},
+        {"order": "random"},
+        {"num_cycles": 0},
+        {"lr": 0},
+        {"plti": "yes"},
+        {"local_steps": 0},
+        {"optimizer_state": "keep"},
+        {"lr_decay": 1.5},
+        {"lr_decay": 0},
+        {"lr_decay_every": 0},
+        {"weight_decay": -1e-4},
+    ):
         with pytest.raises(ConfigError):
             CWTConfig.from_dict(bad)
     with pytest.raises(ConfigError, match="unknown cwt setting"):
@@ -203,7 +220,8 @@ def test_base_recipe_defaults_are_the_papers():
     cfg = CWTConfig()
     assert (cfg.lr_decay, cfg.lr_decay_every, cfg.weight_decay) == (0.99, 200, 1e-4)
     assert [lr_factor(t, cfg) for t in (0, 199, 200, 399, 400, 1000)] == pytest.approx(
-        [1.0, 1.0, 0.99, 0.99, 0.99**2, 0.99**5])
+        [1.0, 1.0, 0.99, 0.99, 0.99**2, 0.99**5]
+    )
     assert lr_factor(10_000, CWTConfig(lr_decay=1.0)) == 1.0
 
 
@@ -214,7 +232,8 @@ def test_decay_goes_on_across_visits_and_multiplies_the_clr_rate(tmp_path):
     model = build_model(ModelConfig(image_size=32), 1)
     seen = []
     handle = register_optimizer_step_pre_hook(
-        lambda opt, *_: seen.append((opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])))
+        lambda opt, *_: seen.append((opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"]))
+    )
     try:
         # first visit: CLR rate 1.5e-2 from iteration 0; second: CLR rate 0.5e-2 from iteration 3 (3 steps done)
         first = site.train_visit(model, adam(model, 1.0, cfg.weight_decay), Visit(3, 1.5e-2, iteration=0), cycle=1)
@@ -263,8 +282,12 @@ def test_optimizer_state_travels_exactly():
 @pytest.fixture
 def two_sites(tmp_path):
     splits = ["train"] * 6 + ["val"] * 2 + ["test"] * 2
-    a = tiny_site(tmp_path, "site-a", {"Effusion": [1, 0, 0, 1, 0, 0, 1, 0, 1, 0], "Mass": [0, 0, 1, 0, 0, 1, 0, 1, 0, 1]}, splits)
-    b = tiny_site(tmp_path, "site-b", {"Mass": [1, 1, 0, 0, 0, 0, 1, 0, 0, 1], "Nodule": [0, 1, 0, 0, 1, 0, 0, 1, 1, 0]}, splits)
+    a = tiny_site(
+        tmp_path, "site-a", {"Effusion": [1, 0, 0, 1, 0, 0, 1, 0, 1, 0], "Mass": [0, 0, 1, 0, 0, 1, 0, 1, 0, 1]}, splits
+    )
+    b = tiny_site(
+        tmp_path, "site-b", {"Mass": [1, 1, 0, 0, 0, 0, 1, 0, 0, 1], "Nodule": [0, 1, 0, 0, 1, 0, 0, 1, 1, 0]}, splits
+    )
     return a, b
 
 
@@ -307,7 +330,18 @@ def test_the_cwt_job_exposes_every_optimization(repo_root):
     workflow = server["workflows"][0]
     assert workflow["path"] == "cxrfl.fl.cwt.CyclicWeightTransfer"
     cwt = workflow["args"]["cwt_config"]
-    assert {"plti", "clr", "lwms", "cwl", "order", "task", "patience", "lr_decay", "lr_decay_every", "weight_decay"} <= set(cwt)
+    assert {
+        "plti",
+        "clr",
+        "lwms",
+        "cwl",
+        "order",
+        "task",
+        "patience",
+        "lr_decay",
+        "lr_decay_every",
+        "weight_decay",
+    } <= set(cwt)
     assert CWTConfig.from_dict(cwt).task == "binary"
     inspect.signature(CyclicWeightTransfer).bind(**workflow["args"])  # every exported argument is accepted
     assert {"min_sites", "min_sites_timeout", "retry_pause", "resume_from"} <= set(workflow["args"])
@@ -321,8 +355,9 @@ def test_the_nvflare_glue_runs_the_relay_server_and_the_site_host(two_sites, tmp
     from cxrfl.cwt.server import CWTServer
     from cxrfl.fl.cwt import CWTExecutor, CyclicWeightTransfer
 
-    ctl = CyclicWeightTransfer(cwt_config={"plti": True}, site_order=["b", "a"], min_sites=2, retry_pause=1.5,
-                               resume_from="job-1")
+    ctl = CyclicWeightTransfer(
+        cwt_config={"plti": True}, site_order=["b", "a"], min_sites=2, retry_pause=1.5, resume_from="job-1"
+    )
     server = ctl.make_server(send=lambda task, payloads: {}, sites=["a", "b"], out_dir=tmp_path, run_id="job-2")
     assert isinstance(server, CWTServer) and server.config.plti and server.resume_from == "job-1"
     assert server.relay == RelayConfig(site_order=("b", "a"), min_sites=2, retry_pause=1.5)

@@ -33,8 +33,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture
 def datas(tmp_path):
     splits = ["train"] * 6 + ["val"] * 2 + ["test"] * 2
-    a = tiny_site(tmp_path, "site-a", {"Effusion": [1, 0, 0, 1, 0, 0, 1, 0, 1, 0], "Mass": [0, 0, 1, 0, 0, 1, 0, 1, 0, 1]}, splits)
-    b = tiny_site(tmp_path, "site-b", {"Mass": [1, 1, 0, 0, 0, 0, 1, 0, 0, 1], "Nodule": [0, 1, 0, 0, 1, 0, 0, 1, 1, 0]}, splits)
+    a = tiny_site(
+        tmp_path, "site-a", {"Effusion": [1, 0, 0, 1, 0, 0, 1, 0, 1, 0], "Mass": [0, 0, 1, 0, 0, 1, 0, 1, 0, 1]}, splits
+    )
+    b = tiny_site(
+        tmp_path, "site-b", {"Mass": [1, 1, 0, 0, 0, 0, 1, 0, 0, 1], "Nodule": [0, 1, 0, 0, 1, 0, 0, 1, 1, 0]}, splits
+    )
     return [a, b]
 
 
@@ -52,8 +56,15 @@ def recorder(log: list):
 
 def down(site: str, cycles: set[int], error=RuntimeError):
     """``site``'s train task raises in ``cycles`` (each attempt)."""
-    return lambda name, host: Failing(host, lambda task, meta: name == site and task == "train" and meta["cycle"] in cycles,
-                                      lambda: error("site is down")) if name == site else host
+    return lambda name, host: (
+        Failing(
+            host,
+            lambda task, meta: name == site and task == "train" and meta["cycle"] in cycles,
+            lambda: error("site is down"),
+        )
+        if name == site
+        else host
+    )
 
 
 def scripted(losses: dict[int, float]):
@@ -89,7 +100,11 @@ def test_weights_after_site_k_are_the_start_of_site_k_plus_1_and_a_down_site_is_
     assert any(k.startswith(OPTIMIZER_PREFIX) for k in log[1][2])  # Adam's state travels (optimizer_state: travel)
     visits = records(out, "visits.jsonl")
     assert [(v["cycle"], v["site"], v["status"]) for v in visits] == [
-        (1, "site-a", "trained"), (1, "site-b", "skipped"), (2, "site-a", "trained"), (2, "site-b", "trained")]
+        (1, "site-a", "trained"),
+        (1, "site-b", "skipped"),
+        (2, "site-a", "trained"),
+        (2, "site-b", "trained"),
+    ]
     assert "failed or timed out" in visits[1]["reason"]
     assert visits[1]["sent_digest"] == visits[0]["received_digest"] == visits[2]["sent_digest"]  # went on unchanged
     for v in (visits[0], visits[2], visits[3]):
@@ -97,7 +112,9 @@ def test_weights_after_site_k_are_the_start_of_site_k_plus_1_and_a_down_site_is_
     assert visits[3]["received_digest"] == params_digest(weights(log[-1][3]))
     cycles = records(out, "cycles.jsonl")
     assert [(c["cycle"], c["status"], c["trained"]) for c in cycles] == [
-        (1, "completed", ["site-a"]), (2, "completed", ["site-a", "site-b"])]
+        (1, "completed", ["site-a"]),
+        (2, "completed", ["site-a", "site-b"]),
+    ]
     assert ckpt_equals(out / "FL_global_model.pt", log[-1][3])  # the final model is what the last site returned
     assert result.classes == [BINARY_CLASS] and result.cycles_run == 2
     plan = json.loads((out / "cxrfl" / "plan.json").read_text())
@@ -115,9 +132,18 @@ def test_an_unusable_result_is_skipped_and_the_model_goes_on_unchanged(datas, tm
 
     log: list = []
     out = tmp_path / "out"
-    run(datas, config(num_cycles=1), out, wrap=chain(lambda n, h: NaNWeights(h, n, []) if n == "site-a" else h, recorder(log)))
+    run(
+        datas,
+        config(num_cycles=1),
+        out,
+        wrap=chain(lambda n, h: NaNWeights(h, n, []) if n == "site-a" else h, recorder(log)),
+    )
     visits = records(out, "visits.jsonl")
-    assert visits[0]["status"] == "skipped" and "unusable result" in visits[0]["reason"] and "non-finite" in visits[0]["reason"]
+    assert (
+        visits[0]["status"] == "skipped"
+        and "unusable result" in visits[0]["reason"]
+        and "non-finite" in visits[0]["reason"]
+    )
     assert visits[1]["sent_digest"] == visits[0]["sent_digest"]  # site-b got the model site-a was sent
 
 
@@ -139,12 +165,17 @@ def test_early_stop_after_patience_cycles_keeps_the_best_not_the_latest(datas, t
     out = tmp_path / "out"
     # cycle 3 improves by less than min_delta: no improvement; cycle 4 neither: stop after cycle 4
     losses = {1: 0.9, 2: 0.7, 3: 0.68, 4: 0.69, 5: 0.1}
-    result = run(datas, config(num_cycles=5, patience=2, min_delta=0.05), out, wrap=chain(scripted(losses), recorder(log)))
+    result = run(
+        datas, config(num_cycles=5, patience=2, min_delta=0.05), out, wrap=chain(scripted(losses), recorder(log))
+    )
     assert [h["cycle"] for h in result.history] == [1, 2, 3, 4]
     assert result.stopped_early and result.best_cycle == 2 and result.best_val_loss == 0.7
     cycle2 = [returned for c, _, _, returned in log if c == 2][-1]
     assert same({k: v.numpy() for k, v in result.model.state_dict().items()}, weights(cycle2))
-    assert ckpt_equals(out / "best_FL_global_model.pt", cycle2) and load_checkpoint(out / "best_FL_global_model.pt")["cycle"] == 2
+    assert (
+        ckpt_equals(out / "best_FL_global_model.pt", cycle2)
+        and load_checkpoint(out / "best_FL_global_model.pt")["cycle"] == 2
+    )
     assert ckpt_equals(out / "FL_global_model.pt", log[-1][3]) and not ckpt_equals(out / "FL_global_model.pt", cycle2)
     assert [c["best_cycle"] for c in records(out, "cycles.jsonl")] == [1, 2, 2, 2]
 
@@ -168,17 +199,25 @@ def test_a_cycle_with_too_few_trained_sites_is_run_again_from_its_start(datas, t
                 attempts["n"] += 1
                 return attempts["n"] == 1
             return False
+
         return Failing(host, when)
 
     relay = RelayConfig(min_sites=2, min_sites_timeout=60, retry_pause=0, evaluate_test=False)
     result = run(datas, config(num_cycles=2), out, wrap=flaky, relay=relay)
     cycles = records(out, "cycles.jsonl")
     assert [(c["cycle"], c["status"], c["attempt"]) for c in cycles] == [
-        (1, "completed", 1), (2, "too_few_sites", 1), (2, "completed", 2)]
+        (1, "completed", 1),
+        (2, "too_few_sites", 1),
+        (2, "completed", 2),
+    ]
     assert cycles[1]["trained"] == ["site-a"] and "site-b" in cycles[1]["skipped"]
     visits = [v for v in records(out, "visits.jsonl") if v["cycle"] == 2]
     assert [(v["attempt"], v["site"], v["status"]) for v in visits] == [
-        (1, "site-a", "trained"), (1, "site-b", "skipped"), (2, "site-a", "trained"), (2, "site-b", "trained")]
+        (1, "site-a", "trained"),
+        (1, "site-b", "skipped"),
+        (2, "site-a", "trained"),
+        (2, "site-b", "trained"),
+    ]
     assert visits[2]["sent_digest"] == visits[0]["sent_digest"]  # the second attempt starts from cycle 1's model
     assert visits[2]["iteration"] == visits[0]["iteration"] == 2  # and from its learning-rate schedule position
     assert result.cycles_run == 2 and [h["cycle"] for h in result.history] == [1, 2]
@@ -222,8 +261,9 @@ def test_a_resumed_run_goes_on_from_the_saved_weights_to_the_same_end(datas, tmp
 
     log: list = []
     second = tmp_path / "second"
-    resumed = run(datas, cfg, second, wrap=recorder(log), run_id="job-2", resume_root=first / "cxrfl_resume",
-                  resume_from="job-1")
+    resumed = run(
+        datas, cfg, second, wrap=recorder(log), run_id="job-2", resume_root=first / "cxrfl_resume", resume_from="job-1"
+    )
     assert log[0][:2] == (2, "site-a") and same(log[0][2], {**saved["weights"], **saved["optimizer"]})  # tensors
     cycles = records(second, "cycles.jsonl")
     assert [(c["cycle"], c["status"]) for c in cycles] == [(1, "resumed"), (2, "completed"), (3, "completed")]
@@ -234,8 +274,10 @@ def test_a_resumed_run_goes_on_from_the_saved_weights_to_the_same_end(datas, tmp
 
     whole = run(datas, cfg, tmp_path / "whole")  # the same run without interruption
     assert whole.cycles_run == resumed.cycles_run == 3
-    assert same(load_checkpoint(tmp_path / "whole" / "FL_global_model.pt")["model"],
-                load_checkpoint(second / "FL_global_model.pt")["model"])
+    assert same(
+        load_checkpoint(tmp_path / "whole" / "FL_global_model.pt")["model"],
+        load_checkpoint(second / "FL_global_model.pt")["model"],
+    )
 
 
 def test_resume_refuses_other_settings_or_a_missing_state(datas, tmp_path):
@@ -260,11 +302,16 @@ def test_abort_writes_nothing_further_and_leaves_a_readable_model(datas, tmp_pat
             if name == "site-b" and task == "train" and meta["cycle"] == 2:
                 flag["abort"] = True
             return False
+
         return Failing(host, when)
 
     with pytest.raises(RunAborted):
         run(datas, config(num_cycles=3), out, wrap=trip, aborted=lambda: flag["abort"])
-    assert [(v["cycle"], v["site"]) for v in records(out, "visits.jsonl")] == [(1, "site-a"), (1, "site-b"), (2, "site-a")]
+    assert [(v["cycle"], v["site"]) for v in records(out, "visits.jsonl")] == [
+        (1, "site-a"),
+        (1, "site-b"),
+        (2, "site-a"),
+    ]
     assert [c["cycle"] for c in records(out, "cycles.jsonl")] == [1]
     assert not (out / "cxrfl" / "evaluation.json").exists()
     model, classes, _ = model_from_checkpoint(out / "FL_global_model.pt")  # what cxrfl predict reads
@@ -278,8 +325,9 @@ def test_the_server_carries_the_iteration_count_and_the_weight_decay_across_visi
     out = tmp_path / "out"
     cfg = config(num_cycles=2, local_steps=2, lr=1e-2, lr_decay=0.5, lr_decay_every=3, weight_decay=3e-3)
     seen = []
-    handle = register_optimizer_step_pre_hook(lambda opt, *_: seen.append((opt.param_groups[0]["lr"],
-                                                                             opt.param_groups[0]["weight_decay"])))
+    handle = register_optimizer_step_pre_hook(
+        lambda opt, *_: seen.append((opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"]))
+    )
     try:
         run(datas, cfg, out)
     finally:
@@ -311,7 +359,9 @@ def test_the_site_host_answers_each_task_from_its_own_data(datas):
     assert m["steps"] == 1 and m["iteration"] == 5 and m["received_digest"] == params_digest(sent)
     assert m["returned_digest"] == params_digest(weights(params)) != m["received_digest"]
     assert host.site.classes == classes  # rebuilt for the union head
-    assert host.describe("train", visit, answer).startswith("site site-a cycle 2 visit 2: 1 steps at lr 0.001 (iteration 5)")
+    assert host.describe("train", visit, answer).startswith(
+        "site site-a cycle 2 visit 2: 1 steps at lr 0.001 (iteration 5)"
+    )
     assert host.scalars("train", answer) == ({"train_loss": m["train_loss"], "lr": 1e-3}, 2)
     _, val = host.handle("validate", params, {**meta, "classes": classes, "split": "val", "cycle": 2})
     assert val["metrics"]["split"] == "val" and val["metrics"]["n_known"] == 4  # 2 images x 2 annotated classes

@@ -61,7 +61,7 @@ def nih_site_configs(shared: Path, out: Path) -> None:
     small = [p for p, r in sorted(patients.items()) if len(r) <= 3]
     out.mkdir(parents=True, exist_ok=True)
     for i, site in enumerate(SITES):
-        chosen = [r for p in small[i * 15:(i + 1) * 15] for r in patients[p]]
+        chosen = [r for p in small[i * 15 : (i + 1) * 15] for r in patients[p]]
         (out / f"{site}.csv").write_text("\n".join([header, *chosen]) + "\n")
         (out / f"{site}.yaml").write_text(
             f"site: {site}\n"
@@ -99,16 +99,33 @@ def small_job(repo_root: Path, out: Path, *, flaky: bool = True, cycles: int = 2
     return job
 
 
-def simulate(job: Path, ws: Path, configs: Path, sites: tuple[str, ...], *, kill_after_cycle: int | None = None,
-             timeout: float = 900, resume_root: Path | None = None) -> subprocess.CompletedProcess | None:
+def simulate(
+    job: Path,
+    ws: Path,
+    configs: Path,
+    sites: tuple[str, ...],
+    *,
+    kill_after_cycle: int | None = None,
+    timeout: float = 900,
+    resume_root: Path | None = None,
+) -> subprocess.CompletedProcess | None:
     """Run the simulator; with ``kill_after_cycle``, kill its whole process group once that cycle is recorded;
     ``resume_root``: the server's folder of resume states (the simulator replaces its workspace every run)."""
     env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(configs), "HOME": str(ws.parent / "home")}
     if resume_root is not None:
         env[RESUME_ROOT_ENV] = str(resume_root)
     env.pop("CXRFL_SITE_CONFIG", None)
-    cmd = [str(Path(sys.executable).with_name("nvflare")), "simulator", str(job), "-w", str(ws), "-c", ",".join(sites),
-           "-t", str(len(sites))]
+    cmd = [
+        str(Path(sys.executable).with_name("nvflare")),
+        "simulator",
+        str(job),
+        "-w",
+        str(ws),
+        "-c",
+        ",".join(sites),
+        "-t",
+        str(len(sites)),
+    ]
     if kill_after_cycle is None:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     cycles = ws / "server" / "simulate_job" / "app_server" / "cxrfl" / "cycles.jsonl"
@@ -147,13 +164,19 @@ def simulated(tmp_path_factory, repo_root, configs):
 def test_relay_order_and_the_skipped_site(simulated):
     visits = simulated["visits"]
     assert [(v["cycle"], v["site"], v["status"]) for v in visits] == [
-        (1, "site-1", "trained"), (1, "site-2", "trained"), (1, "site-3", "skipped"),
-        (2, "site-1", "trained"), (2, "site-2", "trained"), (2, "site-3", "trained"),
+        (1, "site-1", "trained"),
+        (1, "site-2", "trained"),
+        (1, "site-3", "skipped"),
+        (2, "site-1", "trained"),
+        (2, "site-2", "trained"),
+        (2, "site-3", "trained"),
     ]
     assert "failed or timed out" in visits[2]["reason"]
     server_log = (simulated["ws"] / "server" / "log.txt").read_text()
-    assert ("cycle 1: site site-3 skipped (its task failed or timed out, or the site is down); the model goes on to "
-            "the next site unchanged") in server_log
+    assert (
+        "cycle 1: site site-3 skipped (its task failed or timed out, or the site is down); the model goes on to "
+        "the next site unchanged"
+    ) in server_log
     cycles = read_records(simulated["app"] / "cxrfl" / "cycles.jsonl")
     assert [(c["cycle"], c["status"]) for c in cycles] == [(1, "completed"), (2, "completed")]
     assert cycles[0]["trained"] == ["site-1", "site-2"] and set(cycles[0]["skipped"]) == {"site-3"}
@@ -203,11 +226,20 @@ def resumed(tmp_path_factory, repo_root, configs):
     simulate(first, ws1, configs, sites, kill_after_cycle=1)
     state = ws1 / "server" / "cxrfl_resume" / "simulate_job"
     shutil.copytree(state, tmp / "store" / "simulate_job")  # the server's store outlives the simulator's workspace
-    second = small_job(repo_root, tmp / "second", flaky=False, cycles=3, evaluate_test=False, resume_from="simulate_job")
+    second = small_job(
+        repo_root, tmp / "second", flaky=False, cycles=3, evaluate_test=False, resume_from="simulate_job"
+    )
     proc = simulate(second, ws2, configs, sites, resume_root=tmp / "store")
     saved = torch.load(state / "state.pt", map_location="cpu", weights_only=True)
-    return {"state": state, "saved": saved, "ws1": ws1, "ws2": ws2, "proc": proc,
-            "app1": ws1 / "server" / "simulate_job" / "app_server", "app2": ws2 / "server" / "simulate_job" / "app_server"}
+    return {
+        "state": state,
+        "saved": saved,
+        "ws1": ws1,
+        "ws2": ws2,
+        "proc": proc,
+        "app1": ws1 / "server" / "simulate_job" / "app_server",
+        "app2": ws2 / "server" / "simulate_job" / "app_server",
+    }
 
 
 def test_the_killed_relay_left_its_last_completed_cycle(resumed):
@@ -224,7 +256,9 @@ def test_the_resumed_relay_starts_from_the_saved_weights_and_ends_as_an_uninterr
     cycles = read_records(app / "cxrfl" / "cycles.jsonl")
     assert cycles, resumed["proc"].stdout[-3000:] + resumed["proc"].stderr[-3000:]
     done = saved["cycle"]
-    assert [(c["cycle"], c["status"]) for c in cycles] == [(done, "resumed")] + [(c, "completed") for c in range(done + 1, 4)]
+    assert [(c["cycle"], c["status"]) for c in cycles] == [(done, "resumed")] + [
+        (c, "completed") for c in range(done + 1, 4)
+    ]
     visits = read_records(app / "cxrfl" / "visits.jsonl")
     assert visits[0]["cycle"] == done + 1  # no completed cycle redone
     assert visits[0]["sent_digest"] == visits[0]["site_received_digest"] == params_digest(to_numpy(saved["weights"]))

@@ -47,8 +47,12 @@ NIH_ONLY = sorted(set(NIH_CLASSES) - set(CHEXPERT_CLASSES))
 NIH_ONLY_SPELLINGS = NIH_ONLY + [k for k, v in NIH_COLUMN_NAMES.items() if v in NIH_ONLY]
 CHEXPERT_ONLY = sorted(set(CHEXPERT_CLASSES) - set(NIH_CLASSES))
 UNION = sorted(set(NIH_CLASSES) | set(CHEXPERT_CLASSES))
-SMALL = {"num_rounds": 2, "train_config.warmup_epochs": 1, "train_config.batch_size": 16,
-         "train_config.max_steps_per_epoch": 3}
+SMALL = {
+    "num_rounds": 2,
+    "train_config.warmup_epochs": 1,
+    "train_config.batch_size": 16,
+    "train_config.max_steps_per_epoch": 3,
+}
 LEAD, PROJECT_ADMIN = "lead@cxrfl.example", "admin@cxrfl.example"
 ORG_ADMIN_A, ORG_ADMIN_B = "it@hospital-a.example", "it@hospital-b.example"
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".dcm"}
@@ -62,7 +66,9 @@ def cli_env(tmp: Path) -> dict[str, str]:
     return env
 
 
-def cxrfl(tmp: Path, *args: str, timeout: float = 600, check: bool = True, home: Path | None = None) -> subprocess.CompletedProcess:
+def cxrfl(
+    tmp: Path, *args: str, timeout: float = 600, check: bool = True, home: Path | None = None
+) -> subprocess.CompletedProcess:
     cmd = [str(Path(sys.executable).with_name("cxrfl")), *args]
     env = cli_env(tmp)
     if home is not None:
@@ -71,7 +77,6 @@ def cxrfl(tmp: Path, *args: str, timeout: float = 600, check: bool = True, home:
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
-
 
 
 def leaks(roots: list[Path], names: list[str]) -> dict[str, list[str]]:
@@ -99,7 +104,9 @@ def live_processes_under(path: Path) -> list[str]:
 
 
 def site_data(tmp: Path) -> dict[str, Path]:
-    configs = write_profile("two-hospitals", tmp / "data", n_per_site=60, image_size=64, sites=["hospital-a", "hospital-b"])
+    configs = write_profile(
+        "two-hospitals", tmp / "data", n_per_site=60, image_size=64, sites=["hospital-a", "hospital-b"]
+    )
     return {p.stem: p for p in configs}
 
 
@@ -220,27 +227,43 @@ def test_every_job_builds_in_both_modes_and_passes_a_prepared_allow_list(tmp_pat
         for path in _component_paths(_configs(pre)):
             assert any(ComponentPathAuthorizer._path_matches_prefix(path, p) for p in allow), (spec.name, path)
         # without cxrfl. a pre-installed job is refused (NVFlare's ComponentNotAuthorized)
-        assert not all(any(ComponentPathAuthorizer._path_matches_prefix(path, p) for p in DEFAULT_CLASS_ALLOW_LIST)
-                       for path in _component_paths(_configs(pre)))
+        assert not all(
+            any(ComponentPathAuthorizer._path_matches_prefix(path, p) for p in DEFAULT_CLASS_ALLOW_LIST)
+            for path in _component_paths(_configs(pre))
+        )
 
 
 def test_privacy_options_are_off_by_default_and_written_explicitly(tmp_path, repo_root):
     for job in (repo_root / "jobs").iterdir():
         client = json.loads((app_dirs(job)[-1] / "config" / "config_fed_client.json").read_text())
         assert client["task_data_filters"] == [] and client["task_result_filters"] == []
-    job = build_job("surgical_agg_fedbn", tmp_path, privacy={"method": "svt", "args": {"epsilon": 0.5}},
-                    exclude_batchnorm=True)
+    job = build_job(
+        "surgical_agg_fedbn", tmp_path, privacy={"method": "svt", "args": {"epsilon": 0.5}}, exclude_batchnorm=True
+    )
     client = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
     (data_chain,) = client["task_data_filters"]
     (result_chain,) = client["task_result_filters"]
     assert data_chain["tasks"] == ["train"] == result_chain["tasks"]
     exclude, svt = result_chain["filters"]
     assert exclude["path"] == "nvflare.app_common.filters.exclude_vars.ExcludeVars"
-    assert svt == data_chain["filters"][0] == {
-        "path": "cxrfl.fl.privacy.UpdatePrivacy",
-        "args": {"method": "svt", "args": {"fraction": 0.9, "epsilon": 0.5, "noise_var": 100000, "gamma": 1.0, "tau": 1e-6,
-                                           "replace": False}},
-    }
+    assert (
+        svt
+        == data_chain["filters"][0]
+        == {
+            "path": "cxrfl.fl.privacy.UpdatePrivacy",
+            "args": {
+                "method": "svt",
+                "args": {
+                    "fraction": 0.9,
+                    "epsilon": 0.5,
+                    "noise_var": 100000,
+                    "gamma": 1.0,
+                    "tau": 1e-6,
+                    "replace": False,
+                },
+            },
+        }
+    )
     from cxrfl.nn.models import ModelConfig, batchnorm_keys, build_model
 
     model = build_model(ModelConfig(image_size=64), 3)
@@ -278,10 +301,15 @@ def test_update_privacy_filters_the_difference_not_the_weights():
 
     rng = np.random.default_rng(0)
     received = {"w": rng.normal(size=(50, 20)).astype(np.float32), "n": np.array(7)}
-    result = {"w": received["w"] + rng.normal(scale=0.5, size=(50, 20)).astype(np.float32), "n": np.array(9),
-              "classifier.weight": rng.normal(scale=2.0, size=(3, 20)).astype(np.float32)}
-    data_f, result_f = UpdatePrivacy("percentile", {"percentile": 50, "gamma": 0.5}), UpdatePrivacy(
-        "percentile", {"percentile": 50, "gamma": 0.5})
+    result = {
+        "w": received["w"] + rng.normal(scale=0.5, size=(50, 20)).astype(np.float32),
+        "n": np.array(9),
+        "classifier.weight": rng.normal(scale=2.0, size=(3, 20)).astype(np.float32),
+    }
+    data_f, result_f = (
+        UpdatePrivacy("percentile", {"percentile": 50, "gamma": 0.5}),
+        UpdatePrivacy("percentile", {"percentile": 50, "gamma": 0.5}),
+    )
     data_f.set_prop(FilterContextKey.CHAIN_TYPE, FilterChainType.TASK_DATA_CHAIN)
     result_f.set_prop(FilterContextKey.CHAIN_TYPE, FilterChainType.TASK_RESULT_CHAIN)
     ctx = FLContext()
@@ -319,7 +347,10 @@ def test_a_site_offers_the_gpus_its_kit_declares_one_job_per_gpu(tmp_path, repo_
     dep = provision(repo_root / "poc" / "project.yml", tmp_path / "ws", server_host="localhost", port=free_port())
     assert declare_gpus(dep.kit("hospital-a"), [0, 1])["gpus"] == [0, 1]
     meta = json.loads((repo_root / "jobs" / "surgical_agg_gpu" / "meta.json").read_text())
-    with_gpus, without = _kit_component(dep.kit("hospital-a"), "resource_manager"), _kit_component(dep.kit("hospital-b"), "resource_manager")
+    with_gpus, without = (
+        _kit_component(dep.kit("hospital-a"), "resource_manager"),
+        _kit_component(dep.kit("hospital-b"), "resource_manager"),
+    )
     asked = get_resource_manager_spec(meta, "hospital-a")
     first, second, third = (with_gpus.check_resources(asked, None) for _ in range(3))
     assert first[0] and second[0] and not third[0]  # one job per GPU
@@ -352,12 +383,18 @@ def test_submit_reports_why_nvflare_has_not_scheduled_a_job():
             return self.meta
 
     spec = {"@default": {"num_of_gpus": 1}}
-    history = ["2026-11-25 10:00:01: not enough sites have enough resources (ok sites 1 < min sites 2)",
-               "2026-11-25 10:00:11: not enough sites have enough resources (ok sites 1 < min sites 2)",
-               "2026-11-25 10:10:11: exceeded max schedule count 10"]
-    waiting = not_scheduled(Session({"status": "SUBMITTED", "schedule_history": history[:2], "resource_spec": spec}), "j")
-    assert waiting == {"not_scheduled": "not enough sites have enough resources (ok sites 1 < min sites 2)",
-                       "resource_spec": spec}
+    history = [
+        "2026-11-25 10:00:01: not enough sites have enough resources (ok sites 1 < min sites 2)",
+        "2026-11-25 10:00:11: not enough sites have enough resources (ok sites 1 < min sites 2)",
+        "2026-11-25 10:10:11: exceeded max schedule count 10",
+    ]
+    waiting = not_scheduled(
+        Session({"status": "SUBMITTED", "schedule_history": history[:2], "resource_spec": spec}), "j"
+    )
+    assert waiting == {
+        "not_scheduled": "not enough sites have enough resources (ok sites 1 < min sites 2)",
+        "resource_spec": spec,
+    }
     gave_up = not_scheduled(Session({}), "j", {"status": "FINISHED:CAN_NOT_SCHEDULE", "schedule_history": history})
     assert gave_up["not_scheduled"].endswith("(ok sites 1 < min sites 2); exceeded max schedule count 10")
     ran = {"status": "FINISHED:COMPLETED", "schedule_history": history[:1] + ["2026-11-25 10:00:21: scheduled"]}
@@ -366,8 +403,19 @@ def test_submit_reports_why_nvflare_has_not_scheduled_a_job():
 
 def test_deploy_cli_is_wired(tmp_path):
     proc = cxrfl(tmp_path, "deploy", "--help")
-    for command in ("provision", "prepare-kit", "site-gpus", "site-config", "job", "start", "status", "submit", "download", "abort",
-                    "stop"):
+    for command in (
+        "provision",
+        "prepare-kit",
+        "site-gpus",
+        "site-config",
+        "job",
+        "start",
+        "status",
+        "submit",
+        "download",
+        "abort",
+        "stop",
+    ):
         assert command in proc.stdout
 
 
@@ -398,8 +446,19 @@ def prod(tmp_path_factory, repo_root):
     t0 = time.perf_counter()
     configs = site_data(tmp)
     port = free_port()
-    cxrfl(tmp, "deploy", "provision", "--project", str(repo_root / "poc" / "project.yml"), "--workspace", str(ws),
-          "--server-host", "localhost", "--port", str(port))
+    cxrfl(
+        tmp,
+        "deploy",
+        "provision",
+        "--project",
+        str(repo_root / "poc" / "project.yml"),
+        "--workspace",
+        str(ws),
+        "--server-host",
+        "localhost",
+        "--port",
+        str(port),
+    )
     dep = Deployment.load(ws)
     out["dep"] = dep
     for site in ("hospital-a", "hospital-b"):
@@ -407,8 +466,9 @@ def prod(tmp_path_factory, repo_root):
     env = cli_env(tmp)
     env["HOME"] = str(ws / "home" / "cli")
     nvflare = str(Path(sys.executable).with_name("nvflare"))
-    out["preflight_server"] = subprocess.run([nvflare, "preflight-check", "-p", str(dep.kit("server"))], env=env,
-                                             capture_output=True, text=True, timeout=180)
+    out["preflight_server"] = subprocess.run(
+        [nvflare, "preflight-check", "-p", str(dep.kit("server"))], env=env, capture_output=True, text=True, timeout=180
+    )
     pre = build_job("surgical_agg", tmp / "jobs_pre", mode="preinstalled", overrides=SMALL)
     byoc = build_job("surgical_agg", tmp / "jobs_byoc", mode="byoc", overrides={**SMALL, "num_rounds": 1})
     union = build_job("vanilla_fl", tmp / "jobs_union", mode="preinstalled", overrides={**SMALL, "num_rounds": 1})
@@ -418,27 +478,92 @@ def prod(tmp_path_factory, repo_root):
         t = time.perf_counter()
         cxrfl(tmp, "deploy", "start", "--workspace", str(ws), "--only", "server", "--timeout", "240", timeout=400)
         # a site's preflight check logs in as the site: run it before the site starts, never while it runs
-        out["preflight_site"] = subprocess.run([nvflare, "preflight-check", "-p", str(dep.kit("hospital-b"))], env=env,
-                                               capture_output=True, text=True, timeout=180)
-        cxrfl(tmp, "deploy", "start", "--workspace", str(ws), "--only", "hospital-a", "hospital-b", "--timeout", "240",
-              timeout=400)
+        out["preflight_site"] = subprocess.run(
+            [nvflare, "preflight-check", "-p", str(dep.kit("hospital-b"))],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        cxrfl(
+            tmp,
+            "deploy",
+            "start",
+            "--workspace",
+            str(ws),
+            "--only",
+            "hospital-a",
+            "hospital-b",
+            "--timeout",
+            "240",
+            timeout=400,
+        )
         out["timings"]["start"] = time.perf_counter() - t
         t = time.perf_counter()
-        proc = cxrfl(tmp, "deploy", "submit", str(pre), "--workspace", str(ws), "--admin", ORG_ADMIN_A,
-                     "--timeout", "600", "--download", str(tmp / "download"), timeout=900, check=False)
+        proc = cxrfl(
+            tmp,
+            "deploy",
+            "submit",
+            str(pre),
+            "--workspace",
+            str(ws),
+            "--admin",
+            ORG_ADMIN_A,
+            "--timeout",
+            "600",
+            "--download",
+            str(tmp / "download"),
+            timeout=900,
+            check=False,
+        )
         out["timings"]["preinstalled_job"] = time.perf_counter() - t
         out["submit_pre"] = proc
         job_id = json_out(proc).get("job_id", "none")
-        out["download_project_admin"] = cxrfl(tmp, "deploy", "download", job_id, "--workspace", str(ws),
-                                              "--out", str(tmp / "download_project_admin"), timeout=300, check=False)
+        out["download_project_admin"] = cxrfl(
+            tmp,
+            "deploy",
+            "download",
+            job_id,
+            "--workspace",
+            str(ws),
+            "--out",
+            str(tmp / "download_project_admin"),
+            timeout=300,
+            check=False,
+        )
         t = time.perf_counter()
-        out["submit_union_org_admin"] = cxrfl(tmp, "deploy", "submit", str(union), "--workspace", str(ws), "--admin",
-                                              ORG_ADMIN_A, "--timeout", "300", "--download", str(tmp / "download"),
-                                              timeout=400, check=False)
+        out["submit_union_org_admin"] = cxrfl(
+            tmp,
+            "deploy",
+            "submit",
+            str(union),
+            "--workspace",
+            str(ws),
+            "--admin",
+            ORG_ADMIN_A,
+            "--timeout",
+            "300",
+            "--download",
+            str(tmp / "download"),
+            timeout=400,
+            check=False,
+        )
         out["timings"]["union_refusal"] = time.perf_counter() - t
         t = time.perf_counter()
-        out["submit_byoc_org_admin"] = cxrfl(tmp, "deploy", "submit", str(byoc), "--workspace", str(ws), "--admin",
-                                             ORG_ADMIN_B, "--timeout", "300", timeout=400, check=False)
+        out["submit_byoc_org_admin"] = cxrfl(
+            tmp,
+            "deploy",
+            "submit",
+            str(byoc),
+            "--workspace",
+            str(ws),
+            "--admin",
+            ORG_ADMIN_B,
+            "--timeout",
+            "300",
+            timeout=400,
+            check=False,
+        )
         out["timings"]["byoc_refusal"] = time.perf_counter() - t
         out["status"] = cxrfl(tmp, "deploy", "status", "--workspace", str(ws), timeout=120, check=False)
     finally:
@@ -455,7 +580,7 @@ def json_out(proc: subprocess.CompletedProcess) -> dict:
     text = proc.stdout
     start, end = text.find("\n{") + 1 if not text.startswith("{") else 0, text.rfind("}")
     try:
-        return json.loads(text[start:end + 1])
+        return json.loads(text[start : end + 1])
     except json.JSONDecodeError:
         pytest.fail(f"no JSON in the output (rc={proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
 
@@ -500,7 +625,9 @@ def test_prod_sites_read_their_own_local_config(prod):
     dep = prod["dep"]
     for site in ("hospital-a", "hospital-b"):
         logs = "".join(p.read_text(errors="replace") for p in dep.kit(site).rglob("log.txt"))
-        assert f"reading site config {dep.kit(site) / 'local' / 'cxrfl_site.yaml'} (from the site's local/ folder)" in logs
+        assert (
+            f"reading site config {dep.kit(site) / 'local' / 'cxrfl_site.yaml'} (from the site's local/ folder)" in logs
+        )
 
 
 @pytest.mark.slow
@@ -541,10 +668,18 @@ def test_prod_org_admin_of_hospital_a_gets_no_name_of_hospital_b_classes(prod):
     import zipfile  # the job's server log, archived by NVFlare into its job store
 
     log = zipfile.ZipFile(ws / "storage" / "jobs-storage" / refused["job_id"] / "workspace").read("log.txt")
-    assert b"SurgicalAggregation sends every site class names other sites hold, and this job was submitted by role " \
-           b"'org_admin'" in log
+    assert (
+        b"SurgicalAggregation sends every site class names other sites hold, and this job was submitted by role "
+        b"'org_admin'" in log
+    )
     # everything hospital-a's org admin received or can read at its own site
-    roots = [tmp / "download", dep.kit("hospital-a"), ws / "home" / "hospital-a", ws / "tmp" / "hospital-a", dep.kit(ORG_ADMIN_A)]
+    roots = [
+        tmp / "download",
+        dep.kit("hospital-a"),
+        ws / "home" / "hospital-a",
+        ws / "tmp" / "hospital-a",
+        dep.kit(ORG_ADMIN_A),
+    ]
     files = [p for root in roots if root.exists() for p in root.rglob("*") if p.is_file()]
     assert len(files) > 10 and list(dep.kit("hospital-a").rglob("log.txt"))
     assert leaks(roots, CHEXPERT_ONLY) == {}
@@ -592,26 +727,82 @@ def poc(tmp_path_factory, repo_root):
     out: dict = {"tmp": tmp, "ws": ws, "timings": {}}
     t0 = time.perf_counter()
     configs = site_data(tmp)
-    cxrfl(tmp, "deploy", "provision", "--project", str(repo_root / "poc" / "project.yml"), "--workspace", str(ws),
-          "--poc", "--port", str(free_port()))
+    cxrfl(
+        tmp,
+        "deploy",
+        "provision",
+        "--project",
+        str(repo_root / "poc" / "project.yml"),
+        "--workspace",
+        str(ws),
+        "--poc",
+        "--port",
+        str(free_port()),
+    )
     dep = Deployment.load(ws)
     out["dep"] = dep
     for site in ("hospital-a", "hospital-b"):
         cxrfl(tmp, "deploy", "site-config", str(dep.kit(site)), str(configs[site]))  # by kit path, as a hospital would
-    sets = [x for k, v in {**SMALL, "num_rounds": 1, "evaluate_test": False}.items() for x in ("--set", f"{k}={json.dumps(v)}")]
+    sets = [
+        x
+        for k, v in {**SMALL, "num_rounds": 1, "evaluate_test": False}.items()
+        for x in ("--set", f"{k}={json.dumps(v)}")
+    ]
     # building a job is not a workspace command (importing cxrfl's models lets matplotlib cache fonts in HOME)
-    job = Path(cxrfl(tmp, "deploy", "job", "surgical_agg", "--mode", "byoc", "--out", str(tmp / "jobs"), *sets,
-                     "--privacy", "percentile", "--privacy-arg", "gamma=0.5", home=tmp / "buildhome").stdout.strip())
+    job = Path(
+        cxrfl(
+            tmp,
+            "deploy",
+            "job",
+            "surgical_agg",
+            "--mode",
+            "byoc",
+            "--out",
+            str(tmp / "jobs"),
+            *sets,
+            "--privacy",
+            "percentile",
+            "--privacy-arg",
+            "gamma=0.5",
+            home=tmp / "buildhome",
+        ).stdout.strip()
+    )
     out["job"] = job
     out["timings"]["setup"] = time.perf_counter() - t0
     try:
         t = time.perf_counter()
-        cxrfl(tmp, "deploy", "start", "--workspace", str(ws), "--only", "server", "hospital-a", "hospital-b",
-              "--timeout", "240", timeout=400)
+        cxrfl(
+            tmp,
+            "deploy",
+            "start",
+            "--workspace",
+            str(ws),
+            "--only",
+            "server",
+            "hospital-a",
+            "hospital-b",
+            "--timeout",
+            "240",
+            timeout=400,
+        )
         out["timings"]["start"] = time.perf_counter() - t
         t = time.perf_counter()
-        out["submit"] = cxrfl(tmp, "deploy", "submit", str(job), "--workspace", str(ws), "--admin", LEAD,
-                              "--timeout", "600", "--download", str(tmp / "download"), timeout=900, check=False)
+        out["submit"] = cxrfl(
+            tmp,
+            "deploy",
+            "submit",
+            str(job),
+            "--workspace",
+            str(ws),
+            "--admin",
+            LEAD,
+            "--timeout",
+            "600",
+            "--download",
+            str(tmp / "download"),
+            timeout=900,
+            check=False,
+        )
         out["timings"]["byoc_job"] = time.perf_counter() - t
     finally:
         t = time.perf_counter()
@@ -643,7 +834,9 @@ def test_poc_lead_runs_bring_your_own_code_with_privacy_filter(poc):
     for site in ("hospital-a", "hospital-b"):
         run = [p for p in dep.kit(site).iterdir() if (p / f"app_{site}").is_dir()]
         assert len(run) == 1
-        assert (run[0] / f"app_{site}" / "custom" / "cxrfl" / "fl" / "executor.py").is_file()  # the code came with the job
+        assert (
+            run[0] / f"app_{site}" / "custom" / "cxrfl" / "fl" / "executor.py"
+        ).is_file()  # the code came with the job
         log = (run[0] / "log.txt").read_text(errors="replace")
         assert "percentile privacy applied to" in log
 
@@ -662,8 +855,8 @@ def test_poc_hospital_b_never_sees_hospital_a_only_classes(poc):
     code = {}
     for path in list(found):
         parts = Path(path).parts
-        if "custom" in parts and parts[parts.index("custom") + 1:parts.index("custom") + 2] == ("cxrfl",):
-            rel = Path(*parts[parts.index("custom") + 2:])
+        if "custom" in parts and parts[parts.index("custom") + 1 : parts.index("custom") + 2] == ("cxrfl",):
+            rel = Path(*parts[parts.index("custom") + 2 :])
             if (package / rel).is_file() and (package / rel).read_bytes() == Path(path).read_bytes():
                 code[str(rel)] = found.pop(path)
     assert found == {}
@@ -686,9 +879,16 @@ def _tiny_gpu_job(out: Path, min_clients: int) -> Path:
     from cxrfl.jobs import job_spec
 
     recipe = SurgicalAggregationRecipe(
-        name=f"gpu_min{min_clients}", min_clients=min_clients, resources=job_spec("surgical_agg_gpu").resources,
-        num_rounds=1, evaluate_test=False, model_config={"image_size": 64}, custom="none", num_workers=0,
-        train_config={"warmup_epochs": 1, "batch_size": 16, "max_steps_per_epoch": 3})
+        name=f"gpu_min{min_clients}",
+        min_clients=min_clients,
+        resources=job_spec("surgical_agg_gpu").resources,
+        num_rounds=1,
+        evaluate_test=False,
+        model_config={"image_size": 64},
+        custom="none",
+        num_workers=0,
+        train_config={"warmup_epochs": 1, "batch_size": 16, "max_steps_per_epoch": 3},
+    )
     recipe.export(str(out))
     return out / recipe.name
 
@@ -705,22 +905,55 @@ def test_gpu_job_goes_only_to_the_site_whose_kit_offers_a_gpu(tmp_path, repo_roo
     ``cxrfl deploy submit`` shows NVFlare's reason; one that needs one site runs on hospital-a alone."""
     ws = tmp_path / "ws"
     configs = site_data(tmp_path)
-    cxrfl(tmp_path, "deploy", "provision", "--project", str(repo_root / "poc" / "project.yml"), "--workspace", str(ws),
-          "--server-host", "localhost", "--port", str(free_port()))
+    cxrfl(
+        tmp_path,
+        "deploy",
+        "provision",
+        "--project",
+        str(repo_root / "poc" / "project.yml"),
+        "--workspace",
+        str(ws),
+        "--server-host",
+        "localhost",
+        "--port",
+        str(free_port()),
+    )
     for site in ("hospital-a", "hospital-b"):
         cxrfl(tmp_path, "deploy", "site-config", "--workspace", str(ws), site, str(configs[site]))
     declared = json_out(cxrfl(tmp_path, "deploy", "site-gpus", "--workspace", str(ws), "hospital-a", "0"))
     assert declared["gpus"] == [0]
     both, one = _tiny_gpu_job(tmp_path / "jobs", 2), _tiny_gpu_job(tmp_path / "jobs", 1)
     try:
-        cxrfl(tmp_path, "deploy", "start", "--workspace", str(ws), "--only", "server", "hospital-a", "hospital-b",
-              "--timeout", "240", timeout=400)
-        waiting = cxrfl(tmp_path, "deploy", "submit", str(both), "--workspace", str(ws), "--timeout", "30",
-                        timeout=300, check=False)
-        aborted = cxrfl(tmp_path, "deploy", "abort", json_out(waiting).get("job_id", "none"), "--workspace", str(ws),
-                        timeout=300, check=False)
-        ran = cxrfl(tmp_path, "deploy", "submit", str(one), "--workspace", str(ws), "--timeout", "600", timeout=900,
-                    check=False)
+        cxrfl(
+            tmp_path,
+            "deploy",
+            "start",
+            "--workspace",
+            str(ws),
+            "--only",
+            "server",
+            "hospital-a",
+            "hospital-b",
+            "--timeout",
+            "240",
+            timeout=400,
+        )
+        waiting = cxrfl(
+            tmp_path, "deploy", "submit", str(both), "--workspace", str(ws), "--timeout", "30", timeout=300, check=False
+        )
+        aborted = cxrfl(
+            tmp_path,
+            "deploy",
+            "abort",
+            json_out(waiting).get("job_id", "none"),
+            "--workspace",
+            str(ws),
+            timeout=300,
+            check=False,
+        )
+        ran = cxrfl(
+            tmp_path, "deploy", "submit", str(one), "--workspace", str(ws), "--timeout", "600", timeout=900, check=False
+        )
     finally:
         stop = _stop_and_check(tmp_path, ws)
     waited = json_out(waiting)
@@ -732,7 +965,9 @@ def test_gpu_job_goes_only_to_the_site_whose_kit_offers_a_gpu(tmp_path, repo_roo
     result = json_out(ran)
     assert result["status"] == COMPLETED, result
     dep = Deployment.load(ws)
-    runs = {site: sorted(p.name for p in dep.kit(site).iterdir() if (p / f"app_{site}").is_dir())
-            for site in ("hospital-a", "hospital-b")}
+    runs = {
+        site: sorted(p.name for p in dep.kit(site).iterdir() if (p / f"app_{site}").is_dir())
+        for site in ("hospital-a", "hospital-b")
+    }
     assert runs == {"hospital-a": [result["job_id"]], "hospital-b": []}
     assert stop.get("rc") == 0 and stop["left_after"] == [], stop

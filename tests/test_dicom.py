@@ -65,8 +65,9 @@ SYNTAXES = [
 
 
 @pytest.mark.parametrize(("name", "syntax", "reference", "tolerance"), SYNTAXES, ids=[s[0] for s in SYNTAXES])
-def test_every_supported_transfer_syntax_decodes(name: str, syntax: str, reference: str | None,
-                                                 tolerance: float | None) -> None:
+def test_every_supported_transfer_syntax_decodes(
+    name: str, syntax: str, reference: str | None, tolerance: float | None
+) -> None:
     path = dicom_file(name)
     assert pydicom.dcmread(path, stop_before_pixels=True).file_meta.TransferSyntaxUID == syntax
     x = read_image(path)
@@ -80,10 +81,12 @@ def test_every_supported_transfer_syntax_decodes(name: str, syntax: str, referen
 PERMISSIVE_ONLY = [row for row in SYNTAXES if row[1] in uid.JPEGLSTransferSyntaxes or row[1] == uid.JPEGLosslessSV1]
 
 
-@pytest.mark.parametrize(("name", "syntax", "reference", "tolerance"), PERMISSIVE_ONLY, ids=[s[0] for s in PERMISSIVE_ONLY])
-def test_jpeg_lossless_and_jpeg_ls_decode_with_the_default_permissive_decoder(name: str, syntax: str,
-                                                                               reference: str | None,
-                                                                               tolerance: float | None) -> None:
+@pytest.mark.parametrize(
+    ("name", "syntax", "reference", "tolerance"), PERMISSIVE_ONLY, ids=[s[0] for s in PERMISSIVE_ONLY]
+)
+def test_jpeg_lossless_and_jpeg_ls_decode_with_the_default_permissive_decoder(
+    name: str, syntax: str, reference: str | None, tolerance: float | None
+) -> None:
     """Issue 40 point 11: these syntaxes needed pylibjpeg-libjpeg (GPL-3.0); GDCM (python-gdcm, BSD/Apache)
     is the default decoder now and gives the same pixels as whichever decoder pydicom picks."""
     from pydicom.pixels import pixel_array
@@ -96,7 +99,7 @@ def test_jpeg_lossless_and_jpeg_ls_decode_with_the_default_permissive_decoder(na
 
 def test_readme_lists_exactly_the_transfer_syntaxes_the_dependencies_decode(repo_root: Path) -> None:
     text = (repo_root / "README.md").read_text()
-    section = text[text.index("### DICOM transfer syntaxes"):]
+    section = text[text.index("### DICOM transfer syntaxes") :]
     section = section[: section.index("\n## ")]
     listed = set(re.findall(r"`(1\.2\.840\.10008\.1\.2[0-9.]*)`", section))
     tested = {syntax for _, syntax, _, _ in SYNTAXES}

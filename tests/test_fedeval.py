@@ -85,8 +85,9 @@ def test_pooled_auroc_from_counts_equals_sklearn_on_the_pooled_scores(sites, che
 
 def test_a_class_below_the_minimum_cell_size_is_not_sent(sites, checkpoint, tmp_path):
     ckpt = load_checkpoint(checkpoint)
-    smallest = min(n for s in sites for c in s.classes for v in (0.0, 1.0)
-                   if (n := int((s.split_table("test")[c] == v).sum())) > 0)
+    smallest = min(
+        n for s in sites for c in s.classes for v in (0.0, 1.0) if (n := int((s.split_table("test")[c] == v).sum())) > 0
+    )
     report = run_fedeval(fp32_hosts(sites, tmp_path / "sites"), ckpt, FedEvalConfig(min_cell=smallest + 1), tmp_path)
     withheld = {c for c, e in report["classes"].items() if e["sites_withheld"]}
     assert withheld, "some site has a class with exactly `smallest` cases: it must send nothing for it"
@@ -110,8 +111,13 @@ def test_a_site_receives_and_is_asked_about_only_its_own_classes(sites, checkpoi
             sent[site].append((task, {k: np.asarray(v).shape for k, v in params.items()}, json.dumps(meta)))
         return transport(task, payloads, **kw)
 
-    server = FedEvalServer(recording, config=FedEvalConfig(min_cell=1), checkpoint=load_checkpoint(checkpoint),
-                           sites=list(hosts), out_dir=tmp_path)
+    server = FedEvalServer(
+        recording,
+        config=FedEvalConfig(min_cell=1),
+        checkpoint=load_checkpoint(checkpoint),
+        sites=list(hosts),
+        out_dir=tmp_path,
+    )
     server.run()
     by_name = {s.site: s for s in sites}
     for site, messages in sent.items():

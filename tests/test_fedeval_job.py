@@ -30,13 +30,44 @@ def simulated(tmp_path_factory, repo_root):
     model = tmp / "external_model.pt"  # a model no job of this federation trained
     save_checkpoint(model, build_model(config, len(KNOWN_CLASSES)), classes=list(KNOWN_CLASSES), model_config=config)
     env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(tmp / "data"), "HOME": str(tmp / "home")}
-    export = subprocess.run([sys.executable, str(repo_root / "job_recipes" / "fedeval" / "job.py"), "--model", str(model),
-                             "--clients", ",".join(SITES), "--min_cell", "1", "--export", "--export-dir", str(tmp / "jobs")],
-                            env=env, capture_output=True, text=True, timeout=300)
+    export = subprocess.run(
+        [
+            sys.executable,
+            str(repo_root / "job_recipes" / "fedeval" / "job.py"),
+            "--model",
+            str(model),
+            "--clients",
+            ",".join(SITES),
+            "--min_cell",
+            "1",
+            "--export",
+            "--export-dir",
+            str(tmp / "jobs"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert export.returncode == 0, export.stderr[-3000:]
     job, ws = tmp / "jobs" / "fedeval", tmp / "ws"
-    proc = subprocess.run([str(Path(sys.executable).with_name("nvflare")), "simulator", str(job), "-w", str(ws),
-                           "-c", ",".join(SITES), "-t", "2"], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("nvflare")),
+            "simulator",
+            str(job),
+            "-w",
+            str(ws),
+            "-c",
+            ",".join(SITES),
+            "-t",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     report = ws / "server" / "simulate_job" / "app_server" / "cxrfl" / "evaluation.json"
     if not report.is_file():
         pytest.fail(f"no evaluation written (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
@@ -57,8 +88,10 @@ def test_each_class_is_pooled_over_exactly_the_sites_that_label_it(simulated):
 
 
 def test_the_model_and_other_sites_class_names_reach_no_site(simulated):
-    for site, foreign in (("hospital-a", set(CHEXPERT_CLASSES) - set(NIH_CLASSES)),
-                          ("hospital-b", set(NIH_CLASSES) - set(CHEXPERT_CLASSES))):
+    for site, foreign in (
+        ("hospital-a", set(CHEXPERT_CLASSES) - set(NIH_CLASSES)),
+        ("hospital-b", set(NIH_CLASSES) - set(CHEXPERT_CLASSES)),
+    ):
         assert not list((simulated["job"]).glob(f"app_{site}/**/external_model.pt"))
         root = simulated["ws"] / site
         files = [p for p in root.rglob("*") if p.is_file()]

@@ -262,15 +262,22 @@ def test_config_validation():
         FedFewConfig(m_in=-1.0, m_out=-2.0)
     with pytest.raises(ConfigError, match="min_prototype_images"):
         FedFewConfig(min_prototype_images=0)
-    with pytest.raises(ConfigError, match="fedfew.uc_negatives 'in' pushes .* fedfew.uc_energy_on 'all' pushes them up"):
+    with pytest.raises(
+        ConfigError, match="fedfew.uc_negatives 'in' pushes .* fedfew.uc_energy_on 'all' pushes them up"
+    ):
         FedFewConfig(uc_negatives="in", uc_energy_on="all")
     with pytest.raises(ConfigError, match="uc_negatives"):
         FedFewConfig(uc_negatives="out")
 
 
 def _info(classes, pos, neg, n_labelled=100, n_ssl=120):
-    return {"classes": classes, "n_labelled": n_labelled, "n_ssl": n_ssl,
-            "positives": dict(zip(classes, pos)), "negatives": dict(zip(classes, neg))}
+    return {
+        "classes": classes,
+        "n_labelled": n_labelled,
+        "n_ssl": n_ssl,
+        "positives": dict(zip(classes, pos)),
+        "negatives": dict(zip(classes, neg)),
+    }
 
 
 def test_split_classes_into_ccs_and_ucs():
@@ -302,8 +309,9 @@ def test_stage2_outputs_end_with_no_cc():
 
 
 # ------------------------------------------------------------------- a tiny site on disk
-def _csv_site(tmp: Path, name: str, labels: dict[str, list[float]], n: int, seed: int = 0,
-              split: SplitConfig | None = None) -> SiteData:
+def _csv_site(
+    tmp: Path, name: str, labels: dict[str, list[float]], n: int, seed: int = 0, split: SplitConfig | None = None
+) -> SiteData:
     rng = np.random.default_rng(seed)
     folder = tmp / name
     (folder / "images").mkdir(parents=True)
@@ -314,9 +322,13 @@ def _csv_site(tmp: Path, name: str, labels: dict[str, list[float]], n: int, seed
         rows.append({"path": path, "patient_id": f"p{i}", **{c: v[i] for c, v in labels.items()}})
     pd.DataFrame(rows).to_csv(folder / "labels.csv", index=False)
     cfg = site_config_from_dict(
-        {"site": name, "dataset": {"format": "csv", "labels": "labels.csv", "images": ".", "patient_column": "patient_id"},
-         "split": (split or SplitConfig(train=0.8, val=0.2, test=0.0)).__dict__},
-        base_dir=folder)
+        {
+            "site": name,
+            "dataset": {"format": "csv", "labels": "labels.csv", "images": ".", "patient_column": "patient_id"},
+            "split": (split or SplitConfig(train=0.8, val=0.2, test=0.0)).__dict__,
+        },
+        base_dir=folder,
+    )
     return load_site(cfg, check_images=False)
 
 
@@ -338,13 +350,15 @@ def test_site_refuses_prototypes_below_the_minimum(tmp_path):
     assert 0 < n_pos < 5
     site = _site(data, FedFewConfig(min_prototype_images=5))
     params = _params()
-    params_out, answer = P.handle_task(site, P.PROTOTYPES, params, {"cc_classes": ["Atelectasis"], "uc_classes": ["Hernia"]})
+    params_out, answer = P.handle_task(
+        site, P.PROTOTYPES, params, {"cc_classes": ["Atelectasis"], "uc_classes": ["Hernia"]}
+    )
     assert params_out == {}
     assert answer["prototypes"] == []  # nothing about the class leaves the site
     msg = answer["refused"]["Hernia"]
     assert "site uc-few" in msg and f"only {n_pos} positive" in msg and "at least 5 images" in msg and "not sent" in msg
     wire = json.dumps(answer)
-    assert "positive\"" not in wire and "negative\"" not in wire
+    assert 'positive"' not in wire and 'negative"' not in wire
     # with a lower minimum the same site sends both means, and only the means
     site = _site(data, FedFewConfig(min_prototype_images=2))
     _, ok = P.handle_task(site, P.PROTOTYPES, params, {"cc_classes": ["Atelectasis"], "uc_classes": ["Hernia"]})
@@ -384,7 +398,10 @@ def test_site_roles_losses_and_threshold_examples(tmp_path):
     # threshold examples: UC-labelled images only by default; CC images too with "all"
     assert cc_site.energy_range(params)["n_in"] == 0
     r = uc_site.energy_range(params)
-    assert (r["n_in"], r["n_out"]) == ((uc.split_table("train")["Hernia"] == 0).sum(), (uc.split_table("train")["Hernia"] == 1).sum())
+    assert (r["n_in"], r["n_out"]) == (
+        (uc.split_table("train")["Hernia"] == 0).sum(),
+        (uc.split_table("train")["Hernia"] == 1).sum(),
+    )
     all_site = _site(cc, FedFewConfig(threshold_examples="all"), uc=())
     assert all_site.energy_range(params)["n_in"] == len(cc.split_table("train"))
     means = cc_site.energy_means(params)
@@ -402,7 +419,7 @@ def test_stage2_round_reports_the_mean_energy_of_each_role_from_the_weights_it_r
     net = build_model(ModelConfig(image_size=32), 2)
     net.load_state_dict({k: torch.as_tensor(v) for k, v in params.items()})
     net.train()
-    (x, _, _), = make_loader(table, [], image_size=32, train=False, batch_size=64)
+    ((x, _, _),) = make_loader(table, [], image_size=32, train=False, batch_size=64)
     with torch.no_grad():
         energy = -torch.nn.functional.softplus(net(x)).sum(dim=1).numpy()
     pos = table["Hernia"].to_numpy() == 1.0
@@ -427,9 +444,19 @@ def fedfew_checkpoint(tmp_path):
     torch.manual_seed(0)
     net = build_model(cfg, 3)
     rng = np.random.default_rng(0)
-    protos = {"Hernia": [DualPrototype("Hernia", rng.random(1024).astype(np.float32), rng.random(1024).astype(np.float32), 12, 120)]}
-    extra = fedfew_extra(cc_classes=["Atelectasis", "Cardiomegaly"], threshold=-100.0, temperature=1.0, energy_outputs="all",
-                         prototypes=protos, min_prototype_images=10)
+    protos = {
+        "Hernia": [
+            DualPrototype("Hernia", rng.random(1024).astype(np.float32), rng.random(1024).astype(np.float32), 12, 120)
+        ]
+    }
+    extra = fedfew_extra(
+        cc_classes=["Atelectasis", "Cardiomegaly"],
+        threshold=-100.0,
+        temperature=1.0,
+        energy_outputs="all",
+        prototypes=protos,
+        min_prototype_images=10,
+    )
     path = tmp_path / "fedfew.pt"
     save_checkpoint(path, net, classes=stage2_classes(["Atelectasis", "Cardiomegaly"]), model_config=cfg, extra=extra)
     image = tmp_path / "x.png"
@@ -455,8 +482,14 @@ def test_fedfew_checkpoint_is_an_ordinary_checkpoint(fedfew_checkpoint):
     assert out["flagged"].all() and out["uc"]["Hernia"]["positive"].shape == (6,)  # nothing is below -100
     # issue 44 point 3: -100 flags every image; a threshold inside the batch's energies must split it
     mid = float(np.median(energy))
-    extra = fedfew_extra(cc_classes=["Atelectasis", "Cardiomegaly"], threshold=mid, temperature=1.0, energy_outputs="all",
-                         prototypes={}, min_prototype_images=10)
+    extra = fedfew_extra(
+        cc_classes=["Atelectasis", "Cardiomegaly"],
+        threshold=mid,
+        temperature=1.0,
+        energy_outputs="all",
+        prototypes={},
+        min_prototype_images=10,
+    )
     save_checkpoint(path.with_name("mid.pt"), net, classes=classes, model_config=cfg, extra=extra)
     flagged = FedFewModel.from_checkpoint(path.with_name("mid.pt")).predict(x)["flagged"]
     assert flagged.tolist() == (energy > mid).tolist() and 0 < flagged.sum() < len(x)
@@ -474,7 +507,9 @@ def test_predict_prints_the_uc_outputs_of_a_fedfew_model(fedfew_checkpoint, caps
     assert "may hold a rare class" in text and "Hernia" in text and "prototype vote" in text
     assert main(["predict", "--model", str(path), str(image), "--csv"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
-    assert header == "image,Atelectasis,Cardiomegaly,energy,Hernia,error"  # the error column is empty for readable images
+    assert (
+        header == "image,Atelectasis,Cardiomegaly,energy,Hernia,error"
+    )  # the error column is empty for readable images
 
 
 def test_plain_checkpoint_still_predicts_every_class(tmp_path, fedfew_checkpoint, capsys):
@@ -490,7 +525,9 @@ def test_plain_checkpoint_still_predicts_every_class(tmp_path, fedfew_checkpoint
 def test_malformed_fedfew_entry_is_a_clear_error(tmp_path):
     cfg = ModelConfig(image_size=32)
     path = tmp_path / "bad.pt"
-    save_checkpoint(path, build_model(cfg, 3), classes=["A", "B", NO_CC], model_config=cfg, extra={"fedfew": {"cc_classes": ["A"]}})
+    save_checkpoint(
+        path, build_model(cfg, 3), classes=["A", "B", NO_CC], model_config=cfg, extra={"fedfew": {"cc_classes": ["A"]}}
+    )
     with pytest.raises(ConfigError, match="malformed FedFew entry"):
         FedFewModel.from_checkpoint(path)
 

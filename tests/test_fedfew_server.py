@@ -27,8 +27,13 @@ W = "backbone.conv0.weight"
 
 
 def _info(classes, pos, neg, n_labelled=100, n_ssl=120):
-    return {"classes": classes, "n_labelled": n_labelled, "n_ssl": n_ssl,
-            "positives": dict(zip(classes, pos)), "negatives": dict(zip(classes, neg))}
+    return {
+        "classes": classes,
+        "n_labelled": n_labelled,
+        "n_ssl": n_ssl,
+        "positives": dict(zip(classes, pos)),
+        "negatives": dict(zip(classes, neg)),
+    }
 
 
 def _shift(params, delta):
@@ -73,7 +78,10 @@ class ScriptedSites:
         if task == P.INFO:
             return {}, {"info": _info([UC], [12], [120]) if uc_site else _info([CC], [40], [60])}
         if task in (P.SSL, P.TRAIN):
-            return _shift(params, self.SHIFT[site]), {"num_samples": self.SAMPLES[site], "metrics": {"round": meta["round"]}}
+            return _shift(params, self.SHIFT[site]), {
+                "num_samples": self.SAMPLES[site],
+                "metrics": {"round": meta["round"]},
+            }
         if task == P.ENERGY:
             e_in, e_out = ([-5.0, -4.0], [-1.0, 0.0]) if uc_site else ([], [])
             if meta["mode"] == "means":
@@ -81,8 +89,14 @@ class ScriptedSites:
                 return {}, {"stats": {"sum_in": cc_in[0], "n_in": cc_in[1], "sum_out": sum(e_out), "n_out": len(e_out)}}
             if meta["mode"] == "range":
                 both = e_in + e_out
-                return {}, {"stats": {"min": min(both) if both else None, "max": max(both) if both else None,
-                                      "n_in": len(e_in), "n_out": len(e_out)}}
+                return {}, {
+                    "stats": {
+                        "min": min(both) if both else None,
+                        "max": max(both) if both else None,
+                        "n_in": len(e_in),
+                        "n_out": len(e_out),
+                    }
+                }
             return {}, {"stats": threshold_counts(e_in, e_out, meta["grid"])}
         if task == P.PROTOTYPES:
             return {}, {"prototypes": [DualPrototype(UC, np.ones(4), np.zeros(4), 12, 120).to_payload()], "refused": {}}
@@ -108,8 +122,15 @@ def _server(tmp_path, send, config=SMALL, model_config=ModelConfig(image_size=32
     kw.setdefault("out_dir", tmp_path)
     kw.setdefault("min_clients_timeout", 0)
     kw.setdefault("retry_pause", 0)
-    server = FedFewServer(send, sites=["cc-1", "cc-2", "uc-1"], config=config, model_config=model_config,
-                          info=msgs.append, warning=msgs.append, **kw)
+    server = FedFewServer(
+        send,
+        sites=["cc-1", "cc-2", "uc-1"],
+        config=config,
+        model_config=model_config,
+        info=msgs.append,
+        warning=msgs.append,
+        **kw,
+    )
     return server, msgs
 
 
@@ -167,8 +188,14 @@ def test_stage2_stops_early_on_the_cc_validation_loss_and_keeps_the_best_rounds(
     outcome = server.run()
     recs = [r for r in _records(tmp_path) if r["stage"] == 2]
     assert [(r["round"], r["phase"], r["val_loss"]) for r in recs] == [
-        (1, "warm-up", 0.9), (2, "warm-up", 0.8), (3, "warm-up", 0.85),
-        (4, "energy", 0.7), (5, "energy", 0.6), (6, "energy", 0.65), (7, "energy", 0.66)]
+        (1, "warm-up", 0.9),
+        (2, "warm-up", 0.8),
+        (3, "warm-up", 0.85),
+        (4, "energy", 0.7),
+        (5, "energy", 0.6),
+        (6, "energy", 0.65),
+        (7, "energy", 0.66),
+    ]
     start = torch.as_tensor(sites.first(P.TRAIN)[W])
     warmup_best = start + 2 * 2.5  # round 2: two warm-up averages of + 2.5
     energy_sent = [p for s, p, m in sites.params_of(P.TRAIN) if m["energy_weight"] > 0]
@@ -193,7 +220,9 @@ def test_a_round_with_too_few_valid_results_is_run_again_with_the_same_weights(t
     assert recs[0]["sites_answered"] == ["cc-2"] and recs[0]["sites_aggregated"] == []
     first, again = [p for s, p, _ in sites.params_of(P.TRAIN) if s == "cc-2"][:2]
     assert _equal(first, again)  # nothing of the failed attempt was kept
-    assert any("stage 2 round 1: 1 valid result(s), 2 needed (min_clients=2); running it again in 0s" in m for m in msgs)
+    assert any(
+        "stage 2 round 1: 1 valid result(s), 2 needed (min_clients=2); running it again in 0s" in m for m in msgs
+    )
 
 
 def test_a_round_that_never_gets_enough_results_stops_the_run_with_one_line(tmp_path):
@@ -205,8 +234,13 @@ def test_a_round_that_never_gets_enough_results_stops_the_run_with_one_line(tmp_
     assert "\n" not in reason
     assert reason.startswith("stopping: stage 2 round 1 had fewer than 2 valid results")
     assert "answered ['cc-2'], no answer from ['cc-1']" in reason and "resume_from='job-1'" in reason
-    assert _records(tmp_path / "app")[-1] == {"stage": 2, "round": 1, "phase": "warm-up", "status": "stopped",
-                                              "reason": reason}
+    assert _records(tmp_path / "app")[-1] == {
+        "stage": 2,
+        "round": 1,
+        "phase": "warm-up",
+        "status": "stopped",
+        "reason": reason,
+    }
     assert (tmp_path / "resume" / "job-1" / STAGE_FILES[1]).is_file()  # the finished stage is kept
 
 
@@ -216,8 +250,14 @@ def test_min_clients_above_a_phases_sites_asks_for_all_of_them(tmp_path):
     server, msgs = _server(tmp_path, sites, min_clients=3, min_clients_timeout=60)
     server.run()
     recs = [(r["stage"], r.get("round"), r.get("status")) for r in _records(tmp_path)]
-    assert recs == [(1, 1, "too_few_results"), (1, 1, None), (2, 1, "too_few_results"), (2, 1, None), (2, 2, None),
-                    (3, None, None)]
+    assert recs == [
+        (1, 1, "too_few_results"),
+        (1, 1, None),
+        (2, 1, "too_few_results"),
+        (2, 1, None),
+        (2, 2, None),
+        (3, None, None),
+    ]
     assert any("stage 2 round 1: 1 valid result(s), 2 needed (min_clients=3)" in m for m in msgs)
 
 
@@ -264,18 +304,26 @@ def test_malformed_results_are_rejected_one_line_each_and_the_valid_ones_average
 
 def _abort_after(app: Path, stage: int, rnd: int | None = None):
     """Abort once ``stage`` finished (``rnd`` None) or its round ``rnd`` is recorded."""
+
     def aborted():
         if rnd is None:
             return (app / "fedfew" / STAGE_FILES[stage]).is_file()
         path = app / "cxrfl" / "rounds.jsonl"
-        return path.is_file() and any(r["stage"] == stage and r.get("round") == rnd and "status" not in r
-                                      for r in _records(app))
+        return path.is_file() and any(
+            r["stage"] == stage and r.get("round") == rnd and "status" not in r for r in _records(app)
+        )
+
     return aborted
 
 
 def test_an_interrupted_run_resumes_from_its_last_finished_stage(tmp_path):
-    first, _ = _server(tmp_path / "app1", ScriptedSites(), resume_root=tmp_path / "resume", run_id="job-1",
-                       aborted=_abort_after(tmp_path / "app1", 2))
+    first, _ = _server(
+        tmp_path / "app1",
+        ScriptedSites(),
+        resume_root=tmp_path / "resume",
+        run_id="job-1",
+        aborted=_abort_after(tmp_path / "app1", 2),
+    )
     with pytest.raises(RunAborted):
         first.run()
     kept = tmp_path / "resume" / "job-1"
@@ -283,7 +331,9 @@ def test_an_interrupted_run_resumes_from_its_last_finished_stage(tmp_path):
     interrupted = load_checkpoint(kept / "stage2_model.pt")["model"]
 
     sites = ScriptedSites()
-    second, msgs = _server(tmp_path / "app2", sites, resume_root=tmp_path / "resume", run_id="job-2", resume_from="job-1")
+    second, msgs = _server(
+        tmp_path / "app2", sites, resume_root=tmp_path / "resume", run_id="job-2", resume_from="job-1"
+    )
     outcome = second.run()
     assert {t for t, *_ in sites.sent} == {P.INFO, P.ENERGY, P.PROTOTYPES, P.VALIDATE}  # no stage 1 or 2 task
     assert _equal(sites.first(P.ENERGY), interrupted)  # the resumed run starts from the saved weights
@@ -300,16 +350,23 @@ def test_a_run_killed_mid_stage_goes_on_after_its_last_completed_round(tmp_path)
     whole, _ = _server(tmp_path / "whole", ScriptedSites(val_losses=losses), config=cfg)
     uninterrupted = whole.run()
 
-    first, _ = _server(tmp_path / "app1", ScriptedSites(val_losses=losses), config=cfg, resume_root=tmp_path / "resume",
-                       run_id="job-1", aborted=_abort_after(tmp_path / "app1", 2, 3))
+    first, _ = _server(
+        tmp_path / "app1",
+        ScriptedSites(val_losses=losses),
+        config=cfg,
+        resume_root=tmp_path / "resume",
+        run_id="job-1",
+        aborted=_abort_after(tmp_path / "app1", 2, 3),
+    )
     with pytest.raises(RunAborted):
         first.run()
     saved = torch.load(tmp_path / "resume" / "job-1" / "state.pt", weights_only=True)
     assert (saved["stage"], saved["round"], saved["phase"]) == (2, 3, 1)
 
     sites = ScriptedSites(val_losses=losses[3:])
-    second, msgs = _server(tmp_path / "app2", sites, config=cfg, resume_root=tmp_path / "resume", run_id="job-2",
-                           resume_from="job-1")
+    second, msgs = _server(
+        tmp_path / "app2", sites, config=cfg, resume_root=tmp_path / "resume", run_id="job-2", resume_from="job-1"
+    )
     outcome = second.run()
     assert P.SSL not in {t for t, *_ in sites.sent}  # stage 1 is not redone
     assert _equal(sites.first(P.TRAIN), saved["params"])  # the first weights sent are the saved ones
@@ -322,25 +379,48 @@ def test_a_run_killed_mid_stage_goes_on_after_its_last_completed_round(tmp_path)
 
 def test_progress_of_other_settings_is_not_resumed(tmp_path):
     cfg = SMALL.replace(warmup_rounds=2, rounds=2)
-    first, _ = _server(tmp_path / "app1", ScriptedSites(), config=cfg, resume_root=tmp_path / "resume", run_id="job-1",
-                       aborted=_abort_after(tmp_path / "app1", 2, 1))
+    first, _ = _server(
+        tmp_path / "app1",
+        ScriptedSites(),
+        config=cfg,
+        resume_root=tmp_path / "resume",
+        run_id="job-1",
+        aborted=_abort_after(tmp_path / "app1", 2, 1),
+    )
     with pytest.raises(RunAborted):
         first.run()
     sites = ScriptedSites()
-    second, msgs = _server(tmp_path / "app2", sites, config=cfg.replace(lr=0.01), resume_root=tmp_path / "resume",
-                           run_id="job-2", resume_from="job-1")
+    second, msgs = _server(
+        tmp_path / "app2",
+        sites,
+        config=cfg.replace(lr=0.01),
+        resume_root=tmp_path / "resume",
+        run_id="job-2",
+        resume_from="job-1",
+    )
     second.run()
     assert any("with other settings (['fedfew_config']); stage 2 starts over" in m for m in msgs)
     assert [r["round"] for r in _records(tmp_path / "app2") if r["stage"] == 2] == [1, 2, 3, 4]
 
 
 def test_a_resumed_run_that_is_interrupted_again_can_be_resumed_in_turn(tmp_path):
-    first, _ = _server(tmp_path / "app1", ScriptedSites(), resume_root=tmp_path / "resume", run_id="job-1",
-                       aborted=_abort_after(tmp_path / "app1", 1))
+    first, _ = _server(
+        tmp_path / "app1",
+        ScriptedSites(),
+        resume_root=tmp_path / "resume",
+        run_id="job-1",
+        aborted=_abort_after(tmp_path / "app1", 1),
+    )
     with pytest.raises(RunAborted):
         first.run()
-    second, _ = _server(tmp_path / "app2", ScriptedSites(), resume_root=tmp_path / "resume", run_id="job-2",
-                        resume_from="job-1", aborted=_abort_after(tmp_path / "app2", 2))
+    second, _ = _server(
+        tmp_path / "app2",
+        ScriptedSites(),
+        resume_root=tmp_path / "resume",
+        run_id="job-2",
+        resume_from="job-1",
+        aborted=_abort_after(tmp_path / "app2", 2),
+    )
     with pytest.raises(RunAborted):
         second.run()
     assert {"stage1_ssl.pt", "stage2_model.pt"} <= {p.name for p in (tmp_path / "resume" / "job-2").iterdir()}
@@ -351,12 +431,23 @@ def test_a_resumed_run_that_is_interrupted_again_can_be_resumed_in_turn(tmp_path
 
 
 def test_resume_refuses_other_model_settings(tmp_path):
-    first, _ = _server(tmp_path / "app1", ScriptedSites(), resume_root=tmp_path / "resume", run_id="job-1",
-                       aborted=_abort_after(tmp_path / "app1", 2))
+    first, _ = _server(
+        tmp_path / "app1",
+        ScriptedSites(),
+        resume_root=tmp_path / "resume",
+        run_id="job-1",
+        aborted=_abort_after(tmp_path / "app1", 2),
+    )
     with pytest.raises(RunAborted):
         first.run()
-    other, _ = _server(tmp_path / "app2", ScriptedSites(), model_config=ModelConfig(image_size=32, dropout=0.2),
-                       resume_root=tmp_path / "resume", run_id="job-2", resume_from="job-1")
+    other, _ = _server(
+        tmp_path / "app2",
+        ScriptedSites(),
+        model_config=ModelConfig(image_size=32, dropout=0.2),
+        resume_root=tmp_path / "resume",
+        run_id="job-2",
+        resume_from="job-1",
+    )
     with pytest.raises(RunStopped, match="stage2_model.pt was trained with model settings .*remove resume_from"):
         other.run()
 
@@ -364,8 +455,12 @@ def test_resume_refuses_other_model_settings(tmp_path):
 def test_round_hook_sees_the_initial_and_every_aggregated_model(tmp_path):
     seen = []
     sites = ScriptedSites()
-    server, _ = _server(tmp_path, sites, config=SMALL.replace(ssl_rounds=2),
-                        on_round=lambda stage, rnd, params: seen.append((stage, rnd, params[W].copy())))
+    server, _ = _server(
+        tmp_path,
+        sites,
+        config=SMALL.replace(ssl_rounds=2),
+        on_round=lambda stage, rnd, params: seen.append((stage, rnd, params[W].copy())),
+    )
     server.run()
     assert [(s, r) for s, r, _ in seen] == [(1, 0), (1, 1), (1, 2), (2, 1), (2, 2)]
     assert np.array_equal(seen[0][2], sites.first(P.SSL)[W]) and np.allclose(seen[1][2], seen[0][2] + 10 / 3)
@@ -373,8 +468,10 @@ def test_round_hook_sees_the_initial_and_every_aggregated_model(tmp_path):
 
 def test_workflow_stops_when_there_is_no_common_class(tmp_path):
     def send(task, payloads):
-        return {"cc-1": ({}, {"info": _info(["Hernia"], [12], [120])}),
-                "cc-2": ({}, {"info": _info(["Mass"], [0], [0], n_labelled=0)})}
+        return {
+            "cc-1": ({}, {"info": _info(["Hernia"], [12], [120])}),
+            "cc-2": ({}, {"info": _info(["Mass"], [0], [0], n_labelled=0)}),
+        }
 
     server, msgs = _server(tmp_path, send)
     with pytest.raises(RunStopped, match="no common class"):
@@ -393,8 +490,16 @@ def test_the_old_resume_key_naming_a_folder_is_refused(tmp_path):
     from cxrfl.fl.fedfew import FedFew
 
     msgs = []
-    common = dict(send=lambda t, p: {}, sites=["a"], out_dir=tmp_path / "app", run_id="job-2",
-                  resume_root=tmp_path / "resume", info=msgs.append, warning=msgs.append, aborted=lambda: False)
+    common = dict(
+        send=lambda t, p: {},
+        sites=["a"],
+        out_dir=tmp_path / "app",
+        run_id="job-2",
+        resume_root=tmp_path / "resume",
+        info=msgs.append,
+        warning=msgs.append,
+        aborted=lambda: False,
+    )
     with pytest.raises(ConfigError, match=r"^FedFew: resume='../earlier/fedfew' is no longer accepted.*resume_from"):
         FedFew(resume="../earlier/fedfew")
     assert FedFew(resume_from="job-1").make_server(**common).resume_from == "job-1"

@@ -47,14 +47,28 @@ def nvflare_bin() -> str:
 
 def small_job(out: Path, name: str, resume_from: str | None = None) -> Path:
     """jobs/fedfew (exported for our sites) with short stages at 32x32, every site on the fault-injecting executor."""
-    job = write_job(dataclasses.replace(job_spec("fedfew"), name=name, sites=tuple(SITES)), out)  # jobs/fedfew, our sites
+    job = write_job(
+        dataclasses.replace(job_spec("fedfew"), name=name, sites=tuple(SITES)), out
+    )  # jobs/fedfew, our sites
     cfg_path = job / "app_server" / "config" / "config_fed_server.json"
     cfg = json.loads(cfg_path.read_text())
     args = cfg["workflows"][0]["args"]
     args["model_config"]["image_size"] = 32
-    args["fedfew_config"].update(ssl_rounds=1, ssl_max_steps=1, ssl_batch_size=8, ssl_proj_dim=64, ssl_pred_dim=16,
-                                 warmup_rounds=1, rounds=2, patience=5, batch_size=16, max_steps_per_epoch=1,
-                                 min_prototype_images=2, threshold_bins=64, eval_batch_size=64)
+    args["fedfew_config"].update(
+        ssl_rounds=1,
+        ssl_max_steps=1,
+        ssl_batch_size=8,
+        ssl_proj_dim=64,
+        ssl_pred_dim=16,
+        warmup_rounds=1,
+        rounds=2,
+        patience=5,
+        batch_size=16,
+        max_steps_per_epoch=1,
+        min_prototype_images=2,
+        threshold_bins=64,
+        eval_batch_size=64,
+    )
     args.update(resume_from=resume_from, min_clients=2, min_clients_timeout=300, retry_pause=1)
     cfg_path.write_text(json.dumps(cfg, indent=2))
     for site in SITES:
@@ -77,8 +91,9 @@ def records(app: Path) -> list[dict]:
     return read_records(app / "cxrfl" / "rounds.jsonl")
 
 
-def simulate(job: Path, ws: Path, data: Path, home: Path, kill_when=None, timeout: float = 900,
-             resume_root: Path | None = None) -> str:
+def simulate(
+    job: Path, ws: Path, data: Path, home: Path, kill_when=None, timeout: float = 900, resume_root: Path | None = None
+) -> str:
     """Run the simulator (its output returned); ``kill_when(records)`` True kills its whole process group;
     ``resume_root``: the server's folder of resume states (the simulator replaces its workspace every run)."""
     env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(data), "HOME": str(home)}
@@ -121,18 +136,35 @@ def runs(tmp_path_factory, repo_root):
     kept = tmp / "kept"  # the simulator's next run replaces the workspace: keep the interrupted run's folder
     shutil.copytree(resume, kept)
     shutil.copytree(resume, tmp / "store" / "simulate_job")  # the server's store of resume states, outside it
-    out2 = simulate(small_job(tmp, "resumed", resume_from="simulate_job"), tmp / "ws2", data, tmp / "home",
-                    resume_root=tmp / "store")
+    out2 = simulate(
+        small_job(tmp, "resumed", resume_from="simulate_job"),
+        tmp / "ws2",
+        data,
+        tmp / "home",
+        resume_root=tmp / "store",
+    )
     app = app_dir(tmp / "ws2")
     if not (app / "FL_global_model.pt").is_file():
         pytest.fail(f"the resumed run left no final model:\n{out2[-4000:]}")
-    return {"tmp": tmp, "data": data, "killed": killed, "app": app, "saved": saved, "kept": kept, "ws1": tmp / "ws1",
-            "ws2": tmp / "ws2"}
+    return {
+        "tmp": tmp,
+        "data": data,
+        "killed": killed,
+        "app": app,
+        "saved": saved,
+        "kept": kept,
+        "ws1": tmp / "ws1",
+        "ws2": tmp / "ws2",
+    }
 
 
 def test_a_round_with_failed_sites_ran_again_and_the_kill_came_mid_stage_2(runs):
     recs = records(runs["killed"])
-    assert [(r["stage"], r["round"], r.get("status")) for r in recs] == [(1, 1, "too_few_results"), (1, 1, None), (2, 1, None)]
+    assert [(r["stage"], r["round"], r.get("status")) for r in recs] == [
+        (1, 1, "too_few_results"),
+        (1, 1, None),
+        (2, 1, None),
+    ]
     assert recs[0]["sites_answered"] == ["cc-1"]  # cc-2 and uc-hernia failed mid-stage
     assert recs[1]["sites_aggregated"] == SITES  # ... and answered when the round ran again
     assert recs[2]["phase"] == "warm-up" and recs[2]["sites_aggregated"] == ["cc-1", "cc-2"]
@@ -153,8 +185,10 @@ def test_the_resumed_run_went_on_from_the_saved_round_without_redoing_a_stage(ru
     assert received.keys() == saved.keys() and all(torch.equal(received[k], saved[k]) for k in saved)
     assert not (runs["ws2"] / "cc-1" / "cxrfl_state" / "faults" / "received_train_1.pt").exists()
     stage1 = torch.load(runs["app"] / "fedfew" / "stage1_ssl.pt", weights_only=True)
-    assert stage1["ssl_state"].keys() and (runs["kept"] / "stage1_ssl.pt").read_bytes() == (
-        runs["app"] / "fedfew" / "stage1_ssl.pt").read_bytes()
+    assert (
+        stage1["ssl_state"].keys()
+        and (runs["kept"] / "stage1_ssl.pt").read_bytes() == (runs["app"] / "fedfew" / "stage1_ssl.pt").read_bytes()
+    )
     log = (runs["ws2"] / "server" / "log.txt").read_text()
     assert "resume: stage 2 goes on after its round 1" in log and "resume: stage(s) 1-1 loaded" in log
 

@@ -28,8 +28,15 @@ from cxrfl.nn.models import ModelConfig
 D = 1024  # the DenseNet121 feature size the stage-2 head expects
 CC = "Atelectasis"
 # stage 3 only: no self-supervised round, no classifier round; the paper's threshold rule (default)
-CONFIG = FedFewConfig(ssl_rounds=0, warmup_rounds=0, rounds=0, ssl_proj_dim=32, ssl_pred_dim=8, min_prototype_images=10,
-                      uc_classes=("Edema", "Hernia", "Pneumonia"))
+CONFIG = FedFewConfig(
+    ssl_rounds=0,
+    warmup_rounds=0,
+    rounds=0,
+    ssl_proj_dim=32,
+    ssl_pred_dim=8,
+    min_prototype_images=10,
+    uc_classes=("Edema", "Hernia", "Pneumonia"),
+)
 
 
 class GeneratedSite(FedFewSite):
@@ -66,13 +73,29 @@ class GeneratedHost(P.SiteHost):
 
 def _site(name: str, cls: str, counts: dict[str, tuple[int, int]]) -> SiteData:
     """Rows per split: (positives, negatives) of ``cls``."""
-    rows = [{"path": f"/nowhere/{name}/{split}-{i}.png", "patient": f"{name}-{split}-{i}", "split": split,
-             cls: 1.0 if i < pos else 0.0} for split, (pos, neg) in counts.items() for i in range(pos + neg)]
+    rows = [
+        {
+            "path": f"/nowhere/{name}/{split}-{i}.png",
+            "patient": f"{name}-{split}-{i}",
+            "split": split,
+            cls: 1.0 if i < pos else 0.0,
+        }
+        for split, (pos, neg) in counts.items()
+        for i in range(pos + neg)
+    ]
     return SiteData(site=name, classes=[cls], table=pd.DataFrame(rows))
 
 
-def _generate(data: SiteData, cls: str, rng: np.random.Generator, *, base: np.ndarray, direction: np.ndarray,
-              feature_shift: float, energy_shift: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _generate(
+    data: SiteData,
+    cls: str,
+    rng: np.random.Generator,
+    *,
+    base: np.ndarray,
+    direction: np.ndarray,
+    feature_shift: float,
+    energy_shift: float,
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Non-negative features around a shared ``base`` (plus ``feature_shift`` x ``direction`` for
     positives) and energies around -4 (plus ``energy_shift`` for positives)."""
     out = {}
@@ -88,12 +111,22 @@ def _run(tmp_path, uc_sites: dict[str, tuple[SiteData, dict]], config=CONFIG, ho
     rng = np.random.default_rng(0)
     cc = _site("cc-1", CC, {"train": (40, 60), "val": (5, 5), "test": (20, 20)})
     cc_gen = _generate(cc, CC, rng, base=rng.random(D), direction=np.zeros(D), feature_shift=0.0, energy_shift=0.0)
-    hosts = {"cc-1": GeneratedHost(cc, cc_gen), **{s: GeneratedHost(d, g) for s, (d, g) in uc_sites.items()},
-             **(hosts_extra or {})}
+    hosts = {
+        "cc-1": GeneratedHost(cc, cc_gen),
+        **{s: GeneratedHost(d, g) for s, (d, g) in uc_sites.items()},
+        **(hosts_extra or {}),
+    }
     msgs = []
-    server = FedFewServer(inprocess_transport(hosts, msgs.append), sites=list(hosts), config=config,
-                          model_config=ModelConfig(image_size=32), out_dir=tmp_path, min_clients_timeout=0,
-                          info=msgs.append, warning=msgs.append)
+    server = FedFewServer(
+        inprocess_transport(hosts, msgs.append),
+        sites=list(hosts),
+        config=config,
+        model_config=ModelConfig(image_size=32),
+        out_dir=tmp_path,
+        min_clients_timeout=0,
+        info=msgs.append,
+        warning=msgs.append,
+    )
     outcome = server.run()
     evaluation = json.loads((tmp_path / "cxrfl" / "evaluation.json").read_text())
     return outcome, evaluation, msgs
@@ -103,13 +136,16 @@ def _uc(name: str, uc: str, seed: int, *, feature_shift: float, energy_shift: fl
     rng = np.random.default_rng(seed)
     data = _site(name, uc, {"train": train, "val": (2, 20), "test": test})
     direction = rng.random(D) * (rng.random(D) < 0.1)  # the finding lights up a tenth of the features
-    return data, _generate(data, uc, rng, base=rng.random(D), direction=direction, feature_shift=feature_shift,
-                           energy_shift=energy_shift)
+    return data, _generate(
+        data, uc, rng, base=rng.random(D), direction=direction, feature_shift=feature_shift, energy_shift=energy_shift
+    )
 
 
 def test_features_that_separate_a_uc_give_f1_of_at_least_0_9(tmp_path):
-    sites = {"uc-hernia": _uc("uc-hernia", "Hernia", 1, feature_shift=1.0, energy_shift=3.0),
-             "uc-edema": _uc("uc-edema", "Edema", 2, feature_shift=1.0, energy_shift=3.0)}
+    sites = {
+        "uc-hernia": _uc("uc-hernia", "Hernia", 1, feature_shift=1.0, energy_shift=3.0),
+        "uc-edema": _uc("uc-edema", "Edema", 2, feature_shift=1.0, energy_shift=3.0),
+    }
     outcome, evaluation, _ = _run(tmp_path, sites)
     # the threshold classifies every UC-labelled training example right (energies 3 SD apart)
     assert outcome.threshold_stats["n_out"] == 40 and outcome.threshold_stats["n_in"] == 400
@@ -149,8 +185,9 @@ def test_the_prototype_minimum_is_enforced_at_the_site_and_at_the_server(tmp_pat
     few = _uc("uc-pneumonia", "Pneumonia", 4, feature_shift=1.0, energy_shift=3.0, train=(6, 200))  # 6 < 10 positives
     liar = _uc("uc-edema", "Edema", 5, feature_shift=1.0, energy_shift=3.0, train=(3, 200))
     ok = _uc("uc-hernia", "Hernia", 6, feature_shift=1.0, energy_shift=3.0)
-    outcome, evaluation, msgs = _run(tmp_path, {"uc-pneumonia": few, "uc-hernia": ok},
-                                     hosts_extra={"uc-edema": LyingHost(*liar)})
+    outcome, evaluation, msgs = _run(
+        tmp_path, {"uc-pneumonia": few, "uc-hernia": ok}, hosts_extra={"uc-edema": LyingHost(*liar)}
+    )
     assert set(outcome.prototypes) == {"Hernia"}  # only the UC with enough images behind its prototype
     assert "only 6 positive" in outcome.refused["Pneumonia@uc-pneumonia"]
     assert any("no prototype of Pneumonia from site uc-pneumonia" in m and "at least 10 images" in m for m in msgs)

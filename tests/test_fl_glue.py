@@ -46,10 +46,14 @@ def test_unknown_site_without_config_fails_clearly(tmp_path, monkeypatch):
 
 
 def result(site: str, classes: list[str], rows: np.ndarray, body: float, n: int = 10) -> FLModel:
-    params = {"body.w": np.full((2,), body, np.float32), "classifier.weight": rows.astype(np.float32),
-              "classifier.bias": rows[:, 0].astype(np.float32)}
-    return FLModel(params_type=ParamsType.FULL, params=params,
-                   meta={"client_name": site, "classes": classes, "num_samples": n})
+    params = {
+        "body.w": np.full((2,), body, np.float32),
+        "classifier.weight": rows.astype(np.float32),
+        "classifier.bias": rows[:, 0].astype(np.float32),
+    }
+    return FLModel(
+        params_type=ParamsType.FULL, params=params, meta={"client_name": site, "classes": classes, "num_samples": n}
+    )
 
 
 def test_aggregator_stitches_rows_and_rejects_a_bad_site(caplog):
@@ -81,8 +85,11 @@ def test_aggregator_rejects_unannounced_class_and_shape():
 
 
 def test_a_missing_site_keeps_its_unique_rows_from_the_previous_global():
-    reference = {"body.w": np.zeros(2, np.float32), "classifier.weight": np.array([[1.0, 1.0], [2.0, 2.0], [9.0, 9.0]], np.float32),
-                 "classifier.bias": np.array([1.0, 2.0, 9.0], np.float32)}
+    reference = {
+        "body.w": np.zeros(2, np.float32),
+        "classifier.weight": np.array([[1.0, 1.0], [2.0, 2.0], [9.0, 9.0]], np.float32),
+        "classifier.bias": np.array([1.0, 2.0, 9.0], np.float32),
+    }
     agg = SurgicalAggregator()
     agg.expect({"body.w": (2,)}, {"a": ["x", "y"], "b": ["y", "z"]}, ["x", "y", "z"], reference)
     assert agg.accept_model(result("a", ["x", "y"], np.array([[3.0, 3.0], [4.0, 4.0]]), body=1.0))
@@ -94,8 +101,11 @@ def test_a_missing_site_keeps_its_unique_rows_from_the_previous_global():
 
 
 def test_clip_limits_a_scaled_update_against_the_previous_global():
-    reference = {"body.w": np.zeros(2, np.float32), "classifier.weight": np.zeros((1, 2), np.float32),
-                 "classifier.bias": np.zeros(1, np.float32)}
+    reference = {
+        "body.w": np.zeros(2, np.float32),
+        "classifier.weight": np.zeros((1, 2), np.float32),
+        "classifier.bias": np.zeros(1, np.float32),
+    }
     plain, clipped = SurgicalAggregator(), SurgicalAggregator(robust="clip", clip_norm=1.0)
     for agg in (plain, clipped):
         agg.expect({"body.w": (2,)}, {"a": ["x"], "b": ["x"]}, ["x"], reference)
@@ -115,10 +125,16 @@ def test_aggregator_checks_before_summing_and_keeps_only_head_rows():
     rng = np.random.default_rng(0)
 
     def big_result(site: str, n: int) -> FLModel:
-        params = {"body.big": rng.normal(size=(80, 64)).astype(np.float32), "body.w": rng.normal(size=2).astype(np.float32),
-                  "body.n": np.array(n, np.int64), "classifier.weight": np.ones((1, 2), np.float32),
-                  "classifier.bias": np.ones(1, np.float32)}
-        return FLModel(params_type=ParamsType.FULL, params=params, meta={"client_name": site, "classes": ["x"], "num_samples": n})
+        params = {
+            "body.big": rng.normal(size=(80, 64)).astype(np.float32),
+            "body.w": rng.normal(size=2).astype(np.float32),
+            "body.n": np.array(n, np.int64),
+            "classifier.weight": np.ones((1, 2), np.float32),
+            "classifier.bias": np.ones(1, np.float32),
+        }
+        return FLModel(
+            params_type=ParamsType.FULL, params=params, meta={"client_name": site, "classes": ["x"], "num_samples": n}
+        )
 
     shapes = {"body.big": (80, 64), "body.w": (2,), "body.n": ()}
     results = [big_result(s, n) for s, n in (("a", 3), ("b", 5), ("c", 7))]
@@ -129,12 +145,16 @@ def test_aggregator_checks_before_summing_and_keeps_only_head_rows():
         agg.expect(shapes, {"a": ["x"], "b": ["x"], "c": ["x"]})
         assert agg.accept_model(results[0]) and not agg.accept_model(bad)
         assert agg.rejected["b"] == "site b: non-finite values (NaN or Inf) in 'body.w'"
-        assert agg.core.running is not None and agg.core.running.usable and [s for s, _ in agg.core.running.added] == ["a"]
+        assert (
+            agg.core.running is not None and agg.core.running.usable and [s for s, _ in agg.core.running.added] == ["a"]
+        )
         assert agg.accept_model(results[2])
         assert all(set(u["params"]) == {"classifier.weight", "classifier.bias"} for u in agg.core.updates)
         out = agg.aggregate_model()
-        ups = [{"site": r.meta["client_name"], "classes": ["x"], "params": r.params, "num_samples": r.meta["num_samples"]}
-               for r in (results[0], results[2])]
+        ups = [
+            {"site": r.meta["client_name"], "classes": ["x"], "params": r.params, "num_samples": r.meta["num_samples"]}
+            for r in (results[0], results[2])
+        ]
         want, _ = surgical_aggregate(ups, weighting=weighting)
         for k in want:
             np.testing.assert_array_equal(out.params[k], want[k], err_msg=k)
@@ -142,8 +162,10 @@ def test_aggregator_checks_before_summing_and_keeps_only_head_rows():
         clean.expect(shapes, {"a": ["x"], "b": ["x"], "c": ["x"]})
         assert all(clean.accept_model(r) for r in results) and clean.core.running.usable
         out = clean.aggregate_model()
-        ups = [{"site": r.meta["client_name"], "classes": ["x"], "params": r.params, "num_samples": r.meta["num_samples"]}
-               for r in results]
+        ups = [
+            {"site": r.meta["client_name"], "classes": ["x"], "params": r.params, "num_samples": r.meta["num_samples"]}
+            for r in results
+        ]
         want, _ = surgical_aggregate(ups, weighting=weighting)
         for k in want:
             np.testing.assert_array_equal(out.params[k], want[k], err_msg=k)

@@ -19,7 +19,9 @@ from cxrfl.surgical.learner import SiteLearner
 from cxrfl.synth import write_profile
 
 MODEL = ModelConfig(image_size=32)
-TRAIN = TrainConfig(lr=1e-3, warmup_lr=5e-3, warmup_epochs=1, batch_size=8, max_steps_per_epoch=1, augment=False, seed=0)
+TRAIN = TrainConfig(
+    lr=1e-3, warmup_lr=5e-3, warmup_epochs=1, batch_size=8, max_steps_per_epoch=1, augment=False, seed=0
+)
 W, B = HEAD_PREFIX + "weight", HEAD_PREFIX + "bias"
 
 
@@ -31,15 +33,25 @@ def initial_state(model: ModelConfig, seed: int) -> dict[str, np.ndarray]:
 
 def fake(site: str, classes: list[str], body: float, rows: list[float] | None = None) -> dict:
     rows = rows if rows is not None else [float(i) for i in range(len(classes))]
-    return {"site": site, "classes": classes, "num_samples": 10,
-            "params": {"body.w": np.full(3, body, np.float32), W: np.array([[r, r] for r in rows], np.float32),
-                       B: np.array(rows, np.float32)}}
+    return {
+        "site": site,
+        "classes": classes,
+        "num_samples": 10,
+        "params": {
+            "body.w": np.full(3, body, np.float32),
+            W: np.array([[r, r] for r in rows], np.float32),
+            B: np.array(rows, np.float32),
+        },
+    }
 
 
 # ------------------------------------------------------------------ server side, pure functions
 def test_payloads_per_head_mode():
-    global_params = {"body.w": np.ones(3, np.float32), W: np.arange(6, dtype=np.float32).reshape(3, 2),
-                     B: np.arange(3, dtype=np.float32)}
+    global_params = {
+        "body.w": np.ones(3, np.float32),
+        W: np.arange(6, dtype=np.float32).reshape(3, 2),
+        B: np.arange(3, dtype=np.float32),
+    }
     classes = ["x", "y", "z"]
     p, sent = payload_for(global_params, classes, ["z", "x"], head_mode="surgical")
     assert sent is None and p[W].tolist() == [[4, 5], [0, 1]]  # own rows, in the site's order
@@ -92,7 +104,9 @@ def test_union_head_labels_missing_classes_as_told(sites, tmp_path):
     union = sorted(set(sites[0].classes) | set(sites[1].classes))
     foreign = [c for c in union if c not in a.classes]
     for missing, fill in (("negative", 0.0), ("ignore", None)):
-        learner = SiteLearner(a, tmp_path / missing, model_config=MODEL, train_config=TRAIN, head_mode="union", missing=missing)
+        learner = SiteLearner(
+            a, tmp_path / missing, model_config=MODEL, train_config=TRAIN, head_mode="union", missing=missing
+        )
         learner.set_head_classes(union)
         table = learner.split_table("train")
         assert list(learner.model.classifier.weight.shape) == [len(union), 1024]
@@ -107,8 +121,12 @@ def test_union_site_trains_and_sends_every_row(sites, tmp_path):
     learner = SiteLearner(a, tmp_path, model_config=MODEL, train_config=TRAIN, head_mode="union", missing="ignore")
     warm = learner.warmup(initial_state(MODEL, 0))
     assert warm.classes == a.classes  # the warm-up is the same in every mode: own rows
-    params, _ = payload_for({**warm.params, W: np.zeros((len(union), 1024), np.float32), B: np.zeros(len(union), np.float32)},
-                            union, a.classes, head_mode="union")
+    params, _ = payload_for(
+        {**warm.params, W: np.zeros((len(union), 1024), np.float32), B: np.zeros(len(union), np.float32)},
+        union,
+        a.classes,
+        head_mode="union",
+    )
     with pytest.raises(ValueError, match="needs the class order"):
         learner.train_round(params, 1)
     upd = learner.train_round(params, 1, classes=union)
@@ -148,8 +166,16 @@ def test_surgical_site_refuses_a_head_for_other_classes(sites, tmp_path):
 
 # ------------------------------------------------------------------ the server loop, in process
 def _run(sites, tmp_path, rounds: int = 1, **kw):
-    config = SurgicalConfig(num_rounds=rounds, min_clients=len(sites), model_config=MODEL, train_config=TRAIN,
-                            min_clients_timeout=0, evaluate_test=False, seed=0, **kw)
+    config = SurgicalConfig(
+        num_rounds=rounds,
+        min_clients=len(sites),
+        model_config=MODEL,
+        train_config=TRAIN,
+        min_clients_timeout=0,
+        evaluate_test=False,
+        seed=0,
+        **kw,
+    )
     return run_surgical(sites, config, tmp_path)
 
 
@@ -208,8 +234,16 @@ def test_fedbn_plus_global_model_keeps_the_pretrained_statistics(sites, tmp_path
             m.running_var.uniform_(0.5, 2)
     save_checkpoint(tmp_path / "pre.pt", pre, classes=["x"], model_config=MODEL)
     pretrained = ModelConfig(image_size=32, pretrained=str(tmp_path / "pre.pt"))
-    config = SurgicalConfig(num_rounds=1, min_clients=len(sites), model_config=pretrained, train_config=TRAIN,
-                            min_clients_timeout=0, evaluate_test=False, seed=0, batchnorm="fedbn+")
+    config = SurgicalConfig(
+        num_rounds=1,
+        min_clients=len(sites),
+        model_config=pretrained,
+        train_config=TRAIN,
+        min_clients_timeout=0,
+        evaluate_test=False,
+        seed=0,
+        batchnorm="fedbn+",
+    )
     state = global_model(run_surgical(sites, config, tmp_path / "run"), pretrained).state_dict()
     saved = pre.state_dict()
     keys = [k for k in batchnorm_keys(pre) if k in saved]

@@ -59,16 +59,18 @@ def test_dicom_monochrome1_is_inverted(tmp_path: Path, raw16: np.ndarray) -> Non
 def test_dicom_rescale_then_window(tmp_path: Path, raw16: np.ndarray) -> None:
     pixels = (raw16 // 20).astype(np.uint16)  # 0 .. 1968
     window = {"WindowCenter": "0", "WindowWidth": "1000"}
-    rescaled = read_image(write_dicom(tmp_path / "r.dcm", pixels, "MONOCHROME2", RescaleSlope="2",
-                                      RescaleIntercept="-1000", **window))
+    rescaled = read_image(
+        write_dicom(tmp_path / "r.dcm", pixels, "MONOCHROME2", RescaleSlope="2", RescaleIntercept="-1000", **window)
+    )
     hu = pixels * 2.0 - 1000.0  # -1000 .. 2936: the window [-500, 500] cuts both ends
     expected = np.clip((hu - (0 - 500)) / 1000.0, 0.0, 1.0)
     np.testing.assert_allclose(rescaled, expected, atol=2e-3)
     assert (rescaled == 0).any() and (rescaled == 1).any() and ((rescaled > 0) & (rescaled < 1)).any()
     ignored = read_image(write_dicom(tmp_path / "n.dcm", pixels, "MONOCHROME2", **window))  # no rescale
     assert not np.allclose(ignored, rescaled, atol=0.05)
-    inverted = read_image(write_dicom(tmp_path / "i.dcm", pixels, "MONOCHROME1", RescaleSlope="2",
-                                      RescaleIntercept="-1000", **window))
+    inverted = read_image(
+        write_dicom(tmp_path / "i.dcm", pixels, "MONOCHROME1", RescaleSlope="2", RescaleIntercept="-1000", **window)
+    )
     np.testing.assert_allclose(inverted, 1.0 - rescaled, atol=1e-6)
 
 
@@ -144,8 +146,9 @@ def write_twin(png: Path, path: Path, bits: int) -> Path:
 
 
 @pytest.mark.parametrize("bits", [16, 12])
-def test_real_png_and_its_monochrome1_dicom_twin_give_the_same_model_input(tmp_path: Path, shared_data: Path,
-                                                                           bits: int) -> None:
+def test_real_png_and_its_monochrome1_dicom_twin_give_the_same_model_input(
+    tmp_path: Path, shared_data: Path, bits: int
+) -> None:
     transform = build_transforms(64, train=False)
     std = torch.tensor(IMAGENET_STD)[:, None, None]
     for png in sorted((shared_data / "nih1000" / "images").glob("*.png"))[:5]:
@@ -168,8 +171,12 @@ def test_eval_transform_shape_and_imagenet_normalisation(tmp_path: Path) -> None
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == (3, 32, 32)
     expected = torch.tensor([(0.5 - m) / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)])
     torch.testing.assert_close(out.mean(dim=(1, 2)), expected, atol=1e-5, rtol=0)
-    torch.testing.assert_close(out[:, :, 0], ((0.0 - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD))[:, None]
-                               .expand(3, 32), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        out[:, :, 0],
+        ((0.0 - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD))[:, None].expand(3, 32),
+        atol=1e-5,
+        rtol=0,
+    )
     already_read = build_transforms(32, train=False)(read_image(tmp_path / "halves.png"))
     assert torch.equal(already_read, out)
     single = build_transforms(16, train=False, in_channels=1)(str(tmp_path / "halves.png"))
@@ -201,10 +208,11 @@ def table(tmp_path: Path) -> pd.DataFrame:
     rows = []
     for i in range(6):
         stripe = np.zeros((20, 20), dtype=np.uint8)
-        stripe[3 * i: 3 * i + 3] = 200  # a different image each, whatever the intensity policy
+        stripe[3 * i : 3 * i + 3] = 200  # a different image each, whatever the intensity policy
         Image.fromarray(stripe).save(tmp_path / f"{i}.png")
-        rows.append({"path": str(tmp_path / f"{i}.png"), "patient": str(i), "A": float(i % 2),
-                     "B": math.nan if i == 0 else 1.0})
+        rows.append(
+            {"path": str(tmp_path / f"{i}.png"), "patient": str(i), "A": float(i % 2), "B": math.nan if i == 0 else 1.0}
+        )
     return pd.DataFrame(rows)
 
 
@@ -222,8 +230,10 @@ def test_loader_batches_cache_and_seeded_shuffling(table: pd.DataFrame) -> None:
     assert [b[0].shape for b in plain] == [(4, 3, 16, 16), (2, 3, 16, 16)]
     for a, b in zip(plain, cached):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
-    torch.testing.assert_close(torch.cat([b[1] for b in plain]), torch.tensor(
-        [[0.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0, 1.0], [0.0, 1.0], [1.0, 1.0]]))
+    torch.testing.assert_close(
+        torch.cat([b[1] for b in plain]),
+        torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0, 1.0], [0.0, 1.0], [1.0, 1.0]]),
+    )
 
     def epoch(seed: int) -> list[torch.Tensor]:
         loader = make_loader(table, ["A", "B"], image_size=16, train=True, batch_size=3, seed=seed)

@@ -20,19 +20,33 @@ def _tree(root):
 def test_committed_jobs_are_the_exported_recipes(tmp_path, repo_root):
     export_all(tmp_path)
     assert sorted(p.name for p in (repo_root / "jobs").iterdir()) == sorted(s.name for s in JOBS), (
-        "jobs/ must hold exactly the jobs of cxrfl.jobs.JOBS")
+        "jobs/ must hold exactly the jobs of cxrfl.jobs.JOBS"
+    )
     for spec in JOBS:
         assert _tree(tmp_path / spec.name) == _tree(repo_root / "jobs" / spec.name), (
-            f"jobs/{spec.name} is stale: run `cxrfl jobs export --out jobs`")
+            f"jobs/{spec.name} is stale: run `cxrfl jobs export --out jobs`"
+        )
 
 
 def test_each_methods_job_py_exports_its_committed_demo_job(tmp_path, repo_root):
     """``python job.py --export --export-dir DIR`` (NVFlare's flags, taken out of sys.argv when
     nvflare.recipe is imported) writes the committed demo job of its method."""
     demos = {"surgical": "surgical_agg", "cwt": "cwt", "fedfew": "fedfew"}
-    procs = {m: subprocess.Popen([sys.executable, str(repo_root / "job_recipes" / m / "job.py"), "--export",
-                                  "--export-dir", str(tmp_path / m)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True) for m in demos}
+    procs = {
+        m: subprocess.Popen(
+            [
+                sys.executable,
+                str(repo_root / "job_recipes" / m / "job.py"),
+                "--export",
+                "--export-dir",
+                str(tmp_path / m),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for m in demos
+    }
     for method, job in demos.items():
         out, err = procs[method].communicate(timeout=300)
         assert procs[method].returncode == 0, err[-3000:]
@@ -45,8 +59,11 @@ def test_every_workflow_and_executor_argument_is_written(repo_root):
     later change of a default never changes what a committed job runs."""
     for spec in JOBS:
         apps = app_dirs(repo_root / "jobs" / spec.name)
-        server = json.loads(next(a for a in apps if a.name in ("app", "app_server")).joinpath(
-            "config", "config_fed_server.json").read_text())
+        server = json.loads(
+            next(a for a in apps if a.name in ("app", "app_server"))
+            .joinpath("config", "config_fed_server.json")
+            .read_text()
+        )
         client = json.loads((apps[-1] / "config" / "config_fed_client.json").read_text())
         for entry in (server["workflows"][0], client["executors"][0]["executor"]):
             cls = _class(entry["path"])
@@ -75,12 +92,16 @@ def test_gpu_job_states_its_gpu_need_and_trains_from_scratch_at_a_from_scratch_r
 
     meta = json.loads((repo_root / "jobs" / "surgical_agg_gpu" / "meta.json").read_text())
     assert get_resource_manager_spec(meta, "hospital-a") == {"num_of_gpus": 1}  # what NVFlare asks each site
-    server = json.loads((repo_root / "jobs" / "surgical_agg_gpu" / "app" / "config" / "config_fed_server.json").read_text())
+    server = json.loads(
+        (repo_root / "jobs" / "surgical_agg_gpu" / "app" / "config" / "config_fed_server.json").read_text()
+    )
     args = server["workflows"][0]["args"]
     assert args["model_config"]["image_size"] == 224 and args["model_config"]["pretrained"] is None
     from cxrfl.surgical.config import FROM_SCRATCH_LR, SurgicalConfig
 
-    config = SurgicalConfig.from_dict({k: v for k, v in args.items() if k not in ("task_timeout", "analytic_sender_id")})
+    config = SurgicalConfig.from_dict(
+        {k: v for k, v in args.items() if k not in ("task_timeout", "analytic_sender_id")}
+    )
     assert config.train_config.lr == FROM_SCRATCH_LR and config.rate_warning() is None
 
 
@@ -110,8 +131,10 @@ def _server_config_targets(job):
     """deploy_map targets of every app holding config_fed_server.json, and the sites' targets."""
     deploy_map = json.loads((job / "meta.json").read_text())["deploy_map"]
     server_apps = {app for app in deploy_map if (job / app / "config" / "config_fed_server.json").is_file()}
-    return ([t for app in server_apps for t in deploy_map[app]],
-            [t for app, targets in deploy_map.items() if app not in server_apps for t in targets])
+    return (
+        [t for app in server_apps for t in deploy_map[app]],
+        [t for app, targets in deploy_map.items() if app not in server_apps for t in targets],
+    )
 
 
 def test_fedfew_job_sends_the_server_config_to_the_server_only(tmp_path, repo_root):
@@ -120,7 +143,10 @@ def test_fedfew_job_sends_the_server_config_to_the_server_only(tmp_path, repo_ro
     from cxrfl.fl.recipes import FedFewRecipe
 
     FedFewRecipe(name="f", sites=["hospital-a", "hospital-b"]).export(str(tmp_path))
-    for job, sites in ((repo_root / "jobs" / "fedfew", ["site-1", "site-2"]), (tmp_path / "f", ["hospital-a", "hospital-b"])):
+    for job, sites in (
+        (repo_root / "jobs" / "fedfew", ["site-1", "site-2"]),
+        (tmp_path / "f", ["hospital-a", "hospital-b"]),
+    ):
         to_server_app, to_site_apps = _server_config_targets(job)
         assert to_server_app == ["server"], job
         assert sorted(to_site_apps) == sites, job  # each named site gets a client app, and no server config

@@ -45,7 +45,13 @@ def test_nih_spellings_map_to_the_14_canonical_classes() -> None:
 def test_union_of_nih_and_chexpert_is_20_classes_with_7_shared() -> None:
     shared = set(NIH_CLASSES) & set(CHEXPERT_CLASSES)
     assert shared == {
-        "Atelectasis", "Cardiomegaly", "Consolidation", "Edema", "Pleural Effusion", "Pneumonia", "Pneumothorax",
+        "Atelectasis",
+        "Cardiomegaly",
+        "Consolidation",
+        "Edema",
+        "Pleural Effusion",
+        "Pneumonia",
+        "Pneumothorax",
     }
     union = union_classes(NIH_CLASSES, CHEXPERT_CLASSES)
     assert len(union) == 20 and union == sorted(union) and tuple(union) == KNOWN_CLASSES
@@ -74,7 +80,11 @@ def test_a_conflict_names_both_labels_and_a_fix_that_keeps_the_class() -> None:
         harmonise(["Mass", "Infiltration", "Pneumonia"], {"Infiltration": "Pneumonia"}, kind="findings")
     error = info.value
     assert (error.first, error.second, error.label) == ("Infiltration", "Pneumonia", "Pneumonia")
-    assert str(error) == ("findings 'Infiltration' and 'Pneumonia' both mean 'Pneumonia'; keep one of them: "
-                          "drop: ['Pneumonia'] in the site config keeps 'Infiltration' as 'Pneumonia'.")
-    assert harmonise(["Mass", "Infiltration"], {"Infiltration": "Pneumonia"}) == {"Mass": "Mass",
-                                                                                  "Infiltration": "Pneumonia"}
+    assert str(error) == (
+        "findings 'Infiltration' and 'Pneumonia' both mean 'Pneumonia'; keep one of them: "
+        "drop: ['Pneumonia'] in the site config keeps 'Infiltration' as 'Pneumonia'."
+    )
+    assert harmonise(["Mass", "Infiltration"], {"Infiltration": "Pneumonia"}) == {
+        "Mass": "Mass",
+        "Infiltration": "Pneumonia",
+    }

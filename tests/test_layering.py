@@ -15,13 +15,20 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "custom" / "cxrfl"
 
 LAYERS: dict[str, int] = {
-    "cxrfl": 0, "cxrfl.errors": 0,  # the package root holds only __version__
+    "cxrfl": 0,
+    "cxrfl.errors": 0,  # the package root holds only __version__
     "cxrfl.common": 1,
     "cxrfl.data": 2,
-    "cxrfl.nn": 3, "cxrfl.clinical": 3, "cxrfl.synth": 3,
+    "cxrfl.nn": 3,
+    "cxrfl.clinical": 3,
+    "cxrfl.synth": 3,
     "cxrfl.surgical": 4,
-    "cxrfl.cwt": 5, "cxrfl.fedfew": 5, "cxrfl.fedeval": 5,
-    "cxrfl.bundle": 6, "cxrfl.predict": 6, "cxrfl.report": 6,
+    "cxrfl.cwt": 5,
+    "cxrfl.fedfew": 5,
+    "cxrfl.fedeval": 5,
+    "cxrfl.bundle": 6,
+    "cxrfl.predict": 6,
+    "cxrfl.report": 6,
     "cxrfl.fl": 7,
     "cxrfl.job_folders": 8,
     "cxrfl.jobs": 9,
@@ -79,9 +86,13 @@ def imports_of(tree: ast.AST, module: str, is_package: bool, known: set[str]) ->
                 base = ".".join(parent + ([node.module] if node.module else []))
             subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known]
             found += [(name, node.lineno) for name in subs or [base]]
-        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)
-              and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")):
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
+        ):
             found.append((node.args[0].value, node.lineno))
     return found
 
@@ -90,7 +101,9 @@ def scan() -> dict[str, list[tuple[str, int]]]:
     """Module -> what it imports, for every module of :data:`PACKAGE`."""
     files = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
     known = set(files)
-    return {m: imports_of(ast.parse(p.read_text(), str(p)), m, p.name == "__init__.py", known) for m, p in files.items()}
+    return {
+        m: imports_of(ast.parse(p.read_text(), str(p)), m, p.name == "__init__.py", known) for m, p in files.items()
+    }
 
 
 def within(name: str, prefix: str) -> bool:
@@ -109,11 +122,18 @@ def graph() -> dict[str, list[tuple[str, int]]]:
 
 
 def test_scanner_sees_function_relative_and_string_imports():
-    code = ("def f():\n    from .models import HEAD_PREFIX\n    import nvflare.apis\n"
-            "from cxrfl import cli\nimport importlib\nimportlib.import_module('cxrfl.bench.cli')\n")
+    code = (
+        "def f():\n    from .models import HEAD_PREFIX\n    import nvflare.apis\n"
+        "from cxrfl import cli\nimport importlib\nimportlib.import_module('cxrfl.bench.cli')\n"
+    )
     found = imports_of(ast.parse(code), "cxrfl.nn.training", False, {"cxrfl.nn.models", "cxrfl.cli"})
-    assert sorted(found, key=lambda f: f[1]) == [("cxrfl.nn.models", 2), ("nvflare.apis", 3), ("cxrfl.cli", 4),
-                                                 ("importlib", 5), ("cxrfl.bench.cli", 6)]
+    assert sorted(found, key=lambda f: f[1]) == [
+        ("cxrfl.nn.models", 2),
+        ("nvflare.apis", 3),
+        ("cxrfl.cli", 4),
+        ("importlib", 5),
+        ("cxrfl.bench.cli", 6),
+    ]
 
 
 def test_every_module_has_a_layer(graph):
@@ -133,8 +153,12 @@ def test_no_import_upward_or_sideways(graph):
 
 
 def test_only_declared_modules_import_nvflare(graph):
-    bad = [f"{m}:{line} imports {name}" for m, found in graph.items() for name, line in found
-           if within(name, "nvflare") and not any(within(m, allowed) for allowed in NVFLARE)]
+    bad = [
+        f"{m}:{line} imports {name}"
+        for m, found in graph.items()
+        for name, line in found
+        if within(name, "nvflare") and not any(within(m, allowed) for allowed in NVFLARE)
+    ]
     assert bad == [], "\n".join(bad)
 
 

@@ -29,7 +29,7 @@ N = 6
 def write_png(path: Path, index: int, size: int = 40) -> None:
     """A distinct image per index: a bright band at its own height on a ramp."""
     img = np.tile(np.linspace(0, 120, size), (size, 1))
-    img[5 * index: 5 * index + 5] = 255
+    img[5 * index : 5 * index + 5] = 255
     Image.fromarray(img.astype(np.uint8)).save(path)
 
 
@@ -86,8 +86,16 @@ def test_workers_persist_and_prefetch(table: pd.DataFrame) -> None:
 
 def test_workers_seed_augmentation_reproducibly(table: pd.DataFrame, tmp_path: Path) -> None:
     def two_epochs(seed: int, workers: int = 2) -> list[torch.Tensor]:
-        loader = make_loader(table, ["A"], image_size=24, train=True, batch_size=2, num_workers=workers, seed=seed,
-                             cache_dir=tmp_path / "cache")
+        loader = make_loader(
+            table,
+            ["A"],
+            image_size=24,
+            train=True,
+            batch_size=2,
+            num_workers=workers,
+            seed=seed,
+            cache_dir=tmp_path / "cache",
+        )
         return epoch(loader) + epoch(loader)
 
     first = two_epochs(3)
@@ -110,8 +118,9 @@ def test_each_worker_draws_its_own_augmentation(table: pd.DataFrame) -> None:
 # ------------------------------------------------------------------ the cache on disk
 
 
-def test_cache_fills_in_the_first_epoch_and_is_read_afterwards(table: pd.DataFrame, tmp_path: Path,
-                                                                reads: list[str]) -> None:
+def test_cache_fills_in_the_first_epoch_and_is_read_afterwards(
+    table: pd.DataFrame, tmp_path: Path, reads: list[str]
+) -> None:
     root = tmp_path / "state" / IMAGE_CACHE
     first = epoch(make_loader(table, ["A"], image_size=16, train=False, batch_size=4, cache_dir=root))
     assert sorted(reads) == sorted(table["path"]) and cache_size(root)[0] == N
@@ -137,8 +146,9 @@ def test_a_changed_image_is_decoded_again(table: pd.DataFrame, tmp_path: Path, r
     assert torch.equal(cached, fresh) and torch.equal(cached[2], cached[5])  # the new content, not the old
 
 
-def test_a_new_input_size_or_intensity_policy_starts_a_new_chain(table: pd.DataFrame, tmp_path: Path,
-                                                                 reads: list[str], monkeypatch) -> None:
+def test_a_new_input_size_or_intensity_policy_starts_a_new_chain(
+    table: pd.DataFrame, tmp_path: Path, reads: list[str], monkeypatch
+) -> None:
     root = tmp_path / IMAGE_CACHE
 
     def fill(size: int) -> None:
@@ -156,8 +166,9 @@ def test_a_new_input_size_or_intensity_policy_starts_a_new_chain(table: pd.DataF
     assert len(list(root.iterdir())) == cache_module.KEEP_CHAINS  # the least recently used chain went
 
 
-def test_a_site_config_change_that_keeps_the_images_keeps_the_cache(table: pd.DataFrame, tmp_path: Path,
-                                                                    reads: list[str]) -> None:
+def test_a_site_config_change_that_keeps_the_images_keeps_the_cache(
+    table: pd.DataFrame, tmp_path: Path, reads: list[str]
+) -> None:
     root = tmp_path / IMAGE_CACHE
     epoch(make_loader(table, ["A"], image_size=16, train=False, batch_size=N, cache_dir=root))
     relabelled = table.assign(A=1.0 - table["A"], C=0.0).iloc[1:]  # other labels, classes and split rows
@@ -168,13 +179,22 @@ def test_a_site_config_change_that_keeps_the_images_keeps_the_cache(table: pd.Da
     moved.mkdir()
     for p in table["path"]:  # the same files at another place (another images: folder): other entries
         Path(p).rename(moved / Path(p).name)
-    epoch(make_loader(table.assign(path=[str(moved / Path(p).name) for p in table["path"]]), ["A"], image_size=16,
-                      train=False, batch_size=N, cache_dir=root))
+    epoch(
+        make_loader(
+            table.assign(path=[str(moved / Path(p).name) for p in table["path"]]),
+            ["A"],
+            image_size=16,
+            train=False,
+            batch_size=N,
+            cache_dir=root,
+        )
+    )
     assert len(reads) == N
 
 
-def test_cache_files_are_written_in_place_never_staged_in_the_temp_folder(table: pd.DataFrame, tmp_path: Path,
-                                                                         monkeypatch) -> None:
+def test_cache_files_are_written_in_place_never_staged_in_the_temp_folder(
+    table: pd.DataFrame, tmp_path: Path, monkeypatch
+) -> None:
     def staged(*args, **kwargs):
         raise AssertionError("a cache file was staged in the system temp folder")
 
@@ -221,8 +241,17 @@ def test_cached_and_uncached_paths_give_identical_tensors(table: pd.DataFrame, t
 def test_device_batches_equal_the_per_image_pipeline(table: pd.DataFrame, tmp_path: Path) -> None:
     for channels in (3, 1):
         cpu = epoch(make_loader(table, ["A"], image_size=32, train=False, batch_size=4, in_channels=channels))
-        loader = make_loader(table, ["A"], image_size=32, train=False, batch_size=4, in_channels=channels,
-                             cache_dir=tmp_path / "c", device=torch.device("cpu"), device_transforms=True)
+        loader = make_loader(
+            table,
+            ["A"],
+            image_size=32,
+            train=False,
+            batch_size=4,
+            in_channels=channels,
+            cache_dir=tmp_path / "c",
+            device=torch.device("cpu"),
+            device_transforms=True,
+        )
         assert isinstance(loader, DeviceLoader)
         on_device = epoch(loader)
         assert [x.shape for x in on_device] == [x.shape for x in cpu] and on_device[0].shape[1] == channels
@@ -232,8 +261,17 @@ def test_device_batches_equal_the_per_image_pipeline(table: pd.DataFrame, tmp_pa
 
 def test_device_augmentation_is_seeded_and_reseedable(table: pd.DataFrame, tmp_path: Path) -> None:
     def loader(seed: int):
-        return make_loader(table, ["A"], image_size=32, train=True, batch_size=3, seed=seed, cache_dir=tmp_path / "c",
-                           device=torch.device("cpu"), device_transforms=True)
+        return make_loader(
+            table,
+            ["A"],
+            image_size=32,
+            train=True,
+            batch_size=3,
+            seed=seed,
+            cache_dir=tmp_path / "c",
+            device=torch.device("cpu"),
+            device_transforms=True,
+        )
 
     first = loader(1)
     a = epoch(first)
@@ -354,8 +392,13 @@ def test_the_cache_is_written_only_under_the_site_state_root(tmp_path: Path, mon
     assert executor.error is None and executor.data.cache_dir == ws / STATE_ROOT / IMAGE_CACHE
     model = ModelConfig(image_size=32)
     params = {k: v.numpy() for k, v in build_model(model, 2).state_dict().items() if not k.startswith(HEAD_PREFIX)}
-    meta = {"phase": "warmup", "round": 0, "run_key": "run", "model_config": model.to_dict(),
-            "train_config": {"warmup_epochs": 1, "batch_size": 4, "max_steps_per_epoch": 2}}
+    meta = {
+        "phase": "warmup",
+        "round": 0,
+        "run_key": "run",
+        "model_config": model.to_dict(),
+        "train_config": {"warmup_epochs": 1, "batch_size": 4, "max_steps_per_epoch": 2},
+    }
     task = FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=params, meta=meta))
     reply = executor.execute("train", task, ctx, abort_signal=type("Signal", (), {"triggered": False})())
     assert reply.get_return_code() == "OK"
@@ -378,8 +421,17 @@ def test_loading_benchmark_reports_rates_per_worker_count_and_the_cache_size(tmp
     (dicom,) = write_images("dicom", 1, tmp_path / "dicom")
     gray = read_image(dicom)
     assert gray.shape == (2500, 2048) and 0.0 <= gray.min() < gray.max() <= 1.0
-    s = LoadingSettings(image_size=32, batch_size=2, n_images=3, workers=(0, 1), warm_epochs=1, model_steps=2,
-                        threads=1, device="cpu", formats=("png",))
+    s = LoadingSettings(
+        image_size=32,
+        batch_size=2,
+        n_images=3,
+        workers=(0, 1),
+        warm_epochs=1,
+        model_steps=2,
+        threads=1,
+        device="cpu",
+        formats=("png",),
+    )
     # issue 44 point 3: "images/s > 0" held for any count; with a clock that advances 0.5 s per reading, every
     # timed pass (two readings) lasts 0.5 s, so each rate is exactly the images of the pass / 0.5 s
     ticks = iter(range(10**6))

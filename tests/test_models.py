@@ -103,8 +103,10 @@ def test_batchnorm_keys_on_torchvision_densenet121():
         assert re.search(r"\.norm[0125]?$", module), k  # norm0, norm1, norm2 (layers), norm (transitions), norm5
         assert suffix in BN_SUFFIXES
     others = [k for k in net.state_dict() if k not in expected]
-    assert all(k.endswith(("conv0.weight", "conv1.weight", "conv2.weight", "conv.weight")) or
-               k.startswith("classifier.") for k in others)
+    assert all(
+        k.endswith(("conv0.weight", "conv1.weight", "conv2.weight", "conv.weight")) or k.startswith("classifier.")
+        for k in others
+    )
     assert not any("bn" in k for k in keys)  # a "bn" substring rule would find nothing here
     cx = build_model(CFG, 2)
     cx_keys = batchnorm_keys(cx)
@@ -262,8 +264,10 @@ def test_pretrained_torchvision_state_dict(tv_state, tmp_path):
     old_path = tmp_path / "old.pth"
     torch.save(old_names, old_path)
     old = build_model(ModelConfig(image_size=64, pretrained=str(old_path)), 2)
-    assert torch.equal(old.backbone.denseblock1.denselayer1.norm1.running_mean,
-                       state["features.denseblock1.denselayer1.norm1.running_mean"])
+    assert torch.equal(
+        old.backbone.denseblock1.denselayer1.norm1.running_mean,
+        state["features.denseblock1.denselayer1.norm1.running_mean"],
+    )
 
     grey = build_model(ModelConfig(image_size=64, in_channels=1, pretrained=str(path)), 2)
     assert torch.allclose(grey.backbone.conv0.weight, state["features.conv0.weight"].sum(1, keepdim=True))

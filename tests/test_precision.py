@@ -112,9 +112,14 @@ def test_every_training_config_has_the_settings_with_auto_defaults(cls):
 
 
 @pytest.mark.parametrize("cls", CONFIGS)
-@pytest.mark.parametrize("key, value, allowed", [("precision", "half", "['auto', 'fp32', 'bf16', 'fp16']"),
-                                                 ("channels_last", "yes", "['auto', True, False]"),
-                                                 ("channels_last", 1, "a text or true or false")])
+@pytest.mark.parametrize(
+    "key, value, allowed",
+    [
+        ("precision", "half", "['auto', 'fp32', 'bf16', 'fp16']"),
+        ("channels_last", "yes", "['auto', True, False]"),
+        ("channels_last", 1, "a text or true or false"),
+    ],
+)
 def test_invalid_values_are_one_clear_line(cls, key, value, allowed):
     with pytest.raises(ConfigError) as err:
         cls.from_dict({key: value}, where="job.json")
@@ -139,7 +144,11 @@ def test_legacy_amp_key_is_read_with_one_deprecation_line(cls, caplog):
         assert cls.from_dict({"amp": True}).precision == "auto"
         assert cls.from_dict({"amp": False, "precision": "bf16"}).precision == "bf16"  # the new key wins
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and lines[0].startswith(f"{cls.SECTION}.amp is deprecated") and "precision: auto (was amp: true) or fp32" in lines[0]
+    assert (
+        len(lines) == 1
+        and lines[0].startswith(f"{cls.SECTION}.amp is deprecated")
+        and "precision: auto (was amp: true) or fp32" in lines[0]
+    )
     with pytest.raises(ConfigError, match=rf"^{cls.SECTION}\.amp must be true or false, got 'yes' \(in job\.json\)$"):
         cls.from_dict({"amp": "yes"}, where="job.json")
 
@@ -175,8 +184,10 @@ class TinyNet(nn.Module):
 
 def batches(n: int = 3, k: int = 3):
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(4, 3, 16, 16, generator=g), (torch.rand(4, k, generator=g) > 0.5).float(), torch.ones(4, k))
-            for _ in range(n)]
+    return [
+        (torch.randn(4, 3, 16, 16, generator=g), (torch.rand(4, k, generator=g) > 0.5).float(), torch.ones(4, k))
+        for _ in range(n)
+    ]
 
 
 def test_bf16_channels_last_step_keeps_float32_weights_and_sends_c_contiguous_arrays():
@@ -249,7 +260,9 @@ def test_a_site_learner_trains_in_bf16_and_sends_float32_c_contiguous_params(tmp
     (path,) = write_profile("two-hospitals", tmp_path / "data", n_per_site=20, image_size=32, sites=["hospital-a"])
     data = load_site(path, check_images=False)
     model_config = ModelConfig(image_size=32)
-    train = TrainConfig(lr=1e-3, batch_size=4, max_steps_per_epoch=1, augment=False, precision="bf16", channels_last=True)
+    train = TrainConfig(
+        lr=1e-3, batch_size=4, max_steps_per_epoch=1, augment=False, precision="bf16", channels_last=True
+    )
     learner = SiteLearner(data, tmp_path / "state", model_config=model_config, train_config=train)
     assert learner.compute == Compute(torch.device("cpu"), "bf16", True)
     torch.manual_seed(0)

@@ -65,7 +65,9 @@ def test_predict_prints_every_class_for_png_and_dicom(checkpoint, shared_data, t
     expected = torch.sigmoid(model(x)).squeeze(0).tolist()
     np.testing.assert_allclose(list(rows[0]["probabilities"].values()), expected, rtol=1e-5)
     assert main(["predict", "--model", str(path), str(png), "--json"]) == 0  # the default: this CPU's training path
-    np.testing.assert_allclose(list(json.loads(capsys.readouterr().out)[0]["probabilities"].values()), expected, atol=0.01)
+    np.testing.assert_allclose(
+        list(json.loads(capsys.readouterr().out)[0]["probabilities"].values()), expected, atol=0.01
+    )
 
     assert main(["predict", "--model", str(path), str(png), "--csv"]) == 0
     table = list(csv.reader(io.StringIO(capsys.readouterr().out)))
@@ -89,18 +91,28 @@ def bad_images(shared_data, tmp_path) -> dict:
     (tmp_path / "truncated.png").write_bytes(data[: len(data) // 2])
     (tmp_path / "empty.png").write_bytes(b"")
     (tmp_path / "text.png").write_text("not an image\n")
-    files = {tmp_path / "truncated.png": "truncated", tmp_path / "empty.png": "cannot identify",
-             tmp_path / "text.png": "cannot identify", tmp_path / "absent.png": "missing"}
-    for name, reason in (("MR_truncated.dcm", "less than expected"), ("rtplan.dcm", "no pixel data"),
-                         ("rtdose.dcm", "multi-frame"), ("JPEG-lossy.dcm", "Unable to decode")):
+    files = {
+        tmp_path / "truncated.png": "truncated",
+        tmp_path / "empty.png": "cannot identify",
+        tmp_path / "text.png": "cannot identify",
+        tmp_path / "absent.png": "missing",
+    }
+    for name, reason in (
+        ("MR_truncated.dcm", "less than expected"),
+        ("rtplan.dcm", "no pixel data"),
+        ("rtdose.dcm", "multi-frame"),
+        ("JPEG-lossy.dcm", "Unable to decode"),
+    ):
         files[Path(get_testdata_file(name))] = reason  # pydicom's own test files
     return files
 
 
 def test_predict_mixed_batch_predicts_the_good_and_names_each_bad_image(checkpoint, shared_data, tmp_path, capsys):
     path, model, config = checkpoint
-    good = [sorted((shared_data / "nih1000" / "images").glob("*.png"))[0],
-            Path(get_testdata_file("MR_small_jpeg_ls_lossless.dcm"))]  # JPEG-LS: needs the declared plugins
+    good = [
+        sorted((shared_data / "nih1000" / "images").glob("*.png"))[0],
+        Path(get_testdata_file("MR_small_jpeg_ls_lossless.dcm")),
+    ]  # JPEG-LS: needs the declared plugins
     bad = bad_images(shared_data, tmp_path)
     images = [good[0], *list(bad)[:4], good[1], *list(bad)[4:]]
     transform = build_transforms(config.image_size, train=False)
@@ -137,8 +149,9 @@ def test_predict_mixed_batch_predicts_the_good_and_names_each_bad_image(checkpoi
     assert len(captured.err.splitlines()) == len(bad)
 
 
-def test_predict_gives_a_png_and_its_monochrome1_dicom_twin_the_same_probabilities(checkpoint, shared_data,
-                                                                                   tmp_path, capsys):
+def test_predict_gives_a_png_and_its_monochrome1_dicom_twin_the_same_probabilities(
+    checkpoint, shared_data, tmp_path, capsys
+):
     path, _, _ = checkpoint
     pngs = sorted((shared_data / "nih1000" / "images").glob("*.png"))[:3]
     twins = []
@@ -148,7 +161,7 @@ def test_predict_gives_a_png_and_its_monochrome1_dicom_twin_the_same_probabiliti
         write_dicom(twins[-1], (255.0 - gray) * 257.0, photometric="MONOCHROME1", bits=16)
     assert main(["predict", "--model", str(path), *map(str, pngs + twins), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    for a, b in zip(rows[: len(pngs)], rows[len(pngs):]):
+    for a, b in zip(rows[: len(pngs)], rows[len(pngs) :]):
         np.testing.assert_allclose(list(a["probabilities"].values()), list(b["probabilities"].values()), atol=0.01)
 
 

@@ -40,8 +40,18 @@ def updates(shared_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("privacy")
     root = shared_data / "nih1000"
     cfg = tmp / "nih.yaml"
-    cfg.write_text(yaml.safe_dump({"site": "nih", "dataset": {"format": "nih", "labels": str(root / "Data_Entry_2017_v2020.csv"),
-                                                               "images": str(root / "images")}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "site": "nih",
+                "dataset": {
+                    "format": "nih",
+                    "labels": str(root / "Data_Entry_2017_v2020.csv"),
+                    "images": str(root / "images"),
+                },
+            }
+        )
+    )
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -56,16 +66,26 @@ def filtered(method: str, args: dict, updates) -> dict[str, dict]:
 
     inner = make_inner_filter(method, args)
     np.random.seed(0)  # NVFlare's filters draw from numpy's global generator
-    return {phase: filter_update(inner, result, received, rnd)[1] for rnd, (phase, received, result) in enumerate(updates)}
+    return {
+        phase: filter_update(inner, result, received, rnd)[1] for rnd, (phase, received, result) in enumerate(updates)
+    }
 
 
 # ------------------------------------------------------------------ measurement
 def test_fidelity_compares_the_sent_with_the_true_update_per_part():
     received = {"backbone.w": np.array([1.0, 1.0, 1.0]), "backbone.norm.running_var": np.array([1.0])}
-    result = {"backbone.w": np.array([2.0, 1.0, 3.0]), "backbone.norm.running_var": np.array([3.0]),
-              "backbone.norm.num_batches_tracked": np.array(5), "classifier.weight": np.array([[0.5, -0.5]])}
-    sent = {"backbone.w": np.array([2.0, 1.0, 1.0]), "backbone.norm.running_var": np.array([1.5]),
-            "backbone.norm.num_batches_tracked": np.array(5), "classifier.weight": np.array([[0.5, 0.0]])}
+    result = {
+        "backbone.w": np.array([2.0, 1.0, 3.0]),
+        "backbone.norm.running_var": np.array([3.0]),
+        "backbone.norm.num_batches_tracked": np.array(5),
+        "classifier.weight": np.array([[0.5, -0.5]]),
+    }
+    sent = {
+        "backbone.w": np.array([2.0, 1.0, 1.0]),
+        "backbone.norm.running_var": np.array([1.5]),
+        "backbone.norm.num_batches_tracked": np.array(5),
+        "classifier.weight": np.array([[0.5, 0.0]]),
+    }
     report = fidelity(result, received, sent, HEAD_PREFIX)
     assert set(report) == {"feature_extractor", "batchnorm_statistics", "head"}  # the integer buffer is left out
     fe = report["feature_extractor"]  # true change (1, 0, 2), sent (1, 0, 0)
@@ -74,8 +94,14 @@ def test_fidelity_compares_the_sent_with_the_true_update_per_part():
     assert report["batchnorm_statistics"]["relative_norm"] == pytest.approx(0.25)
     head = report["head"]  # no received value: measured from zero
     assert head["cosine"] == pytest.approx(1 / math.sqrt(2)) and head["kept"] == 0.5
-    assert destroyed(report) == ["feature_extractor"]  # cosine 0.45 < 0.5; the head's 0.71 and a quarter of the norm pass
-    assert destroyed(fidelity(result, received, received, HEAD_PREFIX)) == ["feature_extractor", "batchnorm_statistics", "head"]
+    assert destroyed(report) == [
+        "feature_extractor"
+    ]  # cosine 0.45 < 0.5; the head's 0.71 and a quarter of the norm pass
+    assert destroyed(fidelity(result, received, received, HEAD_PREFIX)) == [
+        "feature_extractor",
+        "batchnorm_statistics",
+        "head",
+    ]
 
 
 # --------------------------------------------------------------- a real update
@@ -91,7 +117,10 @@ def test_the_defaults_keep_a_real_update(method, updates):
                 assert parts[part]["cosine"] >= BOUND_WEIGHTS_AND_HEAD, (phase, part, parts[part])
         stats = parts["batchnorm_statistics"]
         if stats["entries"]:
-            assert stats["cosine"] >= BOUND_STATISTICS and stats["relative_norm"] >= BOUND_STATISTICS_NORM, (phase, stats)
+            assert stats["cosine"] >= BOUND_STATISTICS and stats["relative_norm"] >= BOUND_STATISTICS_NORM, (
+                phase,
+                stats,
+            )
     if method == "svt":  # the price: NVFlare's accountant, epsilon + n_upload * noise_var per call
         assert report["train"]["epsilon"] > 1e9 and report["train"]["epsilon_run"] > report["train"]["epsilon"]
 
@@ -131,32 +160,38 @@ def test_nvflare_percentile_gamma_clips_the_warmup_head_and_is_refused(updates):
 
 
 # ------------------------------------------------------------------ the settings check
-@pytest.mark.parametrize("args, words", [
-    ({"method": "percentile", "args": {"percentile": 101}}, "UNFILTERED"),
-    ({"method": "percentile", "args": {"gamma": 0}}, "UNFILTERED"),
-    ({"method": "percentile", "args": {"percentile": 90}}, "lose most or all"),
-    ({"method": "percentile", "args": {"gamma": "big"}}, "finite number"),
-    ({"method": "svt", "args": {"noise_var": 2}}, "destroyed"),
-    ({"method": "svt", "args": {"fraction": 0}}, "0 < fraction <= 1"),
-    ({"method": "svt", "args": {"epsilon": -1}}, "epsilon, noise_var, gamma > 0"),
-    ({"method": "svt", "args": {"delta": 1}}, "unknown svt privacy argument"),
-    ({"method": "laplace"}, "method must be one of"),
-    ({"method": "svt", "arg": {}}, "unknown privacy key"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        ({"method": "percentile", "args": {"percentile": 101}}, "UNFILTERED"),
+        ({"method": "percentile", "args": {"gamma": 0}}, "UNFILTERED"),
+        ({"method": "percentile", "args": {"percentile": 90}}, "lose most or all"),
+        ({"method": "percentile", "args": {"gamma": "big"}}, "finite number"),
+        ({"method": "svt", "args": {"noise_var": 2}}, "destroyed"),
+        ({"method": "svt", "args": {"fraction": 0}}, "0 < fraction <= 1"),
+        ({"method": "svt", "args": {"epsilon": -1}}, "epsilon, noise_var, gamma > 0"),
+        ({"method": "svt", "args": {"delta": 1}}, "unknown svt privacy argument"),
+        ({"method": "laplace"}, "method must be one of"),
+        ({"method": "svt", "arg": {}}, "unknown privacy key"),
+    ],
+)
 def test_settings_that_cannot_work_are_refused_with_one_line(args, words):
     with pytest.raises(ConfigError, match=words) as err:
         check_privacy(args, "job surgical_agg")
     assert "\n" not in str(err.value) and str(err.value).startswith("job surgical_agg")
 
 
-@pytest.mark.parametrize("args, words", [
-    ({"method": "percentile", "args": {"percentile": 60}}, "lose most of their change"),
-    ({"method": "svt", "args": {"noise_var": 10}}, "lose much of their direction"),
-    ({"method": "svt", "args": {"fraction": 0.3}}, "sends 30% of the entries"),
-    ({"method": "percentile", "args": {"gamma": 0.3}}, "clips the BatchNorm running statistics' changes"),
-    ({"method": "svt", "args": {"gamma": 0.3}}, "clips the BatchNorm running statistics' changes"),
-    ({"method": "svt", "args": {"noise_var": 10000}}, "as large as a round's changes"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        ({"method": "percentile", "args": {"percentile": 60}}, "lose most of their change"),
+        ({"method": "svt", "args": {"noise_var": 10}}, "lose much of their direction"),
+        ({"method": "svt", "args": {"fraction": 0.3}}, "sends 30% of the entries"),
+        ({"method": "percentile", "args": {"gamma": 0.3}}, "clips the BatchNorm running statistics' changes"),
+        ({"method": "svt", "args": {"gamma": 0.3}}, "clips the BatchNorm running statistics' changes"),
+        ({"method": "svt", "args": {"noise_var": 10000}}, "as large as a round's changes"),
+    ],
+)
 def test_lossy_settings_are_warned_about_once(args, words):
     said: list[str] = []
     check_privacy(args, "job x", warn=said.append)
@@ -200,15 +235,19 @@ def _through(update_privacy, received: dict, result: dict) -> dict:
     return FLModelUtils.from_shareable(update_privacy.process(reply, ctx)).params
 
 
-@pytest.mark.parametrize("args, scale, destroys", [({"percentile": 10, "gamma": 1.0}, 1e-3, False),
-                                                   ({"percentile": 10, "gamma": 0.5}, 10.0, True)])
+@pytest.mark.parametrize(
+    "args, scale, destroys",
+    [({"percentile": 10, "gamma": 1.0}, 1e-3, False), ({"percentile": 10, "gamma": 0.5}, 10.0, True)],
+)
 def test_the_site_logs_each_filtered_update_and_warns_when_it_is_destroyed(args, scale, destroys):
     from cxrfl.fl.privacy import UpdatePrivacy
 
     rng = np.random.default_rng(0)
     received = {"backbone.w": rng.normal(size=(40, 30)).astype(np.float32)}
-    result = {"backbone.w": received["backbone.w"] + rng.normal(scale=scale, size=(40, 30)).astype(np.float32),
-              "classifier.weight": rng.normal(scale=50 * scale, size=(2, 30)).astype(np.float32)}  # at scale 10: clipped to +-0.5
+    result = {
+        "backbone.w": received["backbone.w"] + rng.normal(scale=scale, size=(40, 30)).astype(np.float32),
+        "classifier.weight": rng.normal(scale=50 * scale, size=(2, 30)).astype(np.float32),
+    }  # at scale 10: clipped to +-0.5
     lines: dict[str, list[str]] = {"info": [], "warning": []}
     f = UpdatePrivacy("percentile", args)
     f.log_info = lambda ctx, msg: lines["info"].append(msg)

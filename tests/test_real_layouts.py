@@ -29,8 +29,10 @@ KERMANY_PATTERN = r"^(?P<patient>person\d+|(?:NORMAL2-)?IM-\d+)"
 @pytest.fixture(scope="module")
 def real() -> Path:
     """The real sets; skipped with a message where absent, but a failure in CI (CI is set)."""
-    require_data(all((REAL / name).is_dir() for name in ("kermany_pediatric", "hannover_mhh_covid")),
-                 f"real data not found at {REAL} (the shared/ folder beside the checkout)")
+    require_data(
+        all((REAL / name).is_dir() for name in ("kermany_pediatric", "hannover_mhh_covid")),
+        f"real data not found at {REAL} (the shared/ folder beside the checkout)",
+    )
     return REAL
 
 
@@ -81,10 +83,15 @@ def tree(tmp_path: Path) -> Path:
 
 
 def folders(**changes: object) -> dict:
-    return {"format": "folders", "images": "images", "class_folders": {"NORMAL": None, "PNEUMONIA": "Pneumonia"},
-            "split_folders": {"train": "train", "test": "test"}, "patient_pattern": KERMANY_PATTERN,
-            "subclasses": {"PNEUMONIA": {"bacteria": "Bacterial Pneumonia", "virus": "Viral Pneumonia"}},
-            **changes}
+    return {
+        "format": "folders",
+        "images": "images",
+        "class_folders": {"NORMAL": None, "PNEUMONIA": "Pneumonia"},
+        "split_folders": {"train": "train", "test": "test"},
+        "patient_pattern": KERMANY_PATTERN,
+        "subclasses": {"PNEUMONIA": {"bacteria": "Bacterial Pneumonia", "virus": "Viral Pneumonia"}},
+        **changes,
+    }
 
 
 def test_folders_classes_subclasses_patients_and_given_split(tree: Path) -> None:
@@ -138,16 +145,20 @@ def test_a_subclass_pattern_that_matches_no_file_is_one_line(tree: Path, capsys:
     assert "dataset.subclasses" in err and "'fungal'" in err and "matches no file" in err
 
 
-@pytest.mark.parametrize(("change", "expected"), [
-    ({"patient_pattern": r"^(person\d+)"}, "named group (?P<patient>"),
-    ({"patient_pattern": r"^(?P<patient>person\d+"}, "not a valid regular expression"),
-    ({"class_folders": None}, "dataset.class_folders is missing (format folders needs it)"),
-    ({"subclasses": {"NORMAL": {"x": "Y"}}}, "no-finding folder"),
-    ({"split_folders": {"train": "training set"}}, "train, val or test"),
-    ({"finding_column": "finding"}, "dataset.finding_column is only read for format categorical"),
-])
-def test_bad_folder_settings_are_one_line(tree: Path, capsys: pytest.CaptureFixture[str], change: dict,
-                                          expected: str) -> None:
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"patient_pattern": r"^(person\d+)"}, "named group (?P<patient>"),
+        ({"patient_pattern": r"^(?P<patient>person\d+"}, "not a valid regular expression"),
+        ({"class_folders": None}, "dataset.class_folders is missing (format folders needs it)"),
+        ({"subclasses": {"NORMAL": {"x": "Y"}}}, "no-finding folder"),
+        ({"split_folders": {"train": "training set"}}, "train, val or test"),
+        ({"finding_column": "finding"}, "dataset.finding_column is only read for format categorical"),
+    ],
+)
+def test_bad_folder_settings_are_one_line(
+    tree: Path, capsys: pytest.CaptureFixture[str], change: dict, expected: str
+) -> None:
     err = one_line_error(write_yaml(tree, {k: v for k, v in folders(**change).items() if v is not None}), capsys)
     assert expected in err and str(tree / "site.yaml") in err
 
@@ -183,17 +194,34 @@ def categorical_site(tmp_path: Path, rows: list[str]) -> Path:
     for line in rows:
         (tmp_path / "images" / line.split(",")[0]).write_bytes(b"")
     (tmp_path / "meta.csv").write_text("filename,patientid,finding,view\n" + "\n".join(rows) + "\n")
-    return write_yaml(tmp_path, {
-        "format": "categorical", "labels": "meta.csv", "images": "images", "path_column": "filename",
-        "patient_column": "patientid", "finding_column": "finding",
-        "values": {"Pneumonia/Viral/COVID-19": "COVID-19", "Pneumonia/Bacterial": "Pneumonia", "No Finding": None},
-        "unlabelled_values": ["todo"]}, split={"train": 0.5, "val": 0.25, "test": 0.25})
+    return write_yaml(
+        tmp_path,
+        {
+            "format": "categorical",
+            "labels": "meta.csv",
+            "images": "images",
+            "path_column": "filename",
+            "patient_column": "patientid",
+            "finding_column": "finding",
+            "values": {"Pneumonia/Viral/COVID-19": "COVID-19", "Pneumonia/Bacterial": "Pneumonia", "No Finding": None},
+            "unlabelled_values": ["todo"],
+        },
+        split={"train": 0.5, "val": 0.25, "test": 0.25},
+    )
 
 
 def test_categorical_values_map_to_classes(tmp_path: Path) -> None:
     # issue 41 (b): value -> class, a value meaning no finding, values meaning not labelled
-    config = categorical_site(tmp_path, ["a.png,p1,Pneumonia/Viral/COVID-19,PA", "b.png,p2,pneumonia/bacterial,AP",
-                                         "c.png,p3,No Finding,PA", "d.png,p4,todo,PA", "e.png,p5,,PA"])
+    config = categorical_site(
+        tmp_path,
+        [
+            "a.png,p1,Pneumonia/Viral/COVID-19,PA",
+            "b.png,p2,pneumonia/bacterial,AP",
+            "c.png,p3,No Finding,PA",
+            "d.png,p4,todo,PA",
+            "e.png,p5,,PA",
+        ],
+    )
     table = read_labels(load_site_config(config))
     assert list(table.columns) == ["path", "patient", "COVID-19", "Pneumonia"]
     values = table[["COVID-19", "Pneumonia"]].to_numpy()
@@ -203,8 +231,9 @@ def test_categorical_values_map_to_classes(tmp_path: Path) -> None:
 
 def test_an_unmapped_categorical_value_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # issue 41: bad variant, a categorical value not mapped
-    config = categorical_site(tmp_path, ["a.png,p1,No Finding,PA", "b.png,p2,Pneumonia/Fungal,PA",
-                                         "c.png,p3,Tuberculosis,PA"])
+    config = categorical_site(
+        tmp_path, ["a.png,p1,No Finding,PA", "b.png,p2,Pneumonia/Fungal,PA", "c.png,p3,Tuberculosis,PA"]
+    )
     err = one_line_error(config, capsys)
     assert f"{tmp_path / 'meta.csv'}, line 3, column 'finding'" in err and "'Pneumonia/Fungal'" in err
     assert "'Tuberculosis'" in err and "dataset.values" in err and "dataset.unlabelled_values" in err
@@ -222,9 +251,19 @@ def registry_site(tmp_path: Path, n: int = 20) -> Path:
         png(tmp_path / f"png/img{i}.png", value=i)
         rows.append(f"pt{i // 2},img{i},{'' if i % 3 else -i}")
     (tmp_path / "data.csv").write_text("patient_id,image_id,icu_admission_offset\n" + "\n".join(rows) + "\n")
-    return write_yaml(tmp_path, {"format": "registry", "labels": "data.csv", "images": "png", "path_column": "image_id",
-                                 "image_suffix": ".png", "patient_column": "patient_id", "site_label": "COVID-19",
-                                 "derived": {"ICU admission": "icu_admission_offset"}})
+    return write_yaml(
+        tmp_path,
+        {
+            "format": "registry",
+            "labels": "data.csv",
+            "images": "png",
+            "path_column": "image_id",
+            "image_suffix": ".png",
+            "patient_column": "patient_id",
+            "site_label": "COVID-19",
+            "derived": {"ICU admission": "icu_admission_offset"},
+        },
+    )
 
 
 def test_registry_site_label_and_derived_labels(tmp_path: Path) -> None:
@@ -237,7 +276,8 @@ def test_registry_site_label_and_derived_labels(tmp_path: Path) -> None:
 
 
 def test_a_class_without_negatives_is_reported_and_the_site_still_takes_part(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # issue 41 point 2: every Hannover image is COVID-19; the summary did not say its head cannot learn "no"
     config = registry_site(tmp_path)
     assert main(["data", "summary", str(config)]) == 0
@@ -272,11 +312,18 @@ def test_kermany_counts_match_its_readme(real: Path) -> None:
     # issue 41 (a): data/real/kermany_pediatric/README.md, counts after duplicate removal
     config = load_site_config(REPO / "site_configs" / "real" / "kermany_pediatric.yaml")
     table = read_labels(config)
+
     def count(split: str, mask: pd.Series) -> int:
         return int((mask & (table["split"] == split)).sum())
 
-    counts = {s: (count(s, table["Pneumonia"] == 0), count(s, table["Bacterial Pneumonia"] == 1),
-                  count(s, table["Viral Pneumonia"] == 1)) for s in ("train", "test")}
+    counts = {
+        s: (
+            count(s, table["Pneumonia"] == 0),
+            count(s, table["Bacterial Pneumonia"] == 1),
+            count(s, table["Viral Pneumonia"] == 1),
+        )
+        for s in ("train", "test")
+    }
     assert counts == {"train": (1340, 2512, 1338), "test": (231, 240, 147)} and len(table) == 5808
     assert table["patient"].nunique() == 3102
     assert int((table.groupby("patient")["split"].nunique() > 1).sum()) == 170

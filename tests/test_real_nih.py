@@ -20,9 +20,20 @@ from PIL import Image
 
 NIH_TO_CANONICAL = {"Effusion": "Pleural Effusion", "Pleural_Thickening": "Pleural Thickening"}
 README_POSITIVES = {  # data/README.md, NIH spelling
-    "Effusion": 170, "Infiltration": 162, "Atelectasis": 95, "Cardiomegaly": 83, "Consolidation": 42,
-    "Pneumothorax": 40, "Nodule": 39, "Emphysema": 37, "Mass": 35, "Fibrosis": 32, "Edema": 31,
-    "Pleural_Thickening": 29, "Pneumonia": 11, "Hernia": 9,
+    "Effusion": 170,
+    "Infiltration": 162,
+    "Atelectasis": 95,
+    "Cardiomegaly": 83,
+    "Consolidation": 42,
+    "Pneumothorax": 40,
+    "Nodule": 39,
+    "Emphysema": 37,
+    "Mass": 35,
+    "Fibrosis": 32,
+    "Edema": 31,
+    "Pleural_Thickening": 29,
+    "Pneumonia": 11,
+    "Hernia": 9,
 }
 
 
@@ -47,8 +58,12 @@ def count_with_csv_module(path: Path) -> tuple[int, set[str], Counter]:
 
 def test_full_nih_label_file(shared_data: Path) -> None:
     path = shared_data / "nih" / "Data_Entry_2017_v2020.csv.gz"
-    cfg = site_config_from_dict({"site": "nih", "dataset": {"format": "nih", "labels": str(path),
-                                                            "images": str(shared_data / "nih" / "images")}})
+    cfg = site_config_from_dict(
+        {
+            "site": "nih",
+            "dataset": {"format": "nih", "labels": str(path), "images": str(shared_data / "nih" / "images")},
+        }
+    )
     table = read_labels(cfg)
     images, patients, counts = count_with_csv_module(path)
     assert (images, len(patients)) == (112_120, 30_805)

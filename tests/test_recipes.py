@@ -19,20 +19,36 @@ from nvflare.recipe.spec import Recipe
 def export(recipe, tmp_path) -> dict[str, dict]:
     recipe.export(str(tmp_path))
     apps = app_dirs(tmp_path / recipe.name)  # "app", or "app_server" and one app per named site
-    return {"server": json.loads((apps[0] / "config" / "config_fed_server.json").read_text()),
-            "client": json.loads((apps[-1] / "config" / "config_fed_client.json").read_text()),
-            "meta": json.loads((tmp_path / recipe.name / "meta.json").read_text())}
+    return {
+        "server": json.loads((apps[0] / "config" / "config_fed_server.json").read_text()),
+        "client": json.loads((apps[-1] / "config" / "config_fed_client.json").read_text()),
+        "meta": json.loads((tmp_path / recipe.name / "meta.json").read_text()),
+    }
 
 
 def test_recipes_are_nvflare_recipes_whose_arguments_land_in_the_job(tmp_path):
-    recipe = SurgicalAggregationRecipe(name="vanilla", num_rounds=3, head_mode="union", missing="negative",
-                                       model_config={"image_size": 64}, train_config={"lr": 1e-3}, patience=2,
-                                       min_clients=3, description="d", num_threads=2)
+    recipe = SurgicalAggregationRecipe(
+        name="vanilla",
+        num_rounds=3,
+        head_mode="union",
+        missing="negative",
+        model_config={"image_size": 64},
+        train_config={"lr": 1e-3},
+        patience=2,
+        min_clients=3,
+        description="d",
+        num_threads=2,
+    )
     assert isinstance(recipe, Recipe)
     job = export(recipe, tmp_path)
     args = job["server"]["workflows"][0]["args"]
     assert (args["num_rounds"], args["head_mode"], args["missing"], args["patience"], args["min_clients"]) == (
-        3, "union", "negative", 2, 3)
+        3,
+        "union",
+        "negative",
+        2,
+        3,
+    )
     assert args["model_config"]["image_size"] == 64 and args["model_config"]["arch"] == "densenet121"  # in full
     assert args["train_config"]["lr"] == 1e-3 and args["train_config"]["warmup_epochs"] == 15
     assert job["meta"]["min_clients"] == 3 and job["meta"]["description"] == "d"
@@ -44,18 +60,24 @@ def test_recipes_are_nvflare_recipes_whose_arguments_land_in_the_job(tmp_path):
     assert fedfew["server"]["workflows"][0]["args"]["fedfew_config"]["rounds"] == 3
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda: SurgicalAggregationRecipe(num_rounds=-1), "surgical.num_rounds must be >= 0"),
-    (lambda: SurgicalAggregationRecipe(paitence=3), r"unknown SurgicalAggregation argument\(s\) \['paitence'\]"),
-    (lambda: SurgicalAggregationRecipe(head_mode="all"), "surgical.head_mode must be one of"),
-    (lambda: SurgicalAggregationRecipe(exclude_batchnorm=True), "exclude_batchnorm needs batchnorm"),
-    (lambda: SurgicalAggregationRecipe(tracking=("tensorboard", "wandb")), "job.tracking must list distinct trackers"),
-    (lambda: SurgicalAggregationRecipe(tracking_uri="http://x:5000"), "job.tracking_uri is MLflow's"),
-    (lambda: SurgicalAggregationRecipe(num_workers=-1), "num_workers must be 'auto' or an integer >= 0"),
-    (lambda: SurgicalAggregationRecipe(privacy={"method": "dp"}), "privacy method must be one of"),
-    (lambda: CWTRecipe(cwt_config={"task": "detect"}), "task must be one of"),
-    (lambda: FedFewRecipe(model_config={"image_size": 8}), "model.image_size must be >= 32"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: SurgicalAggregationRecipe(num_rounds=-1), "surgical.num_rounds must be >= 0"),
+        (lambda: SurgicalAggregationRecipe(paitence=3), r"unknown SurgicalAggregation argument\(s\) \['paitence'\]"),
+        (lambda: SurgicalAggregationRecipe(head_mode="all"), "surgical.head_mode must be one of"),
+        (lambda: SurgicalAggregationRecipe(exclude_batchnorm=True), "exclude_batchnorm needs batchnorm"),
+        (
+            lambda: SurgicalAggregationRecipe(tracking=("tensorboard", "wandb")),
+            "job.tracking must list distinct trackers",
+        ),
+        (lambda: SurgicalAggregationRecipe(tracking_uri="http://x:5000"), "job.tracking_uri is MLflow's"),
+        (lambda: SurgicalAggregationRecipe(num_workers=-1), "num_workers must be 'auto' or an integer >= 0"),
+        (lambda: SurgicalAggregationRecipe(privacy={"method": "dp"}), "privacy method must be one of"),
+        (lambda: CWTRecipe(cwt_config={"task": "detect"}), "task must be one of"),
+        (lambda: FedFewRecipe(model_config={"image_size": 8}), "model.image_size must be >= 32"),
+    ],
+)
 def test_bad_recipe_arguments_fail_at_construction_naming_the_setting(make, match):
     with pytest.raises(ConfigError, match=match):
         make()
@@ -71,26 +93,39 @@ def test_tracking_is_switched_in_the_recipe(tmp_path):
     assert off["server"]["workflows"][0]["args"]["analytic_sender_id"] == ""
     assert off["client"]["executors"][0]["executor"]["args"]["analytic_sender_id"] == ""
 
-    both = export(SurgicalAggregationRecipe(name="both", tracking=("tensorboard", "mlflow"),
-                                            tracking_uri="http://mlflow.example:5000"), tmp_path / "both")
+    both = export(
+        SurgicalAggregationRecipe(
+            name="both", tracking=("tensorboard", "mlflow"), tracking_uri="http://mlflow.example:5000"
+        ),
+        tmp_path / "both",
+    )
     server, client = _components(both["server"]), _components(both["client"])
     events = ["fed.analytix_log_stats", "analytix_log_stats"]  # the sites' events and the server's own
     assert server["tb_receiver"]["args"] == {"tb_folder": "tb_events", "events": events}
     assert server["mlflow_receiver"]["path"] == "cxrfl.fl.tracking.MLflowReceiver"
     assert server["mlflow_receiver"]["args"]["tracking_uri"] == "http://mlflow.example:5000"
     assert server["mlflow_receiver"]["args"]["events"] == events
-    assert server["analytic_sender"]["path"] == client["analytic_sender"]["path"] == (
-        "nvflare.app_opt.tracking.tb.tb_writer.TBWriter")
+    assert (
+        server["analytic_sender"]["path"]
+        == client["analytic_sender"]["path"]
+        == ("nvflare.app_opt.tracking.tb.tb_writer.TBWriter")
+    )
     assert client["event_to_fed"]["args"] == {"events_to_convert": ["analytix_log_stats"], "fed_event_prefix": "fed."}
     assert both["server"]["workflows"][0]["args"]["analytic_sender_id"] == "analytic_sender"
 
-    mlflow_only = _components(export(SurgicalAggregationRecipe(name="m", tracking=("mlflow",)), tmp_path / "m")["server"])
+    mlflow_only = _components(
+        export(SurgicalAggregationRecipe(name="m", tracking=("mlflow",)), tmp_path / "m")["server"]
+    )
     assert "tb_receiver" not in mlflow_only and mlflow_only["mlflow_receiver"]["args"]["tracking_uri"] is None
 
 
 def test_mean_over_sites_leaves_out_missing_and_undefined_values():
-    sites = {"a": {"loss": 1.0, "auroc": {"X": 0.5, "Y": None}}, "b": {"loss": 3.0, "auroc": {"X": 0.9}},
-             "c": {"loss": math.nan}, "d": None}
+    sites = {
+        "a": {"loss": 1.0, "auroc": {"X": 0.5, "Y": None}},
+        "b": {"loss": 3.0, "auroc": {"X": 0.9}},
+        "c": {"loss": math.nan},
+        "d": None,
+    }
     assert mean_over_sites(sites, ["loss"], per_class="auroc") == pytest.approx({"loss": 2.0, "auroc/X": 0.7})
 
 
@@ -99,20 +134,41 @@ def test_the_workflows_track_their_aggregated_metrics():
     from cxrfl.fl.fedfew import FedFew
     from cxrfl.fl.surgical import SurgicalAggregation
 
-    record = {"round": 2, "phase": "train", "sites_aggregated": ["a", "b"], "site_metrics": {
-        "a": {"train_loss": 0.4, "val_loss": 0.2, "val_mean_auroc": 0.6, "val_auroc": {"X": 0.6, "Y": None}},
-        "b": {"train_loss": 0.6, "val_loss": 0.4, "val_mean_auroc": 0.8, "val_auroc": {"X": 0.8, "Z": 0.7}}}}
+    record = {
+        "round": 2,
+        "phase": "train",
+        "sites_aggregated": ["a", "b"],
+        "site_metrics": {
+            "a": {"train_loss": 0.4, "val_loss": 0.2, "val_mean_auroc": 0.6, "val_auroc": {"X": 0.6, "Y": None}},
+            "b": {"train_loss": 0.6, "val_loss": 0.4, "val_mean_auroc": 0.8, "val_auroc": {"X": 0.8, "Z": 0.7}},
+        },
+    }
     values, step = SurgicalAggregation().record_scalars("rounds.jsonl", record)
-    assert step == 2 and values == pytest.approx({"train_loss": 0.5, "val_loss": 0.3, "val_mean_auroc": 0.7,
-                                                  "val_auroc/X": 0.7, "val_auroc/Z": 0.7, "sites_aggregated": 2})
+    assert step == 2 and values == pytest.approx(
+        {
+            "train_loss": 0.5,
+            "val_loss": 0.3,
+            "val_mean_auroc": 0.7,
+            "val_auroc/X": 0.7,
+            "val_auroc/Z": 0.7,
+            "sites_aggregated": 2,
+        }
+    )
     assert SurgicalAggregation().record_scalars("rounds.jsonl", {"round": 3, "phase": "stopped"}) is None
     cycle = {"cycle": 4, "status": "completed", "val_loss": 0.25, "trained": ["a", "b", "c"]}
     assert CyclicWeightTransfer().record_scalars("cycles.jsonl", cycle) == ({"val_loss": 0.25, "sites_trained": 3}, 4)
     assert CyclicWeightTransfer().record_scalars("visits.jsonl", cycle) is None
-    stage2 = {"stage": 2, "round": 5, "site_metrics": {"a": {"train_loss": 1.0}, "b": {"train_loss": 2.0}},
-              "val_loss": 0.9, "site_validation": {"a": {"cc_mean_auroc": 0.5}, "b": {"cc_mean_auroc": 0.7}}}
-    assert FedFew().record_scalars("rounds.jsonl", stage2) == (pytest.approx(
-        {"train_loss": 1.5, "cc_mean_auroc": 0.6, "val_loss": 0.9}), 5)
+    stage2 = {
+        "stage": 2,
+        "round": 5,
+        "site_metrics": {"a": {"train_loss": 1.0}, "b": {"train_loss": 2.0}},
+        "val_loss": 0.9,
+        "site_validation": {"a": {"cc_mean_auroc": 0.5}, "b": {"cc_mean_auroc": 0.7}},
+    }
+    assert FedFew().record_scalars("rounds.jsonl", stage2) == (
+        pytest.approx({"train_loss": 1.5, "cc_mean_auroc": 0.6, "val_loss": 0.9}),
+        5,
+    )
     assert FedFew().record_scalars("rounds.jsonl", {"stage": 3, "threshold": 1.0}) is None
 
 
@@ -121,12 +177,24 @@ def test_the_sites_track_the_auroc_of_each_of_their_own_classes(tmp_path):
     from cxrfl.surgical.host import SurgicalSiteHost
 
     data = tiny_site(tmp_path, "a", {"X": [1.0, 0.0], "Y": [0.0, 1.0]}, ["train", "val"])
-    answer = {"metrics": {"round": 3, "train_loss": 0.5, "val_loss": 0.4, "val_mean_auroc": 0.6,
-                          "val_auroc": {"X": 0.6, "Y": None}}}
+    answer = {
+        "metrics": {
+            "round": 3,
+            "train_loss": 0.5,
+            "val_loss": 0.4,
+            "val_mean_auroc": 0.6,
+            "val_auroc": {"X": 0.6, "Y": None},
+        }
+    }
     assert SurgicalSiteHost(data, tmp_path / "state").scalars("train", answer) == (
-        {"train_loss": 0.5, "val_loss": 0.4, "val_mean_auroc": 0.6, "val_auroc/X": 0.6}, 3)
+        {"train_loss": 0.5, "val_loss": 0.4, "val_mean_auroc": 0.6, "val_auroc/X": 0.6},
+        3,
+    )
     validated = {"metrics": {"split": "val", "cycle": 2, "loss": 0.3, "mean_auroc": 0.7, "auroc": {"X": 0.7}}}
-    assert CWTSiteHost(data).scalars("validate", validated) == ({"val_loss": 0.3, "val_auroc": 0.7, "val_auroc/X": 0.7}, 2)
+    assert CWTSiteHost(data).scalars("validate", validated) == (
+        {"val_loss": 0.3, "val_auroc": 0.7, "val_auroc/X": 0.7},
+        2,
+    )
 
 
 class Writer:
@@ -141,8 +209,10 @@ def test_records_reach_the_writer_after_they_are_written(tmp_path):
     writer = Writer()
     loop = ServerLoop(lambda task, payloads: {}, sites=["a"], out_dir=tmp_path)
     seen = []
-    loop.on_record = lambda name, record: (seen.append((tmp_path / "cxrfl" / name).read_text().count("\n")),
-                                           track(writer, ({"loss": record["loss"], "none": None}, record["round"])))
+    loop.on_record = lambda name, record: (
+        seen.append((tmp_path / "cxrfl" / name).read_text().count("\n")),
+        track(writer, ({"loss": record["loss"], "none": None}, record["round"])),
+    )
     loop.record({"round": 1, "loss": 0.5})
     loop.record({"round": 2, "loss": 0.25})
     assert seen == [1, 2]  # the record is on disk before it is tracked
@@ -203,9 +273,11 @@ def test_resource_requests_are_what_nvflare_resolves_for_each_site(tmp_path):
     from nvflare.utils.job_launcher_utils import get_resource_manager_spec, resolve_site_resource_spec
 
     sites = ["hospital-a", "hospital-b"]
-    recipes = [SurgicalAggregationRecipe(name="s", resources=GPU_REQUEST, site_resources={"hospital-a": BIG_SITE}),
-               CWTRecipe(name="c", resources=GPU_REQUEST, site_resources={"hospital-a": BIG_SITE}),
-               FedFewRecipe(name="f", sites=sites, resources=GPU_REQUEST, site_resources={"hospital-a": BIG_SITE})]
+    recipes = [
+        SurgicalAggregationRecipe(name="s", resources=GPU_REQUEST, site_resources={"hospital-a": BIG_SITE}),
+        CWTRecipe(name="c", resources=GPU_REQUEST, site_resources={"hospital-a": BIG_SITE}),
+        FedFewRecipe(name="f", sites=sites, resources=GPU_REQUEST, site_resources={"hospital-a": BIG_SITE}),
+    ]
     for recipe in recipes:
         meta = export(recipe, tmp_path)["meta"]
         assert meta["resource_spec"] == {"@default": GPU_REQUEST, "hospital-a": BIG_SITE}, recipe.name
@@ -219,20 +291,33 @@ def test_resource_requests_are_what_nvflare_resolves_for_each_site(tmp_path):
     assert get_resource_manager_spec(only_site, "hospital-b") == {}
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda: SurgicalAggregationRecipe(resources={"num_of_gpus": 1, "mem_per_gpu_in_GiB": 16}),
-     r"^job.resources .*unsupported field\(s\): \['mem_per_gpu_in_GiB'\]"),
-    (lambda: CWTRecipe(resources={"num_of_gpus": -1}), r"^job.resources .*num_of_gpus must be an integer"),
-    (lambda: SurgicalAggregationRecipe(resources={"memory": "16GB"}), r"^job.resources .*memory must be"),
-    (lambda: SurgicalAggregationRecipe(site_resources={"@ALL": {"num_of_gpus": 1}}),
-     r"^job.site_resources .*\['@ALL'\].*'@default'"),
-    (lambda: CWTRecipe(site_resources={"hospital-a": {"num_of_gpus": "1"}}),
-     r"^job.site_resources .*'hospital-a'.*num_of_gpus must be an integer"),
-    (lambda: FedFewRecipe(sites=["hospital-a", "hospital-b"], site_resources={"hospital-z": {"num_of_gpus": 1}}),
-     r"^job.site_resources .*\['hospital-z'\].*not among the job's sites"),
-    (lambda: SurgicalAggregationRecipe(resource_spec={"@ALL": {"num_of_gpus": 1}}),
-     r"^job.resource_spec is replaced by resources"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (
+            lambda: SurgicalAggregationRecipe(resources={"num_of_gpus": 1, "mem_per_gpu_in_GiB": 16}),
+            r"^job.resources .*unsupported field\(s\): \['mem_per_gpu_in_GiB'\]",
+        ),
+        (lambda: CWTRecipe(resources={"num_of_gpus": -1}), r"^job.resources .*num_of_gpus must be an integer"),
+        (lambda: SurgicalAggregationRecipe(resources={"memory": "16GB"}), r"^job.resources .*memory must be"),
+        (
+            lambda: SurgicalAggregationRecipe(site_resources={"@ALL": {"num_of_gpus": 1}}),
+            r"^job.site_resources .*\['@ALL'\].*'@default'",
+        ),
+        (
+            lambda: CWTRecipe(site_resources={"hospital-a": {"num_of_gpus": "1"}}),
+            r"^job.site_resources .*'hospital-a'.*num_of_gpus must be an integer",
+        ),
+        (
+            lambda: FedFewRecipe(sites=["hospital-a", "hospital-b"], site_resources={"hospital-z": {"num_of_gpus": 1}}),
+            r"^job.site_resources .*\['hospital-z'\].*not among the job's sites",
+        ),
+        (
+            lambda: SurgicalAggregationRecipe(resource_spec={"@ALL": {"num_of_gpus": 1}}),
+            r"^job.resource_spec is replaced by resources",
+        ),
+    ],
+)
 def test_bad_resource_requests_fail_at_construction_in_one_line_naming_the_key(make, match):
     """Issue 46 point 1: requests are checked by NVFlare's own validate_portable_resource_spec when the
     recipe is built, not when a server refuses (or, for "@ALL", silently ignores) the job."""

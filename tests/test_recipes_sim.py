@@ -42,16 +42,40 @@ def tiny(name: str, **changes: dict) -> object:
 
 SPECS = {
     "surgical": dataclasses.replace(
-        tiny("surgical_agg", num_rounds=1, model_config={"image_size": 32},
-             train_config={"warmup_epochs": 1, "batch_size": 8, "max_steps_per_epoch": 2}),
-        tracking=("tensorboard", "mlflow")),
-    "cwt": tiny("cwt", model_config={"image_size": 32},
-                cwt_config={"num_cycles": 1, "local_steps": 1, "batch_size": 8, "plti": False}),
-    "fedfew": dataclasses.replace(tiny("fedfew", model_config={"image_size": 32},
-                   fedfew_config={"ssl_rounds": 1, "ssl_max_steps": 1, "ssl_batch_size": 8, "ssl_proj_dim": 64,
-                                  "ssl_pred_dim": 16, "warmup_rounds": 1, "rounds": 1, "batch_size": 16,
-                                  "max_steps_per_epoch": 1, "min_prototype_images": 2, "threshold_bins": 64,
-                                  "eval_batch_size": 64}), sites=tuple(FEDFEW_SITES)),
+        tiny(
+            "surgical_agg",
+            num_rounds=1,
+            model_config={"image_size": 32},
+            train_config={"warmup_epochs": 1, "batch_size": 8, "max_steps_per_epoch": 2},
+        ),
+        tracking=("tensorboard", "mlflow"),
+    ),
+    "cwt": tiny(
+        "cwt",
+        model_config={"image_size": 32},
+        cwt_config={"num_cycles": 1, "local_steps": 1, "batch_size": 8, "plti": False},
+    ),
+    "fedfew": dataclasses.replace(
+        tiny(
+            "fedfew",
+            model_config={"image_size": 32},
+            fedfew_config={
+                "ssl_rounds": 1,
+                "ssl_max_steps": 1,
+                "ssl_batch_size": 8,
+                "ssl_proj_dim": 64,
+                "ssl_pred_dim": 16,
+                "warmup_rounds": 1,
+                "rounds": 1,
+                "batch_size": 16,
+                "max_steps_per_epoch": 1,
+                "min_prototype_images": 2,
+                "threshold_bins": 64,
+                "eval_batch_size": 64,
+            },
+        ),
+        sites=tuple(FEDFEW_SITES),
+    ),
 }
 SITES = {"surgical": TWO, "cwt": TWO, "fedfew": FEDFEW_SITES}
 
@@ -78,14 +102,33 @@ def runs(tmp_path_factory):
         mp.setenv("HOME", str(tmp / "home"))
         for method, spec in SPECS.items():
             root = tmp / "sim"
-            spec.recipe().execute(SimEnv(clients=SITES[method], num_threads=len(SITES[method]), workspace_root=str(root)))
-            out[method] = {"ws": root / spec.name, "app": app_of(root / spec.name),
-                           "job": write_job(spec, tmp / "exported")}
+            spec.recipe().execute(
+                SimEnv(clients=SITES[method], num_threads=len(SITES[method]), workspace_root=str(root))
+            )
+            out[method] = {
+                "ws": root / spec.name,
+                "app": app_of(root / spec.name),
+                "job": write_job(spec, tmp / "exported"),
+            }
         # the surgical job folder, run as the README runs jobs/surgical_agg
         cli = tmp / "cli"
-        proc = subprocess.run([str(Path(sys.executable).with_name("nvflare")), "simulator", str(out["surgical"]["job"]),
-                               "-w", str(cli), "-c", ",".join(TWO), "-t", "2"],
-                              env=dict(os.environ), capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(
+            [
+                str(Path(sys.executable).with_name("nvflare")),
+                "simulator",
+                str(out["surgical"]["job"]),
+                "-w",
+                str(cli),
+                "-c",
+                ",".join(TWO),
+                "-t",
+                "2",
+            ],
+            env=dict(os.environ),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     out["folder"] = {"ws": cli, "app": app_of(cli), "proc": proc}
     for key in ("surgical", "cwt", "fedfew", "folder"):
         if not (out[key]["app"] / "FL_global_model.pt").is_file():
@@ -105,8 +148,9 @@ def test_simenv_ran_the_exported_job_folder(runs, method):
     assert (runs[method]["app"] / "custom" / "README.md").is_file()  # the job's README-only app/custom
     if method == "fedfew":  # issue 40 point 8: the server's config reached the server only
         for site in SITES[method]:
-            assert (runs[method]["ws"] / site).is_dir() and not list((runs[method]["ws"] / site).rglob(
-                "config_fed_server.json")), site
+            assert (runs[method]["ws"] / site).is_dir() and not list(
+                (runs[method]["ws"] / site).rglob("config_fed_server.json")
+            ), site
 
 
 def _files(app: Path) -> set[str]:
@@ -116,15 +160,23 @@ def _files(app: Path) -> set[str]:
 def test_the_surgical_recipe_leaves_what_its_job_folder_run_leaves(runs):
     recipe, folder = runs["surgical"]["app"], runs["folder"]["app"]
     assert _files(recipe) == _files(folder)
-    assert {"FL_global_model.pt", "best_FL_global_model.pt", "cxrfl/rounds.jsonl", "cxrfl/evaluation.json",
-            "cxrfl/run_config.json", "cxrfl/checkpoints/round_001.pt"} <= _files(recipe)
+    assert {
+        "FL_global_model.pt",
+        "best_FL_global_model.pt",
+        "cxrfl/rounds.jsonl",
+        "cxrfl/evaluation.json",
+        "cxrfl/run_config.json",
+        "cxrfl/checkpoints/round_001.pt",
+    } <= _files(recipe)
     a, b = load_checkpoint(recipe / "FL_global_model.pt"), load_checkpoint(folder / "FL_global_model.pt")
     assert a["classes"] == b["classes"] == list(KNOWN_CLASSES) and a["round"] == b["round"] == 1
     for k, v in a["model"].items():  # same seeds, same data, same job: the same weights
         torch.testing.assert_close(b["model"][k], v, rtol=0, atol=0, msg=k)
     strip = ("seconds", "site_metrics")
-    rounds = [[{k: v for k, v in r.items() if k not in strip} for r in read_records(app / "cxrfl" / "rounds.jsonl")]
-              for app in (recipe, folder)]
+    rounds = [
+        [{k: v for k, v in r.items() if k not in strip} for r in read_records(app / "cxrfl" / "rounds.jsonl")]
+        for app in (recipe, folder)
+    ]
     assert rounds[0] == rounds[1] and [r["round"] for r in rounds[0]] == [0, 1, 1]
     tb = runs["surgical"]["ws"] / "server" / "simulate_job" / "tb_events"
     assert {p.name for p in tb.iterdir()} == {*TWO, "simulator_server"}  # each site's curves, and the server's
@@ -132,11 +184,15 @@ def test_the_surgical_recipe_leaves_what_its_job_folder_run_leaves(runs):
 
 def test_cwt_and_fedfew_recipes_leave_their_artefacts(runs):
     cwt = runs["cwt"]["app"]
-    assert {"FL_global_model.pt", "best_FL_global_model.pt", "cxrfl/cycles.jsonl", "cxrfl/evaluation.json"} <= _files(cwt)
+    assert {"FL_global_model.pt", "best_FL_global_model.pt", "cxrfl/cycles.jsonl", "cxrfl/evaluation.json"} <= _files(
+        cwt
+    )
     cycles = [r for r in read_records(cwt / "cxrfl" / "cycles.jsonl") if r["status"] == "completed"]
     assert [r["cycle"] for r in cycles] == [1] and sorted(cycles[0]["trained"]) == TWO
     fedfew = runs["fedfew"]["app"]
-    assert {"fedfew/stage1_ssl.pt", "fedfew/stage2_model.pt", "fedfew/stage3.json", "FL_global_model.pt"} <= _files(fedfew)
+    assert {"fedfew/stage1_ssl.pt", "fedfew/stage2_model.pt", "fedfew/stage3.json", "FL_global_model.pt"} <= _files(
+        fedfew
+    )
     assert load_checkpoint(fedfew / "FL_global_model.pt")["method"] == "fedfew"
 
 
@@ -156,8 +212,11 @@ def _mlflow(runs):
 
 def test_mlflow_store_holds_every_sites_curves_and_the_servers(runs):
     client, by_site = _mlflow(runs)
-    records = {r["round"]: r for r in read_records(runs["surgical"]["app"] / "cxrfl" / "rounds.jsonl")
-               if r["phase"] in ("warmup", "train")}
+    records = {
+        r["round"]: r
+        for r in read_records(runs["surgical"]["app"] / "cxrfl" / "rounds.jsonl")
+        if r["phase"] in ("warmup", "train")
+    }
     for site, own in (("hospital-a", NIH_CLASSES), ("hospital-b", CHEXPERT_CLASSES)):
         run = by_site[site]
         for name in ("train_loss", "val_loss"):
@@ -167,11 +226,14 @@ def test_mlflow_store_holds_every_sites_curves_and_the_servers(runs):
         assert per_class and per_class <= set(own)  # its own classes only: nothing names another site's
         for c in per_class:
             history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, f"val_auroc/{c}")}
-            assert history == pytest.approx({rnd: records[rnd]["site_metrics"][site]["val_auroc"][c] for rnd in history})
+            assert history == pytest.approx(
+                {rnd: records[rnd]["site_metrics"][site]["val_auroc"][c] for rnd in history}
+            )
     server = by_site["simulator_server"]
     history = {m.step: m.value for m in client.get_metric_history(server.info.run_id, "val_loss")}
-    assert history == pytest.approx({rnd: sum(records[rnd]["site_metrics"][s]["val_loss"] for s in TWO) / 2
-                                     for rnd in (0, 1)})
+    assert history == pytest.approx(
+        {rnd: sum(records[rnd]["site_metrics"][s]["val_loss"] for s in TWO) / 2 for rnd in (0, 1)}
+    )
     assert {m.step: m.value for m in client.get_metric_history(server.info.run_id, "sites_aggregated")} == {0: 2, 1: 2}
 
 
@@ -189,4 +251,6 @@ def test_a_bundle_of_the_run_carries_its_settings_and_evaluation(runs, tmp_path)
             assert f"| {c} | {sum(values) / len(values):.3f} |" in card
     assert "hospital-a" not in card and "hospital-b" not in card  # the card names no site
     meta = json.loads((bundle / "configs" / "metadata.json").read_text())
-    assert meta["network_data_format"]["outputs"]["pred"]["channel_def"] == {str(i): c for i, c in enumerate(KNOWN_CLASSES)}
+    assert meta["network_data_format"]["outputs"]["pred"]["channel_def"] == {
+        str(i): c for i, c in enumerate(KNOWN_CLASSES)
+    }

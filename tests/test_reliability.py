@@ -47,9 +47,15 @@ FAULTS = {
     "hospital-b": {"2": "shape", "4": "raise"},
 }
 REASONS = {  # words of the rejection each fault must produce
-    "nan": "non-finite", "inf": "non-finite", "shape": "has shape", "missing_key": "missing parameter",
-    "extra_key": "unexpected parameter", "unannounced": "never announced", "duplicate": "duplicate class names",
-    "zero_samples": "num_samples", "negative_samples": "num_samples",
+    "nan": "non-finite",
+    "inf": "non-finite",
+    "shape": "has shape",
+    "missing_key": "missing parameter",
+    "extra_key": "unexpected parameter",
+    "unannounced": "never announced",
+    "duplicate": "duplicate class names",
+    "zero_samples": "num_samples",
+    "negative_samples": "num_samples",
 }
 REJECTED = {site: {r: f for r, f in rounds.items() if f != "raise"} for site, rounds in FAULTS.items()}
 SMALL_TRAIN = {"warmup_epochs": 1, "batch_size": 8, "max_steps_per_epoch": 2}
@@ -60,8 +66,15 @@ def nvflare_bin() -> str:
     return str(Path(sys.executable).with_name("nvflare"))
 
 
-def make_job(repo_root: Path, out: Path, *, faults: dict | None = None, echo: list | None = None,
-             keep_received: list | None = None, **server_args) -> Path:
+def make_job(
+    repo_root: Path,
+    out: Path,
+    *,
+    faults: dict | None = None,
+    echo: list | None = None,
+    keep_received: list | None = None,
+    **server_args,
+) -> Path:
     """jobs/surgical_agg with small settings; with ``faults``, every site runs the FaultyExecutor."""
     job = out / "surgical_agg"
     shutil.copytree(repo_root / "jobs" / "surgical_agg", job)
@@ -83,8 +96,16 @@ def make_job(repo_root: Path, out: Path, *, faults: dict | None = None, echo: li
     return job
 
 
-def simulate(job: Path, ws: Path, sites: list[str], data: Path, *, kill_after_round: int | None = None,
-             timeout: float = 900, resume_root: Path | None = None) -> subprocess.CompletedProcess | None:
+def simulate(
+    job: Path,
+    ws: Path,
+    sites: list[str],
+    data: Path,
+    *,
+    kill_after_round: int | None = None,
+    timeout: float = 900,
+    resume_root: Path | None = None,
+) -> subprocess.CompletedProcess | None:
     """Run the simulator; with ``kill_after_round``, kill its whole process group once that round is recorded;
     ``resume_root``: the server's folder of resume states (the simulator replaces its workspace every run)."""
     env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(data), "HOME": str(ws.parent / "home")}
@@ -121,8 +142,10 @@ def site_log(ws: Path, site: str) -> str:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("reliability_data")
-    configs = {p.stem: p for p in write_profile("two-hospitals", root, n_per_site=60, image_size=64,
-                                                 sites=["hospital-a", "hospital-b"])}
+    configs = {
+        p.stem: p
+        for p in write_profile("two-hospitals", root, n_per_site=60, image_size=64, sites=["hospital-a", "hospital-b"])
+    }
     for name in ("bad-1", "bad-2", "bad-3"):
         text = configs["hospital-a"].read_text().replace("site: hospital-a", f"site: {name}")
         (root / f"{name}.yaml").write_text(text)
@@ -140,13 +163,24 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory, repo_root, data):
     tmp = tmp_path_factory.mktemp("faulty")
-    job = make_job(repo_root, tmp, faults=FAULTS, echo=["bad-1", "bad-2", "bad-3"], num_rounds=4, patience=10,
-                   min_clients=2, evaluate_test=False, retry_pause=1)
+    job = make_job(
+        repo_root,
+        tmp,
+        faults=FAULTS,
+        echo=["bad-1", "bad-2", "bad-3"],
+        num_rounds=4,
+        patience=10,
+        min_clients=2,
+        evaluate_test=False,
+        retry_pause=1,
+    )
     ws = tmp / "ws"
     proc = simulate(job, ws, ["hospital-a", "hospital-b", "bad-1", "bad-2", "bad-3", "bad-4"], data)
     app = app_dir(ws)
     if not (app / "cxrfl" / "rounds.jsonl").is_file():
-        pytest.fail(f"simulator wrote no round record (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        pytest.fail(
+            f"simulator wrote no round record (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return {"ws": ws, "app": app, "proc": proc, "records": read_records(app / "cxrfl" / "rounds.jsonl")}
 
 
@@ -168,7 +202,9 @@ def test_every_malformed_result_is_rejected_with_its_site_and_reason(faulty):
 
 
 def test_valid_results_are_aggregated_beside_the_rejected_ones(faulty):
-    by_round = [(r["round"], r["aggregated"], r["sites_aggregated"]) for r in faulty["records"] if r["phase"] == "train"]
+    by_round = [
+        (r["round"], r["aggregated"], r["sites_aggregated"]) for r in faulty["records"] if r["phase"] == "train"
+    ]
     assert by_round[0] == (1, True, ["hospital-a", "hospital-b"])
     assert by_round[-2] == (3, True, ["hospital-a", "hospital-b"])
     for r in faulty["records"]:
@@ -208,7 +244,9 @@ def test_bad_images_are_skipped_and_counted_within_the_threshold(faulty):
     log = site_log(faulty["ws"], "hospital-b")
     assert "3 skipped" in log
     records = faulty["records"]
-    assert all("hospital-b" in r["sites_answered"] for r in records if r["phase"] in ("warmup", "train") and r["round"] < 4)
+    assert all(
+        "hospital-b" in r["sites_answered"] for r in records if r["phase"] in ("warmup", "train") and r["round"] < 4
+    )
 
 
 def test_classes_without_validation_positives_are_reported_before_training(faulty):
@@ -252,13 +290,27 @@ def resumed(tmp_path_factory, repo_root, data):
     saved = torch.load(state / "state.pt", map_location="cpu", weights_only=True)  # before the second job runs
     store = tmp / "store"  # resume_from is a job id of the server's store, which outlives the simulator's workspace
     shutil.copytree(state, store / "simulate_job")
-    second = make_job(repo_root, tmp / "second", faults={}, keep_received=sites, num_rounds=3, patience=10,
-                      evaluate_test=False, resume_from="simulate_job")
+    second = make_job(
+        repo_root,
+        tmp / "second",
+        faults={},
+        keep_received=sites,
+        num_rounds=3,
+        patience=10,
+        evaluate_test=False,
+        resume_from="simulate_job",
+    )
     ws2 = tmp / "ws2"
     proc = simulate(second, ws2, sites, data, resume_root=store)
-    return {"ws1": ws1, "ws2": ws2, "state": state, "saved": saved, "proc": proc,
-            "first": read_records(app_dir(ws1) / "cxrfl" / "rounds.jsonl"),
-            "second": read_records(app_dir(ws2) / "cxrfl" / "rounds.jsonl")}
+    return {
+        "ws1": ws1,
+        "ws2": ws2,
+        "state": state,
+        "saved": saved,
+        "proc": proc,
+        "first": read_records(app_dir(ws1) / "cxrfl" / "rounds.jsonl"),
+        "second": read_records(app_dir(ws2) / "cxrfl" / "rounds.jsonl"),
+    }
 
 
 def test_the_killed_run_stopped_after_round_1_and_left_its_state(resumed):
@@ -290,18 +342,28 @@ def test_the_resumed_run_starts_from_the_interrupted_model(resumed):
         assert received.keys() == expected.keys()
         for k, v in expected.items():
             np.testing.assert_array_equal(received[k], v.numpy(), err_msg=k)
-            np.testing.assert_array_equal(received[k], site_payload(saved["params"], saved["classes"], classes)[k],
-                                          err_msg=k)
+            np.testing.assert_array_equal(
+                received[k], site_payload(saved["params"], saved["classes"], classes)[k], err_msg=k
+            )
 
 
 # ------------------------------------------------------------ too few sites: clear stop
 def test_a_round_that_never_reaches_min_clients_stops_the_job_with_the_reason(tmp_path, repo_root, data):
-    job = make_job(repo_root, tmp_path, faults={"hospital-b": {"1": "nan"}}, num_rounds=2, min_clients=2,
-                   min_clients_timeout=0, evaluate_test=False)
+    job = make_job(
+        repo_root,
+        tmp_path,
+        faults={"hospital-b": {"1": "nan"}},
+        num_rounds=2,
+        min_clients=2,
+        min_clients_timeout=0,
+        evaluate_test=False,
+    )
     ws = tmp_path / "ws"
     proc = simulate(job, ws, ["hospital-a", "hospital-b"], data)
     records = read_records(app_dir(ws) / "cxrfl" / "rounds.jsonl")
-    assert [(r["round"], r["phase"]) for r in records] == [(0, "warmup"), (1, "train"), (1, "stopped")], proc.stdout[-3000:]
+    assert [(r["round"], r["phase"]) for r in records] == [(0, "warmup"), (1, "train"), (1, "stopped")], proc.stdout[
+        -3000:
+    ]
     reason = records[-1]["reason"]
     assert "min_clients=2" in reason and "hospital-b" in reason and "resume_from" in reason
     assert load_checkpoint(app_dir(ws) / "FL_global_model.pt")["round"] == 0  # the warm-up model, never half-aggregated

@@ -45,10 +45,20 @@ from cxrfl.synth import write_profile
 pytestmark = pytest.mark.slow
 
 SITES = ["hospital-a", "hospital-b", "hospital-c"]
-SMALL = {"train_config.warmup_epochs": 1, "train_config.batch_size": 8, "train_config.max_steps_per_epoch": 2,
-         "model_config.image_size": 32, "patience": 10, "min_clients": 2, "task_timeout": 30}
-FAST_DEAD = {"NVFLARE_DEAD_CLIENT_GRACE_PERIOD": "10", "NVFLARE_DEAD_CLIENT_CHECK_LEAD_TIME": "10",
-             "NVFLARE_CLIENT_OUTCOME_WAIT_TIMEOUT": "20"}
+SMALL = {
+    "train_config.warmup_epochs": 1,
+    "train_config.batch_size": 8,
+    "train_config.max_steps_per_epoch": 2,
+    "model_config.image_size": 32,
+    "patience": 10,
+    "min_clients": 2,
+    "task_timeout": 30,
+}
+FAST_DEAD = {
+    "NVFLARE_DEAD_CLIENT_GRACE_PERIOD": "10",
+    "NVFLARE_DEAD_CLIENT_CHECK_LEAD_TIME": "10",
+    "NVFLARE_CLIENT_OUTCOME_WAIT_TIMEOUT": "20",
+}
 
 
 @contextlib.contextmanager
@@ -153,8 +163,12 @@ def faults(tmp_path_factory, repo_root):
     tmp = tmp_path_factory.mktemp("deploy_faults")
     ws = tmp / "ws"
     out: dict = {"tmp": tmp, "timings": {}}
-    configs = {p.stem: p for p in write_profile("two-hospitals", tmp / "data", n_per_site=60, image_size=64,
-                                                 sites=["hospital-a", "hospital-b"])}
+    configs = {
+        p.stem: p
+        for p in write_profile(
+            "two-hospitals", tmp / "data", n_per_site=60, image_size=64, sites=["hospital-a", "hospital-b"]
+        )
+    }
     configs["hospital-c"] = tmp / "data" / "hospital-c.yaml"
     configs["hospital-c"].write_text(configs["hospital-a"].read_text().replace("site: hospital-a", "site: hospital-c"))
     with environment(HOME=str(tmp / "home"), **FAST_DEAD):
@@ -175,8 +189,9 @@ def faults(tmp_path_factory, repo_root):
             out["frozen"] = signal_job(dep, "hospital-c", signal.SIGSTOP)
             out["silent_round"] = wait_until(dep, job_id, lambda r: "hospital-c" in r["sites_failed"])["round"]
             signal_job(dep, "hospital-c", signal.SIGCONT)
-            out["rejoined_round"] = wait_until(dep, job_id, lambda r: "hospital-c" in r["sites_aggregated"]
-                                               and r["round"] > out["silent_round"])["round"]
+            out["rejoined_round"] = wait_until(
+                dep, job_id, lambda r: "hospital-c" in r["sites_aggregated"] and r["round"] > out["silent_round"]
+            )["round"]
             out["site_down"] = kill_site(dep, "hospital-c")
             out["site_faults_status"] = wait_finished(dep, job_id)
             result = download(dep, job_id, tmp / "site_faults")
@@ -291,8 +306,12 @@ def test_an_aborted_job_leaves_a_checkpoint_that_predict_uses(faults, tmp_path):
     last = sorted((app / "cxrfl" / "checkpoints").glob("round_*.pt"))[-1]
     assert load_checkpoint(last)["classes"] == list(KNOWN_CLASSES)
     image = next((faults["tmp"] / "data" / "hospital-a").rglob("*.png"))
-    proc = subprocess.run([str(Path(sys.executable).with_name("cxrfl")), "predict", "--model", str(last), "--json",
-                           str(image)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("cxrfl")), "predict", "--model", str(last), "--json", str(image)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Atelectasis" in proc.stdout
     # what a later job needs to continue the aborted run stays on the server

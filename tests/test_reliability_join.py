@@ -42,8 +42,17 @@ def sites(tmp_path_factory):
 
 
 def settings(**kw) -> SurgicalConfig:
-    base = {"num_rounds": 3, "min_clients": 1, "model_config": MODEL, "train_config": TRAIN, "patience": 10,
-            "min_delta": 0.0, "min_clients_timeout": 0, "retry_pause": 0.01, "evaluate_test": False}
+    base = {
+        "num_rounds": 3,
+        "min_clients": 1,
+        "model_config": MODEL,
+        "train_config": TRAIN,
+        "patience": 10,
+        "min_delta": 0.0,
+        "min_clients_timeout": 0,
+        "retry_pause": 0.01,
+        "evaluate_test": False,
+    }
     return SurgicalConfig.from_dict({**base, **kw})
 
 
@@ -94,8 +103,11 @@ def assert_equal_arrays(got, want, what: str) -> None:
 # --------------------------------------------------------------------------- unit
 def test_add_classes_appends_new_rows_and_keeps_the_existing_ones():
     rng = np.random.default_rng(0)
-    params = {"f": rng.normal(size=3).astype(np.float32), W: rng.normal(size=(2, 3)).astype(np.float32),
-              B: rng.normal(size=2).astype(np.float32)}
+    params = {
+        "f": rng.normal(size=3).astype(np.float32),
+        W: rng.normal(size=(2, 3)).astype(np.float32),
+        B: rng.normal(size=2).astype(np.float32),
+    }
     joined = {"f": np.zeros(3, np.float32), W: rng.normal(size=(3, 3)), B: rng.normal(size=3)}
     out, classes, added = add_classes(params, ["b", "d"], joined, ["a", "b", "c"])
     assert classes == ["b", "d", "a", "c"] and added == ["a", "c"]
@@ -130,10 +142,16 @@ def late(sites, tmp_path_factory):
     second = tmp / "second"
     shutil.copytree(out / "cxrfl_resume" / "first", second / "cxrfl_resume" / "first")  # the store of the second run
     run_surgical({"hospital-a": a, "hospital-b": b}, settings(resume_from="first"), second, run_id="second")
-    return {"out": out, "second": second, "saved": saved, "log": first_log,
-            "resumed_log": {"hospital-a": a.log, "hospital-b": b.log}, "sites": sites,
-            "records": read_records(out / "cxrfl" / "rounds.jsonl"),
-            "resumed_records": read_records(second / "cxrfl" / "rounds.jsonl")}
+    return {
+        "out": out,
+        "second": second,
+        "saved": saved,
+        "log": first_log,
+        "resumed_log": {"hospital-a": a.log, "hospital-b": b.log},
+        "sites": sites,
+        "records": read_records(out / "cxrfl" / "rounds.jsonl"),
+        "resumed_records": read_records(second / "cxrfl" / "rounds.jsonl"),
+    }
 
 
 def tasks(log, phase: str) -> list[tuple[str, dict, dict, dict | None]]:
@@ -178,7 +196,7 @@ def test_its_classes_enter_the_global_head_and_the_existing_rows_stay(late):
     rows = [chexpert.index(c) for c in new]
     for key in (W, B):
         np.testing.assert_array_equal(saved["params"][key][: len(nih)], round2["model"][key].numpy())  # unchanged
-        np.testing.assert_array_equal(saved["params"][key][len(nih):], warm[key][rows])
+        np.testing.assert_array_equal(saved["params"][key][len(nih) :], warm[key][rows])
     assert_equal_arrays(body(saved["params"]), {k: v.numpy() for k, v in body(round2["model"]).items()}, "body")
     for site, classes in (("hospital-a", nih), ("hospital-b", chexpert)):  # round 3: each site its own rows
         sent = next(e for e in tasks(late["log"][site], "train") if e[1]["round"] == 3)[2]
@@ -210,12 +228,22 @@ def test_a_site_down_at_the_start_joins_once_it_is_connected(sites, tmp_path):
 
     connected["hospital-a"] = Flaky(hosts["hospital-a"], on_task=comes_back, losses=losses)
     warnings: list[str] = []
-    server = SurgicalServer(inprocess_transport(connected, warning=warnings.append), config=settings(num_rounds=2),
-                            sites=SITES, out_dir=tmp_path / "run", warning=warnings.append)
+    server = SurgicalServer(
+        inprocess_transport(connected, warning=warnings.append),
+        config=settings(num_rounds=2),
+        sites=SITES,
+        out_dir=tmp_path / "run",
+        warning=warnings.append,
+    )
     outcome = server.run()
     records = read_records(tmp_path / "run" / "cxrfl" / "rounds.jsonl")
-    assert [(r["round"], r["phase"]) for r in records] == [(0, "warmup"), (1, "train"), (1, "join"), (2, "train"),
-                                                           (2, "validate")]
+    assert [(r["round"], r["phase"]) for r in records] == [
+        (0, "warmup"),
+        (1, "train"),
+        (1, "join"),
+        (2, "train"),
+        (2, "validate"),
+    ]
     assert records[0]["sites_failed"] == ["hospital-b"] and records[2]["joined"] == ["hospital-b"]
     assert "site hospital-b: not connected; task train not sent" in warnings
     assert outcome.site_classes == {s: sites[s].classes for s in SITES}

@@ -31,13 +31,23 @@ NBT = "f.bn.num_batches_tracked"
 
 def reference() -> dict[str, np.ndarray]:
     """The previous global model: a big and a small float32 array, an int64 counter, one head row (x)."""
-    return {"f.big": np.zeros(BIG, np.float32), "f.small": np.zeros(2, np.float32), NBT: np.array(0, np.int64),
-            W: np.zeros((1, 2), np.float32), B: np.zeros(1, np.float32)}
+    return {
+        "f.big": np.zeros(BIG, np.float32),
+        "f.small": np.zeros(2, np.float32),
+        NBT: np.array(0, np.int64),
+        W: np.zeros((1, 2), np.float32),
+        B: np.zeros(1, np.float32),
+    }
 
 
 def site(name: str, value: float, n: int = 10, **override) -> dict:
-    params = {"f.big": np.full(BIG, value, np.float32), "f.small": np.full(2, value, np.float32),
-              NBT: np.array(4, np.int64), W: np.full((1, 2), value, np.float32), B: np.full(1, value, np.float32)}
+    params = {
+        "f.big": np.full(BIG, value, np.float32),
+        "f.small": np.full(2, value, np.float32),
+        NBT: np.array(4, np.int64),
+        W: np.full((1, 2), value, np.float32),
+        B: np.full(1, value, np.float32),
+    }
     params.update(override)
     return {"site": name, "classes": ["x"], "params": params, "num_samples": n}
 
@@ -45,8 +55,9 @@ def site(name: str, value: float, n: int = 10, **override) -> dict:
 def aggregator(**kw) -> RoundAggregator:
     agg = RoundAggregator(warning=lambda _: None, **kw)
     ref = reference()
-    agg.expect({k: v.shape for k, v in ref.items() if not k.startswith("classifier.")}, {s: ["x"] for s in "abcd"},
-               ["x"], ref)
+    agg.expect(
+        {k: v.shape for k, v in ref.items() if not k.startswith("classifier.")}, {s: ["x"] for s in "abcd"}, ["x"], ref
+    )
     return agg
 
 
@@ -190,16 +201,24 @@ class ScriptedSites:
             n_in = out["backbone.norm5.weight"].shape[0]
             out[W] = np.full((1, n_in), self.rows[s], np.float32)
             out[B] = np.full(1, self.rows[s], np.float32)
-        return out, {"classes": [f"class-{s}"], "num_samples": 10,
-                     "metrics": {"val_loss": 1.0, "val_mean_auroc": 0.5}}
+        return out, {"classes": [f"class-{s}"], "num_samples": 10, "metrics": {"val_loss": 1.0, "val_mean_auroc": 0.5}}
 
 
 def run_server(tmp_path, send, **kw) -> SurgicalServer:
-    cfg = SurgicalConfig(num_rounds=kw.pop("num_rounds", 0), min_clients=1, model_config=ModelConfig(image_size=32),
-                         robust="clip", clip_norm=1.0, min_clients_timeout=0, retry_pause=0, evaluate_test=False,
-                         **kw)
-    server = SurgicalServer(send, config=cfg, sites=["a", "b", "c"], out_dir=tmp_path, warning=lambda _: None,
-                            info=lambda _: None)
+    cfg = SurgicalConfig(
+        num_rounds=kw.pop("num_rounds", 0),
+        min_clients=1,
+        model_config=ModelConfig(image_size=32),
+        robust="clip",
+        clip_norm=1.0,
+        min_clients_timeout=0,
+        retry_pause=0,
+        evaluate_test=False,
+        **kw,
+    )
+    server = SurgicalServer(
+        send, config=cfg, sites=["a", "b", "c"], out_dir=tmp_path, warning=lambda _: None, info=lambda _: None
+    )
     server.run()
     return server
 
@@ -207,7 +226,7 @@ def run_server(tmp_path, send, **kw) -> SurgicalServer:
 def head_row_norms(path) -> dict[str, float]:
     ckpt = load_checkpoint(path)
     w, b = ckpt["model"][W], ckpt["model"][B]
-    return {c: float(torch.linalg.vector_norm(torch.cat([w[i], b[i:i + 1]]))) for i, c in enumerate(ckpt["classes"])}
+    return {c: float(torch.linalg.vector_norm(torch.cat([w[i], b[i : i + 1]]))) for i, c in enumerate(ckpt["classes"])}
 
 
 def test_clip_bounds_a_hostile_head_row_in_the_warmup(tmp_path):
@@ -239,12 +258,14 @@ def test_a_rejected_warmup_result_is_in_the_round_record(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- CWT
-@pytest.mark.parametrize("bad", [np.full(2, 1 + 1j, np.complex64), np.full(2, np.nan, np.float32),
-                                 np.ones(2, np.float64)])
+@pytest.mark.parametrize(
+    "bad", [np.full(2, 1 + 1j, np.complex64), np.full(2, np.nan, np.float32), np.ones(2, np.float64)]
+)
 def test_cwt_refuses_a_complex_nan_or_retyped_model(tmp_path, bad):
     # issue 40 point 3: CWT takes a site's returned model as the next site's start
-    server = CWTServer(lambda *a, **k: {}, sites=["a"], config=CWTConfig(), model_config=ModelConfig(image_size=32),
-                       out_dir=tmp_path)
+    server = CWTServer(
+        lambda *a, **k: {}, sites=["a"], config=CWTConfig(), model_config=ModelConfig(image_size=32), out_dir=tmp_path
+    )
     plan = RelayPlan(["a"], ["x"], {"a": Visit(1, 0.1)}, {"a": {"n_train": 5}})
     sent = {"w": np.zeros(2, np.float32), W: np.zeros((1, 2), np.float32), B: np.zeros(1, np.float32)}
     answer = ({**sent, "w": bad}, {})
@@ -255,8 +276,14 @@ def test_cwt_refuses_a_complex_nan_or_retyped_model(tmp_path, bad):
 
 # ----------------------------------------------------------------------------------- FedFew
 def fedfew_server(tmp_path, **config) -> FedFewServer:
-    return FedFewServer(lambda *a, **k: {}, sites=["a", "b", "c"], config=FedFewConfig(**config),
-                        model_config=ModelConfig(image_size=32), out_dir=tmp_path, warning=lambda _: None)
+    return FedFewServer(
+        lambda *a, **k: {},
+        sites=["a", "b", "c"],
+        config=FedFewConfig(**config),
+        model_config=ModelConfig(image_size=32),
+        out_dir=tmp_path,
+        warning=lambda _: None,
+    )
 
 
 @pytest.mark.parametrize("bad", [np.full(2, 1 + 1j, np.complex64), np.full(2, np.nan, np.float32)])
@@ -264,9 +291,11 @@ def test_fedfew_rejects_a_complex_or_nan_update(tmp_path, bad):
     # issue 40 point 3: the same validation for FedFew's FedAvg
     server = fedfew_server(tmp_path)
     ref = {"w": np.zeros(2, np.float32)}
-    results = {"a": ({"w": np.full(2, 0.5, np.float32)}, {"num_samples": 10}),
-               "b": ({"w": np.full(2, 1.5, np.float32)}, {"num_samples": 10}),
-               "c": ({"w": bad}, {"num_samples": 10})}
+    results = {
+        "a": ({"w": np.full(2, 0.5, np.float32)}, {"num_samples": 10}),
+        "b": ({"w": np.full(2, 1.5, np.float32)}, {"num_samples": 10}),
+        "c": ({"w": bad}, {"num_samples": 10}),
+    }
     agg, rejected, used = server.fedavg(results, {"w": (2,)}, None, 1, reference=ref, task="ssl")
     assert list(rejected) == ["c"] and used == ["a", "b"]
     torch.testing.assert_close(torch.as_tensor(agg["w"]), torch.ones(2), rtol=0, atol=0)
@@ -276,9 +305,11 @@ def test_fedfew_clip_and_count_cap(tmp_path):
     # issue 40 point 6: FedFew had no robust option and trusted the reported counts
     server = fedfew_server(tmp_path, robust="clip", clip_norm=1.0)
     ref = {"w": np.zeros(2, np.float32)}
-    results = {"a": ({"w": np.zeros(2, np.float32)}, {"num_samples": 10}),
-               "b": ({"w": np.full(2, 1e6, np.float32)}, {"num_samples": 10}),
-               "c": ({"w": np.full(2, 1e6, np.float32)}, {"num_samples": 10**12})}
+    results = {
+        "a": ({"w": np.zeros(2, np.float32)}, {"num_samples": 10}),
+        "b": ({"w": np.full(2, 1e6, np.float32)}, {"num_samples": 10}),
+        "c": ({"w": np.full(2, 1e6, np.float32)}, {"num_samples": 10**12}),
+    }
     agg, rejected, used = server.fedavg(results, {"w": (2,)}, None, 1, reference=ref, task="ssl")
     assert list(rejected) == ["c"] and "num_samples" in rejected["c"]
     assert np.linalg.norm(agg["w"]) <= 0.5 + 1e-6  # b's delta clipped to norm 1, averaged with a's 0

@@ -32,10 +32,26 @@ def provisioned(tmp_path_factory, repo_root) -> tuple[Deployment, subprocess.Com
     """``cxrfl deploy provision`` (production mode, loopback) as a lead would run it."""
     tmp = tmp_path_factory.mktemp("provision")
     env = {"HOME": str(tmp / "home"), "PATH": str(Path(sys.executable).parent)}
-    proc = subprocess.run([str(Path(sys.executable).with_name("cxrfl")), "deploy", "provision", "--project",
-                           str(repo_root / "poc" / "project.yml"), "--workspace", str(tmp / "ws"),
-                           "--server-host", "localhost", "--port", str(free_port())],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("cxrfl")),
+            "deploy",
+            "provision",
+            "--project",
+            str(repo_root / "poc" / "project.yml"),
+            "--workspace",
+            str(tmp / "ws"),
+            "--server-host",
+            "localhost",
+            "--port",
+            str(free_port()),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Deployment.load(tmp / "ws"), proc
 
@@ -65,15 +81,25 @@ def test_provisioning_leaves_every_private_key_and_the_state_folder_owner_only(p
     assert f"owner-only (files 0o600, folders 0o700): {len(keys)} key files, {len(states)} state folder" in proc.stderr
 
 
-def _authorize(kit: Path, role: str, right: str, *, user: str, submitter: str, org: str = "hospital_a",
-               submitter_org: str = "hospital_a", submitter_role: str | None = None) -> bool:
+def _authorize(
+    kit: Path,
+    role: str,
+    right: str,
+    *,
+    user: str,
+    submitter: str,
+    org: str = "hospital_a",
+    submitter_org: str = "hospital_a",
+    submitter_role: str | None = None,
+) -> bool:
     from nvflare.fuel.sec.authz import AuthzContext, Person
     from nvflare.security.security import FLAuthorizer
 
     policy = json.loads((kit / "local" / "authorization.json").read_text())
     authorizer = FLAuthorizer("coordinator", policy)
-    ctx = AuthzContext(right=right, user=Person(user, org, role),
-                       submitter=Person(submitter, submitter_org, submitter_role or role))
+    ctx = AuthzContext(
+        right=right, user=Person(user, org, role), submitter=Person(submitter, submitter_org, submitter_role or role)
+    )
     return authorizer.authorize(ctx)[0]
 
 
@@ -88,10 +114,18 @@ def test_org_admin_may_submit_pre_installed_jobs_but_download_no_result(provisio
     assert not _authorize(server, "org_admin", "byoc", user=ORG_ADMIN_A, submitter=ORG_ADMIN_A)
     assert _authorize(server, "org_admin", "abort_job", user=ORG_ADMIN_A, submitter=ORG_ADMIN_A)  # manages its own
     # the coordinators keep theirs: the lead its own jobs, the project admin every job
-    assert _authorize(server, "lead", "download_job", user=LEAD, submitter=LEAD, org="coordinator",
-                      submitter_org="coordinator")
-    assert _authorize(server, "project_admin", "download_job", user=PROJECT_ADMIN, submitter=ORG_ADMIN_A,
-                      org="coordinator", submitter_role="org_admin")
+    assert _authorize(
+        server, "lead", "download_job", user=LEAD, submitter=LEAD, org="coordinator", submitter_org="coordinator"
+    )
+    assert _authorize(
+        server,
+        "project_admin",
+        "download_job",
+        user=PROJECT_ADMIN,
+        submitter=ORG_ADMIN_A,
+        org="coordinator",
+        submitter_role="org_admin",
+    )
     # every site kit carries the same rule
     for site in dep.clients:
         assert not _authorize(dep.kit(site), "org_admin", "download_job", user=ORG_ADMIN_A, submitter=ORG_ADMIN_A)
@@ -150,10 +184,12 @@ def test_controller_refuses_a_class_name_disclosing_job_from_an_org_admin(job, r
     # list to every site, where that org admin reads it; the server now refuses to run it before any task
     ctl = _controller(repo_root / "jobs" / job)
     assert ctl.discloses_class_names == (job in DISCLOSING)
-    for role, meta in (("org_admin", {"submitter_name": ORG_ADMIN_A, "submitter_role": "org_admin"}),
-                       ("lead", {"submitter_name": LEAD, "submitter_role": "lead"}),
-                       ("project_admin", {"submitter_name": PROJECT_ADMIN, "submitter_role": "project_admin"}),
-                       ("simulator", None)):
+    for role, meta in (
+        ("org_admin", {"submitter_name": ORG_ADMIN_A, "submitter_role": "org_admin"}),
+        ("lead", {"submitter_name": LEAD, "submitter_role": "lead"}),
+        ("project_admin", {"submitter_name": PROJECT_ADMIN, "submitter_role": "project_admin"}),
+        ("simulator", None),
+    ):
         panics, started = [], []
         ctl.fl_ctx = _server_context(tmp_path / role, "job-1", meta)
         ctl.panic = panics.append
@@ -190,20 +226,35 @@ def test_server_records_naming_sites_per_class_are_owner_only(tmp_path):
     from cxrfl.common.server import RECORDS_DIR, ServerLoop
     from cxrfl.nn.models import ModelConfig, save_checkpoint
 
-    loop = ServerLoop(lambda task, payloads, **kw: {}, sites=["hospital-a", "hospital-b"], out_dir=tmp_path / "app_server")
+    loop = ServerLoop(
+        lambda task, payloads, **kw: {}, sites=["hospital-a", "hospital-b"], out_dir=tmp_path / "app_server"
+    )
     loop.record({"round": 1, "contributors": {"Hernia": ["hospital-a"]}})
     loop.record({"round": 2, "contributors": {"Hernia": ["hospital-a"]}})
     loop.write_evaluation({"sites": {"hospital-a": {"auroc": {"Hernia": 0.7}}}})
     loop.write_run_config({"num_rounds": 2})
-    save_checkpoint(loop.path("FL_global_model.pt"), {"classifier.weight": torch.zeros(1, 2)}, classes=["Hernia"],
-                    model_config=ModelConfig(image_size=64))
-    save_checkpoint(loop.path(RECORDS_DIR, "checkpoints", "round_001.pt"), {"classifier.weight": torch.zeros(1, 2)},
-                    classes=["Hernia"], model_config=ModelConfig(image_size=64))
+    save_checkpoint(
+        loop.path("FL_global_model.pt"),
+        {"classifier.weight": torch.zeros(1, 2)},
+        classes=["Hernia"],
+        model_config=ModelConfig(image_size=64),
+    )
+    save_checkpoint(
+        loop.path(RECORDS_DIR, "checkpoints", "round_001.pt"),
+        {"classifier.weight": torch.zeros(1, 2)},
+        classes=["Hernia"],
+        model_config=ModelConfig(image_size=64),
+    )
     out = tmp_path / "app_server"
     for folder in (out, out / RECORDS_DIR, out / RECORDS_DIR / "checkpoints"):
         assert mode(folder) == 0o700, folder
     files = [p for p in out.rglob("*") if p.is_file()]
-    assert {p.name for p in files} == {"rounds.jsonl", "evaluation.json", "run_config.json", "FL_global_model.pt",
-                                       "round_001.pt"}
+    assert {p.name for p in files} == {
+        "rounds.jsonl",
+        "evaluation.json",
+        "run_config.json",
+        "FL_global_model.pt",
+        "round_001.pt",
+    }
     for p in files:
         assert mode(p) == 0o600, p

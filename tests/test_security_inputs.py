@@ -146,8 +146,17 @@ def escaping_site(tmp_path: Path) -> dict[str, object]:
 
 
 def site_yaml(root: Path, labels: str = "labels.csv", **changes: object) -> Path:
-    data = {"site": "hospital-x", "dataset": {"format": "csv", "labels": labels, "images": "images",
-                                              "path_column": "file", **changes.pop("dataset", {})}, **changes}
+    data = {
+        "site": "hospital-x",
+        "dataset": {
+            "format": "csv",
+            "labels": labels,
+            "images": "images",
+            "path_column": "file",
+            **changes.pop("dataset", {}),
+        },
+        **changes,
+    }
     path = root / "site.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -191,8 +200,9 @@ def test_an_nih_image_index_with_dotdot_is_refused(escaping_site):
     rows = [f"{i:02d}.png,Edema,p{i},PA" for i in range(12)] + ["../../elsewhere/secret1.png,Edema,p99,PA"]
     (root / "nih.csv").write_text("Image Index,Finding Labels,Patient ID,View Position\n" + "\n".join(rows) + "\n")
     path = root / "nih.yaml"
-    path.write_text(yaml.safe_dump({"site": "h", "dataset": {"format": "nih", "labels": "nih.csv",
-                                                              "images": "images"}}))
+    path.write_text(
+        yaml.safe_dump({"site": "h", "dataset": {"format": "nih", "labels": "nih.csv", "images": "images"}})
+    )
     site = load_site(path, check_images=False)
     assert len(site.table) == 12
     assert [p for p in site.problems if "line 14:" in p and "outside dataset.images" in p]

@@ -111,8 +111,9 @@ def test_resume_from_must_be_a_job_id_of_the_store(tmp_path, value):
     with pytest.raises(ConfigError, match=r"^resume_from=.*job id"):
         store.load(value, {}, [])
     with pytest.raises(ConfigError, match=r"^resume_from="):  # refused when the run is built, before any work
-        ServerLoop(lambda *a: {}, sites=[], out_dir=tmp_path / "app", resume_root=tmp_path / "cxrfl_resume",
-                   resume_from=value)
+        ServerLoop(
+            lambda *a: {}, sites=[], out_dir=tmp_path / "app", resume_root=tmp_path / "cxrfl_resume", resume_from=value
+        )
 
 
 @pytest.mark.parametrize("run_key", ["../../x", "a/b", "/tmp/x", ".."])
@@ -122,8 +123,11 @@ def test_a_run_key_that_is_not_a_plain_name_is_refused_at_the_site(sites, tmp_pa
     host = SurgicalSiteHost(sites[0], root)
     before = sorted(tmp_path.rglob("*"))
     with pytest.raises(ConfigError) as err:
-        host.handle("train", {}, {"phase": "warmup", "run_key": run_key, "model_config": MODEL.to_dict(),
-                                  "train_config": TRAIN.to_dict()})
+        host.handle(
+            "train",
+            {},
+            {"phase": "warmup", "run_key": run_key, "model_config": MODEL.to_dict(), "train_config": TRAIN.to_dict()},
+        )
     assert "run_key" in one_line(err.value) and repr(run_key) in str(err.value)
     assert sorted(tmp_path.rglob("*")) == before  # no folder made, nothing pruned
 
@@ -143,8 +147,17 @@ def test_a_resumed_surgical_run_with_a_damaged_state_stops_with_one_line(sites, 
     # issue 40 point 9: the run stopped with a traceback of torch's error
     path = damaged(tmp_path / "out" / "cxrfl_resume" / "job-1" / "state.pt", "truncated")
     hosts = make_hosts(sites, tmp_path / "sites")
-    config = SurgicalConfig.from_dict({"num_rounds": 2, "min_clients": 2, "model_config": MODEL, "train_config": TRAIN,
-                                       "min_clients_timeout": 0, "evaluate_test": False, "resume_from": "job-1"})
+    config = SurgicalConfig.from_dict(
+        {
+            "num_rounds": 2,
+            "min_clients": 2,
+            "model_config": MODEL,
+            "train_config": TRAIN,
+            "min_clients_timeout": 0,
+            "evaluate_test": False,
+            "resume_from": "job-1",
+        }
+    )
     with pytest.raises(RunStopped) as err:
         run_surgical(hosts, config, tmp_path / "out", run_id="job-2")
     assert str(path) in one_line(err.value)
@@ -155,8 +168,9 @@ def test_a_resumed_surgical_run_with_a_damaged_state_stops_with_one_line(sites, 
 def test_a_damaged_optimizer_state_is_a_warning_and_the_site_trains_afresh(sites, tmp_path, caplog, how):
     # issue 40 point 9: a damaged optimizer state failed the site in every round
     learner = SiteLearner(sites[0], tmp_path / "state", model_config=MODEL, train_config=TRAIN)
-    start = learner.warmup({k: v.numpy() for k, v in build_model(MODEL, 1).state_dict().items()
-                            if not k.startswith(HEAD_PREFIX)})
+    start = learner.warmup(
+        {k: v.numpy() for k, v in build_model(MODEL, 1).state_dict().items() if not k.startswith(HEAD_PREFIX)}
+    )
     path = damaged(learner.state_dir / OPTIMIZER_ROUNDS / "round_001.pt", how)
     update = learner.train_round(start.params, 2)
     assert np.isfinite(update.metrics["train_loss"])
@@ -175,7 +189,9 @@ def full_disk(*args, **kwargs):
 def test_a_full_disk_is_one_line_naming_the_file(tmp_path, monkeypatch, where):
     # issue 40 point 9: an OSError of a full disk reached NVFlare as a traceback
     path = tmp_path / "cxrfl_resume" / "job-1" / "state.pt"
-    monkeypatch.setattr(*((io_module.torch, "save", full_disk) if where == "save" else (io_module.os, "replace", full_disk)))
+    monkeypatch.setattr(
+        *((io_module.torch, "save", full_disk) if where == "save" else (io_module.os, "replace", full_disk))
+    )
     with pytest.raises(CxrflError) as err:
         ResumeStore(tmp_path / "cxrfl_resume", "job-1").save({"settings": {}, "round": 1})
     text = one_line(err.value)
@@ -188,8 +204,16 @@ def test_resume_states_are_written_so_that_they_load_without_pickle_code(tmp_pat
     # issue 40 point 2: states hold numpy arrays and scalars, which weights_only=True refuses
     store = ResumeStore(tmp_path, "job-1")
     params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
-    store.save({"settings": {"lr": np.float64(0.5)}, "params": params, "curve": [{"loss": np.float32(1.5)}],
-                "best": None, "names": np.array(["a", "b"]), "shape": (2, 3)})
+    store.save(
+        {
+            "settings": {"lr": np.float64(0.5)},
+            "params": params,
+            "curve": [{"loss": np.float32(1.5)}],
+            "best": None,
+            "names": np.array(["a", "b"]),
+            "shape": (2, 3),
+        }
+    )
     saved = torch.load(store.folder / "state.pt", weights_only=True)
     assert torch.equal(saved["params"]["w"], torch.as_tensor(params["w"]))
     assert saved["settings"] == {"lr": 0.5} and saved["curve"] == [{"loss": 1.5}] and saved["names"] == ["a", "b"]

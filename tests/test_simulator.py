@@ -43,18 +43,25 @@ def small_job(repo_root: Path, out: Path, *, rounds: int = 2) -> Path:
 @pytest.fixture(scope="module")
 def simulated(tmp_path_factory, repo_root):
     tmp = tmp_path_factory.mktemp("sim")
-    configs = write_profile("two-hospitals", tmp / "data", n_per_site=60, image_size=64, sites=["hospital-a", "hospital-b"])
+    configs = write_profile(
+        "two-hospitals", tmp / "data", n_per_site=60, image_size=64, sites=["hospital-a", "hospital-b"]
+    )
     assert {p.stem for p in configs} == {"hospital-a", "hospital-b"}
     job = small_job(repo_root, tmp)
     ws = tmp / "ws"
     env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(tmp / "data"), "HOME": str(tmp / "home")}
     proc = subprocess.run(
         [nvflare_bin(), "simulator", str(job), "-w", str(ws), "-c", "hospital-a,hospital-b", "-t", "2"],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     app = ws / "server" / "simulate_job" / "app_server"
     if not (app / "FL_global_model.pt").is_file():
-        pytest.fail(f"simulator left no global model (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        pytest.fail(
+            f"simulator left no global model (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     args = json.loads((job / "app" / "config" / "config_fed_server.json").read_text())["workflows"][0]["args"]
     return {"ws": ws, "app": app, "proc": proc, "args": args}
 
@@ -102,7 +109,9 @@ def test_the_selected_model_is_the_round_with_the_lowest_validation_loss(simulat
 
 
 def test_aggregation_record_lists_exact_contributors(simulated):
-    records = [r for r in read_records(simulated["app"] / "cxrfl" / "rounds.jsonl") if r["phase"] in ("warmup", "train")]
+    records = [
+        r for r in read_records(simulated["app"] / "cxrfl" / "rounds.jsonl") if r["phase"] in ("warmup", "train")
+    ]
     assert [r["round"] for r in records] == [0, 1, 2]
     for r in records:
         assert r["aggregated"], r
@@ -110,7 +119,9 @@ def test_aggregation_record_lists_exact_contributors(simulated):
         contributors = r["contributors"]
         assert set(contributors) == set(KNOWN_CLASSES)
         for c in KNOWN_CLASSES:
-            expected = sorted(s for s, cls in (("hospital-a", NIH_CLASSES), ("hospital-b", CHEXPERT_CLASSES)) if c in cls)
+            expected = sorted(
+                s for s, cls in (("hospital-a", NIH_CLASSES), ("hospital-b", CHEXPERT_CLASSES)) if c in cls
+            )
             assert contributors[c] == expected, c
         for m in r["site_metrics"].values():
             assert m["val_loss"] > 0

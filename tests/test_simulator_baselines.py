@@ -37,12 +37,27 @@ def run_job(repo_root: Path, tmp: Path, name: str) -> Path:
     ws = tmp / f"ws-{name}"
     env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(tmp / "data"), "HOME": str(tmp / "home")}
     proc = subprocess.run(
-        [str(Path(sys.executable).with_name("nvflare")), "simulator", str(job), "-w", str(ws), "-c", "hospital-a,hospital-b", "-t", "2"],
-        env=env, capture_output=True, text=True, timeout=1200,
+        [
+            str(Path(sys.executable).with_name("nvflare")),
+            "simulator",
+            str(job),
+            "-w",
+            str(ws),
+            "-c",
+            "hospital-a,hospital-b",
+            "-t",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     app = ws / "server" / "simulate_job" / "app_server"
     if not (app / "cxrfl" / "evaluation.json").is_file():
-        pytest.fail(f"{name}: no evaluation written (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        pytest.fail(
+            f"{name}: no evaluation written (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return ws
 
 

@@ -67,10 +67,22 @@ def test_payload_is_the_feature_extractor_plus_own_rows(monkeypatch):
         assert rows["union (vanilla FL, partial loss)"]["raw_bytes"] == pay["full_model_bytes"]
         assert rows["local (personalized FL)"]["head_rows"] == 0
         assert rows["local + FedBN"]["raw_bytes"] < rows["local (personalized FL)"]["raw_bytes"]
-    fake = {"aggregation": {"sites": {"10": {
-        "surgical": {"median_seconds": 0.12, "ratio_to_nvflare_fedavg": 1.2, "extra_model_sizes": 1.1},
-        "surgical_nvflare": {"median_seconds": 0.2, "ratio_to_nvflare_fedavg": 2.0, "extra_model_sizes": 2.1},
-        "nvflare_fedavg": {"median_seconds": 0.1, "extra_model_sizes": 2.9}}}}, "payload": pay}
+    fake = {
+        "aggregation": {
+            "sites": {
+                "10": {
+                    "surgical": {"median_seconds": 0.12, "ratio_to_nvflare_fedavg": 1.2, "extra_model_sizes": 1.1},
+                    "surgical_nvflare": {
+                        "median_seconds": 0.2,
+                        "ratio_to_nvflare_fedavg": 2.0,
+                        "extra_model_sizes": 2.1,
+                    },
+                    "nvflare_fedavg": {"median_seconds": 0.1, "extra_model_sizes": 2.9},
+                }
+            }
+        },
+        "payload": pay,
+    }
     text = " ".join(speed_verdicts(fake))
     assert "**MET** (0.120 s vs 0.100 s = 1.20x)" in text and "**NOT MET** (0.200 s = 2.00x)" in text
 
@@ -84,32 +96,59 @@ def test_only_some_parts_carries_the_others_over(tmp_path, monkeypatch):
     from cxrfl.cli import build_parser
     from cxrfl.errors import ConfigError
 
-    sim = {"simulator_images_per_second": [29.0], "simulator_mean": 29.0, "simulator_wall_seconds": 70.0,
-           "plain_before": {"images_per_second": [30.0], "mean": 30.0},
-           "plain_after": {"images_per_second": [28.0], "mean": 28.0},
-           "plain_mean": 29.3, "ratio": 0.99, "command": "nvflare simulator ..."}
+    sim = {
+        "simulator_images_per_second": [29.0],
+        "simulator_mean": 29.0,
+        "simulator_wall_seconds": 70.0,
+        "plain_before": {"images_per_second": [30.0], "mean": 30.0},
+        "plain_after": {"images_per_second": [28.0], "mean": 28.0},
+        "plain_mean": 29.3,
+        "ratio": 0.99,
+        "command": "nvflare simulator ...",
+    }
     earlier_settings = {**speed.asdict(speed.SpeedSettings()), "rounds": 5}
-    (tmp_path / "speed.json").write_text(json.dumps({"settings": earlier_settings, "command": "cxrfl bench speed --rounds 5",
-                                                     "machine": {"load_average_at_start": [1.0, 2.0, 3.0]}, "simulator": sim}))
+    (tmp_path / "speed.json").write_text(
+        json.dumps(
+            {
+                "settings": earlier_settings,
+                "command": "cxrfl bench speed --rounds 5",
+                "machine": {"load_average_at_start": [1.0, 2.0, 3.0]},
+                "simulator": sim,
+            }
+        )
+    )
     ran = []
     monkeypatch.setattr(speed, "simulator_vs_plain", lambda *a, **k: ran.append("simulator"))
-    monkeypatch.setattr(speed, "aggregation_benchmark",
-                        lambda *a, **k: ran.append("aggregation") or {"model_bytes": 1, "sites": {}})
+    monkeypatch.setattr(
+        speed, "aggregation_benchmark", lambda *a, **k: ran.append("aggregation") or {"model_bytes": 1, "sites": {}}
+    )
     monkeypatch.setattr(speed, "payload_benchmark", lambda: ran.append("payload") or {})
     args = build_parser().parse_args(
-        ["bench", "speed", "--out", str(tmp_path), "--threads", "1", "--only", "aggregation,payload"])
+        ["bench", "speed", "--out", str(tmp_path), "--threads", "1", "--only", "aggregation,payload"]
+    )
     assert args.func(args) == 0
     assert ran == ["aggregation", "payload"]
     res = json.loads((tmp_path / "speed.json").read_text())
     assert res["simulator"] == sim and res["carried_over"]["simulator"]["command"] == "cxrfl bench speed --rounds 5"
     md = (tmp_path / "speed.md").read_text()
-    assert "carried over from an earlier run: `cxrfl bench speed --rounds 5` (load average at its start 1.0, 2.0, 3.0)" in md
+    assert (
+        "carried over from an earlier run: `cxrfl bench speed --rounds 5` (load average at its start 1.0, 2.0, 3.0)"
+        in md
+    )
     load = ", ".join(f"{x:.1f}" for x in res["machine"]["load_average"])
-    assert f"Machine: {os.cpu_count()} CPU cores, CPU only, 1 torch thread(s) for training; load average at start {load}." in md
+    assert (
+        f"Machine: {os.cpu_count()} CPU cores, CPU only, 1 torch thread(s) for training; load average at start {load}."
+        in md
+    )
     assert "5 rounds" in md and "**0.99x**" in md  # the earlier run's settings, not this one's
-    speed.run_speed(speed.SpeedSettings(parts=("aggregation",)), tmp_path, log=lambda m: None)  # carried twice: same source
+    speed.run_speed(
+        speed.SpeedSettings(parts=("aggregation",)), tmp_path, log=lambda m: None
+    )  # carried twice: same source
     res = json.loads((tmp_path / "speed.json").read_text())
-    assert res["carried_over"]["simulator"]["command"] == "cxrfl bench speed --rounds 5" and "payload" in res["carried_over"]
+    assert (
+        res["carried_over"]["simulator"]["command"] == "cxrfl bench speed --rounds 5"
+        and "payload" in res["carried_over"]
+    )
     with pytest.raises(ConfigError, match="--only must name some of"):
         speed.run_speed(speed.SpeedSettings(parts=("throughput",)), tmp_path)
 
@@ -121,16 +160,38 @@ def test_training_part_prints_one_json_object_measured_in_this_run(tmp_path, cap
     from cxrfl.cli import build_parser
     from cxrfl.nn.precision import resolve
 
-    args = build_parser().parse_args(["bench", "speed", "--out", str(tmp_path), "--only", "training", "--json",
-                                      "--image-size", "32", "--training-batch-size", "4", "--steps", "2", "--rounds", "2",
-                                      "--threads", "1"])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "speed",
+            "--out",
+            str(tmp_path),
+            "--only",
+            "training",
+            "--json",
+            "--image-size",
+            "32",
+            "--training-batch-size",
+            "4",
+            "--steps",
+            "2",
+            "--rounds",
+            "2",
+            "--threads",
+            "1",
+        ]
+    )
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert list(out) == ["training"]
     tr = out["training"]
     default = resolve("auto", "auto", "cpu")
     assert (tr["precision"], tr["channels_last"], tr["threads"]) == (default.precision, default.channels_last, 1)
-    assert tr["fp32_img_s"] > 0 and tr["default_img_s"] > 0 and abs(tr["ratio"] - tr["default_img_s"] / tr["fp32_img_s"]) < 1e-9
+    assert (
+        tr["fp32_img_s"] > 0
+        and tr["default_img_s"] > 0
+        and abs(tr["ratio"] - tr["default_img_s"] / tr["fp32_img_s"]) < 1e-9
+    )
     saved = json.loads((tmp_path / "speed.json").read_text())
     assert len(saved["training"]["images_per_second"]["fp32"]) == 2 and "carried_over" not in saved
 

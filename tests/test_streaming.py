@@ -88,13 +88,19 @@ def test_streamed_answers_are_dropped_once_summed_and_aggregate_like_the_whole_r
     result = agg.aggregate()
     gc.collect()
     assert all(r() is None for r in head_refs) and agg.updates == [] and agg.running is None
-    want, classes = surgical_aggregate([{"site": s, "classes": CLASSES[s], "params": update(s, 1.0 + i), "num_samples": 10}
-                                        for i, s in enumerate(CLASSES)], classes=["x", "y", "z"])
+    want, classes = surgical_aggregate(
+        [
+            {"site": s, "classes": CLASSES[s], "params": update(s, 1.0 + i), "num_samples": 10}
+            for i, s in enumerate(CLASSES)
+        ],
+        classes=["x", "y", "z"],
+    )
     assert result.classes == classes == ["x", "y", "z"] and list(result.params) == list(want)
     for k in want:
         np.testing.assert_array_equal(result.params[k], want[k], err_msg=k)
-    np.testing.assert_allclose(result.params["body.bn"], np.mean([update(s, 1.0 + i)["body.bn"] for i, s in enumerate(CLASSES)], 0),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        result.params["body.bn"], np.mean([update(s, 1.0 + i)["body.bn"] for i, s in enumerate(CLASSES)], 0), rtol=1e-6
+    )
     assert result.params["body.n"] == 20  # round(mean(10, 20, 30))
 
 
@@ -119,7 +125,9 @@ def test_task_controller_streams_nvflare_results_and_drops_their_params():
 
     ctl.send_model, ctl.warning = send_model, warnings.append
     got = {}
-    answers = ctl.send("train", {"a": ({}, {}), "b": ({}, {}), "c": ({}, {})}, on_answer=lambda s, a: got.setdefault(s, a))
+    answers = ctl.send(
+        "train", {"a": ({}, {}), "b": ({}, {}), "c": ({}, {})}, on_answer=lambda s, a: got.setdefault(s, a)
+    )
     assert warnings == ["site c is not connected; task train not sent"]
     assert sorted(got) == ["a", "b"] and all(set(got[s][0]) == set(update(s, 2.0)) for s in got)
     assert all(p == {} and m["n"] == 1 for p, m in answers.values()) and all(r.params is None for r in results)
@@ -152,6 +160,7 @@ def test_validation_and_aggregation_run_on_one_thread(monkeypatch):
         def wrapped(*a, **k):
             seen.append((fn.__name__, torch.get_num_threads()))
             return fn(*a, **k)
+
         return wrapped
 
     monkeypatch.setattr(round_module, "validate_update", spy(round_module.validate_update))
@@ -209,11 +218,18 @@ def test_the_surgical_server_streams_each_round_into_its_aggregator(tmp_path):
         def handle(self, task, params, meta):
             if task == "validate":
                 return {}, {"metrics": {"loss": 1.0, "mean_auroc": 0.5}}
-            out = {k: v * np.float32(self.factor) if v.dtype == np.float32 else v
-                   for k, v in params.items() if not k.startswith(HEAD_PREFIX)}
+            out = {
+                k: v * np.float32(self.factor) if v.dtype == np.float32 else v
+                for k, v in params.items()
+                if not k.startswith(HEAD_PREFIX)
+            }
             out[W] = np.full((len(self.classes), n_in), self.factor, np.float32)
             out[B] = np.full(len(self.classes), self.factor, np.float32)
-            return out, {"classes": self.classes, "num_samples": 10, "metrics": {"val_loss": 1.0, "val_mean_auroc": 0.5}}
+            return out, {
+                "classes": self.classes,
+                "num_samples": 10,
+                "metrics": {"val_loss": 1.0, "val_mean_auroc": 0.5},
+            }
 
         def describe(self, task, meta, answer):
             return None
@@ -235,15 +251,29 @@ def test_the_surgical_server_streams_each_round_into_its_aggregator(tmp_path):
 
         return base(task, payloads, on_answer=spy)
 
-    cfg = SurgicalConfig.from_dict({"num_rounds": 2, "min_clients": 2, "model_config": model, "patience": 10,
-                                    "evaluate_test": False, "train_config": {"warmup_epochs": 1}})
+    cfg = SurgicalConfig.from_dict(
+        {
+            "num_rounds": 2,
+            "min_clients": 2,
+            "model_config": model,
+            "patience": 10,
+            "evaluate_test": False,
+            "train_config": {"warmup_epochs": 1},
+        }
+    )
     server = SurgicalServer(send, config=cfg, sites=list(hosts), out_dir=tmp_path, run_id="run")
     outcome = server.run()
-    assert [c for c in calls if c[0] == "train"] == [("train", "warmup", True), ("train", "train", True), ("train", "train", True)]
+    assert [c for c in calls if c[0] == "train"] == [
+        ("train", "warmup", True),
+        ("train", "train", True),
+        ("train", "train", True),
+    ]
     assert held == [{W, B}] * 6  # every answer (warm-up and rounds) kept its head rows only
     conv = "backbone.conv0.weight"
     assert outcome.last_round == 2
-    np.testing.assert_allclose(server.state.params[conv], server.init_params[conv] * 1.5**3, rtol=1e-5)  # warm-up + 2 rounds
+    np.testing.assert_allclose(
+        server.state.params[conv], server.init_params[conv] * 1.5**3, rtol=1e-5
+    )  # warm-up + 2 rounds
     np.testing.assert_array_equal(server.state.params[W], [[1.0] * n_in, [1.5] * n_in])  # x: a only; y: a and b
 
 

@@ -42,8 +42,13 @@ def site_dir(tmp_path: Path) -> Path:
 def write_config(site_dir: Path, **changes: object) -> Path:
     data = {
         "site": "hospital-x",
-        "dataset": {"format": "csv", "labels": "labels.csv", "images": "images", "path_column": "file",
-                    "patient_column": "patient"},
+        "dataset": {
+            "format": "csv",
+            "labels": "labels.csv",
+            "images": "images",
+            "path_column": "file",
+            "patient_column": "patient",
+        },
         "max_bad_fraction": 0.2,
         **changes,
     }
@@ -98,8 +103,11 @@ def test_summary_counts_and_table(site_dir: Path) -> None:
 
 def test_a_class_without_positives_is_a_problem_not_a_crash(site_dir: Path) -> None:
     labels = site_dir / "labels.csv"
-    labels.write_text(labels.read_text().replace("file,patient,Cardiomegaly,Edema", "file,patient,Cardiomegaly,Mass")
-                      .replace(",1\n", ",0\n"))
+    labels.write_text(
+        labels.read_text()
+        .replace("file,patient,Cardiomegaly,Edema", "file,patient,Cardiomegaly,Mass")
+        .replace(",1\n", ",0\n")
+    )
     summary = summarise(write_config(site_dir))
     assert summary["positives"]["Mass"] == 0
     assert any("'Mass' has no positive image" in p for p in summary["problems"])
@@ -108,8 +116,19 @@ def test_a_class_without_positives_is_a_problem_not_a_crash(site_dir: Path) -> N
 def test_cli_summary_json(site_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["data", "summary", str(write_config(site_dir)), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    for key in ("site", "format", "images", "patients", "classes", "positives", "splits", "split_positives",
-                "skipped", "skipped_examples", "problems"):
+    for key in (
+        "site",
+        "format",
+        "images",
+        "patients",
+        "classes",
+        "positives",
+        "splits",
+        "split_positives",
+        "skipped",
+        "skipped_examples",
+        "problems",
+    ):
         assert key in printed
     assert printed["images"] == 21 and printed["skipped"] == 3
 
@@ -125,8 +144,9 @@ def test_cli_summary_json(site_dir: Path, capsys: pytest.CaptureFixture[str]) ->
         ({"classes": "Cardiomegaly"}, "classes must be a list of texts or null, got 'Cardiomegaly'"),
     ],
 )
-def test_cli_bad_config_exits_2_with_one_line(site_dir: Path, capsys: pytest.CaptureFixture[str], change: dict,
-                                              expected: str) -> None:
+def test_cli_bad_config_exits_2_with_one_line(
+    site_dir: Path, capsys: pytest.CaptureFixture[str], change: dict, expected: str
+) -> None:
     config = write_config(site_dir, **change)
     assert main(["data", "summary", str(config)]) == 2
     err = capsys.readouterr().err

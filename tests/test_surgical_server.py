@@ -51,8 +51,17 @@ def sites(configs):
 
 
 def settings(**kw) -> SurgicalConfig:
-    base = {"num_rounds": 3, "min_clients": 2, "model_config": MODEL, "train_config": TRAIN, "patience": 10,
-            "min_delta": 0.0, "min_clients_timeout": 0, "retry_pause": 0.01, "evaluate_test": False}
+    base = {
+        "num_rounds": 3,
+        "min_clients": 2,
+        "model_config": MODEL,
+        "train_config": TRAIN,
+        "patience": 10,
+        "min_delta": 0.0,
+        "min_clients_timeout": 0,
+        "retry_pause": 0.01,
+        "evaluate_test": False,
+    }
     return SurgicalConfig.from_dict({**base, **kw})
 
 
@@ -178,8 +187,9 @@ def test_no_finite_validation_loss_keeps_the_last_model(sites, tmp_path):
 
 # ------------------------------------------------------------------ warm-up
 def test_the_warmup_restores_its_best_head(sites, tmp_path, monkeypatch):
-    site = SiteLearner(sites[0], tmp_path, model_config=MODEL, train_config=TrainConfig(**{**TRAIN.to_dict(),
-                                                                                          "warmup_epochs": 3}))
+    site = SiteLearner(
+        sites[0], tmp_path, model_config=MODEL, train_config=TrainConfig(**{**TRAIN.to_dict(), "warmup_epochs": 3})
+    )
     heads: list[torch.Tensor] = []
     real_train = learner_module.train_epochs
 
@@ -220,8 +230,9 @@ def test_runs_sharing_a_warmup_cache_train_each_site_warmup_once(sites, tmp_path
         raise AssertionError("the warm-up was trained again")
 
     monkeypatch.setattr(SiteLearner, "warmup", no_second_warmup)
-    second = run_surgical(sites, settings(num_rounds=0, head_mode="union", missing="ignore"), tmp_path / "second",
-                          warmups=cache)
+    second = run_surgical(
+        sites, settings(num_rounds=0, head_mode="union", missing="ignore"), tmp_path / "second", warmups=cache
+    )
     assert second.classes == first.classes
     assert_same_model(tmp_path / "first" / "FL_global_model.pt", tmp_path / "second" / "FL_global_model.pt")
     assert second.curve("mean_val_loss") == pytest.approx(first.curve("mean_val_loss"))

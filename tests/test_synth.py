@@ -30,11 +30,29 @@ SIZE = 64
 # CheXpert's published train.csv header (../shared/NOTES.md, "CheXpert train.csv columns"), written out
 # here rather than taken from the writer's constant
 REAL_CHEXPERT_HEADER = [
-    "Path", "Sex", "Age", "Frontal/Lateral", "AP/PA", "No Finding", "Enlarged Cardiomediastinum", "Cardiomegaly",
-    "Lung Opacity", "Lung Lesion", "Edema", "Consolidation", "Pneumonia", "Atelectasis", "Pneumothorax",
-    "Pleural Effusion", "Pleural Other", "Fracture", "Support Devices",
+    "Path",
+    "Sex",
+    "Age",
+    "Frontal/Lateral",
+    "AP/PA",
+    "No Finding",
+    "Enlarged Cardiomediastinum",
+    "Cardiomegaly",
+    "Lung Opacity",
+    "Lung Lesion",
+    "Edema",
+    "Consolidation",
+    "Pneumonia",
+    "Atelectasis",
+    "Pneumothorax",
+    "Pleural Effusion",
+    "Pleural Other",
+    "Fracture",
+    "Support Devices",
 ]
-CLEAN = dataclasses.replace(STYLES["nih"], noise=0.0, texture=0.0, auto_window=0.0, collimation=0.0, marker=0.0, heel=0.0)
+CLEAN = dataclasses.replace(
+    STYLES["nih"], noise=0.0, texture=0.0, auto_window=0.0, collimation=0.0, marker=0.0, heel=0.0
+)
 """A noise-free style without text, so image differences are the finding's sign alone."""
 
 
@@ -87,8 +105,17 @@ def test_nih_file_has_the_real_format(demo: Path) -> None:
     assert path.read_text().splitlines()[0] == NIH_HEADER
     table = pd.read_csv(path)
     assert list(table.columns) == [
-        "Image Index", "Finding Labels", "Follow-up #", "Patient ID", "Patient Age", "Patient Gender",
-        "View Position", "OriginalImage[Width", "Height]", "OriginalImagePixelSpacing[x", "y]",
+        "Image Index",
+        "Finding Labels",
+        "Follow-up #",
+        "Patient ID",
+        "Patient Age",
+        "Patient Gender",
+        "View Position",
+        "OriginalImage[Width",
+        "Height]",
+        "OriginalImagePixelSpacing[x",
+        "y]",
     ]
     assert table["Image Index"].str.fullmatch(r"\d{8}_\d{3}\.png").all()
     tokens = set(table["Finding Labels"].str.split("|").explode())
@@ -139,7 +166,9 @@ def test_each_site_labels_only_its_scheme_but_shows_everything(demo: Path) -> No
 def test_full_vectors_follow_chexpert_hierarchy() -> None:
     for e in sample_cohort(CHEXPERT_MIX, 2000, np.random.default_rng(2)):
         f = e.findings
-        if any(c in f for c in ("Consolidation", "Pneumonia", "Edema", "Atelectasis", "Infiltration", "Nodule", "Mass")):
+        if any(
+            c in f for c in ("Consolidation", "Pneumonia", "Edema", "Atelectasis", "Infiltration", "Nodule", "Mass")
+        ):
             assert "Lung Opacity" in f
         if "Nodule" in f or "Mass" in f:
             assert "Lung Lesion" in f
@@ -269,7 +298,10 @@ def test_demo_site_config_is_safe_from_two_processes(tmp_path: Path) -> None:
         "import sys; from pathlib import Path; from cxrfl.synth import demo_site_config; "
         "print(demo_site_config('site-1', root=Path(sys.argv[1]), n_per_site=30, image_size=48))"
     )
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0] and outs[0] == outs[1] == str(tmp_path / "hospital-a.yaml")
     table = pd.read_csv(tmp_path / "hospital-a" / "Data_Entry_2017_v2020.csv")
@@ -281,13 +313,24 @@ def test_demo_site_config_is_safe_from_two_processes(tmp_path: Path) -> None:
 def test_fedfew_profile_is_the_paper_setting_however_it_is_reached(tmp_path: Path) -> None:
     """One `fedfew` profile: 3 CC sites (11 classes), 3 UC sites (Edema, Pneumonia, Hernia), 3 test sites."""
     sites = {s.name: s for s in PROFILES["fedfew"].sites}
-    assert list(sites) == ["cc-1", "cc-2", "cc-3", "uc-edema", "uc-pneumonia", "uc-hernia",
-                           "test-edema", "test-pneumonia", "test-hernia"]
+    assert list(sites) == [
+        "cc-1",
+        "cc-2",
+        "cc-3",
+        "uc-edema",
+        "uc-pneumonia",
+        "uc-hernia",
+        "test-edema",
+        "test-pneumonia",
+        "test-hernia",
+    ]
     ucs = [tuple(sites[f"uc-{u}"].classes) for u in ("edema", "pneumonia", "hernia")]
     assert ucs == [("Edema",), ("Pneumonia",), ("Hernia",)]
     assert len(sites["cc-1"].classes) == 11 and "Edema" not in sites["cc-1"].classes
-    code = ("from cxrfl.synth.profiles import get_profile; "  # a fresh process importing only the profiles module
-            "print(','.join(s.name for s in get_profile('fedfew').sites))")
+    code = (
+        "from cxrfl.synth.profiles import get_profile; "  # a fresh process importing only the profiles module
+        "print(','.join(s.name for s in get_profile('fedfew').sites))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == ",".join(sites), proc.stderr[-2000:]
     (cfg,) = write_profile("fedfew", tmp_path, n_per_site=6, image_size=SIZE, seed=0, sites=["uc-hernia"])

@@ -65,8 +65,10 @@ def export_bundle(model_path: str | Path, out: str | Path, *, name: str | None =
     """
     model_path, out = Path(model_path), Path(out)
     if load_checkpoint(model_path).get("fedfew") is not None:
-        raise ConfigError(f"{model_path} is a FedFew model (energy threshold and prototypes, not one sigmoid per "
-                          "class): a MONAI bundle covers surgical aggregation, its baselines and CWT models")
+        raise ConfigError(
+            f"{model_path} is a FedFew model (energy threshold and prototypes, not one sigmoid per "
+            "class): a MONAI bundle covers surgical aggregation, its baselines and CWT models"
+        )
     model, classes, config = model_from_checkpoint(model_path)
     run = run_records(model_path)
     torch_save(out / "models" / "model.pt", model.state_dict())
@@ -89,8 +91,10 @@ def run_records(model_path: Path) -> dict[str, Any]:
     for folder in list(model_path.resolve().parents)[:3]:
         records = folder / "cxrfl"
         if (records / "run_config.json").is_file() or (records / "evaluation.json").is_file():
-            return {key: json.loads((records / f"{key}.json").read_text()) if (records / f"{key}.json").is_file()
-                    else None for key in ("run_config", "evaluation")}
+            return {
+                key: json.loads((records / f"{key}.json").read_text()) if (records / f"{key}.json").is_file() else None
+                for key in ("run_config", "evaluation")
+            }
     return {"run_config": None, "evaluation": None}
 
 
@@ -142,7 +146,7 @@ def metadata(classes: list[str], config: ModelConfig, name: str, run: Mapping[st
         "name": name,
         "task": "Multi-label classification of chest X-ray findings",
         "description": f"DenseNet121 trained by federated learning (cxrfl) across sites whose label sets differ; "
-                       f"one sigmoid probability for each of {len(classes)} findings",
+        f"one sigmoid probability for each of {len(classes)} findings",
         "authors": "cxrfl",
         "copyright": "see the training sites' data licences",
         "intended_use": "research only; not for clinical decisions",
@@ -152,18 +156,31 @@ def metadata(classes: list[str], config: ModelConfig, name: str, run: Mapping[st
         "pred_classes": "one sigmoid probability per finding, in channel_def order",
         "eval_metrics": {"mean_test_auroc": summary["mean_site_auroc"]} if summary else {},
         "network_data_format": {
-            "inputs": {"image": {
-                "type": "image", "format": "magnitude", "modality": "xray", "num_channels": config.in_channels,
-                "spatial_shape": [config.image_size, config.image_size], "dtype": "float32", "value_range": [],
-                "is_patch_data": False,
-                "channel_def": {str(i): "image" for i in range(config.in_channels)},
-            }},
-            "outputs": {"pred": {
-                "type": "probabilities", "format": "classes", "num_channels": len(classes),
-                "spatial_shape": [1, len(classes)], "dtype": "float32", "value_range": [0, 1],
-                "is_patch_data": False,
-                "channel_def": {str(i): c for i, c in enumerate(classes)},
-            }},
+            "inputs": {
+                "image": {
+                    "type": "image",
+                    "format": "magnitude",
+                    "modality": "xray",
+                    "num_channels": config.in_channels,
+                    "spatial_shape": [config.image_size, config.image_size],
+                    "dtype": "float32",
+                    "value_range": [],
+                    "is_patch_data": False,
+                    "channel_def": {str(i): "image" for i in range(config.in_channels)},
+                }
+            },
+            "outputs": {
+                "pred": {
+                    "type": "probabilities",
+                    "format": "classes",
+                    "num_channels": len(classes),
+                    "spatial_shape": [1, len(classes)],
+                    "dtype": "float32",
+                    "value_range": [0, 1],
+                    "is_patch_data": False,
+                    "channel_def": {str(i): c for i, c in enumerate(classes)},
+                }
+            },
         },
     }
 
@@ -176,8 +193,12 @@ def inference_config(classes: list[str], config: ModelConfig) -> dict[str, Any]:
         config: the network settings.
     """
     return {
-        "imports": ["$import glob", "$import os", "$import torch",
-                    "$from cxrfl.data.transforms import build_transforms"],
+        "imports": [
+            "$import glob",
+            "$import os",
+            "$import torch",
+            "$from cxrfl.data.transforms import build_transforms",
+        ],
         "bundle_root": ".",
         "dataset_dir": "$@bundle_root + '/data'",
         "output_dir": "$@bundle_root + '/eval'",
@@ -194,25 +215,42 @@ def inference_config(classes: list[str], config: ModelConfig) -> dict[str, Any]:
         },
         "network": "$@network_def.to(@device).eval()",
         "datalist": "$[{@image: f} for f in sorted(glob.glob(os.path.join(@dataset_dir, '*'))) "
-                    "if f.lower().endswith(tuple(@image_suffixes))]",
-        "preprocessing": {"_target_": "Compose", "transforms": [
-            {"_target_": "CopyItemsd", "keys": "@image", "names": "filename_or_obj"},
-            {"_target_": "Lambdad", "keys": "@image", "func": "$build_transforms("
-             f"{config.image_size}, train=False, in_channels={config.in_channels})"},
-        ]},
+        "if f.lower().endswith(tuple(@image_suffixes))]",
+        "preprocessing": {
+            "_target_": "Compose",
+            "transforms": [
+                {"_target_": "CopyItemsd", "keys": "@image", "names": "filename_or_obj"},
+                {
+                    "_target_": "Lambdad",
+                    "keys": "@image",
+                    "func": f"$build_transforms({config.image_size}, train=False, in_channels={config.in_channels})",
+                },
+            ],
+        },
         "dataset": {"_target_": "Dataset", "data": "@datalist", "transform": "@preprocessing"},
-        "dataloader": {"_target_": "DataLoader", "dataset": "@dataset", "batch_size": 1, "shuffle": False,
-                       "num_workers": 0},
+        "dataloader": {
+            "_target_": "DataLoader",
+            "dataset": "@dataset",
+            "batch_size": 1,
+            "shuffle": False,
+            "num_workers": 0,
+        },
         "inferer": {"_target_": "SimpleInferer"},
         "postprocessing": {"_target_": "Activations", "sigmoid": True},
-        "saver": {"_target_": "CSVSaver", "output_dir": "@output_dir", "filename": "predictions.csv",
-                  "overwrite": True},
+        "saver": {
+            "_target_": "CSVSaver",
+            "output_dir": "@output_dir",
+            "filename": "predictions.csv",
+            "overwrite": True,
+        },
         "initialize": [
             "$torch.set_grad_enabled(False)",
             "$@network.load_state_dict(torch.load(@ckpt_path, map_location=@device, weights_only=True))",
         ],
-        "run": ["$[@saver.save_batch(@postprocessing(@inferer(batch[@image].to(@device), @network)), "
-                "{'filename_or_obj': batch['filename_or_obj']}) for batch in @dataloader]"],
+        "run": [
+            "$[@saver.save_batch(@postprocessing(@inferer(batch[@image].to(@device), @network)), "
+            "{'filename_or_obj': batch['filename_or_obj']}) for batch in @dataloader]"
+        ],
         "finalize": ["$@saver.finalize()"],
     }
 
@@ -228,32 +266,49 @@ def model_card(classes: list[str], config: ModelConfig, name: str, model_path: P
         run: :func:`run_records`.
     """
     lines = [
-        f"# {name}", "",
+        f"# {name}",
+        "",
         "A chest X-ray multi-label classifier trained with cxrfl (federated learning across sites whose label "
-        "sets differ), exported as a MONAI bundle. Research use only; not for clinical decisions.", "",
-        "## Input and output", "",
+        "sets differ), exported as a MONAI bundle. Research use only; not for clinical decisions.",
+        "",
+        "## Input and output",
+        "",
         f"- Input: one PNG, JPEG or DICOM chest X-ray, read as cxrfl reads it (DICOM modality LUT and window, "
         f"MONOCHROME1 inverted, else the image's own range), resized to {config.image_size}x{config.image_size}, "
         f"{config.in_channels} channel(s), ImageNet-normalised (`cxrfl.data.transforms.build_transforms`).",
-        f"- Output `pred`: {len(classes)} sigmoid probabilities, in this order:", "",
-        "| channel | finding |", "| --- | --- |",
-        *[f"| {i} | {c} |" for i, c in enumerate(classes)], "",
-        "## Run", "",
+        f"- Output `pred`: {len(classes)} sigmoid probabilities, in this order:",
+        "",
+        "| channel | finding |",
+        "| --- | --- |",
+        *[f"| {i} | {c} |" for i, c in enumerate(classes)],
+        "",
+        "## Run",
+        "",
         "```bash",
         "python -m monai.bundle run --config_file BUNDLE/configs/inference.json --bundle_root BUNDLE \\",
         "    --dataset_dir IMAGES --output_dir OUT",
-        "```", "",
+        "```",
+        "",
         "`OUT/predictions.csv`: one row per image (path, then the probabilities in channel order); the same as "
         "`cxrfl predict --precision fp32 --model CHECKPOINT IMAGES/*`. Needs `pip install cxrfl` (the network "
-        "and the image reader).", "",
-        "## Training", "",
+        "and the image reader).",
+        "",
+        "## Training",
+        "",
         f"Exported from `{model_path.name}` with cxrfl {cxrfl.__version__} (Python {platform.python_version()}, "
-        f"torch {torch.__version__}).", "",
+        f"torch {torch.__version__}).",
+        "",
     ]
     settings = run.get("run_config")
     if settings:
-        lines += ["Settings of the training run (`cxrfl/run_config.json`):", "", "```json",
-                  json.dumps(settings, indent=2), "```", ""]
+        lines += [
+            "Settings of the training run (`cxrfl/run_config.json`):",
+            "",
+            "```json",
+            json.dumps(settings, indent=2),
+            "```",
+            "",
+        ]
     else:
         lines += ["The checkpoint's folder holds no `cxrfl/run_config.json`: the run's settings are unknown.", ""]
     lines += ["## Evaluation", ""]
@@ -261,9 +316,12 @@ def model_card(classes: list[str], config: ModelConfig, name: str, model_path: P
     if summary:
         lines += [
             f"Selected model (round {summary['selected_round']}) on the test splits of {summary['sites']} site(s): "
-            f"mean AUROC {_num(summary['mean_site_auroc'])} ± {_num(summary['sd_site_auroc'])} (SD over sites).", "",
-            "| finding | test AUROC (mean over the sites that label it) |", "| --- | --- |",
-            *[f"| {c} | {_num(v)} |" for c, v in summary["class_auroc"].items()], "",
+            f"mean AUROC {_num(summary['mean_site_auroc'])} ± {_num(summary['sd_site_auroc'])} (SD over sites).",
+            "",
+            "| finding | test AUROC (mean over the sites that label it) |",
+            "| --- | --- |",
+            *[f"| {c} | {_num(v)} |" for c, v in summary["class_auroc"].items()],
+            "",
         ]
     else:
         lines += ["No evaluation was found beside the checkpoint (`cxrfl/evaluation.json`).", ""]

@@ -69,7 +69,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
             config = Path(args.external)
         model, classes, mcfg = model_from_checkpoint(run["app"] / "best_FL_global_model.pt")
         data = load_site(config)
-        external = {"site": data.site, **evaluate_on_site(model, classes, data, image_size=mcfg.image_size, splits=None)}
+        external = {
+            "site": data.site,
+            **evaluate_on_site(model, classes, data, image_size=mcfg.image_size, splits=None),
+        }
         example = data.table["path"].iloc[0] if len(data.table) else None
     print(format_report(run, external, workspace=args.workspace, example_image=example))
     if args.plots:
@@ -90,8 +93,10 @@ def _cmd_export_bundle(args: argparse.Namespace) -> int:
     from cxrfl.bundle import export_bundle
 
     out = export_bundle(args.model, args.out, name=args.name)
-    print(f"wrote MONAI bundle {out}; run it with: python -m monai.bundle run --config_file "
-          f"{out / 'configs' / 'inference.json'} --bundle_root {out} --dataset_dir IMAGES --output_dir OUT")
+    print(
+        f"wrote MONAI bundle {out}; run it with: python -m monai.bundle run --config_file "
+        f"{out / 'configs' / 'inference.json'} --bundle_root {out} --dataset_dir IMAGES --output_dir OUT"
+    )
     return 0
 
 
@@ -109,32 +114,46 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--image-size", type=int, default=None, help="written image size in pixels")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_cmd_synth)
-    m = dsub.add_parser("summary", help="summarise and validate one site's data",
-                        description="Summarise and validate one site's data. A site a federated job would refuse at "
-                        "start-up (an empty train or val split) exits with status 2 and the job's reason.")
+    m = dsub.add_parser(
+        "summary",
+        help="summarise and validate one site's data",
+        description="Summarise and validate one site's data. A site a federated job would refuse at "
+        "start-up (an empty train or val split) exits with status 2 and the job's reason.",
+    )
     m.add_argument("site_config", help="the site config YAML")
     m.add_argument("--json", action="store_true", help="print JSON")
     m.add_argument("--no-image-check", action="store_true", help="do not open every image")
     m.set_defaults(func=_cmd_summary)
 
-    pr = sub.add_parser("predict", help="predict every class of a model for PNG/JPEG/DICOM images",
-                        description="Predict every class of a model for PNG/JPEG/DICOM images. Each unreadable "
-                        "image gets one line on stderr (and an error entry with --json/--csv); the others are "
-                        "still predicted; the exit status is then 1.")
+    pr = sub.add_parser(
+        "predict",
+        help="predict every class of a model for PNG/JPEG/DICOM images",
+        description="Predict every class of a model for PNG/JPEG/DICOM images. Each unreadable "
+        "image gets one line on stderr (and an error entry with --json/--csv); the others are "
+        "still predicted; the exit status is then 1.",
+    )
     pr.add_argument("--model", required=True, help="a checkpoint saved by a cxrfl job")
     pr.add_argument("images", nargs="+")
     fmt = pr.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true")
     fmt.add_argument("--csv", action="store_true")
     pr.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    pr.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
-                    help="auto (default): bf16 autocast on a GPU or a CPU with native bf16, as training does; fp32 otherwise")
+    pr.add_argument(
+        "--precision",
+        default="auto",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        help="auto (default): bf16 autocast on a GPU or a CPU with native bf16, as training does; fp32 otherwise",
+    )
     pr.set_defaults(func=_cmd_predict)
 
     rp = sub.add_parser("report", help="where a finished run's models are and how it went")
     rp.add_argument("workspace", help="simulator workspace (-w), downloaded job result or server app folder")
-    rp.add_argument("--external", help="also evaluate the best model on this site config ('demo': the demo external site)")
-    rp.add_argument("--plots", metavar="DIR", help="write the learning curves and per-class AUROC as PNG files into DIR")
+    rp.add_argument(
+        "--external", help="also evaluate the best model on this site config ('demo': the demo external site)"
+    )
+    rp.add_argument(
+        "--plots", metavar="DIR", help="write the learning curves and per-class AUROC as PNG files into DIR"
+    )
     rp.set_defaults(func=_cmd_report)
 
     jobs = sub.add_parser("jobs", help="NVFlare job folders")
@@ -145,10 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="a trained model in another format")
     esub = export.add_subparsers(dest="export_command", required=True)
-    eb = esub.add_parser("bundle", help="a MONAI bundle of a global model (python -m monai.bundle run ...)",
-                         description="Write a MONAI bundle of a global model: configs/metadata.json (channel_def: "
-                         "the classes in order), configs/inference.json, models/model.pt, docs/README.md (model card "
-                         "with the run's settings and evaluation).")
+    eb = esub.add_parser(
+        "bundle",
+        help="a MONAI bundle of a global model (python -m monai.bundle run ...)",
+        description="Write a MONAI bundle of a global model: configs/metadata.json (channel_def: "
+        "the classes in order), configs/inference.json, models/model.pt, docs/README.md (model card "
+        "with the run's settings and evaluation).",
+    )
     eb.add_argument("--model", required=True, help="a checkpoint saved by a cxrfl job (best_FL_global_model.pt ...)")
     eb.add_argument("--out", required=True, help="the bundle folder")
     eb.add_argument("--name", default=None, help="the model's name in the metadata (default: the checkpoint's)")

@@ -55,7 +55,8 @@ class JobSpec:
     controller: str
     controller_args: dict[str, Any]
     executor_args: dict[str, Any] = field(
-        default_factory=lambda: {"device": "auto", "num_workers": 0, "num_threads": 1})
+        default_factory=lambda: {"device": "auto", "num_workers": 0, "num_threads": 1}
+    )
     min_clients: int = 2
     resources: dict[str, Any] = field(default_factory=dict)
     site_resources: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -92,14 +93,26 @@ class JobSpec:
         from cxrfl.errors import ConfigError
 
         args = dict(self.controller_args)
-        job = {"name": self.name, "min_clients": self.min_clients, "description": self.description,
-               "resources": self.resources, "site_resources": self.site_resources, "privacy": self.privacy, "tracking": self.tracking,
-               "tracking_uri": self.tracking_uri, "custom": custom, "sites": self.sites, **self.executor_args}
+        job = {
+            "name": self.name,
+            "min_clients": self.min_clients,
+            "description": self.description,
+            "resources": self.resources,
+            "site_resources": self.site_resources,
+            "privacy": self.privacy,
+            "tracking": self.tracking,
+            "tracking_uri": self.tracking_uri,
+            "custom": custom,
+            "sites": self.sites,
+            **self.executor_args,
+        }
         if self.controller == FEDFEW:
             args["min_results"] = args.pop("min_clients", 1)
         elif self.controller == SURGICAL and args.pop("min_clients", self.min_clients) != self.min_clients:
-            raise ConfigError(f"{self.name}: min_clients {self.min_clients} (sites to start) and the workflow's "
-                              f"min_clients {self.controller_args['min_clients']} (results per round) must agree")
+            raise ConfigError(
+                f"{self.name}: min_clients {self.min_clients} (sites to start) and the workflow's "
+                f"min_clients {self.controller_args['min_clients']} (results per round) must agree"
+            )
         if self.exclude_batchnorm:
             args["exclude_batchnorm"] = True
         return self.recipe_class()(**job, **args)
@@ -189,8 +202,18 @@ CWT = "cxrfl.fl.cwt.CyclicWeightTransfer"
 FEDFEW = "cxrfl.fl.fedfew.FedFew"
 FEDFEW_DEMO = {"ssl_rounds": 2, "rounds": 4, "warmup_rounds": 1}
 """CPU demo setting of FedFew: 2 SimSiam rounds, 1 warm-up + 4 energy rounds, margins from the warm-up."""
-CWT_DEMO = {"task": "binary", "num_cycles": 10, "order": "fixed", "plti": True, "clr": False, "lwms": False,
-            "cwl": False, "lr": 1e-3, "batch_size": 32, "patience": 3}
+CWT_DEMO = {
+    "task": "binary",
+    "num_cycles": 10,
+    "order": "fixed",
+    "plti": True,
+    "clr": False,
+    "lwms": False,
+    "cwl": False,
+    "lr": 1e-3,
+    "batch_size": 32,
+    "patience": 3,
+}
 """CPU demo setting of CWT: the paper's binary task, PLTI on (switch the others in the job's server config)."""
 
 JOBS: tuple[JobSpec, ...] = (
@@ -221,14 +244,18 @@ JOBS: tuple[JobSpec, ...] = (
     JobSpec(
         name="vanilla_fl",
         controller=SURGICAL,
-        controller_args=surgical_args(DEMO_MODEL, DEMO_TRAIN, num_rounds=6, patience=3, head_mode="union", missing="negative"),
+        controller_args=surgical_args(
+            DEMO_MODEL, DEMO_TRAIN, num_rounds=6, patience=3, head_mode="union", missing="negative"
+        ),
         description="Baseline: vanilla FL (FedAvg of a union head, classes a site does not annotate are negatives). "
         "Every site receives every class name: not class-private",
     ),
     JobSpec(
         name="fl_partial_loss",
         controller=SURGICAL,
-        controller_args=surgical_args(DEMO_MODEL, DEMO_TRAIN, num_rounds=6, patience=3, head_mode="union", missing="ignore"),
+        controller_args=surgical_args(
+            DEMO_MODEL, DEMO_TRAIN, num_rounds=6, patience=3, head_mode="union", missing="ignore"
+        ),
         description="Baseline: FL with partial loss (FedAvg of a union head, loss on the site's own classes only). "
         "Every site receives every class name: not class-private",
     ),
@@ -241,7 +268,9 @@ JOBS: tuple[JobSpec, ...] = (
     JobSpec(
         name="personalized_fl_fedbn",
         controller=SURGICAL,
-        controller_args=surgical_args(DEMO_MODEL, DEMO_TRAIN, num_rounds=6, patience=3, head_mode="local", batchnorm="fedbn"),
+        controller_args=surgical_args(
+            DEMO_MODEL, DEMO_TRAIN, num_rounds=6, patience=3, head_mode="local", batchnorm="fedbn"
+        ),
         description="Baseline: personalized FL with FedBN (BatchNorm and heads stay at the sites; no global model)",
     ),
     # ---- cyclical weight transfer (cxrfl.cwt): one model relayed site to site, no aggregation
@@ -291,8 +320,11 @@ def write_job(spec: JobSpec, out: Path, *, custom: str = "readme") -> Path:
         import cxrfl
 
         for app in app_dirs(root):
-            shutil.copytree(Path(cxrfl.__file__).resolve().parent, app / "custom" / "cxrfl",
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo"))
+            shutil.copytree(
+                Path(cxrfl.__file__).resolve().parent,
+                app / "custom" / "cxrfl",
+                ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo"),
+            )
     return root
 
 

@@ -21,8 +21,9 @@ from cxrfl.nn.models import model_from_checkpoint, select_device
 from cxrfl.nn.precision import resolve
 
 
-def predict_images(model_path: str | Path, images: Sequence[str | Path], *, device: str = "auto",
-                   precision: str = "auto") -> list[dict[str, Any]]:
+def predict_images(
+    model_path: str | Path, images: Sequence[str | Path], *, device: str = "auto", precision: str = "auto"
+) -> list[dict[str, Any]]:
     """Class probabilities for each image.
 
     Args:
@@ -76,8 +77,12 @@ def _fedfew_row(fedfew: Any, x: torch.Tensor) -> dict[str, Any]:
     ucs = {}
     for uc in fedfew.uc_classes:
         m = out["uc"][uc]
-        ucs[uc] = {"present": bool(m["positive"][0]), "votes": int(m["votes"][0]), "pairs": int(m["pairs"]),
-                   "margin": float(m["margin"][0])}
+        ucs[uc] = {
+            "present": bool(m["positive"][0]),
+            "votes": int(m["votes"][0]),
+            "pairs": int(m["pairs"]),
+            "margin": float(m["margin"][0]),
+        }
     return {
         "probabilities": dict(zip(fedfew.cc_classes, out["cc_probabilities"][0].tolist(), strict=True)),
         "energy": float(out["energy"][0]),
@@ -110,8 +115,15 @@ def format_predictions(rows: list[dict[str, Any]], fmt: str = "table") -> str:
                 writer.writerow([r["image"], *[""] * (len(classes) + int(fedfew) + len(ucs)), r["error"]])
                 continue
             extra = [f"{r['energy']:.4f}"] if fedfew else []
-            writer.writerow([r["image"], *(f"{r['probabilities'][c]:.4f}" for c in classes), *extra,
-                             *(int(r["underrepresented"][u]["present"]) for u in ucs), ""])
+            writer.writerow(
+                [
+                    r["image"],
+                    *(f"{r['probabilities'][c]:.4f}" for c in classes),
+                    *extra,
+                    *(int(r["underrepresented"][u]["present"]) for u in ucs),
+                    "",
+                ]
+            )
         return buf.getvalue().rstrip("\n")
     width = max((len(c) for c in [*classes, *ucs]), default=5)
     blocks = []
@@ -119,11 +131,15 @@ def format_predictions(rows: list[dict[str, Any]], fmt: str = "table") -> str:
         lines = [r["image"]] + [f"  {c:<{width}}  {p:.3f}" for c, p in r["probabilities"].items()]
         if "energy" in r:
             flagged = r["energy"] > r["energy_threshold"]
-            lines.append(f"  energy {r['energy']:.3f} (threshold {r['energy_threshold']:.3f}): "
-                         + ("may hold a rare class" if flagged else "no rare class"))
+            lines.append(
+                f"  energy {r['energy']:.3f} (threshold {r['energy_threshold']:.3f}): "
+                + ("may hold a rare class" if flagged else "no rare class")
+            )
             for u, d in r["underrepresented"].items():
                 verdict = "present" if d["present"] else "absent"
-                lines.append(f"  {u:<{width}}  {verdict} (rare class; {d['votes']}/{d['pairs']} prototype vote(s), "
-                             f"margin {d['margin']:+.4f})")
+                lines.append(
+                    f"  {u:<{width}}  {verdict} (rare class; {d['votes']}/{d['pairs']} prototype vote(s), "
+                    f"margin {d['margin']:+.4f})"
+                )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)

@@ -46,8 +46,12 @@ def load_run(path: str | Path) -> dict[str, Any]:
     app = find_server_app(path)
     evaluation_path = app / "cxrfl" / "evaluation.json"
     evaluation = json.loads(evaluation_path.read_text()) if evaluation_path.is_file() else None
-    return {"app": app, "rounds": read_records(app / "cxrfl" / "rounds.jsonl"), "evaluation": evaluation,
-            "evaluation_path": evaluation_path}
+    return {
+        "app": app,
+        "rounds": read_records(app / "cxrfl" / "rounds.jsonl"),
+        "evaluation": evaluation,
+        "evaluation_path": evaluation_path,
+    }
 
 
 def learning_curve(rounds: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -78,8 +82,10 @@ def sparkline(values: Sequence[float]) -> str:
         return ""
     low, high = min(finite), max(finite)
     span = (high - low) or 1.0
-    return "".join(" " if v is None or not math.isfinite(v) else SPARKS[round((v - low) / span * (len(SPARKS) - 1))]
-                   for v in values)
+    return "".join(
+        " " if v is None or not math.isfinite(v) else SPARKS[round((v - low) / span * (len(SPARKS) - 1))]
+        for v in values
+    )
 
 
 def command(name: str) -> str:
@@ -109,8 +115,10 @@ def _stop_reason(rounds: Sequence[Mapping[str, Any]], curve: Sequence[Mapping[st
     last = max(trained, default=0)
     after_best = (curve[-1]["model"] - best) if curve and best is not None else 0
     if curve and after_best > 0 and curve[-1]["model"] >= last:
-        return (f"{last} round(s); the validation loss did not improve in the last {after_best} scored model(s): "
-                "it has flattened")
+        return (
+            f"{last} round(s); the validation loss did not improve in the last {after_best} scored model(s): "
+            "it has flattened"
+        )
     return f"{last} round(s); the best model is the last one scored (the loss may still fall: more rounds could help)"
 
 
@@ -123,7 +131,9 @@ def site_classes(evaluation: Mapping[str, Any]) -> dict[str, list[str]]:
     return {s: sorted(m.get("auroc") or {}) for s, m in (evaluation.get("sites") or {}).items()}
 
 
-def external_parts(external: Mapping[str, Any], own: Mapping[str, Sequence[str]], shared: Sequence[str]) -> dict[str, dict]:
+def external_parts(
+    external: Mapping[str, Any], own: Mapping[str, Sequence[str]], shared: Sequence[str]
+) -> dict[str, dict]:
     """External-set AUROC summarised over the shared classes and over each site's unique classes.
 
     Args:
@@ -144,24 +154,36 @@ def _evaluation_lines(evaluation: Mapping[str, Any] | None, external: Mapping[st
     if not evaluation:
         return ["", "no evaluation.json: the run did not finish its evaluation"]
     shared = list(evaluation.get("shared_classes") or [])
-    lines = ["", f"test AUROC of the selected model (round {evaluation.get('best_round', '?')}; "
-                 f"{len(evaluation.get('classes') or [])} classes, {len(shared)} shared by two or more sites):"]
+    lines = [
+        "",
+        f"test AUROC of the selected model (round {evaluation.get('best_round', '?')}; "
+        f"{len(evaluation.get('classes') or [])} classes, {len(shared)} shared by two or more sites):",
+    ]
     for site, m in sorted((evaluation.get("sites") or {}).items()):
-        lines.append(f"  {site:<14} mean {_f(m.get('mean'))} ± {_f(m.get('sd'))}   "
-                     f"shared {_f((m.get('shared') or {}).get('mean'))}"
-                     f"   unique {_f((m.get('unique') or {}).get('mean'))}   ({len(m.get('auroc') or {})} classes"
-                     + (f", {m['images']} images)" if "images" in m else ")"))
+        lines.append(
+            f"  {site:<14} mean {_f(m.get('mean'))} ± {_f(m.get('sd'))}   "
+            f"shared {_f((m.get('shared') or {}).get('mean'))}"
+            f"   unique {_f((m.get('unique') or {}).get('mean'))}   ({len(m.get('auroc') or {})} classes"
+            + (f", {m['images']} images)" if "images" in m else ")")
+        )
     for ext in (evaluation.get("external"), external):
         if ext:
             parts = external_parts(ext, site_classes(evaluation), shared)
             detail = "   ".join(f"{name} {_f(p.get('mean'))}" for name, p in parts.items() if name != "all")
-            lines.append(f"  external {ext.get('site', '')}: mean {_f(parts['all'].get('mean'))} ± {_f(parts['all'].get('sd'))}"
-                         f"   {detail}" + (f"   ({ext['images']} images)" if "images" in ext else ""))
+            lines.append(
+                f"  external {ext.get('site', '')}: mean {_f(parts['all'].get('mean'))} ± {_f(parts['all'].get('sd'))}"
+                f"   {detail}" + (f"   ({ext['images']} images)" if "images" in ext else "")
+            )
     return lines
 
 
-def format_report(run: Mapping[str, Any], external: Mapping[str, Any] | None = None, *, workspace: str | Path | None = None,
-                  example_image: str | Path | None = None) -> str:
+def format_report(
+    run: Mapping[str, Any],
+    external: Mapping[str, Any] | None = None,
+    *,
+    workspace: str | Path | None = None,
+    example_image: str | Path | None = None,
+) -> str:
     """The summary a person reads after a run.
 
     Args:
@@ -175,22 +197,29 @@ def format_report(run: Mapping[str, Any], external: Mapping[str, Any] | None = N
     best = (evaluation or {}).get("best_round")
     lines = [f"run: {_stop_reason(rounds, curve, best)}; selected model: round {best if best is not None else '?'}"]
     if curve:
-        lines += ["", "mean validation loss of the global model per round (lower is better)   "
-                  f"{sparkline([p['loss'] for p in curve])}",
-                  "  round  " + " ".join(f"{p['model']:>6}" for p in curve),
-                  "  loss   " + " ".join(f"{p['loss']:>6.3f}" for p in curve),
-                  "  AUROC  " + " ".join(f"{_f(p['auroc']):>6}" for p in curve)]
+        lines += [
+            "",
+            "mean validation loss of the global model per round (lower is better)   "
+            f"{sparkline([p['loss'] for p in curve])}",
+            "  round  " + " ".join(f"{p['model']:>6}" for p in curve),
+            "  loss   " + " ".join(f"{p['loss']:>6.3f}" for p in curve),
+            "  AUROC  " + " ".join(f"{_f(p['auroc']):>6}" for p in curve),
+        ]
     lines += _evaluation_lines(evaluation, external)
     ws = Path(workspace) if workspace is not None else app
     best_model = app / "best_FL_global_model.pt"
-    lines += ["", "files:",
-              f"  selected model   {best_model}",
-              f"  latest model     {app / 'FL_global_model.pt'}",
-              f"  round records    {app / 'cxrfl' / 'rounds.jsonl'}",
-              f"  evaluation       {run['evaluation_path']}",
-              "", "next:",
-              f"  {command('cxrfl')} predict --model {best_model} {example_image or 'IMAGE.png|.dcm'}",
-              f"  {command('cxrfl')} report {ws} --plots {ws / 'plots'}     (learning curves and per-class AUROC as PNG)"]
+    lines += [
+        "",
+        "files:",
+        f"  selected model   {best_model}",
+        f"  latest model     {app / 'FL_global_model.pt'}",
+        f"  round records    {app / 'cxrfl' / 'rounds.jsonl'}",
+        f"  evaluation       {run['evaluation_path']}",
+        "",
+        "next:",
+        f"  {command('cxrfl')} predict --model {best_model} {example_image or 'IMAGE.png|.dcm'}",
+        f"  {command('cxrfl')} report {ws} --plots {ws / 'plots'}     (learning curves and per-class AUROC as PNG)",
+    ]
     tb = app.parent / "tb_events"
     if tb.is_dir():
         lines.append(f"  {command('tensorboard')} --logdir {tb}")
@@ -232,7 +261,9 @@ def write_plots(run: Mapping[str, Any], out: str | Path, external: Mapping[str, 
         fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(classes)), 3.6))
         width = 0.8 / len(sets)
         for i, (name, auroc) in enumerate(sets.items()):
-            ax.bar([k + i * width for k in range(len(classes))], [auroc.get(c) or 0 for c in classes], width, label=name)
+            ax.bar(
+                [k + i * width for k in range(len(classes))], [auroc.get(c) or 0 for c in classes], width, label=name
+            )
         ax.axhline(0.5, color="grey", lw=0.8, ls="--")
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(classes))], classes, rotation=60, ha="right", fontsize=8)
         ax.set(ylabel="test AUROC", ylim=(0, 1), title="selected model: test AUROC per class")

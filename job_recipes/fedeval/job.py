@@ -22,13 +22,23 @@ DEFAULTS = FedEvalConfig()
 
 def define_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="the checkpoint to evaluate (FL_global_model.pt, best_..., a bundle's model.pt)")
+    p.add_argument(
+        "--model", required=True, help="the checkpoint to evaluate (FL_global_model.pt, best_..., a bundle's model.pt)"
+    )
     p.add_argument("--name", default="fedeval", help="job name")
     p.add_argument("--split", choices=SPLITS, default=DEFAULTS.split, help="the sites' split to score")
-    p.add_argument("--min_cell", type=int, default=DEFAULTS.min_cell,
-                   help="fewest positives (and negatives) of a class a site sends counts for")
-    p.add_argument("--threshold", type=float, default=DEFAULTS.threshold,
-                   help="probability whose sensitivity and specificity are reported")
+    p.add_argument(
+        "--min_cell",
+        type=int,
+        default=DEFAULTS.min_cell,
+        help="fewest positives (and negatives) of a class a site sends counts for",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=DEFAULTS.threshold,
+        help="probability whose sensitivity and specificity are reported",
+    )
     p.add_argument("--task_timeout", type=int, default=0, help="seconds a site may take (0: no limit)")
     add_run_arguments(p)
     return p

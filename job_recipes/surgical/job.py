@@ -25,14 +25,20 @@ def define_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--name", default=DEMO.name, help="job name")
     p.add_argument("--num_rounds", type=int, default=SETTINGS["num_rounds"])
-    p.add_argument("--patience", type=int, default=SETTINGS["patience"], help="rounds without improvement before stopping")
+    p.add_argument(
+        "--patience", type=int, default=SETTINGS["patience"], help="rounds without improvement before stopping"
+    )
     p.add_argument("--head_mode", choices=HEAD_MODES, default=SETTINGS["head_mode"])
     p.add_argument("--missing", choices=MISSING_POLICIES, default=SETTINGS["missing"])
     p.add_argument("--batchnorm", choices=BATCHNORM_MODES, default=SETTINGS["batchnorm"])
     p.add_argument("--image_size", type=int, default=SETTINGS["model_config"]["image_size"])
     p.add_argument("--pretrained", default=None, help="local DenseNet121 checkpoint on the server (needed by fedbn+)")
-    p.add_argument("--lr", type=float, default=SETTINGS["train_config"]["lr"],
-                   help="Adam rate of the rounds (1e-3 from scratch; the papers' 5e-5 with ImageNet weights)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=SETTINGS["train_config"]["lr"],
+        help="Adam rate of the rounds (1e-3 from scratch; the papers' 5e-5 with ImageNet weights)",
+    )
     add_run_arguments(p)
     return p
 

@@ -30,8 +30,13 @@ HEAD_W, HEAD_B = "classifier.weight", "classifier.bias"
 
 def corrupt(params: dict, meta: dict, fault: str) -> None:
     """Apply one fault to a result in place."""
-    body = sorted(k for k in params if not k.startswith("classifier.") and np.asarray(params[k]).ndim >= 1
-                  and np.issubdtype(np.asarray(params[k]).dtype, np.floating))
+    body = sorted(
+        k
+        for k in params
+        if not k.startswith("classifier.")
+        and np.asarray(params[k]).ndim >= 1
+        and np.issubdtype(np.asarray(params[k]).dtype, np.floating)
+    )
     key = body[0]
     if fault in ("nan", "inf"):
         arr = np.array(params[key], dtype=np.float32, copy=True)
@@ -72,8 +77,16 @@ class FaultyHost(SurgicalSiteHost):
         kwargs: :class:`cxrfl.surgical.host.SurgicalSiteHost` arguments.
     """
 
-    def __init__(self, data: SiteData, state_root: Path, *, faults: dict[str, str], echo: bool, keep_received: bool,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        data: SiteData,
+        state_root: Path,
+        *,
+        faults: dict[str, str],
+        echo: bool,
+        keep_received: bool,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(data, state_root, **kwargs)
         self.faults = faults
         self.echo = echo
@@ -89,7 +102,9 @@ class FaultyHost(SurgicalSiteHost):
             return super().handle(task, params, meta)
         rnd = str(meta.get("round"))
         if self.keep_received:
-            torch.save({k: np.asarray(v) for k, v in params.items()}, self.state_root.parent / f"received_round_{rnd}.pt")
+            torch.save(
+                {k: np.asarray(v) for k, v in params.items()}, self.state_root.parent / f"received_round_{rnd}.pt"
+            )
         marker = self.state_root.parent / f"fault_injected_round_{rnd}"
         fault = None if marker.exists() else self.faults.get(rnd)
         if fault == "raise":  # the site's own training fails: the executor must answer with an error
@@ -98,9 +113,11 @@ class FaultyHost(SurgicalSiteHost):
         if self.echo:
             out = dict(params)
             # the count its warm-up reported: the server rejects a count that changes (issue 40)
-            out_meta = {"classes": list(meta.get("classes") or self.data.classes),
-                        "num_samples": len(self.data.split_table("train")),
-                        "metrics": {"phase": "train"}}
+            out_meta = {
+                "classes": list(meta.get("classes") or self.data.classes),
+                "num_samples": len(self.data.split_table("train")),
+                "metrics": {"phase": "train"},
+            }
         else:
             out, out_meta = super().handle(task, params, meta)
             out = dict(out)
@@ -123,13 +140,21 @@ class FaultyExecutor(SiteExecutor):
         kwargs: :class:`cxrfl.fl.surgical.SiteExecutor` arguments.
     """
 
-    def __init__(self, faults: dict | None = None, echo: list | None = None, keep_received: list | None = None,
-                 **kwargs) -> None:
+    def __init__(
+        self, faults: dict | None = None, echo: list | None = None, keep_received: list | None = None, **kwargs
+    ) -> None:
         super().__init__(**kwargs)
         self.faults = {site: {str(r): f for r, f in rounds.items()} for site, rounds in (faults or {}).items()}
         self.echo = set(echo or ())
         self.keep_received = set(keep_received or ())
 
     def make_host(self, data: SiteData, device: torch.device, state_root: Path) -> SurgicalSiteHost:
-        return FaultyHost(data, state_root, faults=self.faults.get(data.site, {}), echo=data.site in self.echo,
-                          keep_received=data.site in self.keep_received, device=device, num_workers=self.num_workers)
+        return FaultyHost(
+            data,
+            state_root,
+            faults=self.faults.get(data.site, {}),
+            echo=data.site in self.echo,
+            keep_received=data.site in self.keep_received,
+            device=device,
+            num_workers=self.num_workers,
+        )

@@ -46,8 +46,10 @@ class FaultyFedFewHost(P.SiteHost):
             marker.touch()
             raise RuntimeError(f"injected failure of site {self.data.site} in {key}")
         if task == P.TRAIN and self.keep_received:
-            torch.save({k: torch.as_tensor(np.asarray(v)) for k, v in params.items()},
-                       self.folder / f"received_train_{meta.get('round')}.pt")
+            torch.save(
+                {k: torch.as_tensor(np.asarray(v)) for k, v in params.items()},
+                self.folder / f"received_train_{meta.get('round')}.pt",
+            )
         return super().handle(task, params, meta)
 
 
@@ -66,6 +68,11 @@ class FaultyFedFewExecutor(FedFewExecutor):
         self.keep_received = set(keep_received or ())
 
     def make_host(self, data: SiteData, device: torch.device, state_root: Path) -> P.SiteHost:
-        return FaultyFedFewHost(data, state_root / "faults", faults=self.faults.get(data.site, []),
-                                keep_received=data.site in self.keep_received, device=device,
-                                num_workers=self.num_workers)
+        return FaultyFedFewHost(
+            data,
+            state_root / "faults",
+            faults=self.faults.get(data.site, []),
+            keep_received=data.site in self.keep_received,
+            device=device,
+            num_workers=self.num_workers,
+        )

@@ -40,7 +40,15 @@ Log = Callable[[str], None]
 ABLATION_SEEDS = 3
 """Seeds of each ablation setting by default (the comparisons themselves default to 5)."""
 
-__all__ = ["ABLATION_SEEDS", "CompareSettings", "build_results", "data_shape", "default_data_dir", "run_ablation", "run_compare"]
+__all__ = [
+    "ABLATION_SEEDS",
+    "CompareSettings",
+    "build_results",
+    "data_shape",
+    "default_data_dir",
+    "run_ablation",
+    "run_compare",
+]
 
 
 class _Clock:
@@ -63,10 +71,19 @@ def default_data_dir() -> Path:
 
 def _data(settings: CompareSettings, data_dir: Path) -> BenchData:
     if settings.site_configs:
-        return from_site_configs(list(settings.site_configs), list(settings.external_configs or ()), name=settings.profile)
-    return prepare(settings.profile, data_dir, image_size=max(settings.data_image_size, settings.image_size),
-                   n_per_site=settings.n_per_site, n_external=settings.n_external, n_sites=settings.n_sites,
-                   n_shared=settings.n_shared, split=settings.split)
+        return from_site_configs(
+            list(settings.site_configs), list(settings.external_configs or ()), name=settings.profile
+        )
+    return prepare(
+        settings.profile,
+        data_dir,
+        image_size=max(settings.data_image_size, settings.image_size),
+        n_per_site=settings.n_per_site,
+        n_external=settings.n_external,
+        n_sites=settings.n_sites,
+        n_shared=settings.n_shared,
+        split=settings.split,
+    )
 
 
 def _tests(data: BenchData, image_size: int) -> dict[str, TestSet]:
@@ -84,16 +101,27 @@ def data_shape(data: BenchData, tests: dict[str, TestSet]) -> dict[str, Any]:
         tests: its test sets.
     """
     return {
-        "sites": {s.site: {"classes": list(s.classes), "n": {k: int(len(s.split_table(k))) for k in ("train", "val", "test")}}
-                  for s in data.sites},
+        "sites": {
+            s.site: {"classes": list(s.classes), "n": {k: int(len(s.split_table(k))) for k in ("train", "val", "test")}}
+            for s in data.sites
+        },
         "shared_classes": shared_classes({s.site: list(s.classes) for s in data.sites}),
         "union": data.union,
-        "test_sets": {k: {"kind": t.kind, "n": t.n, "classes": t.classes, "positives": t.positives()} for k, t in tests.items()},
+        "test_sets": {
+            k: {"kind": t.kind, "n": t.n, "classes": t.classes, "positives": t.positives()} for k, t in tests.items()
+        },
     }
 
 
-def run_compare(settings: CompareSettings, out: Path, *, log: Log = _print, data_dir: Path | None = None,
-                restart: bool = False, report_only: bool = False) -> dict[str, Any]:
+def run_compare(
+    settings: CompareSettings,
+    out: Path,
+    *,
+    log: Log = _print,
+    data_dir: Path | None = None,
+    restart: bool = False,
+    report_only: bool = False,
+) -> dict[str, Any]:
     """Run every selected method on the profile for every seed (those not stored yet); write
     results, report and plots.
 
@@ -118,17 +146,21 @@ def run_compare(settings: CompareSettings, out: Path, *, log: Log = _print, data
     if settings.threads:
         torch.set_num_threads(settings.threads)
     methods = select(settings.methods, pretrained=settings.pretrained is not None)
-    clock(f"preparing profile {settings.profile} (images {settings.data_image_size}px, "
-          f"model input {settings.image_size}px)")
+    clock(
+        f"preparing profile {settings.profile} (images {settings.data_image_size}px, "
+        f"model input {settings.image_size}px)"
+    )
     data = _data(settings, Path(data_dir) if data_dir else default_data_dir())
     tests = _tests(data, settings.image_size)
     views = make_views(data, tests)
     entries = entries_for(methods, data)
     store = RunStore(out)
     store.check(settings.protocol(), data_shape(data, tests), restart=restart and not report_only, log=clock)
-    clock(f"{data.profile}: {len(data.sites)} sites, test sets {', '.join(f'{k} ({t.n})' for k, t in tests.items())}; "
-          f"methods {', '.join(m.name for m in methods)}; {settings.seeds} seed(s); up to {settings.max_rounds} rounds, "
-          f"patience {settings.patience}; device {settings.torch_device()}, {torch.get_num_threads()} torch thread(s)")
+    clock(
+        f"{data.profile}: {len(data.sites)} sites, test sets {', '.join(f'{k} ({t.n})' for k, t in tests.items())}; "
+        f"methods {', '.join(m.name for m in methods)}; {settings.seeds} seed(s); up to {settings.max_rounds} rounds, "
+        f"patience {settings.patience}; device {settings.torch_device()}, {torch.get_num_threads()} torch thread(s)"
+    )
     if not report_only:
         try:
             if settings.jobs > 1:
@@ -167,12 +199,18 @@ def run_jobs(entries: list[Entry], settings: CompareSettings, store: RunStore, d
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     todo = [(e.name, s) for s in range(settings.seeds) for e in entries if not store.done(e.name, s)]
-    log(f"{settings.seeds * len(entries) - len(todo)} of {settings.seeds * len(entries)} runs already stored; "
-        f"training {len(todo)} in {min(settings.jobs, max(len(todo), 1))} worker process(es)")
+    log(
+        f"{settings.seeds * len(entries) - len(todo)} of {settings.seeds * len(entries)} runs already stored; "
+        f"training {len(todo)} in {min(settings.jobs, max(len(todo), 1))} worker process(es)"
+    )
     if todo:
-        with ProcessPoolExecutor(min(settings.jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(_job, settings, data_dir, store.root.parent, name, seed): (name, seed)
-                       for name, seed in todo}
+        with ProcessPoolExecutor(
+            min(settings.jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")
+        ) as pool:
+            futures = {
+                pool.submit(_job, settings, data_dir, store.root.parent, name, seed): (name, seed)
+                for name, seed in todo
+            }
             for n, fut in enumerate(as_completed(futures), 1):
                 name, seed = futures[fut]
                 log(f"seed {seed + 1}/{settings.seeds} {name}: stored ({n}/{len(todo)} of this call); {fut.result()}")
@@ -185,12 +223,23 @@ def _job(settings: CompareSettings, data_dir: Path, out: Path, entry: str, seed:
         torch.set_num_threads(settings.threads)
     data = _data(settings, data_dir)
     tests = _tests(data, settings.image_size)
-    (row,) = [e for e in entries_for(select(settings.methods, pretrained=settings.pretrained is not None), data)
-              if e.name == entry]
+    (row,) = [
+        e
+        for e in entries_for(select(settings.methods, pretrained=settings.pretrained is not None), data)
+        if e.name == entry
+    ]
     clock = _Clock(_print)
     tag = f"seed {seed + 1}/{settings.seeds} {entry}"
-    record = train_and_store(row, seed, settings=settings, data=data, tests=tests, warmups=WarmupCache(),
-                             store=RunStore(out), log=lambda msg: clock(f"{tag}: {msg}"))
+    record = train_and_store(
+        row,
+        seed,
+        settings=settings,
+        data=data,
+        tests=tests,
+        warmups=WarmupCache(),
+        store=RunStore(out),
+        log=lambda msg: clock(f"{tag}: {msg}"),
+    )
     return "left to another process" if record is None else outcome_line(record, tests)
 
 
@@ -199,8 +248,16 @@ def _run_summary(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k not in ("auroc", "models")}
 
 
-def build_results(settings: CompareSettings, data: BenchData, tests: dict[str, TestSet], views: list[View],
-                  entries: list[Entry], store: RunStore, seeds: list[int], clock: Log) -> dict[str, Any]:
+def build_results(
+    settings: CompareSettings,
+    data: BenchData,
+    tests: dict[str, TestSet],
+    views: list[View],
+    entries: list[Entry],
+    store: RunStore,
+    seeds: list[int],
+    clock: Log,
+) -> dict[str, Any]:
     """The results dict of a comparison from its stored runs.
 
     Args:
@@ -220,8 +277,15 @@ def build_results(settings: CompareSettings, data: BenchData, tests: dict[str, T
     for e in entries:
         m = e.method
         methods[e.name] = {
-            "label": e.label, "method": m.name, "kind": m.kind, "head_mode": m.head_mode, "missing": m.missing,
-            "batchnorm": m.batchnorm, "job": m.job, "site": e.site, "single_global_model": m.single_global_model,
+            "label": e.label,
+            "method": m.name,
+            "kind": m.kind,
+            "head_mode": m.head_mode,
+            "missing": m.missing,
+            "batchnorm": m.batchnorm,
+            "job": m.job,
+            "site": e.site,
+            "single_global_model": m.single_global_model,
             "runs": [_run_summary(r) for r in records[e.name]],
             "test": {v.name: view_cell(e.name, records[e.name], v, boot) for v in views},
         }
@@ -229,7 +293,9 @@ def build_results(settings: CompareSettings, data: BenchData, tests: dict[str, T
     for name, res in methods.items():
         for v in views:
             cell = res["test"][v.name]
-            cell["vs_reference"] = None if reference in (None, name) else versus(cell, methods[reference]["test"][v.name], v)
+            cell["vs_reference"] = (
+                None if reference in (None, name) else versus(cell, methods[reference]["test"][v.name], v)
+            )
     runs = [r for rs in records.values() for r in rs]
     results: dict[str, Any] = {
         "profile": data.profile,
@@ -241,8 +307,11 @@ def build_results(settings: CompareSettings, data: BenchData, tests: dict[str, T
         "commits": _unique([r["code"] for r in runs]),
         "reported_by": {"code": code_version(), "machine": machine(settings.torch_device())},
         "run_seconds": sum(float(r["seconds"]) for r in runs),
-        "data": {"notes": data.notes, **data_shape(data, tests),
-                 "configs": {k: str(v) for k, v in data.configs.items()}},
+        "data": {
+            "notes": data.notes,
+            **data_shape(data, tests),
+            "configs": {k: str(v) for k, v in data.configs.items()},
+        },
         "views": {v.name: asdict(v) for v in views},
         "reference": reference,
         "methods": methods,
@@ -260,8 +329,17 @@ def _unique(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def run_ablation(kind: str, base: CompareSettings, out: Path, *, values: tuple[int, ...] | None = None, log: Log = _print,
-                 data_dir: Path | None = None, restart: bool = False, report_only: bool = False) -> dict[str, Any]:
+def run_ablation(
+    kind: str,
+    base: CompareSettings,
+    out: Path,
+    *,
+    values: tuple[int, ...] | None = None,
+    log: Log = _print,
+    data_dir: Path | None = None,
+    restart: bool = False,
+    report_only: bool = False,
+) -> dict[str, Any]:
     """The papers' ablations on a pool profile: the number of sites (each sharing 4 classes), or the
     number of shared classes over 4 sites. One comparison per setting under ``out/<kind>-<value>/``
     (each resumable), then ``ablation.json``, ``ablation.md`` and a plot of the mean AUROC on the
@@ -289,8 +367,9 @@ def run_ablation(kind: str, base: CompareSettings, out: Path, *, values: tuple[i
     for value in values:
         s = base.replace(n_sites=value if kind == "sites" else 4, n_shared=4 if kind == "sites" else value)
         log(f"ablation {kind}={value}")
-        runs[str(value)] = run_compare(s, out / f"{kind}-{value}", log=log, data_dir=data_dir, restart=restart,
-                                       report_only=report_only)
+        runs[str(value)] = run_compare(
+            s, out / f"{kind}-{value}", log=log, data_dir=data_dir, restart=restart, report_only=report_only
+        )
     summary = {**ablation_summary(kind, runs, REFERENCE), "profile": base.profile, "settings": base.to_dict()}
     write_json(out / "ablation.json", summary)
     from cxrfl.bench.plots import ablation_plot

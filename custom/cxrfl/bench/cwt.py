@@ -151,10 +151,18 @@ class BenchSettings:
     def data_args(self, dataset: str) -> dict[str, Any]:
         """:func:`cxrfl.bench.cwt_data.prepare_data`'s sizes for one dataset."""
         if dataset == "synthetic":
-            return {"per_class": self.synthetic_per_class, "test_per_class": self.synthetic_test_per_class,
-                    "val_per_class": self.synthetic_val_per_class, "max_patient_images": self.max_patient_images}
-        return {"per_class": self.per_class, "test_per_class": self.test_per_class, "val_per_class": self.val_per_class,
-                "max_patient_images": self.max_patient_images}
+            return {
+                "per_class": self.synthetic_per_class,
+                "test_per_class": self.synthetic_test_per_class,
+                "val_per_class": self.synthetic_val_per_class,
+                "max_patient_images": self.max_patient_images,
+            }
+        return {
+            "per_class": self.per_class,
+            "test_per_class": self.test_per_class,
+            "val_per_class": self.val_per_class,
+            "max_patient_images": self.max_patient_images,
+        }
 
     def cwt_config(self, seed: int, n_train: int, **flags: bool) -> CWTConfig:
         """The run's CWT settings.
@@ -165,9 +173,20 @@ class BenchSettings:
             flags: the optimizations switched on (``plti=True`` ...).
         """
         every = self.lr_decay_every or max(1, round(n_train / self.batch_size))
-        return CWTConfig(task="binary", num_cycles=self.cycles, order="fixed", lr=self.lr, lr_decay=self.lr_decay,
-                         lr_decay_every=every, weight_decay=self.weight_decay, batch_size=self.batch_size,
-                         patience=self.patience, augment=self.augment, seed=seed, **flags)
+        return CWTConfig(
+            task="binary",
+            num_cycles=self.cycles,
+            order="fixed",
+            lr=self.lr,
+            lr_decay=self.lr_decay,
+            lr_decay_every=every,
+            weight_decay=self.weight_decay,
+            batch_size=self.batch_size,
+            patience=self.patience,
+            augment=self.augment,
+            seed=seed,
+            **flags,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict."""
@@ -178,8 +197,18 @@ class BenchSettings:
 
     def run_key(self, dataset: str, n_train: int) -> dict[str, Any]:
         """The settings a kept run of ``dataset`` must share to be reused (not seeds, splits, threads, jobs)."""
-        keep = ("image_size", "cycles", "patience", "batch_size", "lr", "lr_decay", "lr_decay_every", "weight_decay",
-                "augment", "data_seed")
+        keep = (
+            "image_size",
+            "cycles",
+            "patience",
+            "batch_size",
+            "lr",
+            "lr_decay",
+            "lr_decay_every",
+            "weight_decay",
+            "augment",
+            "data_seed",
+        )
         key = {k: getattr(self, k) for k in keep}
         if dataset == "synthetic":
             key["synthetic_images"] = self.synthetic_images
@@ -198,11 +227,20 @@ def _signature(split_key: Any, sites: Sequence[CWTSite], config: CWTConfig) -> t
 
 def _evaluate(result: CWTResult, test: CWTSite, where: dict[str, Any]) -> dict[str, Any]:
     summary = eval_summary(test.evaluate(result.model, "test"))
-    return {"accuracy": summary["accuracy"], "auroc": summary["mean_auroc"], "test_loss": summary["loss"],
-            "n_test": summary["n"], "best_cycle": result.best_cycle, "best_val_loss": result.best_val_loss,
-            "cycles_run": result.cycles_run, "stopped_early": result.stopped_early,
-            "val_curve": [h["val_loss"] for h in result.history], "seconds": round(result.seconds, 1),
-            "plan": {s: {"steps": v.steps, "lr": v.lr} for s, v in result.plan.items()}, **where}
+    return {
+        "accuracy": summary["accuracy"],
+        "auroc": summary["mean_auroc"],
+        "test_loss": summary["loss"],
+        "n_test": summary["n"],
+        "best_cycle": result.best_cycle,
+        "best_val_loss": result.best_val_loss,
+        "cycles_run": result.cycles_run,
+        "stopped_early": result.stopped_early,
+        "val_curve": [h["val_loss"] for h in result.history],
+        "seconds": round(result.seconds, 1),
+        "plan": {s: {"steps": v.steps, "lr": v.lr} for s, v in result.plan.items()},
+        **where,
+    }
 
 
 def run_file(folder: Path, method: str, split: int, seed: int) -> Path:
@@ -244,8 +282,15 @@ def load_runs(folder: Path, key: dict[str, Any]) -> dict[tuple[int, int, str], d
 class _Runner:
     """Trains (or reuses) the runs of one dataset, keeping each as soon as it is done."""
 
-    def __init__(self, settings: BenchSettings, dataset: str, data: BenchData, out: Path, log: Callable[[str], None],
-                 resume: bool = True) -> None:
+    def __init__(
+        self,
+        settings: BenchSettings,
+        dataset: str,
+        data: BenchData,
+        out: Path,
+        log: Callable[[str], None],
+        resume: bool = True,
+    ) -> None:
         self.settings, self.dataset, self.log = settings, dataset, log
         self.folder = out / "runs" / dataset
         self.n_train = len(data.train)
@@ -276,8 +321,13 @@ class _Runner:
                 src = seen[sig]
                 r = {**src, "split": split, "method": method, "same_as": f"split {src['split']} {src['method']}"}
             elif r is None:
-                r = {"dataset": self.dataset, "seed": seed, "split": split, "method": method,
-                     **_evaluate(run_cwt(sites, self.model_config, cfg), self.test, self.where)}
+                r = {
+                    "dataset": self.dataset,
+                    "seed": seed,
+                    "split": split,
+                    "method": method,
+                    **_evaluate(run_cwt(sites, self.model_config, cfg), self.test, self.where),
+                }
                 self.keep(r)
             if not r.get("same_as"):
                 seen.setdefault(sig, r)
@@ -293,20 +343,33 @@ class _Runner:
 
 
 def _data(settings: BenchSettings, dataset: str, site_config: Path) -> BenchData:
-    return prepare_data(**settings.data_args(dataset), data_seed=settings.data_seed, splits=settings.splits_of(dataset),
-                        site_config=site_config)
+    return prepare_data(
+        **settings.data_args(dataset),
+        data_seed=settings.data_seed,
+        splits=settings.splits_of(dataset),
+        site_config=site_config,
+    )
 
 
-def _seed_task(settings: BenchSettings, dataset: str, site_config: Path, seed: int, out: Path, resume: bool) -> list[dict]:
+def _seed_task(
+    settings: BenchSettings, dataset: str, site_config: Path, seed: int, out: Path, resume: bool
+) -> list[dict]:
     """One (dataset, seed) in a worker process; its progress lines go to that process's stdout."""
     torch.set_num_threads(settings.threads)
-    runner = _Runner(settings, dataset, _data(settings, dataset, site_config), out,
-                     lambda m: print(f"[{dataset} seed {seed}] {m}", flush=True), resume)
+    runner = _Runner(
+        settings,
+        dataset,
+        _data(settings, dataset, site_config),
+        out,
+        lambda m: print(f"[{dataset} seed {seed}] {m}", flush=True),
+        resume,
+    )
     return runner.seed(seed)
 
 
-def _run_seeds(settings: BenchSettings, pools: dict[str, Path], out: Path, log: Callable[[str], None],
-               resume: bool) -> dict[str, list[dict[str, Any]]]:
+def _run_seeds(
+    settings: BenchSettings, pools: dict[str, Path], out: Path, log: Callable[[str], None], resume: bool
+) -> dict[str, list[dict[str, Any]]]:
     """Every (dataset, seed), in ``jobs`` processes (one: in this process); the records per dataset."""
     tasks = [(d, s) for d in pools for s in range(settings.seeds)]
     records: dict[str, list[dict[str, Any]]] = {d: [] for d in pools}
@@ -314,7 +377,9 @@ def _run_seeds(settings: BenchSettings, pools: dict[str, Path], out: Path, log: 
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(min(settings.jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(
+            min(settings.jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn")
+        ) as pool:
             futures = {pool.submit(_seed_task, settings, d, pools[d], s, out, resume): d for d, s in tasks}
             for fut, dataset in futures.items():
                 records[dataset] += fut.result()
@@ -325,8 +390,9 @@ def _run_seeds(settings: BenchSettings, pools: dict[str, Path], out: Path, log: 
     return records
 
 
-def _dataset_part(settings: BenchSettings, dataset: str, site_config: Path, runs: list[dict[str, Any]],
-                  out: Path) -> dict[str, Any]:
+def _dataset_part(
+    settings: BenchSettings, dataset: str, site_config: Path, runs: list[dict[str, Any]], out: Path
+) -> dict[str, Any]:
     """One dataset's entry of ``results.json`` (its plots written)."""
     data = _data(settings, dataset, site_config)
     splits = settings.splits_of(dataset)
@@ -334,10 +400,18 @@ def _dataset_part(settings: BenchSettings, dataset: str, site_config: Path, runs
     plots = [f"cwt_{dataset}.png", f"cwt_curves_{dataset}.png"]
     plot(summary, out / plots[0], DATASET_TITLES[dataset])
     plot_curves(runs, [s for s in (5, 10) if s in splits] or list(splits[:1]), out / plots[1])
-    return {"data": {"source": str(site_config), "test_images": len(data.test), "val_images": len(data.val),
-                     "train_images": len(data.train), "train_patients": int(data.train["patient"].nunique()),
-                     "splits": {str(k): v for k, v in data.splits.items()}},
-            "summary": summary, "plots": plots}
+    return {
+        "data": {
+            "source": str(site_config),
+            "test_images": len(data.test),
+            "val_images": len(data.val),
+            "train_images": len(data.train),
+            "train_patients": int(data.train["patient"].nunique()),
+            "splits": {str(k): v for k, v in data.splits.items()},
+        },
+        "summary": summary,
+        "plots": plots,
+    }
 
 
 def run_cwt_benchmark(
@@ -379,16 +453,22 @@ def run_cwt_benchmark(
     start, cpu_start = time.perf_counter(), time.process_time()
     pools = {"nih1000": Path(site_config)}
     if "synthetic" in settings.datasets:
-        root = Path(data_root or Path(os.environ.get("CXRFL_DEMO_DIR") or Path.home() / ".cache" / "cxrfl") / "cwt-bench")
-        pools["synthetic"] = synthetic_site_config(root, settings.synthetic_images, settings.image_size, settings.data_seed)
+        root = Path(
+            data_root or Path(os.environ.get("CXRFL_DEMO_DIR") or Path.home() / ".cache" / "cxrfl") / "cwt-bench"
+        )
+        pools["synthetic"] = synthetic_site_config(
+            root, settings.synthetic_images, settings.image_size, settings.data_seed
+        )
     records = _run_seeds(settings, pools, out, log, resume)
     result = {
-        "settings": settings.to_dict(), "machine": machine(torch.device("cpu")),
+        "settings": settings.to_dict(),
+        "machine": machine(torch.device("cpu")),
         "command": command or command_line() or f"cxrfl bench cwt --seeds {settings.seeds} --out {out}",
         "datasets": {d: _dataset_part(settings, d, pools[d], records[d], out) for d in pools},
         "results": {d: results_table(records[d]) for d in pools},
         "runs": [r for d in pools for r in records[d]],
-        "seconds": round(time.perf_counter() - start, 1), "cpu_seconds": round(time.process_time() - cpu_start, 1),
+        "seconds": round(time.perf_counter() - start, 1),
+        "cpu_seconds": round(time.process_time() - cpu_start, 1),
     }
     result["provenance"] = provenance(result["runs"])
     write_json(out / "results.json", result)

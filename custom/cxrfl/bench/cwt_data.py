@@ -92,13 +92,21 @@ def synthetic_site_config(folder: str | Path, n_images: int, image_size: int, se
     from cxrfl.synth import write_profile
 
     name = f"cwt-pool-{n_images}"
-    PROFILES.setdefault(name, Profile(name, "one NIH-like cohort for the CWT benchmark's synthetic table",
-                                      (nih_site("cwt-pool", n_images, mix=CaseMix.make(0.4)),)))
+    PROFILES.setdefault(
+        name,
+        Profile(
+            name,
+            "one NIH-like cohort for the CWT benchmark's synthetic table",
+            (nih_site("cwt-pool", n_images, mix=CaseMix.make(0.4)),),
+        ),
+    )
     (path,) = write_profile(name, Path(folder), image_size=image_size, seed=seed)
     return path
 
 
-def load_pool(site_config: str | Path = DEFAULT_SITE_CONFIG, max_patient_images: int | None = 10, seed: int = 0) -> pd.DataFrame:
+def load_pool(
+    site_config: str | Path = DEFAULT_SITE_CONFIG, max_patient_images: int | None = 10, seed: int = 0
+) -> pd.DataFrame:
     """A pool's images with the binary label, at most ``max_patient_images`` per patient.
 
     Args:
@@ -120,8 +128,9 @@ def load_pool(site_config: str | Path = DEFAULT_SITE_CONFIG, max_patient_images:
 
 def _patients(table: pd.DataFrame) -> pd.DataFrame:
     g = table.groupby("patient")["y"].agg(["size", "sum"])
-    return pd.DataFrame({"patient": g.index, "a": g["sum"].astype(int).to_numpy(),
-                         "b": (g["size"] - g["sum"]).astype(int).to_numpy()})
+    return pd.DataFrame(
+        {"patient": g.index, "a": g["sum"].astype(int).to_numpy(), "b": (g["size"] - g["sum"]).astype(int).to_numpy()}
+    )
 
 
 def pick_patients(patients: pd.DataFrame, a: int, b: int, rng: np.random.Generator, tries: int = 500) -> list[str]:
@@ -151,11 +160,15 @@ def pick_patients(patients: pd.DataFrame, a: int, b: int, rng: np.random.Generat
         if best is None or ra + rb < best[0]:
             best = (ra + rb, ra, rb)
     assert best is not None  # tries >= 1
-    raise DataError(f"cannot draw whole patients with exactly {a} abnormal + {b} normal images "
-                    f"(closest: {a - best[1]} + {b - best[2]}); lower per_class or the test/val sizes")
+    raise DataError(
+        f"cannot draw whole patients with exactly {a} abnormal + {b} normal images "
+        f"(closest: {a - best[1]} + {b - best[2]}); lower per_class or the test/val sizes"
+    )
 
 
-def partition(patients: pd.DataFrame, quotas: Sequence[tuple[int, int]], rng: np.random.Generator, tries: int = 2000) -> dict[str, int]:
+def partition(
+    patients: pd.DataFrame, quotas: Sequence[tuple[int, int]], rng: np.random.Generator, tries: int = 2000
+) -> dict[str, int]:
     """Assign whole patients to sites so that site i gets exactly ``quotas[i]`` (abnormal, normal) images.
 
     Random greedy passes, patients with both labels first (the hard ones at sites with few images
@@ -175,7 +188,9 @@ def partition(patients: pd.DataFrame, quotas: Sequence[tuple[int, int]], rng: np
     pa, pb, names = patients["a"].to_numpy(), patients["b"].to_numpy(), patients["patient"].to_numpy()
     q = np.array(quotas, dtype=np.int64)
     if pa.sum() != q[:, 0].sum() or pb.sum() != q[:, 1].sum():
-        raise ValueError(f"patients hold {pa.sum()}+{pb.sum()} images, the quotas sum to {q[:, 0].sum()}+{q[:, 1].sum()}")
+        raise ValueError(
+            f"patients hold {pa.sum()}+{pb.sum()} images, the quotas sum to {q[:, 0].sum()}+{q[:, 1].sum()}"
+        )
     size = pa + pb
     mixed = (pa > 0) & (pb > 0)
     for _ in range(tries):
@@ -214,7 +229,7 @@ class BenchData:
         val_patients = sorted(self.val["patient"].unique())
         for i, name in enumerate(SITES):
             train = self.train[self.train["patient"].map(self.assignment[split]) == i]
-            val = self.val[self.val["patient"].isin(val_patients[i:: len(SITES)])]
+            val = self.val[self.val["patient"].isin(val_patients[i :: len(SITES)])]
             out.append(_site_data(name, train, val))
         return out
 
@@ -226,8 +241,14 @@ class BenchData:
 
 
 def _frame(table: pd.DataFrame, split: str) -> pd.DataFrame:
-    return pd.DataFrame({"path": table["path"].to_numpy(), "patient": table["patient"].to_numpy(), "split": split,
-                         BINARY_CLASS: table["y"].to_numpy(dtype=np.float64)})
+    return pd.DataFrame(
+        {
+            "path": table["path"].to_numpy(),
+            "patient": table["patient"].to_numpy(),
+            "split": split,
+            BINARY_CLASS: table["y"].to_numpy(dtype=np.float64),
+        }
+    )
 
 
 def _site_data(name: str, train: pd.DataFrame, val: pd.DataFrame) -> SiteData:
@@ -236,9 +257,16 @@ def _site_data(name: str, train: pd.DataFrame, val: pd.DataFrame) -> SiteData:
     return SiteData(site=name, classes=[BINARY_CLASS], table=table)
 
 
-def prepare_data(*, per_class: int | None, test_per_class: int, val_per_class: int, max_patient_images: int | None = 10,
-                 data_seed: int = 0, splits: Sequence[int] = tuple(PAPER_SPLITS),
-                 site_config: str | Path = DEFAULT_SITE_CONFIG) -> BenchData:
+def prepare_data(
+    *,
+    per_class: int | None,
+    test_per_class: int,
+    val_per_class: int,
+    max_patient_images: int | None = 10,
+    data_seed: int = 0,
+    splits: Sequence[int] = tuple(PAPER_SPLITS),
+    site_config: str | Path = DEFAULT_SITE_CONFIG,
+) -> BenchData:
     """Draw the test, validation and training sets by patient and partition the training set per split.
 
     Args:
@@ -275,8 +303,9 @@ def prepare_data(*, per_class: int | None, test_per_class: int, val_per_class: i
     raise DataError(f"no balanced training set can be partitioned into the paper's splits: {problem}")
 
 
-def _partitions(patients: pd.DataFrame, per_class: int, splits: Sequence[int], data_seed: int, tries: int
-                ) -> tuple[dict[int, list[tuple[int, int]]], dict[int, dict[str, int]]]:
+def _partitions(
+    patients: pd.DataFrame, per_class: int, splits: Sequence[int], data_seed: int, tries: int
+) -> tuple[dict[int, list[tuple[int, int]]], dict[int, dict[str, int]]]:
     """Each split's (abnormal, normal) quotas per site and its patient -> site assignment (equal
     quotas, e.g. splits 1 and 6, share one)."""
     quotas_of, assignment, by_quota = {}, {}, {}

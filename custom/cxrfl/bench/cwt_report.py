@@ -32,17 +32,33 @@ METHODS: dict[str, dict[str, bool]] = {
     "CWT+LWMS": {"lwms": True},
     "CWT+CWL": {"cwl": True},
 }
-SPLIT_METHODS = {**{s: ("CWT", "CWT+PLTI", "CWT+CLR") for s in TABLE_1}, **{s: ("CWT", "CWT+LWMS", "CWT+CWL") for s in TABLE_3}}
-COLORS = {CENTRAL: "black", "CWT": "tab:red", "CWT+PLTI": "tab:blue", "CWT+CLR": "tab:green",
-          "CWT+LWMS": "tab:purple", "CWT+CWL": "tab:orange"}
-DATASET_TITLES = {"nih1000": "real NIH images (../shared/data/nih1000)", "synthetic": "synthetic NIH-like cohort (cxrfl.synth)"}
+SPLIT_METHODS = {
+    **{s: ("CWT", "CWT+PLTI", "CWT+CLR") for s in TABLE_1},
+    **{s: ("CWT", "CWT+LWMS", "CWT+CWL") for s in TABLE_3},
+}
+COLORS = {
+    CENTRAL: "black",
+    "CWT": "tab:red",
+    "CWT+PLTI": "tab:blue",
+    "CWT+CLR": "tab:green",
+    "CWT+LWMS": "tab:purple",
+    "CWT+CWL": "tab:orange",
+}
+DATASET_TITLES = {
+    "nih1000": "real NIH images (../shared/data/nih1000)",
+    "synthetic": "synthetic NIH-like cohort (cxrfl.synth)",
+}
 CENTRAL_AUROC_TARGET = {"synthetic": 0.7}
 """The issue's bar for central hosting's AUROC (the real images: above chance)."""
 
 
 def _mean_sd(values: Sequence[float]) -> dict[str, Any]:
     v = [x for x in values if x is not None and math.isfinite(x)]
-    return {"mean": float(np.mean(v)) if v else None, "sd": float(np.std(v, ddof=1)) if len(v) > 1 else None, "n": len(v)}
+    return {
+        "mean": float(np.mean(v)) if v else None,
+        "sd": float(np.std(v, ddof=1)) if len(v) > 1 else None,
+        "n": len(v),
+    }
 
 
 def results_table(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -57,9 +73,19 @@ def results_table(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[st
             rs = sorted((r for r in runs if r["method"] == method and r["split"] == split), key=lambda r: r["seed"])
             acc, auc = _mean_sd([r["accuracy"] for r in rs]), _mean_sd([r["auroc"] for r in rs])
             table.setdefault(method, {})[CENTRAL_SPLIT if split == 0 else str(split)] = {
-                "accuracy_mean": acc["mean"], "accuracy_sd": acc["sd"], "auroc_mean": auc["mean"], "auroc_sd": auc["sd"],
-                "n_seeds": len(rs), "per_seed": {str(r["seed"]): {k: r.get(k) for k in (
-                    "accuracy", "auroc", "best_cycle", "cycles_run", "stopped_early", "same_as")} for r in rs}}
+                "accuracy_mean": acc["mean"],
+                "accuracy_sd": acc["sd"],
+                "auroc_mean": auc["mean"],
+                "auroc_sd": auc["sd"],
+                "n_seeds": len(rs),
+                "per_seed": {
+                    str(r["seed"]): {
+                        k: r.get(k)
+                        for k in ("accuracy", "auroc", "best_cycle", "cycles_run", "stopped_early", "same_as")
+                    }
+                    for r in rs
+                },
+            }
     return table
 
 
@@ -83,12 +109,18 @@ def _targets(runs: Sequence[dict[str, Any]], dataset: str, splits: Sequence[int]
     bar = CENTRAL_AUROC_TARGET.get(dataset)
     if bar is not None:
         st = against(auc, bar)
-        targets["central_auroc"] = {"target": f"central hosting AUROC >= {bar:.2f}",
-                                    "met": st["difference"] is not None and st["difference"] >= 0, "stats": st}
+        targets["central_auroc"] = {
+            "target": f"central hosting AUROC >= {bar:.2f}",
+            "met": st["difference"] is not None and st["difference"] >= 0,
+            "stats": st,
+        }
     else:
         st = against(auc, 0.5)
-        targets["central_auroc"] = {"target": "central hosting AUROC above chance (0.5; one-sided p < 0.05 over seeds)",
-                                    "met": st["p_one_sided"] is not None and st["p_one_sided"] < 0.05, "stats": st}
+        targets["central_auroc"] = {
+            "target": "central hosting AUROC above chance (0.5; one-sided p < 0.05 over seeds)",
+            "met": st["p_one_sided"] is not None and st["p_one_sided"] < 0.05,
+            "stats": st,
+        }
     if 5 in splits:
         t = {m: _closer(runs, 5, "CWT", "CWT+PLTI", m) for m in ("accuracy", "auroc")}
         t["target"] = "split 5: CWT+PLTI closer to central hosting (accuracy) than vanilla CWT"
@@ -126,13 +158,19 @@ def stopping(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         runs: one record per (seed, split, method); runs reported as another one (``same_as``) are not counted.
     """
     trained = _trained(runs)
-    capped = sorted((r for r in trained if not r.get("stopped_early")), key=lambda r: (r["split"], r["method"], r["seed"]))
-    return {"trained_runs": len(trained), "stopped_early": len(trained) - len(capped),
-            "reached_cap": [{k: r.get(k) for k in ("method", "split", "seed", "best_cycle", "cycles_run")} for r in capped]}
+    capped = sorted(
+        (r for r in trained if not r.get("stopped_early")), key=lambda r: (r["split"], r["method"], r["seed"])
+    )
+    return {
+        "trained_runs": len(trained),
+        "stopped_early": len(trained) - len(capped),
+        "reached_cap": [{k: r.get(k) for k in ("method", "split", "seed", "best_cycle", "cycles_run")} for r in capped],
+    }
 
 
-def summarise(runs: list[dict[str, Any]], dataset: str, splits: Sequence[int], test_images: int, seeds: int
-              ) -> dict[str, Any]:
+def summarise(
+    runs: list[dict[str, Any]], dataset: str, splits: Sequence[int], test_images: int, seeds: int
+) -> dict[str, Any]:
     """Mean +- SD per split and method, percent of central accuracy, the issue's targets, how runs stopped.
 
     Args:
@@ -151,14 +189,21 @@ def summarise(runs: list[dict[str, Any]], dataset: str, splits: Sequence[int], t
             rs = [r for r in runs if r["split"] == split and r["method"] == method]
             acc, auc = _mean_sd([r["accuracy"] for r in rs]), _mean_sd([r["auroc"] for r in rs])
             pct = 100.0 * acc["mean"] / c_acc["mean"] if acc["mean"] is not None and c_acc["mean"] else None
-            row[method] = {"accuracy": acc, "auroc": auc, "percent_of_central_accuracy": pct,
-                           "reused": sorted({r["same_as"] for r in rs if r.get("same_as")})}
+            row[method] = {
+                "accuracy": acc,
+                "auroc": auc,
+                "percent_of_central_accuracy": pct,
+                "reused": sorted({r["same_as"] for r in rs if r.get("same_as")}),
+            }
         table["splits"][str(split)] = row
     table["targets"] = _targets(runs, dataset, splits)
     table["stopping"] = stopping(runs)
     acc = c_acc["mean"] or 0.5
-    table["noise"] = {"test_images": test_images, "binomial_sd_of_accuracy": math.sqrt(acc * (1 - acc) / test_images),
-                      "seeds": seeds}
+    table["noise"] = {
+        "test_images": test_images,
+        "binomial_sd_of_accuracy": math.sqrt(acc * (1 - acc) / test_images),
+        "seeds": seeds,
+    }
     return table
 
 
@@ -177,8 +222,10 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharey="row")
-    groups = [("A: sample-size variability (Table 1)", [s for s in TABLE_1 if str(s) in summary["splits"]]),
-              ("B: label-distribution variability (Table 3)", [s for s in TABLE_3 if str(s) in summary["splits"]])]
+    groups = [
+        ("A: sample-size variability (Table 1)", [s for s in TABLE_1 if str(s) in summary["splits"]]),
+        ("B: label-distribution variability (Table 3)", [s for s in TABLE_3 if str(s) in summary["splits"]]),
+    ]
     for col, (name, splits) in enumerate(groups):
         if not splits:
             continue
@@ -192,8 +239,15 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
             for k, m in enumerate(SPLIT_METHODS[splits[0]]):
                 ys = [summary["splits"][str(s)][m][metric] for s in splits]
                 x = np.arange(len(splits)) + (k - 1) * 0.12
-                ax.errorbar(x, [y["mean"] for y in ys], yerr=[y["sd"] or 0 for y in ys], fmt="o-", capsize=3,
-                            color=COLORS[m], label=m)
+                ax.errorbar(
+                    x,
+                    [y["mean"] for y in ys],
+                    yerr=[y["sd"] or 0 for y in ys],
+                    fmt="o-",
+                    capsize=3,
+                    color=COLORS[m],
+                    label=m,
+                )
             ax.set_xticks(np.arange(len(splits)), [str(s) for s in splits])
             ax.set_xlabel("split")
             ax.set_ylabel(f"test {'accuracy' if metric == 'accuracy' else 'AUROC'}")
@@ -222,7 +276,9 @@ def plot_curves(runs: Sequence[dict[str, Any]], splits: Sequence[int], path: Pat
 
     def mean_curve(rs: list[dict[str, Any]]) -> list[float]:
         n = max((len(r.get("val_curve") or []) for r in rs), default=0)
-        return [float(np.nanmean([r["val_curve"][i] for r in rs if len(r.get("val_curve") or []) > i])) for i in range(n)]
+        return [
+            float(np.nanmean([r["val_curve"][i] for r in rs if len(r.get("val_curve") or []) > i])) for i in range(n)
+        ]
 
     fig, axes = plt.subplots(1, max(len(splits), 1), figsize=(5.5 * max(len(splits), 1), 4), squeeze=False)
     central = [r for r in runs if r["method"] == CENTRAL and r.get("val_curve")]
@@ -258,7 +314,10 @@ def result_tables(summary: dict[str, Any]) -> str:
 
     c = summary["central"]
     lines = []
-    for title, table in (("Sample-size variability (Table 1 splits)", TABLE_1), ("Label-distribution variability (Table 3 splits)", TABLE_3)):
+    for title, table in (
+        ("Sample-size variability (Table 1 splits)", TABLE_1),
+        ("Label-distribution variability (Table 3 splits)", TABLE_3),
+    ):
         splits = [s for s in table if str(s) in summary["splits"]]
         if not splits:
             continue
@@ -273,8 +332,12 @@ def result_tables(summary: dict[str, Any]) -> str:
                 same = f" [= {', '.join(r['reused'])}]" if r["reused"] else ""
                 cells.append(f"{f(r['accuracy'])} / {f(r['auroc'])} ({pct:.1f}%){same}" if pct is not None else "n/a")
             rows.append(cells)
-        lines += [f"**{title}** - test accuracy % / AUROC x 100, mean +- SD over seeds; (% of central accuracy)", "",
-                  markdown_table(["split", CENTRAL, *methods], rows), ""]
+        lines += [
+            f"**{title}** - test accuracy % / AUROC x 100, mean +- SD over seeds; (% of central accuracy)",
+            "",
+            markdown_table(["split", CENTRAL, *methods], rows),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -284,15 +347,24 @@ def _target_lines(summary: dict[str, Any]) -> list[str]:
         verdict = f"**{'met' if t['met'] else 'not met'}**"
         if key == "central_auroc":
             c = summary["central"]["auroc"]
-            lines.append(f"- {t['target']}: {verdict} (mean AUROC {c['mean']:.3f}; against {t['stats']['reference']}: "
-                         f"{format_stats(t['stats'])})" if c["mean"] is not None else f"- {t['target']}: n/a")
+            lines.append(
+                f"- {t['target']}: {verdict} (mean AUROC {c['mean']:.3f}; against {t['stats']['reference']}: "
+                f"{format_stats(t['stats'])})"
+                if c["mean"] is not None
+                else f"- {t['target']}: n/a"
+            )
             continue
         if t["met"]:
-            verdict += (", significant (one-sided p < 0.05)" if t["significant"]
-                        else " in the mean, not significant (one-sided p >= 0.05)")
+            verdict += (
+                ", significant (one-sided p < 0.05)"
+                if t["significant"]
+                else " in the mean, not significant (one-sided p >= 0.05)"
+            )
         what = "how much closer to central hosting" if key == "split5_plti" else "paired difference"
-        lines.append(f"- {t['target']}: {verdict} ({what}, accuracy: {format_stats(t['accuracy'], 100, ' points')}; "
-                     f"AUROC: {format_stats(t['auroc'], 100, ' points')})")
+        lines.append(
+            f"- {t['target']}: {verdict} ({what}, accuracy: {format_stats(t['accuracy'], 100, ' points')}; "
+            f"AUROC: {format_stats(t['auroc'], 100, ' points')})"
+        )
     return lines
 
 
@@ -303,13 +375,18 @@ def stopping_line(stop: dict[str, Any], patience: int) -> str:
         stop: :func:`stopping` of one dataset.
         patience: cycles without a lower validation loss that stopped a run.
     """
-    line = (f"- Stopping: {stop['stopped_early']} of {stop['trained_runs']} trained runs stopped after {patience} "
-            "cycles without a lower validation loss")
+    line = (
+        f"- Stopping: {stop['stopped_early']} of {stop['trained_runs']} trained runs stopped after {patience} "
+        "cycles without a lower validation loss"
+    )
     capped = stop["reached_cap"]
     if not capped:
         return line + "; none reached the cycle cap."
-    where = "; ".join(("central hosting" if r["split"] == 0 else f"split {r['split']} {r['method']}")
-                      + f" seed {r['seed']} (best cycle {r['best_cycle']} of {r['cycles_run']})" for r in capped)
+    where = "; ".join(
+        ("central hosting" if r["split"] == 0 else f"split {r['split']} {r['method']}")
+        + f" seed {r['seed']} (best cycle {r['best_cycle']} of {r['cycles_run']})"
+        for r in capped
+    )
     return line + f"; {len(capped)} reached the cycle cap with the loss still falling: {where}."
 
 
@@ -323,16 +400,26 @@ def dataset_markdown(name: str, part: dict[str, Any], patience: int) -> list[str
     """
     data, summary = part["data"], part["summary"]
     noise = summary["noise"]
-    lines = [f"## {DATASET_TITLES.get(name, name)}", "",
-             f"- Data: {data['source']}: test {data['test_images']}, validation {data['val_images']}, training "
-             f"{data['train_images']} images ({data['train_patients']} patients; {data['train_images'] // 2} abnormal + as "
-             f"many normal), split counts {json.dumps(data['splits'])}",
-             f"- Noise: {noise['test_images']} test images give a binomial SD of about "
-             f"{100 * noise['binomial_sd_of_accuracy']:.1f} accuracy points per run; {noise['seeds']} seeds.",
-             stopping_line(summary["stopping"], patience), "",
-             result_tables(summary), "### Targets", "", *_target_lines(summary), "",
-             f"![test accuracy and AUROC per split]({part['plots'][0]})", "",
-             f"![pooled validation loss per cycle]({part['plots'][1]})", ""]
+    lines = [
+        f"## {DATASET_TITLES.get(name, name)}",
+        "",
+        f"- Data: {data['source']}: test {data['test_images']}, validation {data['val_images']}, training "
+        f"{data['train_images']} images ({data['train_patients']} patients; {data['train_images'] // 2} abnormal + as "
+        f"many normal), split counts {json.dumps(data['splits'])}",
+        f"- Noise: {noise['test_images']} test images give a binomial SD of about "
+        f"{100 * noise['binomial_sd_of_accuracy']:.1f} accuracy points per run; {noise['seeds']} seeds.",
+        stopping_line(summary["stopping"], patience),
+        "",
+        result_tables(summary),
+        "### Targets",
+        "",
+        *_target_lines(summary),
+        "",
+        f"![test accuracy and AUROC per split]({part['plots'][0]})",
+        "",
+        f"![pooled validation loss per cycle]({part['plots'][1]})",
+        "",
+    ]
     return lines
 
 
@@ -356,10 +443,13 @@ def provenance(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         m = r.get("machine")
         where = f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s)" if m else "not recorded"
         machines[where] = machines.get(where, 0) + 1
-    return {"trained_runs": len(trained), "reused_runs": len(runs) - len(trained),
-            "training_seconds": round(sum(r["seconds"] for r in trained), 1),
-            "code": [{"commit": c, "dirty": d, "runs": n} for (c, d), n in code.items()],
-            "machines": [{"machine": m, "runs": n} for m, n in machines.items()]}
+    return {
+        "trained_runs": len(trained),
+        "reused_runs": len(runs) - len(trained),
+        "training_seconds": round(sum(r["seconds"] for r in trained), 1),
+        "code": [{"commit": c, "dirty": d, "runs": n} for (c, d), n in code.items()],
+        "machines": [{"machine": m, "runs": n} for m, n in machines.items()],
+    }
 
 
 def _provenance_lines(result: dict[str, Any]) -> list[str]:
@@ -367,11 +457,14 @@ def _provenance_lines(result: dict[str, Any]) -> list[str]:
     code = "; ".join(f"{code_label(c)} ({c['runs']} runs)" for c in prov["code"])
     where = "; ".join(f"{m['machine']} ({m['runs']} runs)" for m in prov["machines"])
     jobs = result["settings"].get("jobs", 1)
-    return [f"- Code: {code}", f"- Machine: {where}",
-            f"- Time: {prov['trained_runs']} runs trained ({prov['reused_runs']} more reported as an identical run), "
-            f"{prov['training_seconds'] / 3600:.1f} h of run time in {jobs} parallel process(es), so about "
-            f"{prov['training_seconds'] / 3600 / jobs:.1f} h of wall time; the last invocation {result['seconds']:.0f} s "
-            f"(load average at its start {load_text(result['machine'])})"]
+    return [
+        f"- Code: {code}",
+        f"- Machine: {where}",
+        f"- Time: {prov['trained_runs']} runs trained ({prov['reused_runs']} more reported as an identical run), "
+        f"{prov['training_seconds'] / 3600:.1f} h of run time in {jobs} parallel process(es), so about "
+        f"{prov['training_seconds'] / 3600 / jobs:.1f} h of wall time; the last invocation {result['seconds']:.0f} s "
+        f"(load average at its start {load_text(result['machine'])})",
+    ]
 
 
 def report_markdown(result: dict[str, Any]) -> str:
@@ -381,12 +474,17 @@ def report_markdown(result: dict[str, Any]) -> str:
         result: the content of ``results.json``.
     """
     machine = result["machine"]
-    lines = ["# Cyclical weight transfer: the paper's splits 1-10", "",
-             f"- Command: `{result['command']}`", *_provenance_lines(result),
-             f"- Software: {machine['platform']}, Python {machine['python']}, torch {machine['torch']}",
-             f"- Settings: `{json.dumps(result['settings'])}`",
-             "- Targets are paired over seeds (same seed: same partition, same initial weights): mean difference "
-             "[95% CI], Cohen's d_z, t-test p-values.", ""]
+    lines = [
+        "# Cyclical weight transfer: the paper's splits 1-10",
+        "",
+        f"- Command: `{result['command']}`",
+        *_provenance_lines(result),
+        f"- Software: {machine['platform']}, Python {machine['python']}, torch {machine['torch']}",
+        f"- Settings: `{json.dumps(result['settings'])}`",
+        "- Targets are paired over seeds (same seed: same partition, same initial weights): mean difference "
+        "[95% CI], Cohen's d_z, t-test p-values.",
+        "",
+    ]
     for name, part in result["datasets"].items():
         lines += dataset_markdown(name, part, result["settings"]["patience"])
     return "\n".join(lines)

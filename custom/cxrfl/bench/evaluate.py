@@ -76,8 +76,12 @@ def load_test_set(
 
 
 @torch.no_grad()
-def predict(model: torch.nn.Module, images: torch.Tensor, batch_size: int = 64,
-            compute: Compute | torch.device = torch.device("cpu")) -> np.ndarray:
+def predict(
+    model: torch.nn.Module,
+    images: torch.Tensor,
+    batch_size: int = 64,
+    compute: Compute | torch.device = torch.device("cpu"),
+) -> np.ndarray:
     """Sigmoid outputs of ``model`` on ``images`` (eval mode; the training loops' inference path).
 
     Args:
@@ -96,8 +100,12 @@ def predict(model: torch.nn.Module, images: torch.Tensor, batch_size: int = 64,
     return np.concatenate(out) if out else np.zeros((0, 0))
 
 
-def scores_on(model: torch.nn.Module, model_classes: Sequence[str], test: TestSet,
-              compute: Compute | torch.device = torch.device("cpu")) -> np.ndarray:
+def scores_on(
+    model: torch.nn.Module,
+    model_classes: Sequence[str],
+    test: TestSet,
+    compute: Compute | torch.device = torch.device("cpu"),
+) -> np.ndarray:
     """[n, K_test] scores of ``model`` for the test set's classes; NaN columns for classes it lacks.
 
     Args:

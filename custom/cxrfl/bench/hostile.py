@@ -100,14 +100,29 @@ class HostileBenchSettings:
 
     def server_config(self, seed: int, robust: str) -> SurgicalConfig:
         """The server settings of one run."""
-        train = TrainConfig(lr=self.lr, warmup_lr=self.warmup_lr, warmup_epochs=self.warmup_epochs,
-                            batch_size=self.batch_size, max_steps_per_epoch=self.steps, seed=seed)
+        train = TrainConfig(
+            lr=self.lr,
+            warmup_lr=self.warmup_lr,
+            warmup_epochs=self.warmup_epochs,
+            batch_size=self.batch_size,
+            max_steps_per_epoch=self.steps,
+            seed=seed,
+        )
         mode = None if robust == "none" else robust
-        return SurgicalConfig(num_rounds=self.rounds, min_clients=2, model_config=ModelConfig(image_size=self.image_size),
-                              train_config=train, patience=self.patience, min_clients_timeout=0, seed=seed,
-                              weighting="uniform" if mode == "median" else "samples", robust=mode,
-                              clip_norm=self.clip_norm if mode else None, evaluate_test=False,
-                              keep_round_checkpoints=False)
+        return SurgicalConfig(
+            num_rounds=self.rounds,
+            min_clients=2,
+            model_config=ModelConfig(image_size=self.image_size),
+            train_config=train,
+            patience=self.patience,
+            min_clients_timeout=0,
+            seed=seed,
+            weighting="uniform" if mode == "median" else "samples",
+            robust=mode,
+            clip_norm=self.clip_norm if mode else None,
+            evaluate_test=False,
+            keep_round_checkpoints=False,
+        )
 
 
 class HostileHost:
@@ -152,8 +167,9 @@ def _key(attack: str, robust: str, seed: int) -> str:
     return f"{attack}/{robust}/{seed}"
 
 
-def run_hostile(settings: HostileBenchSettings, out: str | Path, *, log: Log = print,
-                data_dir: str | Path | None = None) -> dict[str, Any]:
+def run_hostile(
+    settings: HostileBenchSettings, out: str | Path, *, log: Log = print, data_dir: str | Path | None = None
+) -> dict[str, Any]:
     """Run every (attack, robust option, seed) not in ``out/results.json`` yet; write ``report.md``.
 
     Args:
@@ -173,14 +189,28 @@ def run_hostile(settings: HostileBenchSettings, out: str | Path, *, log: Log = p
     plain = json.loads(json.dumps(asdict(settings)))  # as results.json holds them (lists, not tuples)
     if results.get("settings", plain) != plain:
         raise ConfigError(f"{path} holds runs of other settings; use another --out or remove it")
-    data = prepare(settings.profile, Path(data_dir) if data_dir else out / "data", image_size=settings.image_size,
-                   n_per_site=settings.pool, n_sites=settings.sites)
+    data = prepare(
+        settings.profile,
+        Path(data_dir) if data_dir else out / "data",
+        image_size=settings.image_size,
+        n_per_site=settings.pool,
+        n_sites=settings.sites,
+    )
     if not data.external:
         raise ConfigError(f"profile {settings.profile} has no external test set to score the models on")
-    tests = {n: load_test_set(d, kind="external", classes=data.union, image_size=settings.image_size)
-             for n, d in data.external.items()}
-    results.update(settings=asdict(settings), profile=data.profile, hostile=data.sites[0].site, notes=data.notes,
-                   code=code_version(), machine=machine(torch.device("cpu")), command_line=command_line())
+    tests = {
+        n: load_test_set(d, kind="external", classes=data.union, image_size=settings.image_size)
+        for n, d in data.external.items()
+    }
+    results.update(
+        settings=asdict(settings),
+        profile=data.profile,
+        hostile=data.sites[0].site,
+        notes=data.notes,
+        code=code_version(),
+        machine=machine(torch.device("cpu")),
+        command_line=command_line(),
+    )
     start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="cxrfl-hostile-"))
     try:
@@ -194,9 +224,11 @@ def run_hostile(settings: HostileBenchSettings, out: str | Path, *, log: Log = p
                     run["code"] = results["code"]  # a run resumed in a later session may run other code
                     results["runs"][_key(attack, robust, seed)] = run
                     path.write_text(json.dumps(results, indent=1, default=json_default))
-                    log(f"[{time.perf_counter() - start:7.0f}s] seed {seed} attack {attack} robust {robust}: "
+                    log(
+                        f"[{time.perf_counter() - start:7.0f}s] seed {seed} attack {attack} robust {robust}: "
                         f"mean AUROC {_num(run['mean_auroc'])} (best round {run['best_round']}, "
-                        f"rejected {run['rejected']})")
+                        f"rejected {run['rejected']})"
+                    )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     (out / "report.md").write_text(format_report(results))
@@ -204,8 +236,16 @@ def run_hostile(settings: HostileBenchSettings, out: str | Path, *, log: Log = p
     return results
 
 
-def _run_one(settings: HostileBenchSettings, data: Any, tests: Mapping[str, Any], attack: str, robust: str, seed: int,
-             work: Path, warmups: WarmupCache) -> dict[str, Any]:
+def _run_one(
+    settings: HostileBenchSettings,
+    data: Any,
+    tests: Mapping[str, Any],
+    attack: str,
+    robust: str,
+    seed: int,
+    work: Path,
+    warmups: WarmupCache,
+) -> dict[str, Any]:
     """One run; the hostile site (the first) trains honestly and alters what it sends."""
     folder = work / f"{attack}-{robust}-{seed}"
     hosts: dict[str, Any] = make_hosts(data.sites, folder / "sites", warmups=warmups)
@@ -218,9 +258,17 @@ def _run_one(settings: HostileBenchSettings, data: Any, tests: Mapping[str, Any]
     records = [json.loads(line) for line in (folder / "server" / "cxrfl" / "rounds.jsonl").read_text().splitlines()]
     rejected = sum(bad in (r.get("rejected") or {}) for r in records)
     auroc = mean_auroc(result, config.model_config, tests)
-    run = {"attack": attack, "robust": robust, "seed": seed, "best_round": result.best_round, "rounds": result.rounds,
-           "mean_auroc": auroc, "rejected": rejected,
-           "val_loss": result.curve("mean_val_loss"), "seconds": time.perf_counter() - started}
+    run = {
+        "attack": attack,
+        "robust": robust,
+        "seed": seed,
+        "best_round": result.best_round,
+        "rounds": result.rounds,
+        "mean_auroc": auroc,
+        "rejected": rejected,
+        "val_loss": result.curve("mean_val_loss"),
+        "seconds": time.perf_counter() - started,
+    }
     shutil.rmtree(folder, ignore_errors=True)
     return run
 
@@ -259,8 +307,15 @@ def summarise(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         cell["rejected"] += r["rejected"]
         if r["mean_auroc"] is not None and honest.get(r["seed"]) is not None:
             cell["deltas"].append(r["mean_auroc"] - honest[r["seed"]])
-    return {k: {"mean_auroc": _mean(v["aurocs"]), "change": _mean(v["deltas"]), "seeds": len(v["aurocs"]),
-                "rejected": v["rejected"]} for k, v in out.items()}
+    return {
+        k: {
+            "mean_auroc": _mean(v["aurocs"]),
+            "change": _mean(v["deltas"]),
+            "seeds": len(v["aurocs"]),
+            "rejected": v["rejected"],
+        }
+        for k, v in out.items()
+    }
 
 
 def format_report(results: Mapping[str, Any]) -> str:
@@ -270,27 +325,37 @@ def format_report(results: Mapping[str, Any]) -> str:
         results: what :func:`run_hostile` writes.
     """
     s, cells = results["settings"], summarise(results)
-    lines = [f"# One hostile site among {s['sites']} ({results['profile']})", "",
-             f"Site {results['hostile']} alters every update it sends (scale: x{SCALE:g}; sign: x-1; nan: NaN weights; "
-             f"count: claims {CLAIMED:.0e} images). {s['seeds']} seed(s), {s['image_size']} px, rounds until the mean "
-             f"validation loss has not improved for {s['patience']} (at most {s['rounds']}); clip_norm "
-             f"{_clip_text(s['clip_norm'])}; "
-             "weighting by samples except median (unweighted). Cell: the selected global model's mean test AUROC on the "
-             "external set (a class it lacks or scores with NaN: 0.5), its change against the honest run (no "
-             "attack, no robust "
-             "option) of the same seed, and how many of the hostile site's results were rejected.", "",
-             "| attack | " + " | ".join(s["robust"]) + " |", "| --- |" + " --- |" * len(s["robust"])]
+    lines = [
+        f"# One hostile site among {s['sites']} ({results['profile']})",
+        "",
+        f"Site {results['hostile']} alters every update it sends (scale: x{SCALE:g}; sign: x-1; nan: NaN weights; "
+        f"count: claims {CLAIMED:.0e} images). {s['seeds']} seed(s), {s['image_size']} px, rounds until the mean "
+        f"validation loss has not improved for {s['patience']} (at most {s['rounds']}); clip_norm "
+        f"{_clip_text(s['clip_norm'])}; "
+        "weighting by samples except median (unweighted). Cell: the selected global model's mean test AUROC on the "
+        "external set (a class it lacks or scores with NaN: 0.5), its change against the honest run (no "
+        "attack, no robust "
+        "option) of the same seed, and how many of the hostile site's results were rejected.",
+        "",
+        "| attack | " + " | ".join(s["robust"]) + " |",
+        "| --- |" + " --- |" * len(s["robust"]),
+    ]
     for attack in s["attacks"]:
         row = []
         for robust in s["robust"]:
             c = cells.get(f"{attack}/{robust}")
-            row.append("-" if c is None else f"{_num(c['mean_auroc'])} ({_signed(c['change'])}; {c['rejected']} rejected)")
+            row.append(
+                "-" if c is None else f"{_num(c['mean_auroc'])} ({_signed(c['change'])}; {c['rejected']} rejected)"
+            )
         lines.append(f"| {attack} | " + " | ".join(row) + " |")
     codes = sorted({code_label(r.get("code") or results.get("code") or {}) for r in results["runs"].values()})
     where = results.get("machine") or {}
-    lines += ["", f"Code {', '.join(codes)}; {where.get('cpu', '?')} ({where.get('cpu_capability', '?')}, native bf16: "
-              f"{where.get('native_bf16', '?')}), {where.get('torch_threads', '?')} torch thread(s)."
-              + (f" Command: `{results['command_line']}`." if results.get("command_line") else "")]
+    lines += [
+        "",
+        f"Code {', '.join(codes)}; {where.get('cpu', '?')} ({where.get('cpu_capability', '?')}, native bf16: "
+        f"{where.get('native_bf16', '?')}), {where.get('torch_threads', '?')} torch thread(s)."
+        + (f" Command: `{results['command_line']}`." if results.get("command_line") else ""),
+    ]
     return "\n".join(lines + [""] + [f"- {n}" for n in results.get("notes", [])]) + "\n"
 
 

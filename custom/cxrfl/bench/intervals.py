@@ -246,14 +246,27 @@ def paired_comparison(
     y = np.array([b[k] for k in keys], dtype=float)
     diff = x - y
     n = len(keys)
-    out: dict[str, Any] = {"n": n, "keys": keys, "difference": float(diff.mean()) if n else None, "ci": None,
-                           "sd": float(diff.std(ddof=1)) if n >= 2 else None, "d_z": None, "t": None, "p": None,
-                           "wilcoxon_p": None, "shapiro_p": None}
+    out: dict[str, Any] = {
+        "n": n,
+        "keys": keys,
+        "difference": float(diff.mean()) if n else None,
+        "ci": None,
+        "sd": float(diff.std(ddof=1)) if n >= 2 else None,
+        "d_z": None,
+        "t": None,
+        "p": None,
+        "wilcoxon_p": None,
+        "shapiro_p": None,
+    }
     if n >= 2 and np.ptp(diff) > _TIE:
         test = stats.ttest_rel(x, y)
         lower, upper = test.confidence_interval(1 - alpha)
-        out.update(t=float(test.statistic), p=float(test.pvalue), ci=(float(lower), float(upper)),
-                   d_z=float(diff.mean() / diff.std(ddof=1)))
+        out.update(
+            t=float(test.statistic),
+            p=float(test.pvalue),
+            ci=(float(lower), float(upper)),
+            d_z=float(diff.mean() / diff.std(ddof=1)),
+        )
         if n >= 3:
             out["shapiro_p"] = float(stats.shapiro(diff).pvalue)
     if np.any(np.abs(diff) > _TIE):

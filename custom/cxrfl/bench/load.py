@@ -150,8 +150,16 @@ class PeakMemory(threading.Thread):
                 if "simulator_worker" in cmd:
                     continue
                 server, pss = server + mem.rss, pss + mem.pss
-                peak = self.processes.setdefault(p.pid, {"role": "main" if p.pid == self.proc.pid else "forked",
-                                                         "cmd": cmd[-120:], "rss": 0, "pss": 0, "uss": 0})
+                peak = self.processes.setdefault(
+                    p.pid,
+                    {
+                        "role": "main" if p.pid == self.proc.pid else "forked",
+                        "cmd": cmd[-120:],
+                        "rss": 0,
+                        "pss": 0,
+                        "uss": 0,
+                    },
+                )
                 for key in ("rss", "pss", "uss"):
                     peak[key] = max(peak[key], getattr(mem, key))
             phase = self.phases.setdefault(self._phase(), {"rss": 0, "pss": 0})
@@ -168,10 +176,21 @@ class PeakMemory(threading.Thread):
     def breakdown(self) -> dict[str, Any]:
         """Peaks in MB: per server-side process (RSS, PSS, USS) and per phase (summed RSS and PSS)."""
         mb = lambda b: round(b / 2**20, 1)  # noqa: E731
-        return {"processes": [{"pid": pid, "role": p["role"], "cmd": p["cmd"],
-                               **{f"peak_{k}_mb": mb(p[k]) for k in ("rss", "pss", "uss")}}
-                              for pid, p in sorted(self.processes.items()) if p["rss"]],
-                "phases": {name: {"peak_rss_mb": mb(v["rss"]), "peak_pss_mb": mb(v["pss"])} for name, v in self.phases.items()}}
+        return {
+            "processes": [
+                {
+                    "pid": pid,
+                    "role": p["role"],
+                    "cmd": p["cmd"],
+                    **{f"peak_{k}_mb": mb(p[k]) for k in ("rss", "pss", "uss")},
+                }
+                for pid, p in sorted(self.processes.items())
+                if p["rss"]
+            ],
+            "phases": {
+                name: {"peak_rss_mb": mb(v["rss"]), "peak_pss_mb": mb(v["pss"])} for name, v in self.phases.items()
+            },
+        }
 
 
 def make_job(out: Path, s: LoadSettings) -> Path:
@@ -183,9 +202,20 @@ def make_job(out: Path, s: LoadSettings) -> Path:
     """
     from cxrfl.deploy.jobs import build_job
 
-    return build_job("surgical_agg", out, mode="readme", overrides={
-        "num_rounds": s.rounds, "patience": s.rounds + 1, "min_clients": 2, "model_config.image_size": s.image_size,
-        "train_config.warmup_epochs": 1, "train_config.batch_size": 8, "train_config.max_steps_per_epoch": s.steps})
+    return build_job(
+        "surgical_agg",
+        out,
+        mode="readme",
+        overrides={
+            "num_rounds": s.rounds,
+            "patience": s.rounds + 1,
+            "min_clients": 2,
+            "model_config.image_size": s.image_size,
+            "train_config.warmup_epochs": 1,
+            "train_config.batch_size": 8,
+            "train_config.max_steps_per_epoch": s.steps,
+        },
+    )
 
 
 def records_path(work: Path) -> Path:
@@ -195,8 +225,17 @@ def records_path(work: Path) -> Path:
 
 def _simulate(job: Path, sites: list[str], work: Path, s: LoadSettings) -> tuple[list[str], int, PeakMemory, float]:
     env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(work / "data"), "OMP_NUM_THREADS": "1"}
-    cmd = [str(Path(sys.executable).with_name("nvflare")), "simulator", str(job), "-w", str(work / "ws"),
-           "-c", ",".join(sites), "-t", str(s.threads)]
+    cmd = [
+        str(Path(sys.executable).with_name("nvflare")),
+        "simulator",
+        str(job),
+        "-w",
+        str(work / "ws"),
+        "-c",
+        ",".join(sites),
+        "-t",
+        str(s.threads),
+    ]
     start = time.perf_counter()
     with open(work / "simulator.log", "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -207,8 +246,14 @@ def _simulate(job: Path, sites: list[str], work: Path, s: LoadSettings) -> tuple
     return cmd, rc, peak, time.perf_counter() - start
 
 
-def run_load(s: LoadSettings, out: str | Path, work: str | Path, *, command: str | None = None,
-             log: Callable[[str], None] = logger.info) -> dict[str, Any]:
+def run_load(
+    s: LoadSettings,
+    out: str | Path,
+    work: str | Path,
+    *,
+    command: str | None = None,
+    log: Callable[[str], None] = logger.info,
+) -> dict[str, Any]:
     """Run the load benchmark; write ``OUT/load_<sites>.json`` (and return it).
 
     Args:
@@ -234,7 +279,9 @@ def run_load(s: LoadSettings, out: str | Path, work: str | Path, *, command: str
         "simulator": " ".join(cmd),
         "rc": rc,
         "sites": sites,
-        "distinct_label_sets": len({tuple(v) for v in label_sets(records[0]["contributors"]).values()}) if records else 0,
+        "distinct_label_sets": len({tuple(v) for v in label_sets(records[0]["contributors"]).values()})
+        if records
+        else 0,
         "rounds_completed": [r["round"] for r in train if r["aggregated"]],
         "round_seconds": [round(r["seconds"], 1) for r in train],
         "sites_per_round": [len(r["sites_aggregated"]) for r in train],
@@ -245,7 +292,7 @@ def run_load(s: LoadSettings, out: str | Path, work: str | Path, *, command: str
         "server_memory": peak.breakdown(),
         "wall_seconds": round(wall, 1),
         "machine": f"{psutil.cpu_count()} CPU cores, {round(psutil.virtual_memory().total / 2**30)} GiB, "
-                   f"Python {platform.python_version()}; load average at start {load_before[0]:.1f}",
+        f"Python {platform.python_version()}; load average at start {load_before[0]:.1f}",
         "settings": {**asdict(s), "work": str(work), "out": str(out)},
     }
     path = write_json(Path(out) / f"load_{s.sites}.json", result)

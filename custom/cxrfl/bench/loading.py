@@ -139,8 +139,9 @@ def _epoch_rate(loader: Any, device: Any) -> float:
     return images / (time.perf_counter() - start)
 
 
-def loader_rates(paths: Sequence[Path], s: LoadingSettings, workers: int, device: Any,
-                 cache_root: Path) -> dict[str, Any]:
+def loader_rates(
+    paths: Sequence[Path], s: LoadingSettings, workers: int, device: Any, cache_root: Path
+) -> dict[str, Any]:
     """Images/s of one worker count: ``files`` (no cache), ``cold`` (first epoch, empty cache), ``warm`` (later epochs).
 
     Args:
@@ -157,8 +158,16 @@ def loader_rates(paths: Sequence[Path], s: LoadingSettings, workers: int, device
     table = pd.DataFrame({"path": [str(p) for p in paths], "A": 1.0})
 
     def loader(cache_dir: Path | None) -> Any:
-        return make_loader(table, ["A"], image_size=s.image_size, train=True, batch_size=s.batch_size,
-                           num_workers=workers, cache_dir=cache_dir, device=device)
+        return make_loader(
+            table,
+            ["A"],
+            image_size=s.image_size,
+            train=True,
+            batch_size=s.batch_size,
+            num_workers=workers,
+            cache_dir=cache_dir,
+            device=device,
+        )
 
     files = _epoch_rate(loader(None), device)
     cached = loader(cache_root)
@@ -182,9 +191,14 @@ def model_rate(s: LoadingSettings, device: Any) -> dict[str, Any]:
 
     compute = resolve("auto", "auto", device)
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(s.batch_size, 3, s.image_size, s.image_size, generator=g),
-                (torch.rand(s.batch_size, 14, generator=g) > 0.8).float(), torch.ones(s.batch_size, 14))
-               for _ in range(s.model_steps)]
+    batches = [
+        (
+            torch.randn(s.batch_size, 3, s.image_size, s.image_size, generator=g),
+            (torch.rand(s.batch_size, 14, generator=g) > 0.8).float(),
+            torch.ones(s.batch_size, 14),
+        )
+        for _ in range(s.model_steps)
+    ]
     torch.manual_seed(0)
     model = build_model(ModelConfig(image_size=s.image_size), 14)
     opt = adam(model, 1e-4)
@@ -216,8 +230,12 @@ def loading_benchmark(s: LoadingSettings, work: Path, log: Callable[[str], None]
     if unknown:
         raise ValueError(f"unknown image format(s) {unknown}; use some of {sorted(FORMATS)}")
     device = select_device(s.device)
-    out: dict[str, Any] = {"settings": {**asdict(s), "workers": worker_counts(s)}, "device": str(device),
-                           "auto_workers": resolve_workers("auto"), "formats": {}}
+    out: dict[str, Any] = {
+        "settings": {**asdict(s), "workers": worker_counts(s)},
+        "device": str(device),
+        "auto_workers": resolve_workers("auto"),
+        "formats": {},
+    }
     with torch_threads(s.threads or torch.get_num_threads()):
         out["model"] = model_rate(s, device)
         log(f"loading: model trains at {out['model']['images_per_second']:.1f} images/s ({out['model']['compute']})")
@@ -228,12 +246,17 @@ def loading_benchmark(s: LoadingSettings, work: Path, log: Callable[[str], None]
                 root = work / f"cache-{fmt}-{w}"
                 rows[str(w)] = loader_rates(paths, s, w, device, root)
                 r = rows[str(w)]
-                log(f"loading {fmt}, {w} worker(s): files {r['files']:.1f}, cold {r['cold']:.1f}, "
-                    f"warm {r['warm_mean']:.1f} images/s")
+                log(
+                    f"loading {fmt}, {w} worker(s): files {r['files']:.1f}, cold {r['cold']:.1f}, "
+                    f"warm {r['warm_mean']:.1f} images/s"
+                )
             files, size = cache_size(root)
-            out["formats"][fmt] = {"description": FORMATS[fmt], "workers": rows,
-                                   "file_mb_per_image": sum(p.stat().st_size for p in paths) / len(paths) / 1e6,
-                                   "cache_mb_per_1000_images": size / files * 1000 / 1e6 if files else None}
+            out["formats"][fmt] = {
+                "description": FORMATS[fmt],
+                "workers": rows,
+                "file_mb_per_image": sum(p.stat().st_size for p in paths) / len(paths) / 1e6,
+                "cache_mb_per_1000_images": size / files * 1000 / 1e6 if files else None,
+            }
     return out
 
 
@@ -254,8 +277,13 @@ def loading_summary(res: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"model_img_s": res["model"]["images_per_second"], "device": res["device"]}
     for fmt, f in res["formats"].items():
         w, row = _best(f["workers"], res["auto_workers"])
-        out[fmt] = {"workers": int(w), "files_img_s": row["files"], "cold_img_s": row["cold"],
-                    "warm_img_s": row["warm_mean"], "cache_mb_per_1000": f["cache_mb_per_1000_images"]}
+        out[fmt] = {
+            "workers": int(w),
+            "files_img_s": row["files"],
+            "cold_img_s": row["cold"],
+            "warm_img_s": row["warm_mean"],
+            "cache_mb_per_1000": f["cache_mb_per_1000_images"],
+        }
     return out
 
 
@@ -269,19 +297,37 @@ def format_loading(res: dict[str, Any]) -> list[str]:
     if not load:
         return []
     s, model = load["settings"], load["model"]
-    lines = ["### Loading: the input pipeline against the model", "",
-             f"Training loader alone (augmentation on), {s['image_size']} px, batch {s['batch_size']}, {s['n_images']} "
-             f"synthetic images per format, on {load['device']} (`auto` = {load['auto_workers']} worker(s) here); "
-             f"the model (DenseNet121, {model['compute']}) trains at **{model['images_per_second']:.1f} images/s** "
-             "from in-memory tensors. `files`: no cache (decoded every epoch); `cold`: first epoch, cache empty; "
-             f"`warm`: later epochs (mean of {s['warm_epochs']}).", ""]
-    rows = [[fmt, str(w), f"{r['files']:.1f}", f"{r['cold']:.1f}", f"{r['warm_mean']:.1f}",
-             f"{r['warm_mean'] / model['images_per_second']:.1f}x"]
-            for fmt, f in load["formats"].items() for w, r in f["workers"].items()]
-    lines.append(markdown_table(["images", "workers", "files (img/s)", "cold (img/s)", "warm (img/s)", "warm / model"], rows))
-    sizes = "; ".join(f"{fmt}: {f['file_mb_per_image']:.2f} MB per source file, cache "
-                      f"{f['cache_mb_per_1000_images']:.0f} MB per 1,000 images" for fmt, f in load["formats"].items()
-                      if f["cache_mb_per_1000_images"] is not None)
+    lines = [
+        "### Loading: the input pipeline against the model",
+        "",
+        f"Training loader alone (augmentation on), {s['image_size']} px, batch {s['batch_size']}, {s['n_images']} "
+        f"synthetic images per format, on {load['device']} (`auto` = {load['auto_workers']} worker(s) here); "
+        f"the model (DenseNet121, {model['compute']}) trains at **{model['images_per_second']:.1f} images/s** "
+        "from in-memory tensors. `files`: no cache (decoded every epoch); `cold`: first epoch, cache empty; "
+        f"`warm`: later epochs (mean of {s['warm_epochs']}).",
+        "",
+    ]
+    rows = [
+        [
+            fmt,
+            str(w),
+            f"{r['files']:.1f}",
+            f"{r['cold']:.1f}",
+            f"{r['warm_mean']:.1f}",
+            f"{r['warm_mean'] / model['images_per_second']:.1f}x",
+        ]
+        for fmt, f in load["formats"].items()
+        for w, r in f["workers"].items()
+    ]
+    lines.append(
+        markdown_table(["images", "workers", "files (img/s)", "cold (img/s)", "warm (img/s)", "warm / model"], rows)
+    )
+    sizes = "; ".join(
+        f"{fmt}: {f['file_mb_per_image']:.2f} MB per source file, cache "
+        f"{f['cache_mb_per_1000_images']:.0f} MB per 1,000 images"
+        for fmt, f in load["formats"].items()
+        if f["cache_mb_per_1000_images"] is not None
+    )
     return lines + ["", f"Disk: {sizes}.", ""]
 
 
@@ -300,9 +346,11 @@ def loading_verdicts(res: dict[str, Any]) -> list[str]:
     for fmt in load["formats"]:
         row = summary[fmt]
         ratio = row["warm_img_s"] / model
-        out.append(f"{fmt}: with the cache warm the loader ({row['workers']} worker(s)) delivers at least 3x the "
-                   f"model's training images/s on {load['device']}: {'**MET**' if ratio >= 3 else '**NOT MET**'} "
-                   f"({row['warm_img_s']:.1f} vs {model:.1f} images/s = {ratio:.1f}x; first epoch "
-                   f"{row['cold_img_s']:.1f}, without the cache {row['files_img_s']:.1f} images/s; cache "
-                   f"{row['cache_mb_per_1000']:.0f} MB per 1,000 images).")
+        out.append(
+            f"{fmt}: with the cache warm the loader ({row['workers']} worker(s)) delivers at least 3x the "
+            f"model's training images/s on {load['device']}: {'**MET**' if ratio >= 3 else '**NOT MET**'} "
+            f"({row['warm_img_s']:.1f} vs {model:.1f} images/s = {ratio:.1f}x; first epoch "
+            f"{row['cold_img_s']:.1f}, without the cache {row['files_img_s']:.1f} images/s; cache "
+            f"{row['cache_mb_per_1000']:.0f} MB per 1,000 images)."
+        )
     return out

@@ -76,8 +76,15 @@ BY_NAME = {m.name: m for m in METHODS}
 REFERENCE = "surgical-fedavg"
 """The method p-values are computed against (surgical aggregation as the default job runs it)."""
 
-DEFAULT_METHODS: tuple[str, ...] = ("individual", "pfl-fedavg", "centralized", "vanilla-fedavg", "partial-fedavg",
-                                    "surgical-fedavg", "surgical-fedbn")
+DEFAULT_METHODS: tuple[str, ...] = (
+    "individual",
+    "pfl-fedavg",
+    "centralized",
+    "vanilla-fedavg",
+    "partial-fedavg",
+    "surgical-fedavg",
+    "surgical-fedbn",
+)
 """What a comparison runs by default (issue 14): the baselines, the existing methods and surgical
 aggregation with FedAvg and with FedBN."""
 
@@ -107,8 +114,10 @@ def select(names: list[str] | tuple[str, ...] | None, *, pretrained: bool = Fals
         raise ConfigError(f"unknown method(s) {unknown}; available: {', '.join(BY_NAME)}")
     needs = [n for n in names if BY_NAME[n].needs_pretrained]
     if needs and not pretrained:
-        raise ConfigError(f"method(s) {', '.join(needs)} use FedBN+, BatchNorm frozen at the statistics of a pretrained "
-                          "feature extractor: give --pretrained CHECKPOINT (e.g. ImageNet DenseNet121 weights), or use "
-                          "the FedAvg / FedBN variants when training from scratch")
+        raise ConfigError(
+            f"method(s) {', '.join(needs)} use FedBN+, BatchNorm frozen at the statistics of a pretrained "
+            "feature extractor: give --pretrained CHECKPOINT (e.g. ImageNet DenseNet121 weights), or use "
+            "the FedAvg / FedBN variants when training from scratch"
+        )
     wanted = set(names) | {REFERENCE}
     return [m for m in METHODS if m.name in wanted]

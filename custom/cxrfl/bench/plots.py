@@ -94,10 +94,12 @@ def roc_curves(results: dict[str, Any], tests: dict[str, Any], store: Any, view:
         ax.set_xlabel("false positive rate", fontsize=8)
         ax.set_ylabel("true positive rate", fontsize=8)
         ax.legend(fontsize=7, loc="lower right")
-    for ax in axes.ravel()[len(panels):]:
+    for ax in axes.ravel()[len(panels) :]:
         ax.axis("off")
-    fig.suptitle(f"{results['profile']}: ROC curves of the global models on {view} (seed {seed}, one curve per class)",
-                 fontsize=10)
+    fig.suptitle(
+        f"{results['profile']}: ROC curves of the global models on {view} (seed {seed}, one curve per class)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -122,8 +124,15 @@ def learning_curves(results: dict[str, Any], path: Path) -> None:
                 ys = [np.nan if v is None else v for v in run.get(key) or []]
                 if not ys:
                     continue
-                ax.plot(xs, ys, color=colour, lw=0.9, alpha=0.7, ls="-" if i < len(colours) else "--",
-                        label=d["label"] if k == 0 else None)
+                ax.plot(
+                    xs,
+                    ys,
+                    color=colour,
+                    lw=0.9,
+                    alpha=0.7,
+                    ls="-" if i < len(colours) else "--",
+                    label=d["label"] if k == 0 else None,
+                )
                 if run.get("best_round") in xs:
                     j = xs.index(run["best_round"])
                     ax.plot([xs[j]], [ys[j]], "o", color=colour, markersize=4)

@@ -69,8 +69,12 @@ def pretrain_backbone(
     torch.manual_seed(seed)
     model = build_model(mc, len(data.classes))
     opt = adam(model, lr)
-    train = make_loader(data.split_table("train"), data.classes, image_size=image_size, train=True, batch_size=batch_size, seed=seed)
-    val = make_loader(data.split_table("val"), data.classes, image_size=image_size, train=False, batch_size=64, cache=True)
+    train = make_loader(
+        data.split_table("train"), data.classes, image_size=image_size, train=True, batch_size=batch_size, seed=seed
+    )
+    val = make_loader(
+        data.split_table("val"), data.classes, image_size=image_size, train=False, batch_size=64, cache=True
+    )
     done, chunk = 0, 50
     res = None
     while done < steps:
@@ -78,11 +82,21 @@ def pretrain_backbone(
         stats = train_epochs(model, train, opt, torch.device("cpu"), max_steps=n, desc=f"pretrain {done}/{steps}")
         done += stats.steps
         res = evaluate(model, val, data.classes, torch.device("cpu"))
-        log(f"pretrain step {done}/{steps}: train loss {stats.loss:.3f}, val loss {res.loss:.3f}, "
-            f"val mean AUROC {res.mean_auroc:.3f} ({time.perf_counter() - start:.0f}s)")
-    summary = {"steps": done, "val_loss": res.loss if res else None, "val_mean_auroc": res.mean_auroc if res else None,
-               "val_auroc": res.aurocs if res else None, "images": len(data.table), "seconds": time.perf_counter() - start,
-               "seed": seed, "image_size": image_size, "cohort": "pretrain-pool (community style, 20 findings)"}
+        log(
+            f"pretrain step {done}/{steps}: train loss {stats.loss:.3f}, val loss {res.loss:.3f}, "
+            f"val mean AUROC {res.mean_auroc:.3f} ({time.perf_counter() - start:.0f}s)"
+        )
+    summary = {
+        "steps": done,
+        "val_loss": res.loss if res else None,
+        "val_mean_auroc": res.mean_auroc if res else None,
+        "val_auroc": res.aurocs if res else None,
+        "images": len(data.table),
+        "seconds": time.perf_counter() - start,
+        "seed": seed,
+        "image_size": image_size,
+        "cohort": "pretrain-pool (community style, 20 findings)",
+    }
     save_checkpoint(out, model, classes=list(data.classes), model_config=mc, extra={"pretrain": summary})
     log(f"wrote {out}")
     return summary

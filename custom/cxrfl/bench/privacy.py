@@ -108,11 +108,25 @@ class PrivacyBenchSettings:
 
     def server_config(self, seed: int) -> SurgicalConfig:
         """The server settings of one run."""
-        train = TrainConfig(lr=self.lr, warmup_lr=self.warmup_lr, warmup_epochs=self.warmup_epochs, batch_size=self.batch_size,
-                            max_steps_per_epoch=self.steps, seed=seed)
-        return SurgicalConfig(num_rounds=self.rounds, min_clients=2, model_config=ModelConfig(image_size=self.image_size),
-                              train_config=train, patience=self.patience, min_clients_timeout=0, seed=seed,
-                              evaluate_test=False, keep_round_checkpoints=False)
+        train = TrainConfig(
+            lr=self.lr,
+            warmup_lr=self.warmup_lr,
+            warmup_epochs=self.warmup_epochs,
+            batch_size=self.batch_size,
+            max_steps_per_epoch=self.steps,
+            seed=seed,
+        )
+        return SurgicalConfig(
+            num_rounds=self.rounds,
+            min_clients=2,
+            model_config=ModelConfig(image_size=self.image_size),
+            train_config=train,
+            patience=self.patience,
+            min_clients_timeout=0,
+            seed=seed,
+            evaluate_test=False,
+            keep_round_checkpoints=False,
+        )
 
 
 class FilteredHost:
@@ -126,7 +140,9 @@ class FilteredHost:
         tag: entries every row carries (option, seed).
     """
 
-    def __init__(self, host: Any, privacy: Mapping[str, Any], rows: list[dict[str, Any]], tag: Mapping[str, Any]) -> None:
+    def __init__(
+        self, host: Any, privacy: Mapping[str, Any], rows: list[dict[str, Any]], tag: Mapping[str, Any]
+    ) -> None:
         from cxrfl.fl.privacy import make_inner_filter
 
         self.host = host
@@ -150,8 +166,9 @@ class FilteredHost:
         return self.host.scalars(task, answer)
 
 
-def filter_update(inner: Any, result: Mapping[str, Any], received: Mapping[str, Any], rnd: int
-                  ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def filter_update(
+    inner: Any, result: Mapping[str, Any], received: Mapping[str, Any], rnd: int
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """A site's answer through a filter as :class:`cxrfl.fl.privacy.UpdatePrivacy` sends it, and
     its measurement (round, per-part fidelity, SVT epsilon of the call and of the run so far).
 
@@ -169,8 +186,9 @@ def filter_update(inner: Any, result: Mapping[str, Any], received: Mapping[str, 
     return sent, {"round": rnd, "parts": parts, "epsilon": eps_call, "epsilon_run": eps_run}
 
 
-def sample_updates(site: SiteData, model_config: ModelConfig, train_config: TrainConfig, state_dir: str | Path
-                   ) -> list[tuple[str, dict[str, np.ndarray], dict[str, np.ndarray]]]:
+def sample_updates(
+    site: SiteData, model_config: ModelConfig, train_config: TrainConfig, state_dir: str | Path
+) -> list[tuple[str, dict[str, np.ndarray], dict[str, np.ndarray]]]:
     """A site's real head warm-up and first round: ``(phase, received, result)`` each.
 
     Args:
@@ -199,8 +217,9 @@ def _mean_auroc(result: Any, model_config: ModelConfig, tests: Mapping[str, Any]
     return float(np.mean(means)) if means else None
 
 
-def run_privacy(settings: PrivacyBenchSettings, out: str | Path, *, log: Log = print,
-                data_dir: str | Path | None = None) -> dict[str, Any]:
+def run_privacy(
+    settings: PrivacyBenchSettings, out: str | Path, *, log: Log = print, data_dir: str | Path | None = None
+) -> dict[str, Any]:
     """Run every option for every seed; write ``results.json`` and ``report.md``.
 
     Args:
@@ -219,8 +238,10 @@ def run_privacy(settings: PrivacyBenchSettings, out: str | Path, *, log: Log = p
     data = prepare(settings.profile, Path(data_dir) if data_dir else out / "data", image_size=settings.image_size)
     if not data.external:
         raise ConfigError(f"profile {settings.profile} has no external test set to score the models on")
-    tests = {n: load_test_set(d, kind="external", classes=data.union, image_size=settings.image_size)
-             for n, d in data.external.items()}
+    tests = {
+        n: load_test_set(d, kind="external", classes=data.union, image_size=settings.image_size)
+        for n, d in data.external.items()
+    }
     rows: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix="cxrfl-privacy-"))
@@ -229,14 +250,24 @@ def run_privacy(settings: PrivacyBenchSettings, out: str | Path, *, log: Log = p
             warmups = WarmupCache()
             for name in settings.options:
                 runs.append(_run_option(name, seed, settings, data.sites, tests, work, warmups, rows))
-                log(f"[{time.perf_counter() - start:7.0f}s] seed {seed} {name}: mean AUROC "
-                    f"{_num(runs[-1]['mean_auroc'])} (best round {runs[-1]['best_round']})")
+                log(
+                    f"[{time.perf_counter() - start:7.0f}s] seed {seed} {name}: mean AUROC "
+                    f"{_num(runs[-1]['mean_auroc'])} (best round {runs[-1]['best_round']})"
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    results = {"settings": asdict(settings), "profile": data.profile, "notes": data.notes,
-               "code": code_version(), "machine": machine(torch.device("cpu")),
-               "tests": {n: t.n for n, t in tests.items()}, "options": summarise(settings, rows, runs),
-               "runs": runs, "measurements": rows, "seconds": time.perf_counter() - start}
+    results = {
+        "settings": asdict(settings),
+        "profile": data.profile,
+        "notes": data.notes,
+        "code": code_version(),
+        "machine": machine(torch.device("cpu")),
+        "tests": {n: t.n for n, t in tests.items()},
+        "options": summarise(settings, rows, runs),
+        "runs": runs,
+        "measurements": rows,
+        "seconds": time.perf_counter() - start,
+    }
     (out / "results.json").write_text(json.dumps(results, indent=1, default=json_default))
     (out / "report.md").write_text(format_report(results))
     plot_curves(results, out / "learning_curves.png")
@@ -244,8 +275,16 @@ def run_privacy(settings: PrivacyBenchSettings, out: str | Path, *, log: Log = p
     return results
 
 
-def _run_option(name: str, seed: int, settings: PrivacyBenchSettings, sites: Sequence[SiteData], tests: Mapping[str, Any],
-                work: Path, warmups: WarmupCache, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _run_option(
+    name: str,
+    seed: int,
+    settings: PrivacyBenchSettings,
+    sites: Sequence[SiteData],
+    tests: Mapping[str, Any],
+    work: Path,
+    warmups: WarmupCache,
+    rows: list[dict[str, Any]],
+) -> dict[str, Any]:
     """One run of one option and seed."""
     privacy = OPTIONS[name]
     hosts: dict[str, Any] = make_hosts(sites, work / name / str(seed) / "sites", warmups=warmups)
@@ -254,9 +293,15 @@ def _run_option(name: str, seed: int, settings: PrivacyBenchSettings, sites: Seq
     config = settings.server_config(seed)
     result = run_surgical(hosts, config, work / name / str(seed) / "server")
     shutil.rmtree(work / name / str(seed), ignore_errors=True)
-    return {"option": name, "seed": seed, "best_round": result.best_round, "rounds": result.rounds,
-            "mean_auroc": _mean_auroc(result, config.model_config, tests), "val_loss": result.curve("mean_val_loss"),
-            "val_auroc": result.curve("mean_val_auroc")}
+    return {
+        "option": name,
+        "seed": seed,
+        "best_round": result.best_round,
+        "rounds": result.rounds,
+        "mean_auroc": _mean_auroc(result, config.model_config, tests),
+        "val_loss": result.curve("mean_val_loss"),
+        "val_auroc": result.curve("mean_val_auroc"),
+    }
 
 
 def plot_curves(results: Mapping[str, Any], path: Path) -> None:
@@ -268,10 +313,18 @@ def plot_curves(results: Mapping[str, Any], path: Path) -> None:
     """
     from cxrfl.bench.plots import learning_curves
 
-    methods = {name: {"label": name, "runs": [r for r in results["runs"] if r["option"] == name]}
-               for name in results["options"]}
-    learning_curves({"profile": f"{results['profile']}, privacy options", "seeds": list(range(results["settings"]["seeds"])),
-                     "methods": methods}, path)
+    methods = {
+        name: {"label": name, "runs": [r for r in results["runs"] if r["option"] == name]}
+        for name in results["options"]
+    }
+    learning_curves(
+        {
+            "profile": f"{results['profile']}, privacy options",
+            "seeds": list(range(results["settings"]["seeds"])),
+            "methods": methods,
+        },
+        path,
+    )
 
 
 def _check(privacy: Mapping[str, Any] | None) -> str:
@@ -286,8 +339,9 @@ def _check(privacy: Mapping[str, Any] | None) -> str:
     return "warned: " + " / ".join(s.split(": ", 1)[1] for s in said) if said else "ok"
 
 
-def summarise(settings: PrivacyBenchSettings, rows: Sequence[Mapping[str, Any]], runs: Sequence[Mapping[str, Any]]
-              ) -> dict[str, dict[str, Any]]:
+def summarise(
+    settings: PrivacyBenchSettings, rows: Sequence[Mapping[str, Any]], runs: Sequence[Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
     """Per option: mean fidelity per phase and part, SVT epsilon, mean AUROC and its change against ``none``.
 
     Args:
@@ -299,22 +353,41 @@ def summarise(settings: PrivacyBenchSettings, rows: Sequence[Mapping[str, Any]],
     out: dict[str, dict[str, Any]] = {}
     for name in settings.options:
         mine = [r for r in rows if r["option"] == name]
-        fid = {phase: {part: {k: _mean(r["parts"][part][k] for r in mine if r["phase"] == phase and part in r["parts"]
-                                       and r["parts"][part]["entries"]) for k in ("cosine", "relative_norm", "kept")}
-                       for part in PARTS} for phase in ("warmup", "train")}
+        fid = {
+            phase: {
+                part: {
+                    k: _mean(
+                        r["parts"][part][k]
+                        for r in mine
+                        if r["phase"] == phase and part in r["parts"] and r["parts"][part]["entries"]
+                    )
+                    for k in ("cosine", "relative_norm", "kept")
+                }
+                for part in PARTS
+            }
+            for phase in ("warmup", "train")
+        }
         per_site_run: dict[tuple[Any, Any], float] = {}
         for r in mine:
             if r["epsilon_run"] is not None:
                 key = (r["seed"], r["site"])
                 per_site_run[key] = max(per_site_run.get(key, 0.0), r["epsilon_run"])
         aurocs = [r for r in runs if r["option"] == name]
-        deltas = [r["mean_auroc"] - reference[r["seed"]] for r in aurocs
-                  if r["mean_auroc"] is not None and reference.get(r["seed"]) is not None]
-        out[name] = {"privacy": OPTIONS[name], "check": _check(OPTIONS[name]), "fidelity": fid,
-                     "epsilon_per_round": _mean(r["epsilon"] for r in mine if r["phase"] == "train"),
-                     "epsilon_run": _mean(per_site_run.values()),
-                     "mean_auroc": _mean(r["mean_auroc"] for r in aurocs), "auroc_change": _mean(deltas),
-                     "auroc_change_sd": float(np.std(deltas, ddof=1)) if len(deltas) > 1 else None}
+        deltas = [
+            r["mean_auroc"] - reference[r["seed"]]
+            for r in aurocs
+            if r["mean_auroc"] is not None and reference.get(r["seed"]) is not None
+        ]
+        out[name] = {
+            "privacy": OPTIONS[name],
+            "check": _check(OPTIONS[name]),
+            "fidelity": fid,
+            "epsilon_per_round": _mean(r["epsilon"] for r in mine if r["phase"] == "train"),
+            "epsilon_run": _mean(per_site_run.values()),
+            "mean_auroc": _mean(r["mean_auroc"] for r in aurocs),
+            "auroc_change": _mean(deltas),
+            "auroc_change_sd": float(np.std(deltas, ddof=1)) if len(deltas) > 1 else None,
+        }
     return out
 
 
@@ -325,32 +398,43 @@ def format_report(results: Mapping[str, Any]) -> str:
         results: what :func:`run_privacy` returns.
     """
     s = results["settings"]
-    lines = [f"# Privacy filters on surgical aggregation ({results['profile']})", "",
-             f"{s['seeds']} seed(s), {s['image_size']} px, rounds of {_steps(s['steps'])} until the mean "
-             "validation loss has not "
-             f"improved for {s['patience']} (at most {s['rounds']}), lr {s['lr']:g}; "
-             f"test images: {results['tests']}. Cosine and norm: the sent vs the true update of each site answer "
-             "(mean over sites, rounds and seeds); kept: share of the changed entries sent; epsilon: NVFlare's "
-             "SVT accountant per round and over the run (per site); AUROC: the selected model on the external "
-             "test set, change against the unfiltered run of the same seed.", "",
-             "| option | settings | cxrfl check | warm-up head cos / norm | weights cos / norm / kept | BatchNorm stats "
-             "cos / norm | head cos / norm / kept | epsilon per round | epsilon over the run | mean AUROC | change |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# Privacy filters on surgical aggregation ({results['profile']})",
+        "",
+        f"{s['seeds']} seed(s), {s['image_size']} px, rounds of {_steps(s['steps'])} until the mean "
+        "validation loss has not "
+        f"improved for {s['patience']} (at most {s['rounds']}), lr {s['lr']:g}; "
+        f"test images: {results['tests']}. Cosine and norm: the sent vs the true update of each site answer "
+        "(mean over sites, rounds and seeds); kept: share of the changed entries sent; epsilon: NVFlare's "
+        "SVT accountant per round and over the run (per site); AUROC: the selected model on the external "
+        "test set, change against the unfiltered run of the same seed.",
+        "",
+        "| option | settings | cxrfl check | warm-up head cos / norm | weights cos / norm / kept | BatchNorm stats "
+        "cos / norm | head cos / norm / kept | epsilon per round | epsilon over the run | mean AUROC | change |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, o in results["options"].items():
         warm, train = o["fidelity"]["warmup"]["head"], o["fidelity"]["train"]
         fe, bn, head = train["feature_extractor"], train["batchnorm_statistics"], train["head"]
         settings = "-" if o["privacy"] is None else ", ".join(f"{k}={v}" for k, v in o["privacy"]["args"].items())
-        change = _num(o["auroc_change"]) + (f" +- {_num(o['auroc_change_sd'])}" if o["auroc_change_sd"] is not None else "")
-        lines.append(f"| {name} | {settings} | {o['check']} | {_num(warm['cosine'])} / {_num(warm['relative_norm'])} | "
-                     f"{_num(fe['cosine'])} / {_num(fe['relative_norm'])} / {_num(fe['kept'])} | {_num(bn['cosine'])} / "
-                     f"{_num(bn['relative_norm'])} | {_num(head['cosine'])} / {_num(head['relative_norm'])} / "
-                     f"{_num(head['kept'])} | {_eps(o['epsilon_per_round'])} | {_eps(o['epsilon_run'])} | "
-                     f"{_num(o['mean_auroc'])} | {change} |")
+        change = _num(o["auroc_change"]) + (
+            f" +- {_num(o['auroc_change_sd'])}" if o["auroc_change_sd"] is not None else ""
+        )
+        lines.append(
+            f"| {name} | {settings} | {o['check']} | {_num(warm['cosine'])} / {_num(warm['relative_norm'])} | "
+            f"{_num(fe['cosine'])} / {_num(fe['relative_norm'])} / {_num(fe['kept'])} | {_num(bn['cosine'])} / "
+            f"{_num(bn['relative_norm'])} | {_num(head['cosine'])} / {_num(head['relative_norm'])} / "
+            f"{_num(head['kept'])} | {_eps(o['epsilon_per_round'])} | {_eps(o['epsilon_run'])} | "
+            f"{_num(o['mean_auroc'])} | {change} |"
+        )
     code, where = results.get("code"), results.get("machine")
     if code and where:  # results written before they recorded both have neither
-        lines += ["", f"Commit {(code['commit'] or '?')[:7]}{' (modified)' if code['dirty'] else ''}; {where['cpu']}, "
-                      f"{where['usable_cores']} usable cores, {where['torch_threads']} torch thread(s); "
-                      f"wall time {results['seconds'] / 60:.0f} min."]
+        lines += [
+            "",
+            f"Commit {(code['commit'] or '?')[:7]}{' (modified)' if code['dirty'] else ''}; {where['cpu']}, "
+            f"{where['usable_cores']} usable cores, {where['torch_threads']} torch thread(s); "
+            f"wall time {results['seconds'] / 60:.0f} min.",
+        ]
     return "\n".join(lines + [""] + [f"- {n}" for n in results["notes"]]) + "\n"
 
 

@@ -120,7 +120,9 @@ def partition_classes(
     sets = [set(shared) | set(o) for o in own]
     empty = [k for k, s in enumerate(sets) if not s]
     if empty:
-        raise ConfigError(f"{n_sites} sites sharing {n_shared} of {len(classes)} classes leaves site(s) {empty} without a class")
+        raise ConfigError(
+            f"{n_sites} sites sharing {n_shared} of {len(classes)} classes leaves site(s) {empty} without a class"
+        )
     return [[c for c in classes if c in s] for s in sets]
 
 
@@ -137,7 +139,9 @@ def _site_assignment(table: pd.DataFrame, classes: list[str], n_sites: int, seed
     return table["patient"].astype(str).map(site_of)
 
 
-def _write_csv_site(out: Path, name: str, rows: pd.DataFrame, classes: list[str], *, split: str | None, seed: int) -> Path:
+def _write_csv_site(
+    out: Path, name: str, rows: pd.DataFrame, classes: list[str], *, split: str | None, seed: int
+) -> Path:
     """A generic-CSV site over existing images (absolute paths) and its site config."""
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -148,14 +152,22 @@ def _write_csv_site(out: Path, name: str, rows: pd.DataFrame, classes: list[str]
         frame[c] = rows[c].map(lambda v: "" if pd.isna(v) else str(int(v))).values
     frame.to_csv(folder / "labels.csv", index=False)
     # the pool's images live outside this site's folder: the config says so explicitly
-    dataset = {"format": "csv", "labels": f"{name}/labels.csv", "images": name, "path_column": "path",
-               "patient_column": "patient_id", "allow_outside_images": True}
+    dataset = {
+        "format": "csv",
+        "labels": f"{name}/labels.csv",
+        "images": name,
+        "path_column": "path",
+        "patient_column": "patient_id",
+        "allow_outside_images": True,
+    }
     if split is not None:
         dataset["split_column"] = "split"
     cfg = {"site": name, "dataset": dataset, "split": {"train": 0.7, "val": 0.1, "test": 0.2, "seed": int(seed)}}
     path = out / f"{name}.yaml"
-    path.write_text("# written by 'cxrfl bench compare' from a pool of images; paths relative to this file\n"
-                    + yaml.safe_dump(cfg, sort_keys=False))
+    path.write_text(
+        "# written by 'cxrfl bench compare' from a pool of images; paths relative to this file\n"
+        + yaml.safe_dump(cfg, sort_keys=False)
+    )
     return path
 
 
@@ -188,7 +200,9 @@ def _pool_profile(
     for k, site_classes in enumerate(label_sets):
         site_name = f"site-{k + 1}"
         names.append(site_name)
-        configs[site_name] = _write_csv_site(folder, site_name, rest[site_idx == k], site_classes, split=None, seed=seed)
+        configs[site_name] = _write_csv_site(
+            folder, site_name, rest[site_idx == k], site_classes, split=None, seed=seed
+        )
     sites = [load_site(configs[n], check_images=False) for n in names]
     external = {"nih-test": load_site(configs["nih-test"], check_images=False)}
     shared = sorted(set.intersection(*(set(s) for s in label_sets)))
@@ -215,22 +229,28 @@ def with_split(config: Path, split: tuple[float, ...], seed: int) -> Path:
     cfg = yaml.safe_load(config.read_text())
     cfg["split"] = {"train": float(split[0]), "val": float(split[1]), "test": float(split[2]), "seed": int(seed)}
     path = config.with_name(f"{config.stem}.compare.yaml")
-    path.write_text("# the benchmark's copy of the synthetic site config, with its own split; paths relative to this file\n"
-                    + yaml.safe_dump(cfg, sort_keys=False))
+    path.write_text(
+        "# the benchmark's copy of the synthetic site config, with its own split; paths relative to this file\n"
+        + yaml.safe_dump(cfg, sort_keys=False)
+    )
     return path
 
 
 def _split_text(s: SiteData) -> str:
-    return f"{s.site}: {len(s.classes)} classes, " + ", ".join(f"{k} {len(s.split_table(k))}" for k in ("train", "val", "test"))
+    return f"{s.site}: {len(s.classes)} classes, " + ", ".join(
+        f"{k} {len(s.split_table(k))}" for k in ("train", "val", "test")
+    )
 
 
-def _two_hospitals(profile: str, out: Path, *, image_size: int, n_train: int, n_ext: int, split: tuple[float, ...],
-                   seed: int) -> BenchData:
+def _two_hospitals(
+    profile: str, out: Path, *, image_size: int, n_train: int, n_ext: int, split: tuple[float, ...], seed: int
+) -> BenchData:
     from cxrfl.synth import write_profile
 
     folder = out / profile
-    cfgs = write_profile(profile, folder, n_per_site=n_train, image_size=image_size, seed=seed,
-                         sites=["hospital-a", "hospital-b"])
+    cfgs = write_profile(
+        profile, folder, n_per_site=n_train, image_size=image_size, seed=seed, sites=["hospital-a", "hospital-b"]
+    )
     cfgs = [with_split(c, split, seed) for c in cfgs]
     cfgs += write_profile(profile, folder, n_per_site=n_ext, image_size=image_size, seed=seed, sites=["external"])
     loaded = {p.name.split(".")[0]: load_site(p, check_images=False) for p in cfgs}
@@ -276,8 +296,15 @@ def prepare(
     if profile in ("two-hospitals", "two-hospitals-shared"):
         if n_sites is not None or n_shared is not None:
             raise ConfigError("--sites/--shared (ablations) apply to the pool profiles nih1000 and synth-nih")
-        return _two_hospitals(profile, out, image_size=image_size, n_train=n_per_site or SYNTH_TRAIN_DEFAULT,
-                              n_ext=n_external or SYNTH_EXTERNAL_DEFAULT, split=tuple(split), seed=seed)
+        return _two_hospitals(
+            profile,
+            out,
+            image_size=image_size,
+            n_train=n_per_site or SYNTH_TRAIN_DEFAULT,
+            n_ext=n_external or SYNTH_EXTERNAL_DEFAULT,
+            split=tuple(split),
+            seed=seed,
+        )
     if profile == "nih1000":
         root = shared_data_root() / "nih1000"
         labels = root / "Data_Entry_2017_v2020.csv"
@@ -285,27 +312,38 @@ def prepare(
             raise ConfigError(f"the real NIH sample is not at {root}; set $CXRFL_SHARED_DATA to the shared/data folder")
         cfg = out / "nih1000-pool.yaml"
         out.mkdir(parents=True, exist_ok=True)
-        cfg.write_text(yaml.safe_dump({"site": "nih1000", "dataset": {"format": "nih", "labels": str(labels),
-                                                                       "images": str(root / "images")},
-                                       "split": {"train": 0.7, "val": 0.1, "test": 0.2, "seed": int(seed)}}, sort_keys=False))
+        cfg.write_text(
+            yaml.safe_dump(
+                {
+                    "site": "nih1000",
+                    "dataset": {"format": "nih", "labels": str(labels), "images": str(root / "images")},
+                    "split": {"train": 0.7, "val": 0.1, "test": 0.2, "seed": int(seed)},
+                },
+                sort_keys=False,
+            )
+        )
         pool = load_site(cfg, check_images=False)
         data = _pool_profile("nih1000", pool, out, n_sites=n_sites, n_shared=n_shared, seed=seed)
-        data.notes.append("nih1000 is very small: real NIH images at 64x64, a few hundred per site and tens of "
-                          "positives for most findings; expect wide confidence intervals and differences within noise.")
+        data.notes.append(
+            "nih1000 is very small: real NIH images at 64x64, a few hundred per site and tens of "
+            "positives for most findings; expect wide confidence intervals and differences within noise."
+        )
         return data
     if profile == "synth-nih":
         import cxrfl.synth.bench_profiles  # noqa: F401  (registers nih-pool)
         from cxrfl.synth import write_profile
 
-        (cfg,) = write_profile("nih-pool", out / "nih-pool", n_per_site=n_per_site or SYNTH_POOL_DEFAULT,
-                               image_size=image_size, seed=seed)
+        (cfg,) = write_profile(
+            "nih-pool", out / "nih-pool", n_per_site=n_per_site or SYNTH_POOL_DEFAULT, image_size=image_size, seed=seed
+        )
         pool = load_site(cfg, check_images=False)
         return _pool_profile("synth-nih", pool, out, n_sites=n_sites, n_shared=n_shared, seed=seed)
     raise ConfigError(f"unknown benchmark profile {profile!r}; available: {', '.join(PROFILE_NAMES)}")
 
 
-def from_site_configs(site_configs: Sequence[str | Path], external_configs: Sequence[str | Path] = (),
-                      name: str = "custom") -> BenchData:
+def from_site_configs(
+    site_configs: Sequence[str | Path], external_configs: Sequence[str | Path] = (), name: str = "custom"
+) -> BenchData:
     """A comparison on your own data: one site config per training site (train/val/test splits as
     the configs say) and optional fully annotated external test sets (every image is a test image).
 
@@ -324,8 +362,12 @@ def from_site_configs(site_configs: Sequence[str | Path], external_configs: Sequ
     names = [s.site for s in sites] + list(external)
     if len(set(names)) != len(names):
         raise ConfigError(f"site names must differ, got {names}")
-    notes = [f"{name}: " + "; ".join(_split_text(s) for s in sites)
-             + "".join(f"; external {k}: {len(v.table)} images, {len(v.classes)} classes" for k, v in external.items()) + "."]
+    notes = [
+        f"{name}: "
+        + "; ".join(_split_text(s) for s in sites)
+        + "".join(f"; external {k}: {len(v.table)} images, {len(v.classes)} classes" for k, v in external.items())
+        + "."
+    ]
     configs = {s.site: Path(p) for s, p in zip(sites, site_configs)}
     configs.update({k: Path(p) for k, p in zip(external, external_configs)})
     return BenchData(name, sites, external, notes, configs)

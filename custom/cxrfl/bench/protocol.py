@@ -113,8 +113,16 @@ class CompareSettings(Config):
         Args:
             seed: the training seed.
         """
-        return TrainConfig(lr=self.lr, warmup_lr=self.warmup_lr, warmup_epochs=self.warmup_epochs, local_epochs=1,
-                           batch_size=self.batch_size, max_steps_per_epoch=self.steps, augment=self.augment, seed=seed)
+        return TrainConfig(
+            lr=self.lr,
+            warmup_lr=self.warmup_lr,
+            warmup_epochs=self.warmup_epochs,
+            local_epochs=1,
+            batch_size=self.batch_size,
+            max_steps_per_epoch=self.steps,
+            augment=self.augment,
+            seed=seed,
+        )
 
     def run_config(self, method: Method, seed: int, n_sites: int) -> SurgicalConfig:
         """The server settings of one run (the one-site baselines: surgical head, FedAvg, every class own).
@@ -126,10 +134,18 @@ class CompareSettings(Config):
         """
         federated = method.kind == "federated"
         return SurgicalConfig(
-            num_rounds=self.max_rounds, min_clients=n_sites, model_config=self.model_config(),
-            train_config=self.train_config(seed), batchnorm=method.batchnorm if federated else "fedavg",
-            head_mode=method.head_mode if federated else "surgical", missing=method.missing if federated else "negative",
-            patience=self.patience, min_delta=self.min_delta, min_clients_timeout=0, seed=seed, evaluate_test=False,
+            num_rounds=self.max_rounds,
+            min_clients=n_sites,
+            model_config=self.model_config(),
+            train_config=self.train_config(seed),
+            batchnorm=method.batchnorm if federated else "fedavg",
+            head_mode=method.head_mode if federated else "surgical",
+            missing=method.missing if federated else "negative",
+            patience=self.patience,
+            min_delta=self.min_delta,
+            min_clients_timeout=0,
+            seed=seed,
+            evaluate_test=False,
             keep_round_checkpoints=False,
         )
 
@@ -151,8 +167,18 @@ RUN_ONLY = ("seeds", "methods", "n_boot", "threads", "jobs", "device")
 """Settings that do not decide any one run's model: how many seeds and which methods run, the
 statistics, and where and how fast it computes (recorded per run)."""
 
-QUICK: dict[str, Any] = {"seeds": 2, "max_rounds": 3, "patience": 2, "image_size": 32, "data_image_size": 32,
-                         "n_per_site": 120, "n_external": 120, "steps": 5, "batch_size": 16, "n_boot": 200}
+QUICK: dict[str, Any] = {
+    "seeds": 2,
+    "max_rounds": 3,
+    "patience": 2,
+    "image_size": 32,
+    "data_image_size": 32,
+    "n_per_site": 120,
+    "n_external": 120,
+    "steps": 5,
+    "batch_size": 16,
+    "n_boot": 200,
+}
 """``--quick``: a smoke run of a few minutes (tiny data, step caps): the code path, no evidence."""
 
 
@@ -193,7 +219,9 @@ def code_version(root: str | Path | None = None) -> dict[str, Any]:
         return proc.stdout.strip() if proc.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){RESULTS_PATH}") if commit else None
+    status = (
+        git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){RESULTS_PATH}") if commit else None
+    )
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
@@ -254,11 +282,20 @@ def machine(device: torch.device) -> dict[str, Any]:
         load = [round(x, 2) for x in os.getloadavg()]
     except (AttributeError, OSError):
         load = None
-    info = {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "native_bf16": cpu_has_native_bf16(), "cores": os.cpu_count(), "usable_cores": usable,
-            "torch_threads": torch.get_num_threads(),
-            "device": device.type, "gpu": None, "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "load_average": load}
+    info = {
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16": cpu_has_native_bf16(),
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "torch_threads": torch.get_num_threads(),
+        "device": device.type,
+        "gpu": None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_average": load,
+    }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info

@@ -78,8 +78,11 @@ def _header(results: dict[str, Any]) -> list[str]:
     out = [f"# Method comparison: `{results['profile']}`", ""]
     if results.get("command"):
         out += [f"Command: `{results['command']}`", ""]
-    steps = (f"capped at {s['steps']} steps per site (a smoke run, not the protocol)" if s.get("steps")
-             else "over whole training splits")
+    steps = (
+        f"capped at {s['steps']} steps per site (a smoke run, not the protocol)"
+        if s.get("steps")
+        else "over whole training splits"
+    )
     out += [
         f"Protocol: {len(results['seeds'])} seed(s) (model init, data order; data and splits fixed); DenseNet121 "
         f"{'from ' + s['pretrained'] if s.get('pretrained') else 'from scratch'} at "
@@ -96,9 +99,11 @@ def _header(results: dict[str, Any]) -> list[str]:
     ]
     for m in results["machines"]:
         gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""
-        out.append(f"Machine ({m['runs']} run(s)): {m['cpu']}, {m['cores']} core(s) ({m['usable_cores']} usable), "
-                   f"{m['torch_threads']} torch thread(s), device {m['device']}{gpu}; torch {m['torch']}, "
-                   f"Python {m['python']}.")
+        out.append(
+            f"Machine ({m['runs']} run(s)): {m['cpu']}, {m['cores']} core(s) ({m['usable_cores']} usable), "
+            f"{m['torch_threads']} torch thread(s), device {m['device']}{gpu}; torch {m['torch']}, "
+            f"Python {m['python']}."
+        )
     for c in results["commits"]:
         out.append(f"Code ({c['runs']} run(s)): commit {code_label(c, 10)}.")
     out += ["", f"Training time, all runs: {results['run_seconds'] / 3600:.2f} h.", ""]
@@ -107,11 +112,19 @@ def _header(results: dict[str, Any]) -> list[str]:
 
 def _data(results: dict[str, Any]) -> list[str]:
     out = ["## Data", ""] + [f"- {note}" for note in results["data"]["notes"]]
-    out += ["", markdown_table(
-        ["test set", "images", "classes", "positives per class"],
-        [[k, str(t["n"]), str(len(t["classes"])), ", ".join(f"{c} {n}" for c, n in t["positives"].items())]
-         for k, t in results["data"]["test_sets"].items()],
-    ), "", f"Shared classes (2+ sites): {', '.join(results['data']['shared_classes']) or 'none'}.", ""]
+    out += [
+        "",
+        markdown_table(
+            ["test set", "images", "classes", "positives per class"],
+            [
+                [k, str(t["n"]), str(len(t["classes"])), ", ".join(f"{c} {n}" for c, n in t["positives"].items())]
+                for k, t in results["data"]["test_sets"].items()
+            ],
+        ),
+        "",
+        f"Shared classes (2+ sites): {', '.join(results['data']['shared_classes']) or 'none'}.",
+        "",
+    ]
     return out
 
 
@@ -120,51 +133,115 @@ def _convergence(results: dict[str, Any]) -> list[str]:
     for d in results["methods"].values():
         runs = d["runs"]
         early = sum(bool(r["stopped_early"]) for r in runs)
-        rows.append([d["label"], ", ".join(str(r["rounds"]) for r in runs), ", ".join(str(r["best_round"]) for r in runs),
-                     f"{early} of {len(runs)}", ", ".join(f"{r['seconds'] / 60:.1f}" for r in runs)])
-    return ["## Convergence", "",
-            "Every run trains until its validation loss stops improving; a run that reached the max_rounds guard "
-            "instead is not converged and is counted below. Learning curves: `learning_curves.png`.", "",
-            markdown_table(["method", "rounds (epochs) per seed", "selected round per seed", "stopped early", "minutes per seed"],
-                   rows), ""]
+        rows.append(
+            [
+                d["label"],
+                ", ".join(str(r["rounds"]) for r in runs),
+                ", ".join(str(r["best_round"]) for r in runs),
+                f"{early} of {len(runs)}",
+                ", ".join(f"{r['seconds'] / 60:.1f}" for r in runs),
+            ]
+        )
+    return [
+        "## Convergence",
+        "",
+        "Every run trains until its validation loss stops improving; a run that reached the max_rounds guard "
+        "instead is not converged and is counted below. Learning curves: `learning_curves.png`.",
+        "",
+        markdown_table(
+            ["method", "rounds (epochs) per seed", "selected round per seed", "stopped early", "minutes per seed"], rows
+        ),
+        "",
+    ]
 
 
 def _papers_tables(results: dict[str, Any]) -> list[str]:
     methods = results["methods"]
     ref = results.get("reference")
     ref_label = methods[ref]["label"] if ref else "-"
-    site_views, ext_views, by_site = _views(results, "site"), _views(results, "external"), _views(results, "external-by-site")
-    out = ["## Mean AUROC, all classes (papers' Tables 1 and 2)", "",
-           f"Mean ± SD over classes; marks: paired t-test over the classes against {ref_label}.", ""]
+    site_views, ext_views, by_site = (
+        _views(results, "site"),
+        _views(results, "external"),
+        _views(results, "external-by-site"),
+    )
+    out = [
+        "## Mean AUROC, all classes (papers' Tables 1 and 2)",
+        "",
+        f"Mean ± SD over classes; marks: paired t-test over the classes against {ref_label}.",
+        "",
+    ]
     cols = site_views + ext_views
-    rows = [[d["label"]] + [_cell(d["test"][v], _vs(d["test"][v]), with_p=name != ref) for v in cols]
-            for name, d in methods.items()]
-    out += [markdown_table(["method"] + [f"{v} ({'test split' if v in site_views else 'external'})" for v in cols], rows), ""]
+    rows = [
+        [d["label"]] + [_cell(d["test"][v], _vs(d["test"][v]), with_p=name != ref) for v in cols]
+        for name, d in methods.items()
+    ]
+    out += [
+        markdown_table(["method"] + [f"{v} ({'test split' if v in site_views else 'external'})" for v in cols], rows),
+        "",
+    ]
     if len(site_views) > 1:
-        out += ["## Shared vs unique classes on each site's test split (papers' Table 3)", "",
-                "Marks: paired t-test over the shared (unique) classes against the reference.", ""]
+        out += [
+            "## Shared vs unique classes on each site's test split (papers' Table 3)",
+            "",
+            "Marks: paired t-test over the shared (unique) classes against the reference.",
+            "",
+        ]
         header = ["method"] + [f"{v} {part}" for v in site_views for part in ("shared", "unique")]
-        rows = [[d["label"]] + [_cell(d["test"][v].get(part), _vs(d["test"][v], part), with_p=name != ref)
-                                for v in site_views for part in ("shared", "unique")]
-                for name, d in methods.items()]
+        rows = [
+            [d["label"]]
+            + [
+                _cell(d["test"][v].get(part), _vs(d["test"][v], part), with_p=name != ref)
+                for v in site_views
+                for part in ("shared", "unique")
+            ]
+            for name, d in methods.items()
+        ]
         out += [markdown_table(header, rows), ""]
     if by_site:
         out += ["## External set by each site's classes (papers' Table 4)", ""]
-        rows = [[d["label"]] + [_cell(d["test"][v], _vs(d["test"][v]), with_p=name != ref) for v in by_site]
-                for name, d in methods.items()]
-        out += [markdown_table(["method"] + [f"{v.split('@')[0]}, {v.split('@')[1]} classes" for v in by_site], rows), ""]
+        rows = [
+            [d["label"]] + [_cell(d["test"][v], _vs(d["test"][v]), with_p=name != ref) for v in by_site]
+            for name, d in methods.items()
+        ]
+        out += [
+            markdown_table(["method"] + [f"{v.split('@')[0]}, {v.split('@')[1]} classes" for v in by_site], rows),
+            "",
+        ]
     return out
 
 
 def _effect_row(label: str, by_class: dict[str, Any] | None, by_seed: dict[str, Any] | None) -> list[str]:
     c, s = by_class or {}, by_seed or {}
-    return [label, _num(c.get("difference")), _ci(c.get("ci")), _num(c.get("d_z"), 2), _p(c.get("p")), _p(c.get("wilcoxon_p")),
-            str(c.get("n", "-")), _num(s.get("difference")), _ci(s.get("ci")), _num(s.get("d_z"), 2), _p(s.get("p")),
-            str(s.get("n", "-"))]
+    return [
+        label,
+        _num(c.get("difference")),
+        _ci(c.get("ci")),
+        _num(c.get("d_z"), 2),
+        _p(c.get("p")),
+        _p(c.get("wilcoxon_p")),
+        str(c.get("n", "-")),
+        _num(s.get("difference")),
+        _ci(s.get("ci")),
+        _num(s.get("d_z"), 2),
+        _p(s.get("p")),
+        str(s.get("n", "-")),
+    ]
 
 
-EFFECT_HEADER = ["method", "Δ classes", "95% CI", "d_z", "t-test p", "Wilcoxon p", "classes", "Δ seeds", "95% CI",
-                 "d_z", "t-test p", "seeds"]
+EFFECT_HEADER = [
+    "method",
+    "Δ classes",
+    "95% CI",
+    "d_z",
+    "t-test p",
+    "Wilcoxon p",
+    "classes",
+    "Δ seeds",
+    "95% CI",
+    "d_z",
+    "t-test p",
+    "seeds",
+]
 
 
 def _effects(results: dict[str, Any]) -> list[str]:
@@ -172,36 +249,69 @@ def _effects(results: dict[str, Any]) -> list[str]:
     ref = results.get("reference")
     if ref is None:
         return []
-    out = ["## Against surgical aggregation: effect sizes and tests", "",
-           f"Δ = {methods[ref]['label']} - method. Over classes: per-class AUROC averaged over seeds, paired t-test "
-           "(the papers' test) and Wilcoxon signed-rank test, t-interval of the mean difference, Cohen's d_z (mean "
-           "difference / SD of the differences). Over seeds: the mean AUROC of each seed, paired by seed.", ""]
+    out = [
+        "## Against surgical aggregation: effect sizes and tests",
+        "",
+        f"Δ = {methods[ref]['label']} - method. Over classes: per-class AUROC averaged over seeds, paired t-test "
+        "(the papers' test) and Wilcoxon signed-rank test, t-interval of the mean difference, Cohen's d_z (mean "
+        "difference / SD of the differences). Over seeds: the mean AUROC of each seed, paired by seed.",
+        "",
+    ]
     site_views = _views(results, "site")
     for v in site_views + _views(results, "external") + _views(results, "external-by-site"):
-        rows = [_effect_row(d["label"], _vs(d["test"][v]), _vs(d["test"][v], over="seeds"))
-                for name, d in methods.items() if name != ref and _vs(d["test"][v]) is not None]
+        rows = [
+            _effect_row(d["label"], _vs(d["test"][v]), _vs(d["test"][v], over="seeds"))
+            for name, d in methods.items()
+            if name != ref and _vs(d["test"][v]) is not None
+        ]
         if rows:
             out += [f"### {v}", "", markdown_table(EFFECT_HEADER, rows), ""]
     for part in ("unique", "shared"):
-        rows = [_effect_row(f"{d['label']} on {v}", _vs(d["test"][v], part), _vs(d["test"][v], part, "seeds"))
-                for v in site_views for name, d in methods.items() if name != ref and _vs(d["test"][v], part) is not None]
+        rows = [
+            _effect_row(f"{d['label']} on {v}", _vs(d["test"][v], part), _vs(d["test"][v], part, "seeds"))
+            for v in site_views
+            for name, d in methods.items()
+            if name != ref and _vs(d["test"][v], part) is not None
+        ]
         if rows:
-            out += [f"### {part.capitalize()} classes of each site's test split", "", markdown_table(EFFECT_HEADER, rows), ""]
+            out += [
+                f"### {part.capitalize()} classes of each site's test split",
+                "",
+                markdown_table(EFFECT_HEADER, rows),
+                "",
+            ]
     return out
 
 
 def _intervals(results: dict[str, Any]) -> list[str]:
     methods = results["methods"]
-    out = ["## Mean AUROC: bootstrap interval and spread over seeds", "",
-           "Bootstrap: percentile interval of the mean over classes (test images resampled, the same resamples for "
-           "every method of a seed, replicates pooled over seeds). Seeds: SD and t-interval of the per-seed means.", ""]
+    out = [
+        "## Mean AUROC: bootstrap interval and spread over seeds",
+        "",
+        "Bootstrap: percentile interval of the mean over classes (test images resampled, the same resamples for "
+        "every method of a seed, replicates pooled over seeds). Seeds: SD and t-interval of the per-seed means.",
+        "",
+    ]
     for v in _views(results, "site") + _views(results, "external"):
         rows = []
         for d in methods.values():
             cell = d["test"][v]
-            rows.append([d["label"], _num(cell["mean"]), _ci(cell.get("mean_ci")), _num(cell.get("mean_seed_sd")),
-                         _ci(cell.get("mean_seed_ci")), ", ".join(_num(x) for x in cell["mean_by_seed"])])
-        out += [f"### {v}", "", markdown_table(["method", "mean", "bootstrap 95% CI", "SD over seeds", "t 95% CI", "per seed"], rows), ""]
+            rows.append(
+                [
+                    d["label"],
+                    _num(cell["mean"]),
+                    _ci(cell.get("mean_ci")),
+                    _num(cell.get("mean_seed_sd")),
+                    _ci(cell.get("mean_seed_ci")),
+                    ", ".join(_num(x) for x in cell["mean_by_seed"]),
+                ]
+            )
+        out += [
+            f"### {v}",
+            "",
+            markdown_table(["method", "mean", "bootstrap 95% CI", "SD over seeds", "t 95% CI", "per seed"], rows),
+            "",
+        ]
     return out
 
 
@@ -222,8 +332,14 @@ def _per_class(results: dict[str, Any]) -> list[str]:
                     ci = a["ci"].get(c)
                     row.append(f"{val:.3f}" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci and name == ref else ""))
             rows.append(row)
-        out += [f"### {v}", "", markdown_table(["class"] + [d["label"] for d in methods.values()], rows), "",
-                "n/a: the model does not predict the class (not defined); undef: one label value only in the test set.", ""]
+        out += [
+            f"### {v}",
+            "",
+            markdown_table(["class"] + [d["label"] for d in methods.values()], rows),
+            "",
+            "n/a: the model does not predict the class (not defined); undef: one label value only in the test set.",
+            "",
+        ]
     return out
 
 
@@ -232,11 +348,28 @@ def _runs(results: dict[str, Any]) -> list[str]:
     for d in results["methods"].values():
         for r in d["runs"]:
             commit = (r.get("code") or {}).get("commit") or "unknown"
-            rows.append([d["label"], str(r["seed"]), str(r["rounds"]), str(r["best_round"]),
-                         "early stop" if r["stopped_early"] else "max_rounds", f"{r['seconds'] / 60:.1f}",
-                         f"{r['images_per_second']:.1f}", commit[:10], r.get("machine", {}).get("device", "-")])
-    return ["## Runs", "", markdown_table(["method", "seed", "rounds", "selected", "ended by", "minutes", "images/s per site",
-                                   "commit", "device"], rows), ""]
+            rows.append(
+                [
+                    d["label"],
+                    str(r["seed"]),
+                    str(r["rounds"]),
+                    str(r["best_round"]),
+                    "early stop" if r["stopped_early"] else "max_rounds",
+                    f"{r['seconds'] / 60:.1f}",
+                    f"{r['images_per_second']:.1f}",
+                    commit[:10],
+                    r.get("machine", {}).get("device", "-"),
+                ]
+            )
+    return [
+        "## Runs",
+        "",
+        markdown_table(
+            ["method", "seed", "rounds", "selected", "ended by", "minutes", "images/s per site", "commit", "device"],
+            rows,
+        ),
+        "",
+    ]
 
 
 def format_report(results: dict[str, Any], *, summary: bool = False, heading: str = "#") -> str:
@@ -279,11 +412,15 @@ def _stats_text(t: dict[str, Any]) -> str:
     c, s = t.get("classes") or {}, t.get("seeds") or {}
     parts = []
     if c.get("n"):
-        parts.append(f"over {c['n']} classes: 95% CI {_ci(c.get('ci'))}, d_z {_num(c.get('d_z'), 2)}, "
-                     f"t-test p {_p(c.get('p'))}, Wilcoxon p {_p(c.get('wilcoxon_p'))}")
+        parts.append(
+            f"over {c['n']} classes: 95% CI {_ci(c.get('ci'))}, d_z {_num(c.get('d_z'), 2)}, "
+            f"t-test p {_p(c.get('p'))}, Wilcoxon p {_p(c.get('wilcoxon_p'))}"
+        )
     if (s.get("n") or 0) >= 2:
-        parts.append(f"over {s['n']} seeds: {_num(s.get('difference'))} {_ci(s.get('ci'))}, d_z {_num(s.get('d_z'), 2)}, "
-                     f"p {_p(s.get('p'))}")
+        parts.append(
+            f"over {s['n']} seeds: {_num(s.get('difference'))} {_ci(s.get('ci'))}, d_z {_num(s.get('d_z'), 2)}, "
+            f"p {_p(s.get('p'))}"
+        )
     return "; ".join(parts)
 
 
@@ -300,14 +437,18 @@ def target_sentence(t: dict[str, Any], methods: dict[str, Any]) -> str:
     if t["against"] is None:
         if t["met"] is None:
             return f"{t['target']}, {a} {where}: not measurable."
-        return (f"{t['target']}, {a} {where}: **{'MET' if t['met'] else 'NOT MET'}** — {t['value']:.3f} "
-                f"(95% CI over seeds {_ci(t.get('value_ci'))}).")
+        return (
+            f"{t['target']}, {a} {where}: **{'MET' if t['met'] else 'NOT MET'}** — {t['value']:.3f} "
+            f"(95% CI over seeds {_ci(t.get('value_ci'))})."
+        )
     b = methods[t["against"]]["label"]
     if t["met"] is None:
         return f"{t['target']} {where}: not measurable ({a} {_num(t['value'])}, {b} {_num(t['other'])})."
     stats = _stats_text(t)
-    return (f"{t['target']} {where}: **{'MET' if t['met'] else 'NOT MET'}** — {a} {t['value']:.3f} "
-            f"vs {b} {t['other']:.3f}, difference {t['difference']:+.3f} (rule {t['rule']}){'; ' + stats if stats else ''}.")
+    return (
+        f"{t['target']} {where}: **{'MET' if t['met'] else 'NOT MET'}** — {a} {t['value']:.3f} "
+        f"vs {b} {t['other']:.3f}, difference {t['difference']:+.3f} (rule {t['rule']}){'; ' + stats if stats else ''}."
+    )
 
 
 def format_ablation(summary: dict[str, Any]) -> str:
@@ -319,7 +460,9 @@ def format_ablation(summary: dict[str, Any]) -> str:
         summary: what :func:`cxrfl.bench.compare.run_ablation` writes to ``ablation.json``.
     """
     values = summary["values"]
-    what = "number of sites (4 shared classes)" if summary["ablation"] == "sites" else "number of shared classes (4 sites)"
+    what = (
+        "number of sites (4 shared classes)" if summary["ablation"] == "sites" else "number of shared classes (4 sites)"
+    )
     rows = []
     for d in summary["methods"].values():
         row = [d["label"]]
@@ -331,18 +474,43 @@ def format_ablation(summary: dict[str, Any]) -> str:
             row.append(f"{text} {stars(vs.get('p'))}".strip())
         rows.append(row)
     ref = summary["methods"].get(summary["reference"], {}).get("label", summary["reference"])
-    tests = [_effect_row(d["label"], d["vs_reference"].get("settings"), d["vs_reference"].get("setting_seeds"))
-             for d in summary["methods"].values() if d.get("vs_reference")]
-    header = ["method", "Δ settings", "95% CI", "d_z", "t-test p", "Wilcoxon p", "settings", "Δ (setting, seed)", "95% CI",
-              "d_z", "t-test p", "pairs"]
+    tests = [
+        _effect_row(d["label"], d["vs_reference"].get("settings"), d["vs_reference"].get("setting_seeds"))
+        for d in summary["methods"].values()
+        if d.get("vs_reference")
+    ]
+    header = [
+        "method",
+        "Δ settings",
+        "95% CI",
+        "d_z",
+        "t-test p",
+        "Wilcoxon p",
+        "settings",
+        "Δ (setting, seed)",
+        "95% CI",
+        "d_z",
+        "t-test p",
+        "pairs",
+    ]
     seeds = max((len(d["by_value"][v]["mean_by_seed"]) for d in summary["methods"].values() for v in values), default=0)
-    return "\n".join([
-        f"# Ablation: {what} ({summary['profile']})", "",
-        f"Mean AUROC on the held-out fully annotated test set, mean ± SD over {seeds} seed(s); marks: paired "
-        "t-test over "
-        f"the seeds against {ref}.", "", markdown_table(["method"] + [str(v) for v in values], rows), "",
-        f"## {ref} against each method", "",
-        f"Δ = {ref} - method. Paired over the settings (each setting's mean over seeds; the papers' test) and over "
-        f"every (setting, seed). With {len(values)} settings the smallest two-sided Wilcoxon p is "
-        f"{2 / 2 ** len(values):.3g}.", "",
-        markdown_table(header, tests) if tests else "(no other method)", ""])
+    return "\n".join(
+        [
+            f"# Ablation: {what} ({summary['profile']})",
+            "",
+            f"Mean AUROC on the held-out fully annotated test set, mean ± SD over {seeds} seed(s); marks: paired "
+            "t-test over "
+            f"the seeds against {ref}.",
+            "",
+            markdown_table(["method"] + [str(v) for v in values], rows),
+            "",
+            f"## {ref} against each method",
+            "",
+            f"Δ = {ref} - method. Paired over the settings (each setting's mean over seeds; the papers' test) and over "
+            f"every (setting, seed). With {len(values)} settings the smallest two-sided Wilcoxon p is "
+            f"{2 / 2 ** len(values):.3g}.",
+            "",
+            markdown_table(header, tests) if tests else "(no other method)",
+            "",
+        ]
+    )

@@ -128,12 +128,17 @@ class RunStore:
         now = {"protocol": _plain(protocol), "data": _plain(data)}
         if path.is_file():
             saved = json.loads(path.read_text())
-            differ = [f"{part}.{k}" for part in ("protocol", "data") for k in sorted(set(saved[part]) | set(now[part]))
-                      if saved[part].get(k) != now[part].get(k)]
+            differ = [
+                f"{part}.{k}"
+                for part in ("protocol", "data")
+                for k in sorted(set(saved[part]) | set(now[part]))
+                if saved[part].get(k) != now[part].get(k)
+            ]
             if differ and not restart:
                 raise ConfigError(
                     f"{self.root} holds runs of other settings ({', '.join(differ)} differ); run with the same "
-                    f"settings to continue them, choose another --out, or give --restart to set them aside")
+                    f"settings to continue them, choose another --out, or give --restart to set them aside"
+                )
             if differ:
                 aside = self.root.with_name(f"{RUNS_DIR}-set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
                 self.root.rename(aside)
@@ -210,7 +215,9 @@ class RunStore:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def sites_of(entry: Entry, settings: CompareSettings, data: BenchData) -> tuple[list[SiteData], dict[str, dict[str, Any]] | None]:
+def sites_of(
+    entry: Entry, settings: CompareSettings, data: BenchData
+) -> tuple[list[SiteData], dict[str, dict[str, Any]] | None]:
     """The sites a run trains on, and per-site training settings they replace.
 
     Args:
@@ -240,8 +247,9 @@ def trained_models(res: InProcessResult, model_config: ModelConfig) -> dict[str,
     return {GLOBAL: (global_model(res, model_config), res.classes)}
 
 
-def score(models: Mapping[str, tuple[torch.nn.Module, list[str]]], tests: Mapping[str, TestSet]
-          ) -> tuple[dict[str, np.ndarray], dict[str, dict[str, dict[str, float | None]]]]:
+def score(
+    models: Mapping[str, tuple[torch.nn.Module, list[str]]], tests: Mapping[str, TestSet]
+) -> tuple[dict[str, np.ndarray], dict[str, dict[str, dict[str, float | None]]]]:
     """Score models on the test sets they are meant for: a global model on all, a site's own model
     on its site's test split and on the external sets.
 
@@ -262,8 +270,9 @@ def score(models: Mapping[str, tuple[torch.nn.Module, list[str]]], tests: Mappin
             s = scores_on(model, classes, test).astype(np.float32)
             known = [j for j, c in enumerate(test.classes) if c in classes]
             scores[f"{name}|{key}"] = s
-            aurocs.setdefault(name, {})[key] = per_class_auroc(test.labels[:, known], s[:, known],
-                                                               [test.classes[j] for j in known]) if known else {}
+            aurocs.setdefault(name, {})[key] = (
+                per_class_auroc(test.labels[:, known], s[:, known], [test.classes[j] for j in known]) if known else {}
+            )
     return scores, aurocs
 
 
@@ -271,8 +280,17 @@ def _finite(values: list[Any]) -> list[float | None]:
     return [None if v is None or not math.isfinite(v) else float(v) for v in values]
 
 
-def train_run(entry: Entry, seed: int, *, settings: CompareSettings, data: BenchData, tests: Mapping[str, TestSet],
-              warmups: WarmupCache, work: Path, log: Log) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def train_run(
+    entry: Entry,
+    seed: int,
+    *,
+    settings: CompareSettings,
+    data: BenchData,
+    tests: Mapping[str, TestSet],
+    warmups: WarmupCache,
+    work: Path,
+    log: Log,
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Train one (method, seed) to convergence and score it; continues an interrupted run found in ``work``.
 
     Args:
@@ -305,23 +323,43 @@ def train_run(entry: Entry, seed: int, *, settings: CompareSettings, data: Bench
     seconds = time.perf_counter() - start
     outcome = res.outcome
     record = {
-        "entry": entry.name, "method": entry.method.name, "site": entry.site, "seed": seed,
-        "models": {k: list(v) for k, v in (outcome.site_classes.items() if res.site_states is not None
-                                           else [(GLOBAL, res.classes)])},
-        "auroc": aurocs, "best_round": res.best_round, "rounds": res.rounds, "stopped_early": outcome.stopped_early,
-        "curve_rounds": [p["round"] for p in outcome.curve], "val_loss": _finite(res.curve("mean_val_loss")),
+        "entry": entry.name,
+        "method": entry.method.name,
+        "site": entry.site,
+        "seed": seed,
+        "models": {
+            k: list(v)
+            for k, v in (outcome.site_classes.items() if res.site_states is not None else [(GLOBAL, res.classes)])
+        },
+        "auroc": aurocs,
+        "best_round": res.best_round,
+        "rounds": res.rounds,
+        "stopped_early": outcome.stopped_early,
+        "curve_rounds": [p["round"] for p in outcome.curve],
+        "val_loss": _finite(res.curve("mean_val_loss")),
         "val_auroc": _finite(res.curve("mean_val_auroc")),
         "site_val_loss": {s: _finite(v) for s, v in res.site_curves("site_val_loss").items()},
         "site_val_auroc": {s: _finite(v) for s, v in res.site_curves("site_val_auroc").items()},
-        "seconds": earlier + seconds, "resumed_after_seconds": earlier if resumed else None,
-        "images_per_second": res.images_per_second, "comm": res.comm, "code": code_version(),
-        "machine": machine(device), "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "seconds": earlier + seconds,
+        "resumed_after_seconds": earlier if resumed else None,
+        "images_per_second": res.images_per_second,
+        "comm": res.comm,
+        "code": code_version(),
+        "machine": machine(device),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     return record, scores
 
 
-def run_all(entries: list[Entry], *, settings: CompareSettings, data: BenchData, tests: Mapping[str, TestSet],
-            store: RunStore, log: Log) -> None:
+def run_all(
+    entries: list[Entry],
+    *,
+    settings: CompareSettings,
+    data: BenchData,
+    tests: Mapping[str, TestSet],
+    store: RunStore,
+    log: Log,
+) -> None:
     """Every (entry, seed) not stored yet, seed by seed; each stored as it finishes.
 
     Args:
@@ -335,23 +373,42 @@ def run_all(entries: list[Entry], *, settings: CompareSettings, data: BenchData,
     total = settings.seeds * len(entries)
     stored = sum(store.done(e.name, s) for s in range(settings.seeds) for e in entries)
     if stored:
-        log(f"{stored} of {total} runs already stored in {store.root}"
-            + (": nothing left to train" if stored == total else ": continuing with the others"))
+        log(
+            f"{stored} of {total} runs already stored in {store.root}"
+            + (": nothing left to train" if stored == total else ": continuing with the others")
+        )
     for seed in range(settings.seeds):
         todo = [e for e in entries if not store.done(e.name, seed)]
         warmups = WarmupCache()  # one head warm-up per site and seed, shared by the methods
         for entry in todo:
             tag = f"seed {seed + 1}/{settings.seeds} {entry.name}"
-            record = train_and_store(entry, seed, settings=settings, data=data, tests=tests, warmups=warmups,
-                                     store=store, log=lambda msg, t=tag: log(f"{t}: {msg}"))
+            record = train_and_store(
+                entry,
+                seed,
+                settings=settings,
+                data=data,
+                tests=tests,
+                warmups=warmups,
+                store=store,
+                log=lambda msg, t=tag: log(f"{t}: {msg}"),
+            )
             if record is not None:
                 stored += 1
                 log(f"{tag}: stored ({stored}/{total}); {outcome_line(record, tests)}")
     store.tidy()
 
 
-def train_and_store(entry: Entry, seed: int, *, settings: CompareSettings, data: BenchData, tests: Mapping[str, TestSet],
-                    warmups: WarmupCache, store: RunStore, log: Log) -> dict[str, Any] | None:
+def train_and_store(
+    entry: Entry,
+    seed: int,
+    *,
+    settings: CompareSettings,
+    data: BenchData,
+    tests: Mapping[str, TestSet],
+    warmups: WarmupCache,
+    store: RunStore,
+    log: Log,
+) -> dict[str, Any] | None:
     """Train one (entry, seed) and store it, unless another process holds it or has stored it.
 
     Args:
@@ -373,8 +430,9 @@ def train_and_store(entry: Entry, seed: int, *, settings: CompareSettings, data:
             return None
         work = store.work(entry.name, seed)
         log("continuing the interrupted run" if (work / RESUME_ROOT).is_dir() else "start")
-        record, scores = train_run(entry, seed, settings=settings, data=data, tests=tests, warmups=warmups,
-                                   work=work, log=log)
+        record, scores = train_run(
+            entry, seed, settings=settings, data=data, tests=tests, warmups=warmups, work=work, log=log
+        )
         store.save(entry.name, seed, record, scores)
         return record
 
@@ -387,9 +445,11 @@ def outcome_line(record: Mapping[str, Any], tests: Mapping[str, TestSet]) -> str
         tests: the test sets.
     """
     means = ", ".join(f"{name} {_fmt(_mean(record, test))}" for name, test in tests.items())
-    return (f"selected round {record['best_round']} of {record['rounds']} "
-            f"({'early stop' if record['stopped_early'] else 'max_rounds reached'}), {record['seconds']:.0f}s; "
-            f"mean test AUROC {means}")
+    return (
+        f"selected round {record['best_round']} of {record['rounds']} "
+        f"({'early stop' if record['stopped_early'] else 'max_rounds reached'}), {record['seconds']:.0f}s; "
+        f"mean test AUROC {means}"
+    )
 
 
 def _mean(record: Mapping[str, Any], test: TestSet) -> float | None:

@@ -107,8 +107,11 @@ class _StubSite:
 
         if task == "validate":
             return {}, {"metrics": {"loss": 1.0, "mean_auroc": 0.5}}
-        out = {k: v * np.float32(1.001) if v.dtype == np.float32 else v.copy()
-               for k, v in params.items() if not k.startswith(HEAD_PREFIX)}
+        out = {
+            k: v * np.float32(1.001) if v.dtype == np.float32 else v.copy()
+            for k, v in params.items()
+            if not k.startswith(HEAD_PREFIX)
+        }
         out[HEAD_PREFIX + "weight"] = np.full((len(self.classes), self.n_in), 0.1, np.float32)
         out[HEAD_PREFIX + "bias"] = np.zeros(len(self.classes), np.float32)
         return out, {"classes": self.classes, "num_samples": 10, "metrics": {"val_loss": 1.0, "val_mean_auroc": 0.5}}
@@ -155,13 +158,29 @@ def measure(sites: int, rounds: int, streaming: bool) -> dict[str, Any]:
     hosts = {}
     for k in range(sites):
         classes = sorted(NIH_CLASSES if k % 2 == 0 else CHEXPERT_CLASSES)
-        hosts[f"site-{k + 1:02d}"] = _StubSite([c for i, c in enumerate(classes) if i not in (k % len(classes), (k + 5) % len(classes))], n_in)
+        hosts[f"site-{k + 1:02d}"] = _StubSite(
+            [c for i, c in enumerate(classes) if i not in (k % len(classes), (k + 5) % len(classes))], n_in
+        )
     send = _fobs_transport(hosts)
-    cfg = SurgicalConfig.from_dict({"num_rounds": rounds, "min_clients": 2, "model_config": model, "patience": rounds + 1,
-                                    "evaluate_test": False, "train_config": {"warmup_epochs": 1}})
+    cfg = SurgicalConfig.from_dict(
+        {
+            "num_rounds": rounds,
+            "min_clients": 2,
+            "model_config": model,
+            "patience": rounds + 1,
+            "evaluate_test": False,
+            "train_config": {"warmup_epochs": 1},
+        }
+    )
     with tempfile.TemporaryDirectory(prefix="cxrfl-server-memory-") as tmp:
-        server = SurgicalServer(send if streaming else _collect_first(send), config=cfg, sites=list(hosts), out_dir=tmp,
-                                run_id="harness", info=lambda m: None)
+        server = SurgicalServer(
+            send if streaming else _collect_first(send),
+            config=cfg,
+            sites=list(hosts),
+            out_dir=tmp,
+            run_id="harness",
+            info=lambda m: None,
+        )
         gc.collect()
         base = _rss()
         tracemalloc.start()
@@ -172,7 +191,8 @@ def measure(sites: int, rounds: int, streaming: bool) -> dict[str, Any]:
         def phase_done(name: str, record: Any) -> None:  # the peaks of the phase this record closes
             phases[f"{record.get('phase')} {record.get('round')}"] = {
                 "rss_peak_mb": round(peak.take() / 2**20, 1),
-                "traced_peak_mb": round(tracemalloc.get_traced_memory()[1] / 2**20, 1)}
+                "traced_peak_mb": round(tracemalloc.get_traced_memory()[1] / 2**20, 1),
+            }
             tracemalloc.reset_peak()
 
         server.on_record = phase_done
@@ -182,11 +202,18 @@ def measure(sites: int, rounds: int, streaming: bool) -> dict[str, Any]:
         top = peak.stop()
         tracemalloc.stop()
         update = sum(v.nbytes for v in server.state.params.values())
-    return {"sites": sites, "rounds": rounds, "streaming": streaming, "update_mb": round(update / 2**20, 1),
-            "rss_before_mb": round(base / 2**20, 1), "rss_peak_mb": round(top / 2**20, 1),
-            "rss_growth_mb": round((top - base) / 2**20, 1),
-            "traced_peak_mb": max((p["traced_peak_mb"] for p in phases.values()), default=0.0),
-            "phases": phases, "seconds": round(seconds, 1)}
+    return {
+        "sites": sites,
+        "rounds": rounds,
+        "streaming": streaming,
+        "update_mb": round(update / 2**20, 1),
+        "rss_before_mb": round(base / 2**20, 1),
+        "rss_peak_mb": round(top / 2**20, 1),
+        "rss_growth_mb": round((top - base) / 2**20, 1),
+        "traced_peak_mb": max((p["traced_peak_mb"] for p in phases.values()), default=0.0),
+        "phases": phases,
+        "seconds": round(seconds, 1),
+    }
 
 
 def run_harness(sites: int, rounds: int = 2, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
@@ -199,18 +226,27 @@ def run_harness(sites: int, rounds: int = 2, log: Callable[[str], None] = logger
     """
     out: dict[str, Any] = {"sites": sites, "rounds": rounds}
     for streaming in (True, False):
-        code = (f"import json; from cxrfl.bench.server_memory import measure; "
-                f"print(json.dumps(measure({sites}, {rounds}, {streaming})))")
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        code = (
+            f"import json; from cxrfl.bench.server_memory import measure; "
+            f"print(json.dumps(measure({sites}, {rounds}, {streaming})))"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=3600,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"the server-memory harness failed:\n{proc.stderr[-3000:]}")
         row = json.loads(proc.stdout.strip().splitlines()[-1])
         out["streaming" if streaming else "collect_first"] = row
         phases = "; ".join(f"{name}: {p['traced_peak_mb']} MB" for name, p in row["phases"].items())
-        log(f"{sites} stub sites, {'streaming' if streaming else 'collecting first'}: peak RSS {row['rss_peak_mb']} MB "
+        log(
+            f"{sites} stub sites, {'streaming' if streaming else 'collecting first'}: peak RSS {row['rss_peak_mb']} MB "
             f"({row['rss_growth_mb']} MB over the {row['rss_before_mb']} MB before the run; one update "
-            f"{row['update_mb']} MB); numpy/Python peak per phase: {phases}")
+            f"{row['update_mb']} MB); numpy/Python peak per phase: {phases}"
+        )
     return out
 
 

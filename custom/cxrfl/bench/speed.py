@@ -90,9 +90,17 @@ class SpeedSettings:
 
     def training(self) -> TrainingSpeedSettings:
         """The settings of the ``training`` and ``accuracy`` parts."""
-        return TrainingSpeedSettings(image_size=self.image_size, batch_size=self.training_batch_size, steps=self.steps,
-                                     repeats=self.rounds, threads=self.threads, epochs=self.epochs, seeds=self.seeds,
-                                     accuracy_image_size=self.image_size, device=self.device)
+        return TrainingSpeedSettings(
+            image_size=self.image_size,
+            batch_size=self.training_batch_size,
+            steps=self.steps,
+            repeats=self.rounds,
+            threads=self.threads,
+            epochs=self.epochs,
+            seeds=self.seeds,
+            accuracy_image_size=self.image_size,
+            device=self.device,
+        )
 
 
 PARTS = ("simulator", "training", "aggregation", "payload", "accuracy", "loading")
@@ -116,8 +124,9 @@ def _plain_throughput(config: Path, s: SpeedSettings) -> dict[str, Any]:
     tc = TrainConfig(lr=1e-3, batch_size=s.batch_size, max_steps_per_epoch=s.steps, augment=True, seed=0)
     torch.manual_seed(0)
     model = build_model(ModelConfig(image_size=s.image_size), len(data.classes))
-    loader = make_loader(data.split_table("train"), data.classes, image_size=s.image_size, train=True,
-                         batch_size=s.batch_size, seed=0)
+    loader = make_loader(
+        data.split_table("train"), data.classes, image_size=s.image_size, train=True, batch_size=s.batch_size, seed=0
+    )
     opt = adam(model, tc.lr)
     device = select_device(s.device)  # both loops: this device's auto precision and memory format
     train_epochs(model, loader, opt, device, max_steps=2)  # allocator and kernel warm-up
@@ -140,15 +149,28 @@ def simulator_vs_plain(s: SpeedSettings, work: Path, log: Callable[[str], None] 
     from cxrfl.nn.models import ModelConfig
     from cxrfl.synth import write_profile
 
-    (config,) = write_profile("two-hospitals", work / "data", n_per_site=s.n_images, image_size=s.image_size,
-                              sites=["hospital-a"])
+    (config,) = write_profile(
+        "two-hospitals", work / "data", n_per_site=s.n_images, image_size=s.image_size, sites=["hospital-a"]
+    )
     base = next(j for j in JOBS if j.name == "surgical_agg")
     train = replace(DEMO_TRAIN, batch_size=s.batch_size, max_steps_per_epoch=s.steps, warmup_epochs=1)
-    args = {**base.controller_args, "num_rounds": s.rounds, "min_clients": 1, "patience": s.rounds + 1,
-            "model_config": ModelConfig(image_size=s.image_size).to_dict(), "train_config": train.to_dict(),
-            "evaluate_test": False, "keep_round_checkpoints": False}
-    spec = replace(base, name="speed_one_site", controller_args=args, min_clients=1,
-                   executor_args={**base.executor_args, "num_threads": s.threads, "device": s.device})
+    args = {
+        **base.controller_args,
+        "num_rounds": s.rounds,
+        "min_clients": 1,
+        "patience": s.rounds + 1,
+        "model_config": ModelConfig(image_size=s.image_size).to_dict(),
+        "train_config": train.to_dict(),
+        "evaluate_test": False,
+        "keep_round_checkpoints": False,
+    }
+    spec = replace(
+        base,
+        name="speed_one_site",
+        controller_args=args,
+        min_clients=1,
+        executor_args={**base.executor_args, "num_threads": s.threads, "device": s.device},
+    )
     job = write_job(spec, work / "jobs")
     log("plain loop (before the simulator)")
     before = _plain_throughput(config, s)
@@ -157,12 +179,19 @@ def simulator_vs_plain(s: SpeedSettings, work: Path, log: Callable[[str], None] 
     nvflare = str(Path(sys.executable).with_name("nvflare"))
     log(f"nvflare simulator {job.name} -n 1 -t 1 ({s.rounds} rounds of {s.steps} steps)")
     t0 = time.perf_counter()
-    proc = subprocess.run([nvflare, "simulator", str(job), "-w", str(ws), "-n", "1", "-t", "1"], env=env,
-                          capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [nvflare, "simulator", str(job), "-w", str(ws), "-n", "1", "-t", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     sim_seconds = time.perf_counter() - t0
     records = ws / "server" / "simulate_job" / "app_server" / "cxrfl" / "rounds.jsonl"
     if not records.is_file():
-        raise RuntimeError(f"the simulator left no round records (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"the simulator left no round records (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     rates = []
     for line in records.read_text().splitlines():
         rec = json.loads(line)
@@ -206,20 +235,36 @@ def payload_benchmark() -> dict[str, Any]:
 
     def wire(params: dict[str, Any], classes: list[str] | None) -> int:
         meta = {"classes": classes} if classes else {}
-        return len(fobs.dumps(FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=params, meta=meta))))
+        return len(
+            fobs.dumps(FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=params, meta=meta)))
+        )
 
     sites = {"hospital-a (NIH, 14)": list(NIH_CLASSES), "hospital-b (CheXpert, 13)": list(CHEXPERT_CLASSES)}
-    modes = {"surgical": ("surgical", set()), "union (vanilla FL, partial loss)": ("union", set()),
-             "local (personalized FL)": ("local", set()), "local + FedBN": ("local", bn)}
-    out: dict[str, Any] = {"full_model_bytes": full_bytes, "feature_extractor_bytes": body_bytes, "head_row_bytes": row_bytes,
-                           "union_classes": len(union), "full_model_wire_bytes": wire(state, union), "sites": {}}
+    modes = {
+        "surgical": ("surgical", set()),
+        "union (vanilla FL, partial loss)": ("union", set()),
+        "local (personalized FL)": ("local", set()),
+        "local + FedBN": ("local", bn),
+    }
+    out: dict[str, Any] = {
+        "full_model_bytes": full_bytes,
+        "feature_extractor_bytes": body_bytes,
+        "head_row_bytes": row_bytes,
+        "union_classes": len(union),
+        "full_model_wire_bytes": wire(state, union),
+        "sites": {},
+    }
     for site, classes in sites.items():
         rows = {}
         for label, (mode, exclude) in modes.items():
             params, sent = payload_for(state, union, classes, head_mode=mode, exclude=exclude)
             raw = int(sum(v.nbytes for v in params.values()))
-            rows[label] = {"raw_bytes": raw, "wire_bytes": wire(params, sent), "fraction_of_full_model": raw / full_bytes,
-                           "head_rows": int(params[HEAD_PREFIX + "weight"].shape[0]) if HEAD_PREFIX + "weight" in params else 0}
+            rows[label] = {
+                "raw_bytes": raw,
+                "wire_bytes": wire(params, sent),
+                "fraction_of_full_model": raw / full_bytes,
+                "head_rows": int(params[HEAD_PREFIX + "weight"].shape[0]) if HEAD_PREFIX + "weight" in params else 0,
+            }
         expected = body_bytes + len(classes) * row_bytes
         rows["surgical"]["equals_feature_extractor_plus_own_rows"] = rows["surgical"]["raw_bytes"] == expected
         out["sites"][site] = rows
@@ -236,13 +281,17 @@ def _earlier_results(path: Path, wanted: list[str]) -> dict[str, tuple[Any, dict
         if part not in prev:
             continue
         source = prev.get("carried_over", {}).get(part) or {
-            "command": prev.get("command"), "settings": prev.get("settings"), "machine": prev.get("machine")}
+            "command": prev.get("command"),
+            "settings": prev.get("settings"),
+            "machine": prev.get("machine"),
+        }
         found[part] = (prev[part], source)
     return found
 
 
-def _run_parts(s: SpeedSettings, parts: list[str], res: dict[str, Any], default_threads: int,
-               log: Callable[[str], None]) -> None:
+def _run_parts(
+    s: SpeedSettings, parts: list[str], res: dict[str, Any], default_threads: int, log: Callable[[str], None]
+) -> None:
     """Measure ``parts`` into ``res`` (the training loops at ``s.threads``, aggregation at torch's default)."""
     import torch
 
@@ -275,13 +324,36 @@ def json_summary(res: dict[str, Any], parts: Sequence[str]) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     if "training" in parts:
-        out["training"] = {k: res["training"][k] for k in ("fp32_img_s", "default_img_s", "ratio", "precision",
-                                                           "channels_last", "threads", "image_size", "batch_size", "device")}
+        out["training"] = {
+            k: res["training"][k]
+            for k in (
+                "fp32_img_s",
+                "default_img_s",
+                "ratio",
+                "precision",
+                "channels_last",
+                "threads",
+                "image_size",
+                "batch_size",
+                "device",
+            )
+        }
     if "aggregation" in parts:
         out["aggregation"] = aggregation_summary(res["aggregation"])
     if "accuracy" in parts:
-        out["accuracy"] = {k: res["accuracy"][k] for k in ("fp32_mean_auroc", "default_mean_auroc", "difference",
-                                                           "difference_sd", "precision", "channels_last", "seeds", "epochs")}
+        out["accuracy"] = {
+            k: res["accuracy"][k]
+            for k in (
+                "fp32_mean_auroc",
+                "default_mean_auroc",
+                "difference",
+                "difference_sd",
+                "precision",
+                "channels_last",
+                "seeds",
+                "epochs",
+            )
+        }
     if "simulator" in parts:
         out["simulator"] = {k: res["simulator"][k] for k in ("simulator_mean", "plain_mean", "ratio")}
     if "payload" in parts:

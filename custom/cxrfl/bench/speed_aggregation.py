@@ -92,13 +92,17 @@ def make_updates(k: int, seed: int = 0) -> tuple[list[dict[str, Any]], dict[str,
         classes = sorted(set(shared) | set(rng.choice(rest, size=len(rest) // 3 + 1, replace=False)))
         rows = [union.index(c) for c in classes]
         scale = np.float32(1.0 + 0.01 * i)
-        params = {key: (v * scale if v.dtype == np.float32 else v.copy()) for key, v in base.items()
-                  if not key.startswith(HEAD_PREFIX)}
+        params = {
+            key: (v * scale if v.dtype == np.float32 else v.copy())
+            for key, v in base.items()
+            if not key.startswith(HEAD_PREFIX)
+        }
         full_head = {HEAD_PREFIX + "weight": w * scale, HEAD_PREFIX + "bias": b * scale}
         params[HEAD_PREFIX + "weight"] = full_head[HEAD_PREFIX + "weight"][rows]
         params[HEAD_PREFIX + "bias"] = full_head[HEAD_PREFIX + "bias"][rows]
-        updates.append({"site": f"site-{i + 1}", "classes": classes, "params": params, "num_samples": 100,
-                        "full_head": full_head})
+        updates.append(
+            {"site": f"site-{i + 1}", "classes": classes, "params": params, "num_samples": 100, "full_head": full_head}
+        )
     shapes = {key: v.shape for key, v in base.items() if not key.startswith(HEAD_PREFIX)}
     return updates, shapes
 
@@ -114,8 +118,9 @@ def _nvflare_fedavg(updates: list[dict[str, Any]]) -> Any:
     logging.getLogger("nvflare").setLevel(logging.ERROR)  # no engine outside a job: it logs about that
     ctx = FLContext()
     ctx.set_prop(AppConstants.CURRENT_ROUND, 1, private=True, sticky=False)
-    agg = InTimeAccumulateWeightedAggregator(expected_data_kind=DataKind.WEIGHTS,
-                                             aggregation_weights={u["site"]: 1.0 for u in updates})
+    agg = InTimeAccumulateWeightedAggregator(
+        expected_data_kind=DataKind.WEIGHTS, aggregation_weights={u["site"]: 1.0 for u in updates}
+    )
     agg.handle_event(EventType.START_RUN, ctx)
     for u in updates:
         data = {k: v for k, v in u["params"].items() if not k.startswith("classifier.")}
@@ -157,8 +162,13 @@ def aggregate_with(method: str, updates: list[dict[str, Any]], shapes: dict[str,
         agg = SurgicalAggregator()
         agg.expect(shapes, {u["site"]: u["classes"] for u in updates})
         for u in updates:
-            agg.accept_model(FLModel(params_type=ParamsType.FULL, params=u["params"],
-                                     meta={"client_name": u["site"], "classes": u["classes"], "num_samples": u["num_samples"]}))
+            agg.accept_model(
+                FLModel(
+                    params_type=ParamsType.FULL,
+                    params=u["params"],
+                    meta={"client_name": u["site"], "classes": u["classes"], "num_samples": u["num_samples"]},
+                )
+            )
         return agg.aggregate_model()
     if method == "nvflare_fedavg":
         return _nvflare_fedavg(updates)
@@ -198,13 +208,21 @@ def _timings(updates: list[dict[str, Any]], shapes: dict[str, tuple[int, ...]], 
 
 def _peak_memory(k: int, method: str) -> dict[str, Any]:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(k), method], env=env, capture_output=True,
-                          text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, str(k), method], env=env, capture_output=True, text=True, timeout=1800
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-2000:]}
 
 
-def aggregation_benchmark(site_counts: tuple[int, ...], repeats: int, *, busy: int = 0, threads: int | None = None,
-                          memory: bool = True, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
+def aggregation_benchmark(
+    site_counts: tuple[int, ...],
+    repeats: int,
+    *,
+    busy: int = 0,
+    threads: int | None = None,
+    memory: bool = True,
+    log: Callable[[str], None] = logger.info,
+) -> dict[str, Any]:
     """Time (median of repeats, in this process) and peak extra memory (fresh process) of every
     method for each K.
 
@@ -221,8 +239,13 @@ def aggregation_benchmark(site_counts: tuple[int, ...], repeats: int, *, busy: i
     if threads:
         torch.set_num_threads(threads)
     model_bytes = int(sum(v.nbytes for v in model_state().values()))
-    out: dict[str, Any] = {"model_bytes": model_bytes, "threads": torch.get_num_threads(), "busy": busy,
-                           "cpus": os.cpu_count(), "sites": {}}
+    out: dict[str, Any] = {
+        "model_bytes": model_bytes,
+        "threads": torch.get_num_threads(),
+        "busy": busy,
+        "cpus": os.cpu_count(),
+        "sites": {},
+    }
     for k in site_counts:
         updates, shapes = make_updates(k)
         with busy_cores(busy):
@@ -232,10 +255,17 @@ def aggregation_benchmark(site_counts: tuple[int, ...], repeats: int, *, busy: i
         for method in AGG_METHODS:
             times = seconds[method]
             mem = _peak_memory(k, method) if memory else {}
-            row[method] = {"seconds": times, "median_seconds": statistics.median(times), "min_seconds": min(times),
-                           "memory": mem, "extra_model_sizes": (mem["extra"] / model_bytes) if "extra" in mem else None}
-            log(f"aggregation K={k} {method}: {statistics.median(times):.3f}s"
-                + (f", peak extra {mem['extra'] / 1e6:.0f} MB" if "extra" in mem else ""))
+            row[method] = {
+                "seconds": times,
+                "median_seconds": statistics.median(times),
+                "min_seconds": min(times),
+                "memory": mem,
+                "extra_model_sizes": (mem["extra"] / model_bytes) if "extra" in mem else None,
+            }
+            log(
+                f"aggregation K={k} {method}: {statistics.median(times):.3f}s"
+                + (f", peak extra {mem['extra'] / 1e6:.0f} MB" if "extra" in mem else "")
+            )
         fedavg, fastest = row["nvflare_fedavg"]["median_seconds"], row["nvflare_fedavg"]["min_seconds"]
         for method in CXRFL_METHODS:
             row[method]["ratio_to_nvflare_fedavg"] = row[method]["median_seconds"] / fedavg if fedavg else None
@@ -253,9 +283,14 @@ def aggregation_summary(agg: dict[str, Any]) -> dict[str, Any]:
     """
     k = "10" if "10" in agg["sites"] else max(agg["sites"], key=int)
     row = agg["sites"][k]
-    return {"sites": int(k), "nvflare_s": row["nvflare_fedavg"]["median_seconds"],
-            "surgical_s": row["round_aggregator"]["median_seconds"],
-            "ratio": row["round_aggregator"]["ratio_to_nvflare_fedavg"],
-            "surgical_aggregate_s": row["surgical"]["median_seconds"],
-            "surgical_aggregator_s": row["surgical_nvflare"]["median_seconds"],
-            "threads": agg["threads"], "busy": agg["busy"], "load_average_after": agg.get("load_average_after")}
+    return {
+        "sites": int(k),
+        "nvflare_s": row["nvflare_fedavg"]["median_seconds"],
+        "surgical_s": row["round_aggregator"]["median_seconds"],
+        "ratio": row["round_aggregator"]["ratio_to_nvflare_fedavg"],
+        "surgical_aggregate_s": row["surgical"]["median_seconds"],
+        "surgical_aggregator_s": row["surgical_nvflare"]["median_seconds"],
+        "threads": agg["threads"],
+        "busy": agg["busy"],
+        "load_average_after": agg.get("load_average_after"),
+    }

@@ -69,9 +69,14 @@ def _batches(s: TrainingSpeedSettings, k: int) -> list[tuple[Any, Any, Any]]:
     import torch
 
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(s.batch_size, 3, s.image_size, s.image_size, generator=g),
-             (torch.rand(s.batch_size, k, generator=g) > 0.8).float(), torch.ones(s.batch_size, k))
-            for _ in range(s.steps)]
+    return [
+        (
+            torch.randn(s.batch_size, 3, s.image_size, s.image_size, generator=g),
+            (torch.rand(s.batch_size, k, generator=g) > 0.8).float(),
+            torch.ones(s.batch_size, k),
+        )
+        for _ in range(s.steps)
+    ]
 
 
 def training_benchmark(s: TrainingSpeedSettings, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
@@ -99,17 +104,27 @@ def training_benchmark(s: TrainingSpeedSettings, log: Callable[[str], None] = lo
             runs[name] = (model, opt, compute)
         rates: dict[str, list[float]] = {name: [] for name in runs}
         for r in range(s.repeats):
-            for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
                 model, opt, compute = runs[name]
                 rates[name].append(train_epochs(model, batches, opt, compute).images_per_second)
                 log(f"training {name} ({compute.describe()}): {rates[name][-1]:.1f} images/s")
         threads = torch.get_num_threads()
     fp32, default = statistics.mean(rates["fp32"]), statistics.mean(rates["default"])
     d = computes["default"]
-    return {"fp32_img_s": fp32, "default_img_s": default, "ratio": default / fp32 if fp32 else None,
-            "precision": d.precision, "channels_last": d.channels_last, "images_per_second": rates,
-            "threads": threads, "image_size": s.image_size, "batch_size": s.batch_size, "steps": s.steps,
-            "repeats": s.repeats, "device": str(d.device)}
+    return {
+        "fp32_img_s": fp32,
+        "default_img_s": default,
+        "ratio": default / fp32 if fp32 else None,
+        "precision": d.precision,
+        "channels_last": d.channels_last,
+        "images_per_second": rates,
+        "threads": threads,
+        "image_size": s.image_size,
+        "batch_size": s.batch_size,
+        "steps": s.steps,
+        "repeats": s.repeats,
+        "device": str(d.device),
+    }
 
 
 def _train_and_test(data: Any, compute: Any, seed: int, s: TrainingSpeedSettings) -> tuple[float | None, float]:
@@ -124,8 +139,9 @@ def _train_and_test(data: Any, compute: Any, seed: int, s: TrainingSpeedSettings
     torch.manual_seed(seed)
     model = build_model(ModelConfig(image_size=size), len(data.classes))
     opt = adam(model, 1e-3)
-    train = make_loader(data.split_table("train"), data.classes, image_size=size, train=True, batch_size=s.batch_size,
-                        seed=seed)
+    train = make_loader(
+        data.split_table("train"), data.classes, image_size=size, train=True, batch_size=s.batch_size, seed=seed
+    )
     test = make_loader(data.split_table("test"), data.classes, image_size=size, train=False, batch_size=64)
     start = time.perf_counter()
     train_epochs(model, train, opt, compute, epochs=s.epochs)
@@ -133,7 +149,9 @@ def _train_and_test(data: Any, compute: Any, seed: int, s: TrainingSpeedSettings
     return evaluate(model, test, data.classes, compute).mean_auroc, seconds
 
 
-def accuracy_benchmark(s: TrainingSpeedSettings, work: Path, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
+def accuracy_benchmark(
+    s: TrainingSpeedSettings, work: Path, log: Callable[[str], None] = logger.info
+) -> dict[str, Any]:
     """Mean test AUROC after the same short training in float32 NCHW and in the default.
 
     Args:
@@ -149,27 +167,43 @@ def accuracy_benchmark(s: TrainingSpeedSettings, work: Path, log: Callable[[str]
     from cxrfl.synth import write_profile
 
     sized = {"n_per_site": s.n_images} if s.n_images else {}
-    (config,) = write_profile("two-hospitals", Path(work) / "data", image_size=s.accuracy_image_size, sites=["hospital-a"],
-                              **sized)
+    (config,) = write_profile(
+        "two-hospitals", Path(work) / "data", image_size=s.accuracy_image_size, sites=["hospital-a"], **sized
+    )
     data = load_site(config, check_images=False)
     computes = settings_compared(s.device)
     auroc: dict[str, list[float | None]] = {name: [] for name in computes}
     seconds: dict[str, list[float]] = {name: [] for name in computes}
     with torch_threads(s.threads or torch.get_num_threads()):
         for seed in range(s.seeds):
-            for name in (list(computes) if seed % 2 == 0 else list(computes)[::-1]):
+            for name in list(computes) if seed % 2 == 0 else list(computes)[::-1]:
                 a, t = _train_and_test(data, computes[name], seed, s)
                 auroc[name].append(a)
                 seconds[name].append(t)
-                log(f"accuracy seed {seed} {name} ({computes[name].describe()}): mean test AUROC {a}, {t:.0f}s training")
+                log(
+                    f"accuracy seed {seed} {name} ({computes[name].describe()}): mean test AUROC {a}, {t:.0f}s training"
+                )
     diffs = [d - f for f, d in zip(auroc["fp32"], auroc["default"]) if f is not None and d is not None]
-    mean = {name: float(np.mean([v for v in vals if v is not None])) if any(v is not None for v in vals) else None
-            for name, vals in auroc.items()}
+    mean = {
+        name: float(np.mean([v for v in vals if v is not None])) if any(v is not None for v in vals) else None
+        for name, vals in auroc.items()
+    }
     d = computes["default"]
-    return {"fp32_mean_auroc": mean["fp32"], "default_mean_auroc": mean["default"], "auroc": auroc,
-            "difference": float(np.mean(diffs)) if diffs else None,
-            "difference_sd": float(np.std(diffs, ddof=1)) if len(diffs) > 1 else None,
-            "training_seconds": seconds, "precision": d.precision, "channels_last": d.channels_last,
-            "site": data.site, "train_images": len(data.split_table("train")), "test_images": len(data.split_table("test")),
-            "epochs": s.epochs, "seeds": s.seeds, "image_size": s.accuracy_image_size, "batch_size": s.batch_size,
-            "lr": 1e-3}
+    return {
+        "fp32_mean_auroc": mean["fp32"],
+        "default_mean_auroc": mean["default"],
+        "auroc": auroc,
+        "difference": float(np.mean(diffs)) if diffs else None,
+        "difference_sd": float(np.std(diffs, ddof=1)) if len(diffs) > 1 else None,
+        "training_seconds": seconds,
+        "precision": d.precision,
+        "channels_last": d.channels_last,
+        "site": data.site,
+        "train_images": len(data.split_table("train")),
+        "test_images": len(data.split_table("test")),
+        "epochs": s.epochs,
+        "seeds": s.seeds,
+        "image_size": s.accuracy_image_size,
+        "batch_size": s.batch_size,
+        "lr": 1e-3,
+    }

@@ -67,14 +67,18 @@ def make_views(data: BenchData, tests: Mapping[str, TestSet]) -> list[View]:
         tests: the test sets.
     """
     shared = shared_classes({s.site: list(s.classes) for s in data.sites})
-    views = [View(s.site, s.site, tests[s.site].classes, s.site, "site", [c for c in s.classes if c in shared])
-             for s in data.sites]
+    views = [
+        View(s.site, s.site, tests[s.site].classes, s.site, "site", [c for c in s.classes if c in shared])
+        for s in data.sites
+    ]
     for name in data.external:
         t = tests[name]
         views.append(View(name, name, t.classes, None, "external"))
         if len(data.sites) > 1:
-            views += [View(f"{name}@{s.site}", name, [c for c in t.classes if c in s.classes], s.site, "external-by-site")
-                      for s in data.sites]
+            views += [
+                View(f"{name}@{s.site}", name, [c for c in t.classes if c in s.classes], s.site, "external-by-site")
+                for s in data.sites
+            ]
     return views
 
 
@@ -106,8 +110,9 @@ def part_mean(aurocs: Mapping[str, float | None], classes: Sequence[str], knows:
     return summarise_auroc({c: aurocs.get(c) for c in classes}, model_classes=knows)["mean"]
 
 
-def compare_cells(a: Mapping[str, Any], b: Mapping[str, Any], classes: Sequence[str] | None = None
-                  ) -> dict[str, Any] | None:
+def compare_cells(
+    a: Mapping[str, Any], b: Mapping[str, Any], classes: Sequence[str] | None = None
+) -> dict[str, Any] | None:
     """A against B on one view (or on ``classes`` of it): over classes and over seeds.
 
     Args:
@@ -120,7 +125,11 @@ def compare_cells(a: Mapping[str, Any], b: Mapping[str, Any], classes: Sequence[
         when the mean of A or B over those classes is not defined.
     """
     keep = list(classes if classes is not None else a["auroc"])
-    if not keep or part_mean(a["auroc"], keep, a["model_knows"]) is None or part_mean(b["auroc"], keep, b["model_knows"]) is None:
+    if (
+        not keep
+        or part_mean(a["auroc"], keep, a["model_knows"]) is None
+        or part_mean(b["auroc"], keep, b["model_knows"]) is None
+    ):
         return None
     by_class = paired_comparison({c: a["auroc"][c] for c in keep}, {c: b["auroc"][c] for c in keep})
     seeds_a = {i: part_mean(s, keep, a["model_knows"]) for i, s in enumerate(a["auroc_by_seed"])}
@@ -169,8 +178,9 @@ def _ci(replicates: np.ndarray) -> list[float] | None:
     return list(interval) if interval else None
 
 
-def _intervals(pooled: np.ndarray, view: View, per_class: Mapping[str, float | None]
-               ) -> tuple[dict[str, list[float] | None], list[float] | None]:
+def _intervals(
+    pooled: np.ndarray, view: View, per_class: Mapping[str, float | None]
+) -> tuple[dict[str, list[float] | None], list[float] | None]:
     """Per-class intervals and the interval of the mean over the defined classes, from pooled replicates."""
     ci = {c: _ci(pooled[:, j]) if per_class[c] is not None else None for j, c in enumerate(view.classes)}
     defined = [j for j, c in enumerate(view.classes) if per_class[c] is not None]
@@ -196,8 +206,9 @@ def view_cell(entry: str, records: Sequence[Mapping[str, Any]], view: View, boot
     for r in records:
         aurocs, knows = view_aurocs(r, view)
         by_seed.append(aurocs)
-    per_class = {c: None if any(a[c] is None for a in by_seed) else float(np.mean([a[c] for a in by_seed]))
-                 for c in view.classes}
+    per_class = {
+        c: None if any(a[c] is None for a in by_seed) else float(np.mean([a[c] for a in by_seed])) for c in view.classes
+    }
     cell = summarise_auroc(per_class, shared=view.shared, model_classes=knows)
     seed_means = [part_mean(a, view.classes, knows) for a in by_seed]
     over_seeds = mean_ci(seed_means) if None not in seed_means else {"sd": None, "ci": None}
@@ -209,10 +220,19 @@ def view_cell(entry: str, records: Sequence[Mapping[str, Any]], view: View, boot
             test_classes = boot.tests[view.test].classes
             reps.append(rep[:, [test_classes.index(c) for c in view.classes]])
     complete = bool(reps) and len(reps) == len(records) and bool(view.classes)
-    ci, mean_boot = _intervals(np.concatenate(reps), view, per_class) if complete else ({c: None for c in view.classes}, None)
-    cell.update(auroc=per_class, auroc_by_seed=by_seed, ci=ci, mean_ci=mean_boot if cell["mean"] is not None else None,
-                mean_by_seed=seed_means,
-                mean_seed_sd=over_seeds["sd"], mean_seed_ci=over_seeds["ci"], model_knows=knows)
+    ci, mean_boot = (
+        _intervals(np.concatenate(reps), view, per_class) if complete else ({c: None for c in view.classes}, None)
+    )
+    cell.update(
+        auroc=per_class,
+        auroc_by_seed=by_seed,
+        ci=ci,
+        mean_ci=mean_boot if cell["mean"] is not None else None,
+        mean_by_seed=seed_means,
+        mean_seed_sd=over_seeds["sd"],
+        mean_seed_ci=over_seeds["ci"],
+        model_knows=knows,
+    )
     return cell
 
 
@@ -250,9 +270,11 @@ def ablation_summary(kind: str, runs: Mapping[str, Mapping[str, Any]], reference
         for name, m in res["methods"].items():
             cell = m["test"][view]
             per.setdefault(name, {"label": m["label"], "by_value": {}})["by_value"][value] = {
-                "mean": cell["mean"], "mean_by_seed": cell["mean_by_seed"],
+                "mean": cell["mean"],
+                "mean_by_seed": cell["mean_by_seed"],
                 "over_seeds": mean_ci(cell["mean_by_seed"]),
-                "vs_reference": (cell.get("vs_reference") or {}).get("all")}
+                "vs_reference": (cell.get("vs_reference") or {}).get("all"),
+            }
     for name, d in per.items():
         if name == reference or reference not in per:
             d["vs_reference"] = None
@@ -262,8 +284,9 @@ def ablation_summary(kind: str, runs: Mapping[str, Mapping[str, Any]], reference
         pairs_a = {f"{v}/{i}": x for v in values for i, x in enumerate(mine[v]["mean_by_seed"])}
         pairs_b = {f"{v}/{i}": x for v in values for i, x in enumerate(ref[v]["mean_by_seed"])}
         d["vs_reference"] = {
-            "settings": paired_comparison({v: ref[v]["over_seeds"]["mean"] for v in values},
-                                          {v: mine[v]["over_seeds"]["mean"] for v in values}),
+            "settings": paired_comparison(
+                {v: ref[v]["over_seeds"]["mean"] for v in values}, {v: mine[v]["over_seeds"]["mean"] for v in values}
+            ),
             "setting_seeds": paired_comparison(pairs_b, pairs_a),
         }
     return {"ablation": kind, "values": values, "reference": reference, "methods": per}

@@ -43,8 +43,9 @@ Rule = Callable[[float, "float | None"], bool]
 """(difference, p of the t-test over classes) -> met."""
 
 
-def comparison_target(results: dict[str, Any], name: str, view: str, a: str, b: str, rule: str, ok: Rule,
-                      part: str | None = None) -> dict[str, Any] | None:
+def comparison_target(
+    results: dict[str, Any], name: str, view: str, a: str, b: str, rule: str, ok: Rule, part: str | None = None
+) -> dict[str, Any] | None:
     """A target comparing entry ``a`` with entry ``b`` on a view (None: one of them was not run).
 
     Args:
@@ -64,9 +65,21 @@ def comparison_target(results: dict[str, Any], name: str, view: str, a: str, b: 
     diff = None if va is None or vb is None else va - vb
     stats = compare_cells(ca, cb, _classes(results, view, part)) or {"classes": None, "seeds": None}
     p = (stats["classes"] or {}).get("p")
-    return {"target": name, "view": view, "method": a, "against": b, "part": part, "rule": rule, "value": va, "other": vb,
-            "difference": diff, "classes": stats["classes"], "seeds": stats["seeds"],
-            "met": None if diff is None else bool(ok(diff, p)), "binding": results.get("profile") in TARGET_PROFILES}
+    return {
+        "target": name,
+        "view": view,
+        "method": a,
+        "against": b,
+        "part": part,
+        "rule": rule,
+        "value": va,
+        "other": vb,
+        "difference": diff,
+        "classes": stats["classes"],
+        "seeds": stats["seeds"],
+        "met": None if diff is None else bool(ok(diff, p)),
+        "binding": results.get("profile") in TARGET_PROFILES,
+    }
 
 
 def learned_target(results: dict[str, Any], entry: str, view: str) -> dict[str, Any] | None:
@@ -81,10 +94,22 @@ def learned_target(results: dict[str, Any], entry: str, view: str) -> dict[str, 
     if cell is None:
         return None
     value = cell["mean"]
-    return {"target": f"the model learned: mean AUROC >= {LEARNED}", "view": view, "method": entry, "against": None,
-            "part": None, "rule": f"mean >= {LEARNED}", "value": value, "other": None, "difference": None,
-            "value_ci": cell.get("mean_seed_ci"), "classes": None, "seeds": None,
-            "met": None if value is None else bool(value >= LEARNED), "binding": results.get("profile") in TARGET_PROFILES}
+    return {
+        "target": f"the model learned: mean AUROC >= {LEARNED}",
+        "view": view,
+        "method": entry,
+        "against": None,
+        "part": None,
+        "rule": f"mean >= {LEARNED}",
+        "value": value,
+        "other": None,
+        "difference": None,
+        "value_ci": cell.get("mean_seed_ci"),
+        "classes": None,
+        "seeds": None,
+        "met": None if value is None else bool(value >= LEARNED),
+        "binding": results.get("profile") in TARGET_PROFILES,
+    }
 
 
 def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -111,24 +136,70 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     if any(len(views[v]["shared"] or []) < len(views[v]["classes"]) for v in site_views):  # class-heterogeneous
         for v in site_views:
             found += [
-                comparison_target(results, "site test split: within 0.02 of the individually trained model", v, ref,
-                                  f"individual:{v}", "SA - individual >= -0.02", lambda d, p: d >= -0.02),
-                comparison_target(results, "unique classes: at least 0.05 above vanilla FL, p < 0.05", v, ref,
-                                  "vanilla-fedavg", "SA - vanilla >= 0.05 and p (t-test over the classes) < 0.05",
-                                  lambda d, p: d >= 0.05 and p is not None and p < 0.05, "unique"),
-                comparison_target(results, "unique classes: above FL with partial loss", v, ref, "partial-fedavg",
-                                  "SA - partial > 0", lambda d, p: d > 0, "unique"),
+                comparison_target(
+                    results,
+                    "site test split: within 0.02 of the individually trained model",
+                    v,
+                    ref,
+                    f"individual:{v}",
+                    "SA - individual >= -0.02",
+                    lambda d, p: d >= -0.02,
+                ),
+                comparison_target(
+                    results,
+                    "unique classes: at least 0.05 above vanilla FL, p < 0.05",
+                    v,
+                    ref,
+                    "vanilla-fedavg",
+                    "SA - vanilla >= 0.05 and p (t-test over the classes) < 0.05",
+                    lambda d, p: d >= 0.05 and p is not None and p < 0.05,
+                    "unique",
+                ),
+                comparison_target(
+                    results,
+                    "unique classes: above FL with partial loss",
+                    v,
+                    ref,
+                    "partial-fedavg",
+                    "SA - partial > 0",
+                    lambda d, p: d > 0,
+                    "unique",
+                ),
             ]
         for v in ext_views:
-            found.append(comparison_target(results, "external set: above vanilla FL, p < 0.05", v, ref, "vanilla-fedavg",
-                                           "SA - vanilla > 0 and p (t-test over the classes) < 0.05",
-                                           lambda d, p: d > 0 and p is not None and p < 0.05))
-            found += [comparison_target(results, "external set: the best single global model", v, a, b, "SA - other > 0",
-                                        lambda d, p: d > 0)
-                      for a, b in ((ref, "centralized"), (ref, "partial-fedavg"), ("surgical-fedbn+", "vanilla-fedbn+"),
-                                   ("surgical-fedbn+", "partial-fedbn+"))]
+            found.append(
+                comparison_target(
+                    results,
+                    "external set: above vanilla FL, p < 0.05",
+                    v,
+                    ref,
+                    "vanilla-fedavg",
+                    "SA - vanilla > 0 and p (t-test over the classes) < 0.05",
+                    lambda d, p: d > 0 and p is not None and p < 0.05,
+                )
+            )
+            found += [
+                comparison_target(
+                    results, "external set: the best single global model", v, a, b, "SA - other > 0", lambda d, p: d > 0
+                )
+                for a, b in (
+                    (ref, "centralized"),
+                    (ref, "partial-fedavg"),
+                    ("surgical-fedbn+", "vanilla-fedbn+"),
+                    ("surgical-fedbn+", "partial-fedbn+"),
+                )
+            ]
     else:
-        found += [comparison_target(results, "no class heterogeneity: matches FedAvg (vanilla FL) within 0.01", v, ref,
-                                    "vanilla-fedavg", "|SA - FedAvg| <= 0.01", lambda d, p: abs(d) <= 0.01)
-                  for v in site_views + ext_views]
+        found += [
+            comparison_target(
+                results,
+                "no class heterogeneity: matches FedAvg (vanilla FL) within 0.01",
+                v,
+                ref,
+                "vanilla-fedavg",
+                "|SA - FedAvg| <= 0.01",
+                lambda d, p: abs(d) <= 0.01,
+            )
+            for v in site_views + ext_views
+        ]
     return [t for t in found if t is not None]

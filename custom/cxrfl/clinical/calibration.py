@@ -82,8 +82,9 @@ def fit_calibration(counts: ScoreCounts, kind: str = "platt") -> CalibrationMap:
         return float(nll), np.array([(dz * x).sum(), dz.sum()][: len(theta)])
 
     start, bounds = (np.array([1.0, 0.0]), None) if platt else (np.array([1.0]), [(1e-6, None)])
-    fit = minimize(loss, start, jac=True, method="L-BFGS-B", bounds=bounds,
-                   options={"gtol": 1e-10, "ftol": 1e-14, "maxiter": 500})
+    fit = minimize(
+        loss, start, jac=True, method="L-BFGS-B", bounds=bounds, options={"gtol": 1e-10, "ftol": 1e-14, "maxiter": 500}
+    )
     if not fit.success:
         raise ValueError(f"{kind} calibration did not converge: {fit.message}")
     return CalibrationMap(kind=kind, slope=float(fit.x[0]), intercept=float(fit.x[1]) if platt else 0.0)
@@ -113,13 +114,16 @@ class Reliability:
         def plain(a: np.ndarray) -> list[Any]:
             return [None if np.isnan(v) else float(v) for v in a.astype(float)]
 
-        return {"edges": self.edges.tolist(), "count": self.count.tolist(),
-                "mean_predicted": plain(self.mean_predicted), "observed": plain(self.observed),
-                "ece": self.ece}
+        return {
+            "edges": self.edges.tolist(),
+            "count": self.count.tolist(),
+            "mean_predicted": plain(self.mean_predicted),
+            "observed": plain(self.observed),
+            "ece": self.ece,
+        }
 
 
-def reliability(counts: ScoreCounts, calibration: CalibrationMap | None = None, *,
-                n_bins: int = 15) -> Reliability:
+def reliability(counts: ScoreCounts, calibration: CalibrationMap | None = None, *, n_bins: int = 15) -> Reliability:
     """Reliability diagram and ECE of a class's counts, before (None) or after a map.
 
     Args:

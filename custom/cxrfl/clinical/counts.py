@@ -128,8 +128,7 @@ class ScoreCounts:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-safe message: the bins and two lists of ints."""
-        return {"bins": self.bins.to_dict(), "positives": self.positives.tolist(),
-                "negatives": self.negatives.tolist()}
+        return {"bins": self.bins.to_dict(), "positives": self.positives.tolist(), "negatives": self.negatives.tolist()}
 
     @classmethod
     def from_dict(cls, data: Any, *, bins: BinSpec, min_cell: int, where: str) -> ScoreCounts:
@@ -152,13 +151,16 @@ class ScoreCounts:
         except ConfigError as exc:
             raise UpdateRejected(f"{where}: score counts have bad bins: {exc}") from None
         if sent != bins:
-            raise UpdateRejected(f"{where}: score counts use bins {sent.to_dict()}, "
-                                 f"the server asked for {bins.to_dict()}")
+            raise UpdateRejected(
+                f"{where}: score counts use bins {sent.to_dict()}, the server asked for {bins.to_dict()}"
+            )
         arrays = {k: _int_list(data[k], k, bins.size, where) for k in ("positives", "negatives")}
         counts = cls(bins, arrays["positives"], arrays["negatives"])
         if _too_few(counts.n_pos, counts.n_neg, min_cell):
-            raise UpdateRejected(f"{where}: score counts hold {counts.n_pos} positives and {counts.n_neg} "
-                                 f"negatives, below the minimum cell size {min_cell}; a site sends nothing then")
+            raise UpdateRejected(
+                f"{where}: score counts hold {counts.n_pos} positives and {counts.n_neg} "
+                f"negatives, below the minimum cell size {min_cell}; a site sends nothing then"
+            )
         return counts
 
 
@@ -203,8 +205,10 @@ def count_scores(scores: np.ndarray, labels: np.ndarray, *, bins: BinSpec, min_c
     if not np.isin(labels, (0.0, 1.0)).all():
         raise ValueError(f"labels must be 0, 1 or NaN, found {sorted(set(labels) - {0.0, 1.0})[:5]}")
     if not ((scores >= 0) & (scores <= 1)).all():
-        raise ValueError("scores must be probabilities in [0, 1] (apply the sigmoid to logits), found "
-                         f"{scores[~((scores >= 0) & (scores <= 1))][:3].tolist()}")
+        raise ValueError(
+            "scores must be probabilities in [0, 1] (apply the sigmoid to logits), found "
+            f"{scores[~((scores >= 0) & (scores <= 1))][:3].tolist()}"
+        )
     pos = labels == 1
     if _too_few(int(pos.sum()), int((~pos).sum()), min_cell):
         return None
@@ -261,8 +265,14 @@ def count_request(classes: Sequence[str], bins: Mapping[str, BinSpec], min_cell:
     return {"min_cell": int(min_cell), "bins": {c: bins[c].to_dict() for c in classes}}
 
 
-def count_classes(scores: np.ndarray, labels: np.ndarray, classes: Sequence[str],
-                  request: Mapping[str, Any], *, site_min_cell: int = 1) -> dict[str, dict[str, Any] | None]:
+def count_classes(
+    scores: np.ndarray,
+    labels: np.ndarray,
+    classes: Sequence[str],
+    request: Mapping[str, Any],
+    *,
+    site_min_cell: int = 1,
+) -> dict[str, dict[str, Any] | None]:
     """Site side: answer a server's count request (:func:`count_request`) for the evaluated classes.
 
     Args:
@@ -283,12 +293,18 @@ def count_classes(scores: np.ndarray, labels: np.ndarray, classes: Sequence[str]
         raise ConfigError(f"the server's count request must hold 'min_cell' and 'bins', got {request!r:.200}")
     min_cell, wanted = request["min_cell"], request["bins"]
     if isinstance(min_cell, bool) or not isinstance(min_cell, int) or min_cell < 1 or not isinstance(wanted, Mapping):
-        raise ConfigError(f"bad count request: min_cell {min_cell!r} (an integer >= 1), bins of type "
-                          f"{type(wanted).__name__} (a mapping class -> bins)")
+        raise ConfigError(
+            f"bad count request: min_cell {min_cell!r} (an integer >= 1), bins of type "
+            f"{type(wanted).__name__} (a mapping class -> bins)"
+        )
     out: dict[str, dict[str, Any] | None] = {}
     for j, c in enumerate(classes):
         if c in wanted:
-            got = count_scores(scores[:, j], labels[:, j], bins=BinSpec.from_dict(wanted[c], where=f"bins of {c}"),
-                               min_cell=max(min_cell, site_min_cell))
+            got = count_scores(
+                scores[:, j],
+                labels[:, j],
+                bins=BinSpec.from_dict(wanted[c], where=f"bins of {c}"),
+                min_cell=max(min_cell, site_min_cell),
+            )
             out[c] = None if got is None else got.to_dict()
     return out

@@ -43,8 +43,9 @@ class OperatingPoint:
         return dataclasses.asdict(self)
 
 
-def choose_threshold(counts: ScoreCounts, target: str, value: float | None = None, *,
-                     level: float = 0.95) -> OperatingPoint:
+def choose_threshold(
+    counts: ScoreCounts, target: str, value: float | None = None, *, level: float = 0.95
+) -> OperatingPoint:
     """Choose a class's threshold from its pooled validation counts.
 
     Args:
@@ -58,8 +59,10 @@ def choose_threshold(counts: ScoreCounts, target: str, value: float | None = Non
     if target not in TARGETS:
         raise ValueError(f"target must be one of {list(TARGETS)}, got {target!r}")
     if (target == "youden") != (value is None) or (value is not None and not 0 < value <= 1):
-        raise ValueError(f"target {target!r} needs a value in (0, 1] for sensitivity or specificity "
-                         f"and none for youden, got {value!r}")
+        raise ValueError(
+            f"target {target!r} needs a value in (0, 1] for sensitivity or specificity "
+            f"and none for youden, got {value!r}"
+        )
     n = counts.bins.n
     tp = np.cumsum(counts.positives[::-1])[::-1][1:]  # tp[i]: positives in bins i+1 ... (cut i+1)
     tn = np.cumsum(counts.negatives)[: n + 1]  # tn[i]: negatives in bins 0 ... i

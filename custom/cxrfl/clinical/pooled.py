@@ -74,8 +74,9 @@ def pooled_auroc(counts: ScoreCounts, *, level: float = 0.95) -> Auroc:
     s01 = (neg * (v01 - auc) ** 2).sum() / max(n - 1, 1)
     se = float(np.sqrt(s10 / p + s01 / n))
     half = _z(level) * se
-    return Auroc(auc, max(auc - half, 0.0), min(auc + half, 1.0), se,
-                 float((pos * neg).sum() / (2 * p * n)), int(p), int(n))
+    return Auroc(
+        auc, max(auc - half, 0.0), min(auc + half, 1.0), se, float((pos * neg).sum() / (2 * p * n)), int(p), int(n)
+    )
 
 
 @dataclass(frozen=True)
@@ -170,8 +171,9 @@ def at_cut(counts: ScoreCounts, cut: int, *, level: float = 0.95) -> SensSpec:
         raise ValueError(f"cut must be in 1 ... {counts.bins.n + 1}, got {cut}")
     edge = float(counts.bins.edges()[cut - 1])
     tp, tn = int(counts.positives[cut:].sum()), int(counts.negatives[:cut].sum())
-    return SensSpec(float(expit(edge)), edge, wilson(tp, counts.n_pos, level=level),
-                    wilson(tn, counts.n_neg, level=level))
+    return SensSpec(
+        float(expit(edge)), edge, wilson(tp, counts.n_pos, level=level), wilson(tn, counts.n_neg, level=level)
+    )
 
 
 def at_threshold(counts: ScoreCounts, threshold: float, *, level: float = 0.95) -> SensSpec:

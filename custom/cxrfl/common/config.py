@@ -68,8 +68,14 @@ def _describe(tp: Any) -> str:
         return f"a list of {item}s"
     if origin is dict:
         return "a mapping"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a text", Path: "a path",
-            type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
+    return {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a text",
+        Path: "a path",
+        type(None): "null",
+    }.get(tp, getattr(tp, "__name__", str(tp)))
 
 
 def matches(value: Any, tp: Any) -> bool:
@@ -98,7 +104,11 @@ def matches(value: Any, tp: Any) -> bool:
         return isinstance(value, (str, Path))
     if origin in (tuple, list):
         args = [a for a in typing.get_args(tp) if a is not Ellipsis]
-        return isinstance(value, (tuple, list)) and all(matches(v, args[0]) for v in value) if args else isinstance(value, (tuple, list))
+        return (
+            isinstance(value, (tuple, list)) and all(matches(v, args[0]) for v in value)
+            if args
+            else isinstance(value, (tuple, list))
+        )
     if origin is dict:
         k, v = typing.get_args(tp) or (Any, Any)
         return isinstance(value, Mapping) and all(matches(a, k) and matches(b, v) for a, b in value.items())
@@ -154,8 +164,12 @@ class Config:
             return
         if "choices" in meta and value not in meta["choices"]:
             self.fail(f.name, f"must be one of {list(meta['choices'])}, got {value!r}")
-        for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-                              ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")):
+        for key, ok, word in (
+            ("ge", lambda v, b: v >= b, ">="),
+            ("gt", lambda v, b: v > b, ">"),
+            ("le", lambda v, b: v <= b, "<="),
+            ("lt", lambda v, b: v < b, "<"),
+        ):
             if key in meta and isinstance(value, (int, float)) and not ok(value, meta[key]):
                 self.fail(f.name, f"must be {word} {meta[key]}, got {value!r}")
 

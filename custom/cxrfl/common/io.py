@@ -104,8 +104,11 @@ def atomic_write(path: str | Path, write: Callable[[Any], None], mode: str = "wb
 
 def _cannot_write(path: Path, exc: OSError) -> str:
     full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-    why, todo = (("the disk is full", "free space on it") if full
-                 else (exc.strerror or str(exc), "check that folder's permissions and free space"))
+    why, todo = (
+        ("the disk is full", "free space on it")
+        if full
+        else (exc.strerror or str(exc), "check that folder's permissions and free space")
+    )
     return f"cannot write {path}: {why}; {todo}, then run again (an earlier version of the file, if any, is unchanged)"
 
 
@@ -178,9 +181,12 @@ def torch_load(path: str | Path, what: str, remedy: str, map_location: str | tor
             warnings.simplefilter("ignore")  # torch's notes on pickle protocols, which advise weights_only=False
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        reason = ("it holds Python objects besides tensors and plain values (written by an older cxrfl or another "
-                  "program; not loaded, as unpickling them could run code)" if "Weights only load failed" in str(exc)
-                  else "it is damaged or not a torch file (UnpicklingError)")
+        reason = (
+            "it holds Python objects besides tensors and plain values (written by an older cxrfl or another "
+            "program; not loaded, as unpickling them could run code)"
+            if "Weights only load failed" in str(exc)
+            else "it is damaged or not a torch file (UnpicklingError)"
+        )
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
     except Exception as exc:  # torch raises many kinds for a truncated or foreign file
@@ -202,8 +208,10 @@ def plain_name(value: Any, setting: str, hint: str) -> str:
     """
     text = str(value)
     if not _PLAIN_NAME.fullmatch(text):
-        raise ConfigError(f"{setting}={text!r} is not a plain name (letters, digits, '.', '_', '-'; no folder, "
-                          f"at most 128 characters): {hint}")
+        raise ConfigError(
+            f"{setting}={text!r} is not a plain name (letters, digits, '.', '_', '-'; no folder, "
+            f"at most 128 characters): {hint}"
+        )
     return text
 
 
@@ -233,8 +241,10 @@ def to_numpy(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     Args:
         params: name -> tensor or array.
     """
-    return {k: (v.detach().cpu().contiguous().numpy() if torch.is_tensor(v) else np.asarray(v, order="C"))
-            for k, v in params.items()}
+    return {
+        k: (v.detach().cpu().contiguous().numpy() if torch.is_tensor(v) else np.asarray(v, order="C"))
+        for k, v in params.items()
+    }
 
 
 def params_digest(params: Mapping[str, Any]) -> str:

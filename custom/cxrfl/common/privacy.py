@@ -111,7 +111,9 @@ def check_privacy(privacy: Mapping[str, Any] | None, where: str, warn: Callable[
         raise ConfigError(f"{where}: unknown privacy key(s) {sorted(unknown)} (use 'method' and 'args')")
     bad = set(privacy.get("args") or {}) - set(PRIVACY_DEFAULTS[method])
     if bad:
-        raise ConfigError(f"{where}: unknown {method} privacy argument(s) {sorted(bad)}; known: {sorted(PRIVACY_DEFAULTS[method])}")
+        raise ConfigError(
+            f"{where}: unknown {method} privacy argument(s) {sorted(bad)}; known: {sorted(PRIVACY_DEFAULTS[method])}"
+        )
     args = privacy_args(privacy)
     try:
         problems = _percentile_problems(args) if method == "percentile" else _svt_problems(args)
@@ -137,16 +139,31 @@ def _percentile_problems(args: Mapping[str, Any]) -> list[tuple[bool, str]]:
     """(refused, text) for each problem of a percentile setting."""
     p, gamma = _number(args, "percentile"), _number(args, "gamma")
     if not 0 <= p <= 100 or gamma <= 0:
-        return [(True, f"percentile={p:g}, gamma={gamma:g}: NVFlare would send the update UNFILTERED "
-                       "(it needs 0 <= percentile <= 100 and gamma > 0)")]
+        return [
+            (
+                True,
+                f"percentile={p:g}, gamma={gamma:g}: NVFlare would send the update UNFILTERED "
+                "(it needs 0 <= percentile <= 100 and gamma > 0)",
+            )
+        ]
     out = []
     if p >= REFUSED_PERCENTILE:
-        out.append((True, f"percentile={p:g} withholds {p:g} % of every update's changes: the head rows, whose changes "
-                          "are small beside the feature extractor's largest, lose most or all of theirs (measured: 18 % "
-                          f"kept at 95, none at 99); use a percentile below {REFUSED_PERCENTILE}"))
+        out.append(
+            (
+                True,
+                f"percentile={p:g} withholds {p:g} % of every update's changes: the head rows, whose changes "
+                "are small beside the feature extractor's largest, lose most or all of theirs (measured: 18 % "
+                f"kept at 95, none at 99); use a percentile below {REFUSED_PERCENTILE}",
+            )
+        )
     elif p > WARNED_PERCENTILE:
-        out.append((False, f"percentile={p:g} withholds {p:g} % of every update: the head rows lose most of their "
-                           "change (measured cosine 0.46 at 80)"))
+        out.append(
+            (
+                False,
+                f"percentile={p:g} withholds {p:g} % of every update: the head rows lose most of their "
+                "change (measured cosine 0.46 at 80)",
+            )
+        )
     out.extend(_gamma_problems(gamma))
     return out
 
@@ -157,35 +174,70 @@ def _svt_problems(args: Mapping[str, Any]) -> list[tuple[bool, str]]:
     for key in ("epsilon", "tau"):
         _number(args, key)
     if not 0 < fraction <= 1 or args["epsilon"] <= 0 or noise_var <= 0 or gamma <= 0:
-        return [(True, "needs 0 < fraction <= 1 and epsilon, noise_var, gamma > 0 (NVFlare fails mid-round or sends nothing)")]
+        return [
+            (
+                True,
+                "needs 0 < fraction <= 1 and epsilon, noise_var, gamma > 0 (NVFlare fails mid-round or sends nothing)",
+            )
+        ]
     out = []
     if noise_var <= REFUSED_NOISE_VAR:
-        out.append((True, f"noise_var={noise_var:g} adds noise of scale 2*gamma/noise_var = {2 / noise_var:g} x gamma, "
-                          "larger than any value it protects: every update is destroyed (measured cosine 0.002 at "
-                          f"NVFlare's defaults); use noise_var > {REFUSED_NOISE_VAR}"))
+        out.append(
+            (
+                True,
+                f"noise_var={noise_var:g} adds noise of scale 2*gamma/noise_var = {2 / noise_var:g} x gamma, "
+                "larger than any value it protects: every update is destroyed (measured cosine 0.002 at "
+                f"NVFlare's defaults); use noise_var > {REFUSED_NOISE_VAR}",
+            )
+        )
     elif noise_var < WARNED_NOISE_VAR:
-        out.append((False, f"noise_var={noise_var:g}: the noise is {2 / noise_var:.0%} of gamma; updates lose much "
-                           "of their direction"))
+        out.append(
+            (
+                False,
+                f"noise_var={noise_var:g}: the noise is {2 / noise_var:.0%} of gamma; updates lose much "
+                "of their direction",
+            )
+        )
     elif 2 * gamma / noise_var > WARNED_NOISE_SCALE:
-        out.append((False, f"gamma={gamma:g}, noise_var={noise_var:g}: release noise of scale 2*gamma/noise_var = "
-                           f"{2 * gamma / noise_var:.2g} per entry, as large as a round's changes (measured at 2e-4: "
-                           f"the weights' cosine 0.63); raise noise_var to at least {2 * gamma / WARNED_NOISE_SCALE:g}"))
+        out.append(
+            (
+                False,
+                f"gamma={gamma:g}, noise_var={noise_var:g}: release noise of scale 2*gamma/noise_var = "
+                f"{2 * gamma / noise_var:.2g} per entry, as large as a round's changes (measured at 2e-4: "
+                f"the weights' cosine 0.63); raise noise_var to at least {2 * gamma / WARNED_NOISE_SCALE:g}",
+            )
+        )
     if fraction < WARNED_FRACTION:
-        out.append((False, f"fraction={fraction:g} sends {fraction:.0%} of the entries: each round moves the model "
-                           f"about that much (measured at 0.5: cosine 0.71, mean AUROC 0.08 below the unfiltered run)"))
+        out.append(
+            (
+                False,
+                f"fraction={fraction:g} sends {fraction:.0%} of the entries: each round moves the model "
+                f"about that much (measured at 0.5: cosine 0.71, mean AUROC 0.08 below the unfiltered run)",
+            )
+        )
     return out + _gamma_problems(gamma)
 
 
 def _gamma_problems(gamma: float) -> list[tuple[bool, str]]:
     """(refused, text) for a clipping bound that loses the BatchNorm statistics' changes."""
     if gamma < REFUSED_GAMMA:
-        return [(True, f"gamma={gamma:g} clips every change to +-{gamma:g}: the BatchNorm running statistics, whose "
-                       "changes are far larger than the weights', keep a fraction of theirs (measured at 0.1: 25 % of "
-                       "their norm; the model stayed at chance, mean AUROC 0.44 against 0.63 unfiltered); use "
-                       f"gamma >= {WARNED_GAMMA:g} (default 1)")]
+        return [
+            (
+                True,
+                f"gamma={gamma:g} clips every change to +-{gamma:g}: the BatchNorm running statistics, whose "
+                "changes are far larger than the weights', keep a fraction of theirs (measured at 0.1: 25 % of "
+                "their norm; the model stayed at chance, mean AUROC 0.44 against 0.63 unfiltered); use "
+                f"gamma >= {WARNED_GAMMA:g} (default 1)",
+            )
+        ]
     if gamma < WARNED_GAMMA:
-        return [(False, f"gamma={gamma:g} clips the BatchNorm running statistics' changes (measured at 0.5: 86 % "
-                        f"of their norm); use gamma >= {WARNED_GAMMA:g}")]
+        return [
+            (
+                False,
+                f"gamma={gamma:g} clips the BatchNorm running statistics' changes (measured at 0.5: 86 % "
+                f"of their norm); use gamma >= {WARNED_GAMMA:g}",
+            )
+        ]
     return []
 
 
@@ -201,8 +253,9 @@ def part_of(key: str, head_prefix: str) -> str:
     return "batchnorm_statistics" if key.endswith(_STATISTICS) else "feature_extractor"
 
 
-def fidelity(result: Mapping[str, Any], received: Mapping[str, Any], sent: Mapping[str, Any],
-             head_prefix: str) -> dict[str, dict[str, float | int | None]]:
+def fidelity(
+    result: Mapping[str, Any], received: Mapping[str, Any], sent: Mapping[str, Any], head_prefix: str
+) -> dict[str, dict[str, float | int | None]]:
     """How much of a site's update a filter let through, per part (:data:`PARTS`).
 
     The true update is ``result - received``, the sent one ``sent - received`` (a parameter
@@ -234,9 +287,12 @@ def fidelity(result: Mapping[str, Any], received: Mapping[str, Any], sent: Mappi
         part += (float(t @ s), float(t @ t), float(s @ s), int(changed.sum()), int((changed & (s != 0)).sum()))
     out: dict[str, dict[str, float | int | None]] = {}
     for part, (ts, tt, ss, n_changed, n_kept) in sums.items():
-        out[part] = {"cosine": float(ts / np.sqrt(tt * ss)) if tt > 0 and ss > 0 else None,
-                     "relative_norm": float(np.sqrt(ss / tt)) if tt > 0 else None,
-                     "kept": n_kept / n_changed if n_changed else None, "entries": int(n_changed)}
+        out[part] = {
+            "cosine": float(ts / np.sqrt(tt * ss)) if tt > 0 and ss > 0 else None,
+            "relative_norm": float(np.sqrt(ss / tt)) if tt > 0 else None,
+            "kept": n_kept / n_changed if n_changed else None,
+            "entries": int(n_changed),
+        }
     return out
 
 
@@ -247,5 +303,8 @@ def destroyed(report: Mapping[str, Mapping[str, Any]]) -> list[str]:
     Args:
         report: from :func:`fidelity`.
     """
-    return [p for p, m in report.items() if m["entries"] and (m["cosine"] is None or m["cosine"] < MIN_COSINE
-                                                               or m["relative_norm"] < MIN_RELATIVE_NORM)]
+    return [
+        p
+        for p, m in report.items()
+        if m["entries"] and (m["cosine"] is None or m["cosine"] < MIN_COSINE or m["relative_norm"] < MIN_RELATIVE_NORM)
+    ]

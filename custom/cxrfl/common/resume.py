@@ -61,8 +61,11 @@ class ResumeStore:
         Raises:
             ConfigError: anything but a plain name (the message names ``resume_from``).
         """
-        return plain_name(resume_from, "resume_from", "give the job id of an interrupted run of this job on this "
-                                                      "server, or remove resume_from")
+        return plain_name(
+            resume_from,
+            "resume_from",
+            "give the job id of an interrupted run of this job on this server, or remove resume_from",
+        )
 
     def locate(self, resume_from: str) -> Path:
         """The state file of the run ``resume_from`` names (its folder under ``root``).
@@ -97,8 +100,10 @@ class ResumeStore:
         saved = state.get("settings") or {}
         differ = [k for k in keys if saved.get(k) != settings.get(k)]
         if differ:
-            raise ConfigError(f"resume_from={resume_from!r}: the interrupted run used other settings for {differ}; "
-                              f"resume with the same settings or start a new run")
+            raise ConfigError(
+                f"resume_from={resume_from!r}: the interrupted run used other settings for {differ}; "
+                f"resume with the same settings or start a new run"
+            )
         return state
 
     @staticmethod
@@ -115,8 +120,9 @@ class ResumeStore:
         remedy = remedy or f"delete {path.parent} and submit the job without resume_from (start a new run)"
         state = torch_load(path, "resume state", remedy)
         if not isinstance(state, dict):
-            raise ConfigError(f"resume state {path} cannot be read: it holds a {type(state).__name__}, not a state; "
-                              f"{remedy}")
+            raise ConfigError(
+                f"resume state {path} cannot be read: it holds a {type(state).__name__}, not a state; {remedy}"
+            )
         return state
 
     def clear(self) -> None:

@@ -101,10 +101,19 @@ class ServerLoop:
     on_record: Callable[[str, Mapping[str, Any]], None] | None = None
     """Called with ``(name, record)`` after each :meth:`record` (NVFlare: the job's experiment tracking)."""
 
-    def __init__(self, send: Send, *, sites: Sequence[str], out_dir: str | Path, run_id: str = "run",
-                 resume_root: str | Path | None = None, resume_from: str | None = None,
-                 info: Callable[[str], None] = log.info, warning: Callable[[str], None] = log.warning,
-                 aborted: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        send: Send,
+        *,
+        sites: Sequence[str],
+        out_dir: str | Path,
+        run_id: str = "run",
+        resume_root: str | Path | None = None,
+        resume_from: str | None = None,
+        info: Callable[[str], None] = log.info,
+        warning: Callable[[str], None] = log.warning,
+        aborted: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.send = send
         self.sites = list(sites)
         self.out = Path(out_dir)
@@ -146,9 +155,15 @@ class ServerLoop:
         Args:
             settings: the run's settings.
         """
-        return write_json(self.path(RECORDS_DIR, "run_config.json"), {
-            **settings, "cxrfl_version": cxrfl.__version__, "python": platform.python_version(),
-            "torch": torch.__version__})
+        return write_json(
+            self.path(RECORDS_DIR, "run_config.json"),
+            {
+                **settings,
+                "cxrfl_version": cxrfl.__version__,
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+            },
+        )
 
     def write_evaluation(self, report: Mapping[str, Any]) -> Path:
         """``cxrfl/evaluation.json``.
@@ -168,7 +183,9 @@ class ServerLoop:
         if self.aborted():
             raise RunAborted()
 
-    def exchange(self, task: str, payloads: dict[str, Message], on_answer: OnAnswer | None = None) -> dict[str, Message]:
+    def exchange(
+        self, task: str, payloads: dict[str, Message], on_answer: OnAnswer | None = None
+    ) -> dict[str, Message]:
         """Send one message per site; warn about each site without an answer.
 
         Args:
@@ -184,12 +201,14 @@ class ServerLoop:
         answers = self.send(task, payloads) if on_answer is None else self.send(task, payloads, on_answer=on_answer)
         for site in payloads:
             if site not in answers:
-                self.warning(f"{task}: site {site} gave no result (failed, timed out or down; see its log); "
-                             "going on without it")
+                self.warning(
+                    f"{task}: site {site} gave no result (failed, timed out or down; see its log); going on without it"
+                )
         return {s: a for s, a in answers.items() if s in payloads}
 
-    def broadcast(self, task: str, sites: Sequence[str], params: Mapping[str, Any],
-                  meta_for: Callable[[str], dict[str, Any]]) -> dict[str, Message]:
+    def broadcast(
+        self, task: str, sites: Sequence[str], params: Mapping[str, Any], meta_for: Callable[[str], dict[str, Any]]
+    ) -> dict[str, Message]:
         """The same parameters to several sites, each with its own settings.
 
         Args:

@@ -34,8 +34,9 @@ OnAnswer = Callable[[str, Message], None]
 class Send(Protocol):
     """``send(task, {site: message}) -> {site: answer}`` (answers of the sites that succeeded)."""
 
-    def __call__(self, task: str, payloads: dict[str, Message], *, on_answer: OnAnswer | None = None
-                 ) -> dict[str, Message]:
+    def __call__(
+        self, task: str, payloads: dict[str, Message], *, on_answer: OnAnswer | None = None
+    ) -> dict[str, Message]:
         """Send one message per site and wait for the answers.
 
         Args:
@@ -72,13 +73,21 @@ def copy_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     Args:
         params: name -> array or tensor.
     """
-    return {k: (v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True).numpy() if torch.is_tensor(v)
-                else np.array(v, copy=True, order="C"))
-            for k, v in params.items()}
+    return {
+        k: (
+            v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True).numpy()
+            if torch.is_tensor(v)
+            else np.array(v, copy=True, order="C")
+        )
+        for k, v in params.items()
+    }
 
 
-def inprocess_transport(hosts: Mapping[str, SiteHost], warning: Callable[[str], None] = log.warning,
-                        info: Callable[[str], None] | None = None) -> Send:
+def inprocess_transport(
+    hosts: Mapping[str, SiteHost],
+    warning: Callable[[str], None] = log.warning,
+    info: Callable[[str], None] | None = None,
+) -> Send:
     """A :class:`Send` that calls each site's host in turn, in this process.
 
     Args:

@@ -66,8 +66,15 @@ class CWTSiteHost:
 
     tasks = TASKS
 
-    def __init__(self, data: SiteData | None = None, *, site: CWTSite | None = None, device: torch.device | None = None,
-                 num_workers: int = 0, warning: Callable[[str], None] = log.warning) -> None:
+    def __init__(
+        self,
+        data: SiteData | None = None,
+        *,
+        site: CWTSite | None = None,
+        device: torch.device | None = None,
+        num_workers: int = 0,
+        warning: Callable[[str], None] = log.warning,
+    ) -> None:
         if data is None and site is None:
             raise ValueError("CWTSiteHost needs the site's data or a built CWTSite")
         self.data = data
@@ -86,16 +93,22 @@ class CWTSiteHost:
         mcfg = site_model_config(meta.get("model_config") or {})
         classes = list(meta["classes"]) if meta.get("classes") else None
         site = self.site
-        fits = (site is not None and site.config.task == cfg.task and site_model_config(site.model_config) == mcfg
-                and (classes is None or site.classes == classes))
+        fits = (
+            site is not None
+            and site.config.task == cfg.task
+            and site_model_config(site.model_config) == mcfg
+            and (classes is None or site.classes == classes)
+        )
         if fits:
             if site.config != cfg:
                 site.configure(cfg)
                 self._warn(site)
             return site
         if self.data is None:
-            raise ConfigError(f"site {self.name}: built for other settings (task, network or classes) than the server "
-                              "sends; build it with the run's settings")
+            raise ConfigError(
+                f"site {self.name}: built for other settings (task, network or classes) than the server "
+                "sends; build it with the run's settings"
+            )
         self.site = CWTSite(self.data, cfg, mcfg, classes=classes, device=self.device, num_workers=self.num_workers)
         self._warn(self.site)
         return self.site
@@ -129,8 +142,9 @@ class CWTSiteHost:
         if task == VALIDATE_TASK:
             split = str(meta.get("split", "val"))
             model = self._load(site, split_params(params)[0])
-            return {}, {"metrics": {**eval_summary(site.evaluate(model, split)), "split": split,
-                                    "cycle": meta.get("cycle")}}
+            return {}, {
+                "metrics": {**eval_summary(site.evaluate(model, split)), "split": split, "cycle": meta.get("cycle")}
+            }
         raise ValueError(f"site {self.name}: unknown task {task!r}")
 
     def _train(self, site: CWTSite, params: Mapping[str, Any], meta: Mapping[str, Any]) -> Message:
@@ -144,7 +158,9 @@ class CWTSiteHost:
             load_optimizer_arrays(optimizer, opt_in)
         metrics = site.train_visit(model, optimizer, visit, int(meta.get("cycle", 0)))
         out = to_numpy(model.state_dict())
-        metrics.update(position=int(meta.get("position", 0)), received_digest=received, returned_digest=params_digest(out))
+        metrics.update(
+            position=int(meta.get("position", 0)), received_digest=received, returned_digest=params_digest(out)
+        )
         if cfg.optimizer_state == "travel":
             out.update(optimizer_arrays(optimizer))
         return out, {"metrics": metrics}
@@ -162,12 +178,16 @@ class CWTSiteHost:
         if task == COUNTS_TASK:
             return f"site {self.name}: sending counts {answer.get('counts')}"
         if task == TRAIN_TASK:
-            return (f"site {self.name} cycle {m.get('cycle')} visit {int(m.get('position', 0)) + 1}: "
-                    f"{m.get('steps')} steps at lr {m.get('lr', 0):.3g} (iteration {m.get('iteration')}), "
-                    f"train_loss {_num(m.get('train_loss'))}, time {m.get('seconds', 0):.1f}s")
+            return (
+                f"site {self.name} cycle {m.get('cycle')} visit {int(m.get('position', 0)) + 1}: "
+                f"{m.get('steps')} steps at lr {m.get('lr', 0):.3g} (iteration {m.get('iteration')}), "
+                f"train_loss {_num(m.get('train_loss'))}, time {m.get('seconds', 0):.1f}s"
+            )
         if task == VALIDATE_TASK:
-            return (f"site {self.name} {m.get('split')}: loss {_num(m.get('loss'))} accuracy {_num(m.get('accuracy'))} "
-                    f"mean AUROC {_num(m.get('mean_auroc'))}")
+            return (
+                f"site {self.name} {m.get('split')}: loss {_num(m.get('loss'))} accuracy {_num(m.get('accuracy'))} "
+                f"mean AUROC {_num(m.get('mean_auroc'))}"
+            )
         return None
 
     def scalars(self, task: str, answer: Mapping[str, Any]) -> tuple[dict[str, float], int] | None:

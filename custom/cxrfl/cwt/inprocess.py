@@ -112,14 +112,32 @@ def run_cwt(
     if wrap is not None:
         hosts = {name: wrap(name, host) for name, host in hosts.items()}
     with tempfile.TemporaryDirectory(prefix="cxrfl-cwt-") as tmp:
-        server = CWTServer(inprocess_transport(hosts, warning, info=log.debug), sites=list(hosts), config=config,
-                           model_config=model_config, relay=relay, out_dir=out_dir if out_dir is not None else tmp,
-                           run_id=run_id, resume_from=resume_from, resume_root=resume_root, info=info,
-                           warning=warning, aborted=aborted)
+        server = CWTServer(
+            inprocess_transport(hosts, warning, info=log.debug),
+            sites=list(hosts),
+            config=config,
+            model_config=model_config,
+            relay=relay,
+            out_dir=out_dir if out_dir is not None else tmp,
+            run_id=run_id,
+            resume_from=resume_from,
+            resume_root=resume_root,
+            info=info,
+            warning=warning,
+            aborted=aborted,
+        )
         outcome = server.run()
     model = build_model(site_model_config(model_config), len(outcome.plan.classes)).to(sites[0].device)
     model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in outcome.best_weights.items()})
-    return CWTResult(model=model, classes=list(outcome.plan.classes), best_cycle=outcome.best_cycle,
-                     best_val_loss=outcome.best_val_loss, plan=dict(outcome.plan.visits), history=outcome.state.history,
-                     stopped_early=outcome.stopped_early, cycles_run=outcome.state.cycle,
-                     seconds=time.perf_counter() - start, outcome=outcome)
+    return CWTResult(
+        model=model,
+        classes=list(outcome.plan.classes),
+        best_cycle=outcome.best_cycle,
+        best_val_loss=outcome.best_val_loss,
+        plan=dict(outcome.plan.visits),
+        history=outcome.state.history,
+        stopped_early=outcome.stopped_early,
+        cycles_run=outcome.state.cycle,
+        seconds=time.perf_counter() - start,
+        outcome=outcome,
+    )

@@ -179,7 +179,11 @@ def label_warnings(
     which = " and ".join(name for name, on in (("LWMS", lwms), ("CWL", cwl)) if on)
     out = []
     for only, test in (("negative", lambda p, n: p == 0), ("positive", lambda p, n: p == n)):
-        names = [f"{c!r} ({int(p)} positive of {int(n)})" for c, p, n in zip(classes, positives, known) if n > 0 and test(p, n)]
+        names = [
+            f"{c!r} ({int(p)} positive of {int(n)})"
+            for c, p, n in zip(classes, positives, known)
+            if n > 0 and test(p, n)
+        ]
         if names:  # classes without known labels here are masked out: nothing to balance
             what = []
             if lwms:
@@ -192,5 +196,3 @@ def label_warnings(
                 f"The site still trains on what it has."
             )
     return out
-
-

@@ -97,8 +97,12 @@ class RelayPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (kept with the resume state)."""
-        return {"relay": self.relay, "classes": self.classes, "counts": self.counts,
-                "visits": {s: asdict(v) for s, v in self.visits.items()}}
+        return {
+            "relay": self.relay,
+            "classes": self.classes,
+            "counts": self.counts,
+            "visits": {s: asdict(v) for s, v in self.visits.items()},
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RelayPlan:
@@ -107,8 +111,12 @@ class RelayPlan:
         Args:
             data: the saved dict.
         """
-        return cls(list(data["relay"]), list(data["classes"]), {s: Visit(**v) for s, v in data["visits"].items()},
-                   {s: dict(c) for s, c in data["counts"].items()})
+        return cls(
+            list(data["relay"]),
+            list(data["classes"]),
+            {s: Visit(**v) for s, v in data["visits"].items()},
+            {s: dict(c) for s, c in data["counts"].items()},
+        )
 
 
 @dataclass
@@ -190,20 +198,38 @@ class CWTServer(ServerLoop):
             root, ``resume_from``, loggers, abort check).
     """
 
-    def __init__(self, send: Send, *, sites: list[str], config: CWTConfig, model_config: ModelConfig,
-                 relay: RelayConfig | None = None, out_dir: str | Path, **common: Any) -> None:
+    def __init__(
+        self,
+        send: Send,
+        *,
+        sites: list[str],
+        config: CWTConfig,
+        model_config: ModelConfig,
+        relay: RelayConfig | None = None,
+        out_dir: str | Path,
+        **common: Any,
+    ) -> None:
         super().__init__(send, sites=sites, out_dir=out_dir, **common)
         self.config = config
         self.model_config = model_config
         self.relay = relay or RelayConfig()
         self.clock = RetryClock(self.relay.min_sites_timeout, self.relay.retry_pause)
-        self.settings = {"cwt_config": config.to_dict(), "model_config": model_config.to_dict(), **self.relay.to_dict(),
-                         "method": config.method, "resume_from": self.resume_from}
+        self.settings = {
+            "cwt_config": config.to_dict(),
+            "model_config": model_config.to_dict(),
+            **self.relay.to_dict(),
+            "method": config.method,
+            "resume_from": self.resume_from,
+        }
 
     # -------------------------------------------------------------- helpers
     def _meta(self, classes: list[str] | None = None, **extra: Any) -> dict[str, Any]:
-        return {"cwt_config": self.config.to_dict(), "model_config": site_model_config(self.model_config).to_dict(),
-                "classes": classes, **extra}
+        return {
+            "cwt_config": self.config.to_dict(),
+            "model_config": site_model_config(self.model_config).to_dict(),
+            "classes": classes,
+            **extra,
+        }
 
     def _ask(self, task: str, payloads: dict[str, Message]) -> dict[str, Message]:
         """:meth:`exchange`, then stop at once (nothing written) when the run was aborted meanwhile."""
@@ -213,34 +239,58 @@ class CWTServer(ServerLoop):
 
     def _checkpoint(self, name: str, weights: Mapping[str, np.ndarray], plan: RelayPlan, **extra: Any) -> Path:
         path = self.path(name)
-        save_checkpoint(path, {k: torch.as_tensor(np.asarray(v)) for k, v in weights.items()}, classes=plan.classes,
-                        model_config=self.model_config,
-                        extra={"method": self.config.method, "cwt_config": self.config.to_dict(), **extra})
+        save_checkpoint(
+            path,
+            {k: torch.as_tensor(np.asarray(v)) for k, v in weights.items()},
+            classes=plan.classes,
+            model_config=self.model_config,
+            extra={"method": self.config.method, "cwt_config": self.config.to_dict(), **extra},
+        )
         return path
 
     def _keep(self, plan: RelayPlan, state: RelayState) -> None:
         """Save what a resumed run needs (after the start and every completed cycle)."""
+
         def tensors(params: Mapping[str, np.ndarray] | None) -> dict[str, torch.Tensor] | None:
             return None if params is None else {k: torch.as_tensor(np.asarray(v)) for k, v in params.items()}
 
-        self.resume.save({"settings": self.settings, "run_id": self.run_id, "plan": plan.to_dict(), "cycle": state.cycle,
-                          "weights": tensors(state.weights), "optimizer": tensors(state.optimizer),
-                          "iteration": state.iteration, "stopping": state.stopping.to_dict(),
-                          "best_weights": tensors(state.best_weights), "history": state.history})
+        self.resume.save(
+            {
+                "settings": self.settings,
+                "run_id": self.run_id,
+                "plan": plan.to_dict(),
+                "cycle": state.cycle,
+                "weights": tensors(state.weights),
+                "optimizer": tensors(state.optimizer),
+                "iteration": state.iteration,
+                "stopping": state.stopping.to_dict(),
+                "best_weights": tensors(state.best_weights),
+                "history": state.history,
+            }
+        )
 
     def _retry(self, problem: str, cycle: int | None) -> None:
         """Wait before another attempt, or stop with the reason once ``min_sites_timeout`` has passed."""
         waited = self.clock.failed()
         if self.clock.expired:
-            where = (f"the last completed cycle ({cycle - 1}) is in {self.path(GLOBAL_MODEL)}; resume with "
-                     f"resume_from={self.run_id!r} once enough sites are back") if cycle else "check the sites' logs"
-            reason = (f"stopping: {problem} for {waited:.0f}s (min_sites_timeout={self.relay.min_sites_timeout:g}); "
-                      f"{where}")
+            where = (
+                (
+                    f"the last completed cycle ({cycle - 1}) is in {self.path(GLOBAL_MODEL)}; resume with "
+                    f"resume_from={self.run_id!r} once enough sites are back"
+                )
+                if cycle
+                else "check the sites' logs"
+            )
+            reason = (
+                f"stopping: {problem} for {waited:.0f}s (min_sites_timeout={self.relay.min_sites_timeout:g}); {where}"
+            )
             if cycle:
                 self.record({"cycle": cycle, "status": "stopped", "reason": reason}, "cycles.jsonl")
             raise RunStopped(reason)
-        self.warning(f"{problem}; trying again in {self.relay.retry_pause:g}s ({waited:.0f}s of "
-                     f"min_sites_timeout={self.relay.min_sites_timeout:g}s)")
+        self.warning(
+            f"{problem}; trying again in {self.relay.retry_pause:g}s ({waited:.0f}s of "
+            f"min_sites_timeout={self.relay.min_sites_timeout:g}s)"
+        )
         self.clock.wait(self.aborted)
         self.check_abort()
 
@@ -254,8 +304,10 @@ class CWTServer(ServerLoop):
             RunAborted: the abort check said so (nothing more is written).
         """
         cfg = self.config
-        self.info(f"cyclical weight transfer ({cfg.method}, task {cfg.task}): up to {cfg.num_cycles} cycles, order "
-                  f"{cfg.order}, optimizer state {cfg.optimizer_state}, min_sites {self.relay.min_sites}")
+        self.info(
+            f"cyclical weight transfer ({cfg.method}, task {cfg.task}): up to {cfg.num_cycles} cycles, order "
+            f"{cfg.order}, optimizer state {cfg.optimizer_state}, min_sites {self.relay.min_sites}"
+        )
         self.write_run_config(self.settings)
         plan, state = self._resume() if self.resume_from else self._start()
         resumed_after = state.cycle if self.resume_from else None
@@ -271,8 +323,12 @@ class CWTServer(ServerLoop):
         classes = global_classes(cfg.task, {s: c.get("classes") or [] for s, c in counts.items()})
         if not classes:
             raise RunStopped("the sites announced no class; check their site configs")
-        plan = RelayPlan(relay_sites(list(counts), self.relay.site_order), classes,
-                         relay_plan({s: int(c["n_train"]) for s, c in counts.items()}, cfg), counts)
+        plan = RelayPlan(
+            relay_sites(list(counts), self.relay.site_order),
+            classes,
+            relay_plan({s: int(c["n_train"]) for s, c in counts.items()}, cfg),
+            counts,
+        )
         torch.manual_seed(cfg.seed)
         weights = to_numpy(build_model(self.model_config, len(classes)).state_dict())
         state = RelayState(0, weights, {}, 0, EarlyStopping(cfg.patience, cfg.min_delta))
@@ -289,7 +345,9 @@ class CWTServer(ServerLoop):
             for s in self.sites:
                 c = answers[s][1].get("counts") if s in answers else None
                 if not isinstance(c, Mapping):
-                    self.warning(f"site {s} did not answer the counts task (down or failing); it is left out of the relay")
+                    self.warning(
+                        f"site {s} did not answer the counts task (down or failing); it is left out of the relay"
+                    )
                 elif int(c.get("n_train", 0)) <= 0:
                     self.warning(f"site {s} has no training images; it is left out of the relay")
                 else:
@@ -300,11 +358,27 @@ class CWTServer(ServerLoop):
             self._retry(f"only {len(counts)} site(s) can take part (min_sites={self.relay.min_sites})", None)
 
     def _write_plan(self, plan: RelayPlan) -> None:
-        write_json(self.path(RECORDS_DIR, "plan.json"), {"classes": plan.classes, "relay": plan.relay, "sites": {
-            s: {"n_train": int(plan.counts[s]["n_train"]), "n_val": int(plan.counts[s].get("n_val", 0)),
-                "steps": plan.visits[s].steps, "lr": plan.visits[s].lr} for s in plan.relay}})
-        self.info("relay plan: " + ", ".join(f"{s} {plan.visits[s].steps} steps at lr {plan.visits[s].lr:.3g}"
-                                             for s in plan.relay) + f"; {len(plan.classes)} output(s)")
+        write_json(
+            self.path(RECORDS_DIR, "plan.json"),
+            {
+                "classes": plan.classes,
+                "relay": plan.relay,
+                "sites": {
+                    s: {
+                        "n_train": int(plan.counts[s]["n_train"]),
+                        "n_val": int(plan.counts[s].get("n_val", 0)),
+                        "steps": plan.visits[s].steps,
+                        "lr": plan.visits[s].lr,
+                    }
+                    for s in plan.relay
+                },
+            },
+        )
+        self.info(
+            "relay plan: "
+            + ", ".join(f"{s} {plan.visits[s].steps} steps at lr {plan.visits[s].lr:.3g}" for s in plan.relay)
+            + f"; {len(plan.classes)} output(s)"
+        )
 
     def _resume(self) -> tuple[RelayPlan, RelayState]:
         try:
@@ -313,17 +387,26 @@ class CWTServer(ServerLoop):
             raise RunStopped(str(exc)) from None
         plan = RelayPlan.from_dict(saved["plan"])
         best = saved["best_weights"]
-        state = RelayState(int(saved["cycle"]), to_numpy(saved["weights"]), to_numpy(saved["optimizer"]),
-                           int(saved["iteration"]), EarlyStopping.from_dict(saved["stopping"]),
-                           to_numpy(best) if best is not None else None, list(saved["history"]))
+        state = RelayState(
+            int(saved["cycle"]),
+            to_numpy(saved["weights"]),
+            to_numpy(saved["optimizer"]),
+            int(saved["iteration"]),
+            EarlyStopping.from_dict(saved["stopping"]),
+            to_numpy(best) if best is not None else None,
+            list(saved["history"]),
+        )
         self._write_plan(plan)
         self._checkpoint(GLOBAL_MODEL, state.weights, plan, cycle=state.cycle)
         if state.best_weights is not None:
-            self._checkpoint(BEST_MODEL, state.best_weights, plan, cycle=state.stopping.best_step,
-                             val_loss=state.stopping.best)
+            self._checkpoint(
+                BEST_MODEL, state.best_weights, plan, cycle=state.stopping.best_step, val_loss=state.stopping.best
+            )
         self._keep(plan, state)
-        self.record({"cycle": state.cycle, "status": "resumed", "resumed_from": self.resume_from,
-                     "iteration": state.iteration}, "cycles.jsonl")
+        self.record(
+            {"cycle": state.cycle, "status": "resumed", "resumed_from": self.resume_from, "iteration": state.iteration},
+            "cycles.jsonl",
+        )
         self.info(f"resumed {self.resume_from} after its cycle {state.cycle}: continuing with cycle {state.cycle + 1}")
         return plan, state
 
@@ -341,8 +424,9 @@ class CWTServer(ServerLoop):
             attempt = 1
             self._complete(plan, state, run)
         if state.stopping.should_stop:
-            self.info(f"early stop: no improvement for {state.stopping.stale} cycles (best cycle "
-                      f"{state.stopping.best_step})")
+            self.info(
+                f"early stop: no improvement for {state.stopping.stale} cycles (best cycle {state.stopping.best_step})"
+            )
         return state.stopping.should_stop
 
     def _cycle(self, plan: RelayPlan, state: RelayState, attempt: int) -> CycleRun:
@@ -358,25 +442,40 @@ class CWTServer(ServerLoop):
 
     def _visit(self, plan: RelayPlan, run: CycleRun, site: str, position: int) -> None:
         visit = plan.visits[site]
-        meta = self._meta(plan.classes, cycle=run.cycle, position=position, steps=visit.steps, lr=visit.lr,
-                          iteration=run.iteration)
-        record: dict[str, Any] = {"cycle": run.cycle, "attempt": run.attempt, "position": position, "site": site,
-                                  "iteration": run.iteration, "sent_digest": params_digest(run.weights)}
+        meta = self._meta(
+            plan.classes, cycle=run.cycle, position=position, steps=visit.steps, lr=visit.lr, iteration=run.iteration
+        )
+        record: dict[str, Any] = {
+            "cycle": run.cycle,
+            "attempt": run.attempt,
+            "position": position,
+            "site": site,
+            "iteration": run.iteration,
+            "sent_digest": params_digest(run.weights),
+        }
         answer = self._ask(TRAIN_TASK, {site: ({**run.weights, **run.optimizer}, meta)}).get(site)
         problem = self._check(answer, site, plan, run.weights)
         if problem:
             run.skipped[site] = problem
             record.update(status="skipped", reason=problem)
-            self.warning(f"cycle {run.cycle}: site {site} skipped ({problem}); the model goes on to the next site unchanged")
+            self.warning(
+                f"cycle {run.cycle}: site {site} skipped ({problem}); the model goes on to the next site unchanged"
+            )
         else:
             params, opt = split_params(answer[0])
             metrics = dict(answer[1].get("metrics") or {})
             run.weights = {k: np.asarray(v) for k, v in params.items()}
-            run.optimizer = {k: np.asarray(v) for k, v in opt.items()} if self.config.optimizer_state == "travel" else {}
+            run.optimizer = (
+                {k: np.asarray(v) for k, v in opt.items()} if self.config.optimizer_state == "travel" else {}
+            )
             run.iteration += int(metrics.get("steps", visit.steps))
-            record.update(status="trained", received_digest=params_digest(run.weights),
-                          site_received_digest=metrics.pop("received_digest", None),
-                          site_returned_digest=metrics.pop("returned_digest", None), metrics=metrics)
+            record.update(
+                status="trained",
+                received_digest=params_digest(run.weights),
+                site_received_digest=metrics.pop("received_digest", None),
+                site_returned_digest=metrics.pop("returned_digest", None),
+                metrics=metrics,
+            )
             run.trained.append(site)
         self.record(record, "visits.jsonl")
         run.visits.append(record)
@@ -390,8 +489,11 @@ class CWTServer(ServerLoop):
         shapes = {k: tuple(v.shape) for k, v in sent.items()}
         n = int(plan.counts[site].get("n_train", 1))
         try:
-            validate_update({"site": site, "classes": plan.classes, "num_samples": max(n, 1), "params": params},
-                            expected_shapes=shapes, dtypes=expected_dtypes(sent))
+            validate_update(
+                {"site": site, "classes": plan.classes, "num_samples": max(n, 1), "params": params},
+                expected_shapes=shapes,
+                dtypes=expected_dtypes(sent),
+            )
         except UpdateRejected as exc:
             return f"unusable result: {exc}"
         arrays = {k: np.asarray(v) for k, v in opt.items()}
@@ -403,34 +505,66 @@ class CWTServer(ServerLoop):
 
     def _too_few(self, run: CycleRun) -> None:
         """A cycle with fewer than ``min_sites`` trained sites: recorded, not counted, run again or the stop."""
-        self.record({"cycle": run.cycle, "status": "too_few_sites", "attempt": run.attempt, "order": run.order,
-                     "trained": run.trained, "skipped": run.skipped, "seconds": run.seconds}, "cycles.jsonl")
-        self._retry(f"cycle {run.cycle}: only {len(run.trained)} site(s) trained (min_sites={self.relay.min_sites}; "
-                    f"skipped: {run.skipped}); the cycle does not count", run.cycle)
+        self.record(
+            {
+                "cycle": run.cycle,
+                "status": "too_few_sites",
+                "attempt": run.attempt,
+                "order": run.order,
+                "trained": run.trained,
+                "skipped": run.skipped,
+                "seconds": run.seconds,
+            },
+            "cycles.jsonl",
+        )
+        self._retry(
+            f"cycle {run.cycle}: only {len(run.trained)} site(s) trained (min_sites={self.relay.min_sites}; "
+            f"skipped: {run.skipped}); the cycle does not count",
+            run.cycle,
+        )
 
     def _complete(self, plan: RelayPlan, state: RelayState, run: CycleRun) -> None:
         """Validate a counted cycle, keep its model (and the best), save the state, record it."""
         val = self._validate(run.weights, plan, "val", run.cycle)
         loss = pooled_loss([(m.get("loss", math.nan), m.get("n_known", 0)) for m in val.values()])
-        state.cycle, state.weights, state.optimizer, state.iteration = run.cycle, run.weights, run.optimizer, run.iteration
+        state.cycle, state.weights, state.optimizer, state.iteration = (
+            run.cycle,
+            run.weights,
+            run.optimizer,
+            run.iteration,
+        )
         improved = state.stopping.update(loss, run.cycle)
         self._checkpoint(GLOBAL_MODEL, state.weights, plan, cycle=run.cycle, val_loss=loss)
         if improved:
             state.best_weights = state.weights
             self._checkpoint(BEST_MODEL, state.weights, plan, cycle=run.cycle, val_loss=loss)
-        record = {"cycle": run.cycle, "status": "completed", "attempt": run.attempt, "order": run.order,
-                  "trained": run.trained, "skipped": run.skipped, "val_loss": loss, "sites_validated": sorted(val),
-                  "iteration": state.iteration, "best_cycle": state.stopping.best_step, "seconds": run.seconds}
+        record = {
+            "cycle": run.cycle,
+            "status": "completed",
+            "attempt": run.attempt,
+            "order": run.order,
+            "trained": run.trained,
+            "skipped": run.skipped,
+            "val_loss": loss,
+            "sites_validated": sorted(val),
+            "iteration": state.iteration,
+            "best_cycle": state.stopping.best_step,
+            "seconds": run.seconds,
+        }
         state.history.append({**record, "visits": run.visits})
         self._keep(plan, state)
         self.record(record, "cycles.jsonl")
-        self.info(f"cycle {run.cycle} ({' > '.join(run.order)}): {len(run.trained)} site(s) trained, "
-                  f"{len(run.skipped)} skipped, pooled val loss {loss:.4f} ({run.seconds:.1f}s)")
+        self.info(
+            f"cycle {run.cycle} ({' > '.join(run.order)}): {len(run.trained)} site(s) trained, "
+            f"{len(run.skipped)} skipped, pooled val loss {loss:.4f} ({run.seconds:.1f}s)"
+        )
 
-    def _validate(self, weights: Mapping[str, np.ndarray], plan: RelayPlan, split: str,
-                  cycle: int | None = None) -> dict[str, dict[str, Any]]:
-        answers = self._ask(VALIDATE_TASK, {s: (dict(weights), self._meta(plan.classes, split=split, cycle=cycle))
-                                            for s in plan.relay})
+    def _validate(
+        self, weights: Mapping[str, np.ndarray], plan: RelayPlan, split: str, cycle: int | None = None
+    ) -> dict[str, dict[str, Any]]:
+        answers = self._ask(
+            VALIDATE_TASK, {s: (dict(weights), self._meta(plan.classes, split=split, cycle=cycle)) for s in plan.relay}
+        )
         return {s: dict(a[1].get("metrics") or {}) for s, a in answers.items()}
 
     # --------------------------------------------------------------- finish
@@ -438,21 +572,30 @@ class CWTServer(ServerLoop):
         """The best cycle, its loss and model (the last cycle's when no cycle had a finite loss)."""
         es = state.stopping
         if es.best_step is None or state.best_weights is None:
-            self.warning("no cycle had a finite pooled validation loss (did any site validate?); the best model is the "
-                         f"last cycle's ({state.cycle})")
+            self.warning(
+                "no cycle had a finite pooled validation loss (did any site validate?); the best model is the "
+                f"last cycle's ({state.cycle})"
+            )
             self._checkpoint(BEST_MODEL, state.weights, plan, cycle=state.cycle, val_loss=math.nan)
             return state.cycle, math.nan, state.weights
-        self.info(f"global model: {self.path(GLOBAL_MODEL)} (cycle {state.cycle}); best (cycle {es.best_step}, pooled val "
-                  f"loss {es.best:.4f}): {self.path(BEST_MODEL)}")
+        self.info(
+            f"global model: {self.path(GLOBAL_MODEL)} (cycle {state.cycle}); best (cycle {es.best_step}, pooled val "
+            f"loss {es.best:.4f}): {self.path(BEST_MODEL)}"
+        )
         return es.best_step, es.best, state.best_weights
 
     def _evaluate(self, plan: RelayPlan, weights: Mapping[str, np.ndarray], best_cycle: int) -> dict[str, Any]:
-        report: dict[str, Any] = {"classes": plan.classes, "method": self.config.method, "best_cycle": best_cycle,
-                                  "sites": {}}
+        report: dict[str, Any] = {
+            "classes": plan.classes,
+            "method": self.config.method,
+            "best_cycle": best_cycle,
+            "sites": {},
+        }
         if self.relay.evaluate_test:
             for s, m in sorted(self._validate(weights, plan, "test").items()):
                 report["sites"][s] = {**m, "auroc_summary": summarise_auroc(m.get("auroc") or {})}
-            report["pooled_loss"] = pooled_loss([(m.get("loss", math.nan), m.get("n_known", 0))
-                                                 for m in report["sites"].values()])
+            report["pooled_loss"] = pooled_loss(
+                [(m.get("loss", math.nan), m.get("n_known", 0)) for m in report["sites"].values()]
+            )
         self.write_evaluation(report)
         return report

@@ -107,7 +107,9 @@ class VisitSampler(Sampler[int]):
             weights: [n] non-negative sampling weights with a positive sum, or None.
         """
         self.weights = None if weights is None else torch.as_tensor(np.asarray(weights), dtype=torch.float64)
-        if self.weights is not None and (len(self.weights) != self.n or not (self.weights.sum() > 0) or (self.weights < 0).any()):
+        if self.weights is not None and (
+            len(self.weights) != self.n or not (self.weights.sum() > 0) or (self.weights < 0).any()
+        ):
             raise ValueError("weights must have one non-negative entry per image and a positive sum")
 
     def start_visit(self, num_samples: int, seed: int) -> None:
@@ -127,7 +129,9 @@ class VisitSampler(Sampler[int]):
         if self.n == 0 or self.num_samples == 0:
             return iter(())
         if self.weights is not None:
-            return iter(torch.multinomial(self.weights, self.num_samples, replacement=True, generator=self.generator).tolist())
+            return iter(
+                torch.multinomial(self.weights, self.num_samples, replacement=True, generator=self.generator).tolist()
+            )
         passes = [torch.randperm(self.n, generator=self.generator) for _ in range(-(-self.num_samples // self.n))]
         return iter(torch.cat(passes)[: self.num_samples].tolist())
 
@@ -184,10 +188,14 @@ class CWTSite:
             config: the new settings (same task).
         """
         if config.task != self.config.task:
-            raise ConfigError(f"site {self.name}: cannot switch the task of a built site ({self.config.task} -> {config.task})")
+            raise ConfigError(
+                f"site {self.name}: cannot switch the task of a built site ({self.config.task} -> {config.task})"
+            )
         self.config = config
         self.compute = compute_for(config, self.device)
-        self.warnings = label_warnings(self.name, self.classes, self.positives, self.known, lwms=config.lwms, cwl=config.cwl)
+        self.warnings = label_warnings(
+            self.name, self.classes, self.positives, self.known, lwms=config.lwms, cwl=config.cwl
+        )
         weights = lwms_sample_weights(self._labels) if config.lwms else None
         self.sample_weights = weights if weights is not None and weights.sum() > 0 else None
         self.loss_weights = cwl_loss_weights(self.positives, self.known) if config.cwl else (None, None)
@@ -222,16 +230,27 @@ class CWTSite:
         if key not in self._loaders:
             sampler = VisitSampler(len(self.tables[split])) if train else None
             self._loaders[key] = make_loader(
-                self.tables[split], self.classes, image_size=self.model_config.image_size, train=train and c.augment,
-                batch_size=c.batch_size, num_workers=self.num_workers, seed=c.seed, cache=True, sampler=sampler,
-                in_channels=self.model_config.in_channels, cache_dir=self.cache_dir, device=self.device,
+                self.tables[split],
+                self.classes,
+                image_size=self.model_config.image_size,
+                train=train and c.augment,
+                batch_size=c.batch_size,
+                num_workers=self.num_workers,
+                seed=c.seed,
+                cache=True,
+                sampler=sampler,
+                in_channels=self.model_config.in_channels,
+                cache_dir=self.cache_dir,
+                device=self.device,
             )
         loader = self._loaders[key]
         if train:
             _visit_sampler(loader).set_weights(self.sample_weights)
         return loader
 
-    def train_visit(self, model: nn.Module, optimizer: torch.optim.Optimizer, visit: Visit, cycle: int) -> dict[str, Any]:
+    def train_visit(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, visit: Visit, cycle: int
+    ) -> dict[str, Any]:
         """Train the received model in place for this site's turn.
 
         The learning rate of each step is ``visit.lr`` times the decay factor of the relay's
@@ -258,13 +277,27 @@ class CWTSite:
         pos_weight, class_weight = self.loss_weights
         try:
             stats = train_epochs(
-                model, loader, optimizer, self.compute, epochs=1, max_steps=visit.steps, class_weight=class_weight,
+                model,
+                loader,
+                optimizer,
+                self.compute,
+                epochs=1,
+                max_steps=visit.steps,
+                class_weight=class_weight,
                 pos_weight=pos_weight,
             )
         finally:
             hook.remove()
-        return {"site": self.name, "cycle": cycle, "steps": stats.steps, "lr": first_lr, "iteration": visit.iteration,
-                "train_loss": stats.loss, "images": stats.images, "seconds": time.perf_counter() - start}
+        return {
+            "site": self.name,
+            "cycle": cycle,
+            "steps": stats.steps,
+            "lr": first_lr,
+            "iteration": visit.iteration,
+            "train_loss": stats.loss,
+            "images": stats.images,
+            "seconds": time.perf_counter() - start,
+        }
 
     def evaluate(self, model: nn.Module, split: str = "val") -> EvalResult:
         """Evaluate a model on one split of this site.
@@ -296,8 +329,14 @@ def eval_summary(result: EvalResult) -> dict[str, Any]:
     Args:
         result: an evaluation.
     """
-    return {"loss": result.loss, "n": int(len(result.y_true)), "n_known": int(result.mask.sum()),
-            "accuracy": accuracy(result), "auroc": result.aurocs, "mean_auroc": result.mean_auroc}
+    return {
+        "loss": result.loss,
+        "n": int(len(result.y_true)),
+        "n_known": int(result.mask.sum()),
+        "accuracy": accuracy(result),
+        "auroc": result.aurocs,
+        "mean_auroc": result.mean_auroc,
+    }
 
 
 def pooled_loss(parts: Sequence[tuple[float, float]]) -> float:
@@ -325,5 +364,3 @@ def make_sites(
     own = [task_table(d, config.task)[1] for d in datas]
     classes = global_classes(config.task, own)
     return [CWTSite(d, config, model_config, classes=classes, device=device) for d in datas]
-
-

@@ -98,9 +98,10 @@ def chain_folder(root: str | Path, image_size: int) -> Path:
     folder = root / f"{image_size}px-{chain}"
     folder.mkdir(parents=True, exist_ok=True)
     os.utime(folder)
-    others = sorted((p for p in root.iterdir() if p.is_dir() and p != folder), key=lambda p: p.stat().st_mtime,
-                    reverse=True)
-    for old in others[KEEP_CHAINS - 1:]:
+    others = sorted(
+        (p for p in root.iterdir() if p.is_dir() and p != folder), key=lambda p: p.stat().st_mtime, reverse=True
+    )
+    for old in others[KEEP_CHAINS - 1 :]:
         log.info("removing the preprocessing cache of an older chain: %s", old)
         shutil.rmtree(old, ignore_errors=True)
     return folder
@@ -117,8 +118,13 @@ def disk_cache(paths: Sequence[str], image_size: int, root: str | Path) -> DiskC
     Returns:
         a dataset: index -> float32 ``[1, image_size, image_size]`` tensor in [0, 1].
     """
-    return DiskCache(list(paths), preprocess_transforms(image_size), cache_dir=chain_folder(root, image_size),
-                     hash_func=file_identity, hash_transform=pickle_hashing)
+    return DiskCache(
+        list(paths),
+        preprocess_transforms(image_size),
+        cache_dir=chain_folder(root, image_size),
+        hash_func=file_identity,
+        hash_transform=pickle_hashing,
+    )
 
 
 def cache_size(root: str | Path) -> tuple[int, int]:

@@ -141,8 +141,9 @@ def _image_source(paths: list[str], image_size: int, cache: bool, cache_dir: str
     return None
 
 
-def _transforms(image_size: int, train: bool, in_channels: int, cached: bool, on_device: bool,
-                seed: int) -> tuple[Compose | None, BatchTransform | None]:
+def _transforms(
+    image_size: int, train: bool, in_channels: int, cached: bool, on_device: bool, seed: int
+) -> tuple[Compose | None, BatchTransform | None]:
     """The per-image transform after the image source, and the batch transform (on the device, seeded)."""
     steps = [] if cached else [preprocess_transforms(image_size)]
     if not on_device:
@@ -199,8 +200,14 @@ def make_loader(
     dataset = CXRDataset(table, classes, transform, images=images, batch_transform=finish)
     options: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": PREFETCH_FACTOR} if workers else {}
     loader = MonaiDataLoader(
-        dataset, batch_size=batch_size, shuffle=train and sampler is None, sampler=sampler, num_workers=workers,
-        generator=torch.Generator().manual_seed(seed), collate_fn=torch.utils.data.default_collate,
-        pin_memory=device.type == "cuda", **options,
+        dataset,
+        batch_size=batch_size,
+        shuffle=train and sampler is None,
+        sampler=sampler,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(seed),
+        collate_fn=torch.utils.data.default_collate,
+        pin_memory=device.type == "cuda",
+        **options,
     )
     return DeviceLoader(loader, device) if on_device else loader

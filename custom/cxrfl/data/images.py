@@ -35,8 +35,17 @@ _DICOM_SUFFIXES = (".dcm", ".dicom")
 _PIL_GRAY_MODES = ("L", "I;16", "I;16B", "I;16L", "I", "F")
 _LUMA = np.array([0.299, 0.587, 0.114])  # ITU-R 601-2, as PIL's convert("L")
 _DECODE_ERRORS = (
-    OSError, InvalidDicomError, ValueError, SyntaxError, AttributeError, KeyError, TypeError, IndexError,
-    RuntimeError, EOFError, Image.DecompressionBombError,
+    OSError,
+    InvalidDicomError,
+    ValueError,
+    SyntaxError,
+    AttributeError,
+    KeyError,
+    TypeError,
+    IndexError,
+    RuntimeError,
+    EOFError,
+    Image.DecompressionBombError,
 )
 """What PIL and pydicom raise on corrupt, truncated, oversized or unsupported files (OSError covers
 PIL's UnidentifiedImageError, RuntimeError pydicom's missing or failing decoders)."""

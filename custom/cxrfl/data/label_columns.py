@@ -53,8 +53,10 @@ def _apply_drop(columns: Sequence[str], config: SiteConfig, path: Path, problems
         kept = [c for c in kept if c not in hits]
         if hits:
             classes = sorted({_class_of(c, config) or c for c in hits})
-            problems.append(f"drop {entry!r} removed label(s) {', '.join(map(repr, hits))} of {path} "
-                            f"(class {', '.join(map(repr, classes))})")
+            problems.append(
+                f"drop {entry!r} removed label(s) {', '.join(map(repr, hits))} of {path} "
+                f"(class {', '.join(map(repr, classes))})"
+            )
         else:
             problems.append(f"drop {entry!r} matches no label of {path}")
     return kept

@@ -177,7 +177,9 @@ def harmonise(
             raise LabelConflictError(
                 f"{kind} {seen[canon]!r} and {name!r} both mean {canon!r}; keep one of them: "
                 f"drop: [{name!r}] in the site config keeps {seen[canon]!r} as {canon!r}.",
-                seen[canon], name, canon,
+                seen[canon],
+                name,
+                canon,
             )
         seen[canon] = name
         out[name] = canon

@@ -64,8 +64,10 @@ def _image_files(root: Path, problems: list[str]) -> list[str]:
         for name in sorted(f for f in files if not f.startswith(".")):
             (found if name.lower().endswith(IMAGE_SUFFIXES) else other).append((rel / name).as_posix())
     if other:
-        problems.append(f"{len(other)} file(s) under {root} are not an image ({', '.join(IMAGE_SUFFIXES)}) and were "
-                        f"ignored, e.g. {other[0]}")
+        problems.append(
+            f"{len(other)} file(s) under {root} are not an image ({', '.join(IMAGE_SUFFIXES)}) and were "
+            f"ignored, e.g. {other[0]}"
+        )
     if not found:
         raise DataError(f"{root} holds no image ({', '.join(IMAGE_SUFFIXES)}); check dataset.images")
     return found
@@ -82,13 +84,17 @@ def _folder_of(rel: str, root: Path, config: SiteConfig) -> tuple[str | None, st
     split = None
     if ds.split_folders:
         if parts[0] not in ds.split_folders:
-            raise DataError(f"{root / parts[0]}: folder {parts[0]!r} is not in dataset.split_folders "
-                            f"({', '.join(ds.split_folders)}); add it or move it out of dataset.images")
+            raise DataError(
+                f"{root / parts[0]}: folder {parts[0]!r} is not in dataset.split_folders "
+                f"({', '.join(ds.split_folders)}); add it or move it out of dataset.images"
+            )
         split = ds.split_folders[parts[0]]
     folder = parts[depth - 1]
     if folder not in (ds.class_folders or {}):
-        raise DataError(f"{root.joinpath(*parts[:depth])}: folder {folder!r} is not a class of dataset.class_folders "
-                        f"({', '.join(ds.class_folders or {})}); map it to a class (null: no finding) or move it out")
+        raise DataError(
+            f"{root.joinpath(*parts[:depth])}: folder {folder!r} is not a class of dataset.class_folders "
+            f"({', '.join(ds.class_folders or {})}); map it to a class (null: no finding) or move it out"
+        )
     return split, folder
 
 
@@ -96,8 +102,9 @@ def _matches(pattern: str, names: pd.Series, setting: str, where: str) -> pd.Ser
     """Which file names a pattern matches; a pattern that matches none is the one-line error."""
     hits = names.map(lambda n: re.search(pattern, n) is not None)
     if not hits.any():
-        raise DataError(f"{setting} pattern {pattern!r} matches no file name {where} (e.g. {names.iloc[0]!r}); "
-                        "fix the pattern")
+        raise DataError(
+            f"{setting} pattern {pattern!r} matches no file name {where} (e.g. {names.iloc[0]!r}); fix the pattern"
+        )
     return hits
 
 
@@ -109,8 +116,10 @@ def _patients(names: pd.Series, rel: pd.Series, root: Path, pattern: str | None)
     patient = names.map(lambda n: (m := re.search(pattern, n)) and m.group("patient"))
     if patient.isna().any() or patient.eq("").any():
         bad = patient.isna() | patient.eq("")
-        raise DataError(f"{root / rel[bad].iloc[0]}: file name does not match dataset.patient_pattern {pattern!r} "
-                        f"({int(bad.sum())} of {len(names)} file(s) do not); fix the pattern or move the files")
+        raise DataError(
+            f"{root / rel[bad].iloc[0]}: file name does not match dataset.patient_pattern {pattern!r} "
+            f"({int(bad.sum())} of {len(names)} file(s) do not); fix the pattern or move the files"
+        )
     return patient
 
 
@@ -121,8 +130,10 @@ def _folder_labels(folder: pd.Series, names: pd.Series, root: Path, config: Site
     out = {c: (folder.map(folders) == c).astype(np.float64) for c in dict.fromkeys(c for c in folders.values() if c)}
     for parent, patterns in ds.subclasses.items():
         inside = folder.eq(parent)
-        hits = {p: _matches(p, names[inside], f"dataset.subclasses.{parent}", f"in folder {parent!r} under {root}")
-                for p in patterns}
+        hits = {
+            p: _matches(p, names[inside], f"dataset.subclasses.{parent}", f"in folder {parent!r} under {root}")
+            for p in patterns
+        }
         any_hit = pd.concat(hits.values(), axis=1).any(axis=1)
         for pattern, name in patterns.items():
             value = pd.Series(0.0, index=folder.index)
@@ -150,11 +161,13 @@ def read_folders(config: SiteConfig) -> pd.DataFrame:
     folder = pd.Series([f for _, f in where])
     empty = [f for f in (ds.class_folders or {}) if not folder.eq(f).any()]
     if empty:
-        raise DataError(f"dataset.class_folders: folder {empty[0]!r} holds no image under {root}; fix the name or "
-                        "remove it")
+        raise DataError(
+            f"dataset.class_folders: folder {empty[0]!r} holds no image under {root}; fix the name or remove it"
+        )
     names = rel.map(lambda r: r.rsplit("/", 1)[-1])
-    frame = pd.DataFrame({"path": _absolute(root, rel), "patient": _patients(names, rel, root, ds.patient_pattern),
-                          _KEY: rel})
+    frame = pd.DataFrame(
+        {"path": _absolute(root, rel), "patient": _patients(names, rel, root, ds.patient_pattern), _KEY: rel}
+    )
     if ds.split_folders:
         frame["split"] = [s for s, _ in where]
     labels = _folder_labels(folder, names, root, config)
@@ -168,9 +181,11 @@ def _unmapped_line(raw: pd.Series, bad: pd.Series, config: SiteConfig) -> str:
     ds = config.dataset
     shown = list(dict.fromkeys(raw[bad].str.strip()))
     more = f" and {len(shown) - 5} more" if len(shown) > 5 else ""
-    return (f"{ds.labels}, line {_first_line(bad)}, column {ds.finding_column!r}: value(s) "
-            f"{', '.join(map(repr, shown[:5]))}{more} ({int(bad.sum())} row(s)) are not in dataset.values; map each "
-            "to a class (null: no finding) or list it in dataset.unlabelled_values")
+    return (
+        f"{ds.labels}, line {_first_line(bad)}, column {ds.finding_column!r}: value(s) "
+        f"{', '.join(map(repr, shown[:5]))}{more} ({int(bad.sum())} row(s)) are not in dataset.values; map each "
+        "to a class (null: no finding) or list it in dataset.unlabelled_values"
+    )
 
 
 def read_categorical(config: SiteConfig) -> pd.DataFrame:

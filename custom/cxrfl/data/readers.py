@@ -300,8 +300,7 @@ def read_nih(config: SiteConfig) -> pd.DataFrame:
         return f", line {_first_line(rows)}, column 'Finding Labels'" if rows.any() else ", column 'Finding Labels'"
 
     extra = [t for t in dict.fromkeys(tokens) if t not in NIH_COLUMN_NAMES and t != NO_FINDING]
-    mapping = label_columns([*NIH_COLUMN_NAMES, *extra], config, ds.labels, problems,
-                             kind="findings", locate=locate)
+    mapping = label_columns([*NIH_COLUMN_NAMES, *extra], config, ds.labels, problems, kind="findings", locate=locate)
     codes = pd.Index(list(mapping)).get_indexer(tokens)
     rows = raw.index.get_indexer(tokens.index)
     matrix = np.zeros((len(raw), len(mapping)))

@@ -146,19 +146,24 @@ def _split_problems(table: pd.DataFrame, classes: list[str], expected: tuple[str
                 problems.append(f"class {c!r} has no positive image at this site; its AUROC cannot be computed")
                 break
             if not hit.any():
-                problems.append(f"class {c!r} has no negative image at this site ({int((table[c] == 1.0).sum())} "
-                                "labelled, all positive); its head row cannot learn to say no and its AUROC cannot "
-                                "be computed")
+                problems.append(
+                    f"class {c!r} has no negative image at this site ({int((table[c] == 1.0).sum())} "
+                    "labelled, all positive); its head row cannot learn to say no and its AUROC cannot "
+                    "be computed"
+                )
                 break
             counts = {s: int(hit[table["split"] == s].sum()) for s in present}
             empty = [s for s in present if counts[s] == 0]
             if empty:
-                problems.append(f"class {c!r} has no {side} image in split(s) {', '.join(empty)} "
-                                f"({int(hit.sum())} in all)")
+                problems.append(
+                    f"class {c!r} has no {side} image in split(s) {', '.join(empty)} ({int(hit.sum())} in all)"
+                )
             few = [f"{s} ({counts[s]})" for s in present if 0 < counts[s] < minimum]
             if few:
-                problems.append(f"class {c!r} has fewer than {minimum} {side} images in split(s) {', '.join(few)} "
-                                "(min_class_images); its AUROC there is unreliable")
+                problems.append(
+                    f"class {c!r} has fewer than {minimum} {side} images in split(s) {', '.join(few)} "
+                    "(min_class_images); its AUROC there is unreliable"
+                )
     return problems
 
 

@@ -37,9 +37,15 @@ _PATH_KEYS = ("labels", "images", "metadata", "split_file")
 _MAPPING_KEYS = ("class_folders", "split_folders", "values")  # YAML may write their keys as numbers
 _CSV_FORMATS = ("csv", "categorical", "registry")
 _FORMAT_KEYS = {  # settings read by some formats only: set for another format, they are an error
-    "image_suffix": _CSV_FORMATS, "class_folders": ("folders",), "split_folders": ("folders",),
-    "patient_pattern": ("folders",), "subclasses": ("folders",), "finding_column": ("categorical",),
-    "values": ("categorical",), "unlabelled_values": ("categorical",), "site_label": ("registry",),
+    "image_suffix": _CSV_FORMATS,
+    "class_folders": ("folders",),
+    "split_folders": ("folders",),
+    "patient_pattern": ("folders",),
+    "subclasses": ("folders",),
+    "finding_column": ("categorical",),
+    "values": ("categorical",),
+    "unlabelled_values": ("categorical",),
+    "site_label": ("registry",),
     "derived": ("registry",),
 }
 
@@ -114,8 +120,11 @@ class DatasetConfig(Config):
         for key, formats in _FORMAT_KEYS.items():
             if self.format not in formats and getattr(self, key) not in (None, "", (), {}):
                 self.fail(key, f"is only read for format {' or '.join(formats)}, not {self.format}")
-        required = {"folders": ("class_folders",), "categorical": ("labels", "finding_column", "values"),
-                    "registry": ("labels",)}.get(self.format, ("labels",))
+        required = {
+            "folders": ("class_folders",),
+            "categorical": ("labels", "finding_column", "values"),
+            "registry": ("labels",),
+        }.get(self.format, ("labels",))
         for key in required:
             if getattr(self, key) in (None, {}):
                 self.fail(key, f"is missing (format {self.format} needs it)")
@@ -128,8 +137,10 @@ class DatasetConfig(Config):
         for folder, split in (self.split_folders or {}).items():
             if split not in ("train", "val", "test"):
                 self.fail("split_folders", f"maps folder {folder!r} to {split!r}; use train, val or test")
-        if self.patient_pattern is not None and "patient" not in _compiled(self, "patient_pattern",
-                                                                           self.patient_pattern).groupindex:
+        if (
+            self.patient_pattern is not None
+            and "patient" not in _compiled(self, "patient_pattern", self.patient_pattern).groupindex
+        ):
             self.fail("patient_pattern", f"{self.patient_pattern!r} has no named group (?P<patient>...)")
         for folder, patterns in self.subclasses.items():
             if folder not in (self.class_folders or {}):

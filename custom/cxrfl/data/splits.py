@@ -113,8 +113,10 @@ def resolve_overlap(table: pd.DataFrame, policy: str, source: str | Path, proble
         table, done = table.assign(split=np.asarray(SPLITS)[first.to_numpy()]), "were moved to it"
     else:
         table, done = table[~later].reset_index(drop=True), "were left out"
-    problems.append(f"{patients} patient(s) appear in more than one split in {source}: their {images} image(s) "
-                    f"outside the patient's first split (train, val, test order) {done} (dataset.overlap: {policy})")
+    problems.append(
+        f"{patients} patient(s) appear in more than one split in {source}: their {images} image(s) "
+        f"outside the patient's first split (train, val, test order) {done} (dataset.overlap: {policy})"
+    )
     return table
 
 
@@ -139,7 +141,9 @@ def val_from_train(table: pd.DataFrame, classes: list[str], split: SplitConfig, 
     table = table.copy()
     table.loc[train, "split"] = chosen
     moved = chosen.eq("val")
-    problems.append(f"the data gives no val split: {table.loc[moved[moved].index, 'patient'].nunique()} of "
-                    f"{table.loc[train, 'patient'].nunique()} train patients ({int(moved.sum())} images) form it "
-                    f"(split.val / (split.train + split.val) = {share:.3f} of them, stratified)")
+    problems.append(
+        f"the data gives no val split: {table.loc[moved[moved].index, 'patient'].nunique()} of "
+        f"{table.loc[train, 'patient'].nunique()} train patients ({int(moved.sum())} images) form it "
+        f"(split.val / (split.train + split.val) = {share:.3f} of them, stratified)"
+    )
     return table

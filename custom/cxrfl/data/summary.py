@@ -69,8 +69,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     header = ["all", *SPLITS, "negatives", "unknown"]
     lines.append(f"{'class':<{width}}  " + "  ".join(f"{h:>14}" for h in header))
     for c in summary["classes"]:
-        cells = [summary["positives"][c], *(summary["split_positives"][s][c] for s in SPLITS),
-                 summary["negatives"][c], summary["unknown"][c]]
+        cells = [
+            summary["positives"][c],
+            *(summary["split_positives"][s][c] for s in SPLITS),
+            summary["negatives"][c],
+            summary["unknown"][c],
+        ]
         lines.append(f"{c:<{width}}  " + "  ".join(f"{v:>14}" for v in cells))
     counts = [
         f"{summary['images']} ({summary['patients']})",

@@ -94,24 +94,33 @@ def preprocess_transforms(image_size: int) -> Compose:
             averaging when downsampling).
     """
     _check(image_size, 1)
-    return Compose([
-        LoadGrayscale(),
-        EnsureChannelFirst(channel_dim="no_channel"),
-        Resize((image_size, image_size), mode="area"),
-        EnsureType(data_type="tensor", dtype=torch.float32, track_meta=False),
-    ])
+    return Compose(
+        [
+            LoadGrayscale(),
+            EnsureChannelFirst(channel_dim="no_channel"),
+            Resize((image_size, image_size), mode="area"),
+            EnsureType(data_type="tensor", dtype=torch.float32, track_meta=False),
+        ]
+    )
 
 
 def augment_transforms() -> Compose:
     """The random steps, one image at a time: rotation (+-10 degrees), horizontal flip, zoom
     (0.9-1.1) and contrast (gamma 0.7-1.5), each with probability 0.5."""
-    return Compose([
-        RandRotate(range_x=math.radians(ROTATE_DEGREES), prob=AUGMENT_PROB, padding_mode="zeros"),
-        RandFlip(prob=AUGMENT_PROB, spatial_axis=1),
-        RandZoom(prob=AUGMENT_PROB, min_zoom=ZOOM_RANGE[0], max_zoom=ZOOM_RANGE[1], mode="bilinear",
-                 padding_mode="constant"),
-        RandAdjustContrast(prob=AUGMENT_PROB, gamma=GAMMA_RANGE),
-    ])
+    return Compose(
+        [
+            RandRotate(range_x=math.radians(ROTATE_DEGREES), prob=AUGMENT_PROB, padding_mode="zeros"),
+            RandFlip(prob=AUGMENT_PROB, spatial_axis=1),
+            RandZoom(
+                prob=AUGMENT_PROB,
+                min_zoom=ZOOM_RANGE[0],
+                max_zoom=ZOOM_RANGE[1],
+                mode="bilinear",
+                padding_mode="constant",
+            ),
+            RandAdjustContrast(prob=AUGMENT_PROB, gamma=GAMMA_RANGE),
+        ]
+    )
 
 
 def _mean_std(in_channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -127,10 +136,13 @@ def input_transforms(in_channels: int = 3) -> Compose:
     _check(8, in_channels)
     mean, std = _mean_std(in_channels)
     steps: list[Callable] = [RepeatChannel(repeats=in_channels)] if in_channels > 1 else []
-    return Compose(steps + [
-        NormalizeIntensity(subtrahend=mean, divisor=std, channel_wise=True),
-        EnsureType(data_type="tensor", dtype=torch.float32, track_meta=False),
-    ])
+    return Compose(
+        steps
+        + [
+            NormalizeIntensity(subtrahend=mean, divisor=std, channel_wise=True),
+            EnsureType(data_type="tensor", dtype=torch.float32, track_meta=False),
+        ]
+    )
 
 
 def build_transforms(image_size: int, *, train: bool, in_channels: int = 3) -> Compose:
@@ -181,10 +193,12 @@ class BatchTransform(Randomizable):
         u = torch.rand(7, n, generator=g, device=device)
         on = u[:4] < AUGMENT_PROB
         limit, one = math.radians(ROTATE_DEGREES), torch.ones(n, device=device)
-        return {"angle": torch.where(on[0], (2 * u[4] - 1) * limit, 0 * one),
-                "flip": torch.where(on[1], -one, one),
-                "zoom": torch.where(on[2], ZOOM_RANGE[0] + u[5] * (ZOOM_RANGE[1] - ZOOM_RANGE[0]), one),
-                "gamma": torch.where(on[3], GAMMA_RANGE[0] + u[6] * (GAMMA_RANGE[1] - GAMMA_RANGE[0]), one)}
+        return {
+            "angle": torch.where(on[0], (2 * u[4] - 1) * limit, 0 * one),
+            "flip": torch.where(on[1], -one, one),
+            "zoom": torch.where(on[2], ZOOM_RANGE[0] + u[5] * (ZOOM_RANGE[1] - ZOOM_RANGE[0]), one),
+            "gamma": torch.where(on[3], GAMMA_RANGE[0] + u[6] * (GAMMA_RANGE[1] - GAMMA_RANGE[0]), one),
+        }
 
     @staticmethod
     def geometry(x: torch.Tensor, angle: torch.Tensor, flip: torch.Tensor, zoom: torch.Tensor) -> torch.Tensor:

@@ -102,8 +102,11 @@ def submit(
     job = Path(job).resolve()
     if not (job / "meta.json").is_file():
         raise DeployError(f"{job} is not a job folder (no meta.json)")
-    out: dict[str, Any] = {"job": str(job), "admin": admin,
-                           "bring_your_own_code": any((app / "custom").is_dir() for app in app_dirs(job))}
+    out: dict[str, Any] = {
+        "job": str(job),
+        "admin": admin,
+        "bring_your_own_code": any((app / "custom").is_dir() for app in app_dirs(job)),
+    }
     with contextlib.redirect_stdout(sys.stderr):
         sess = new_secure_session(admin, str(kit), timeout=30)
     try:
@@ -165,7 +168,9 @@ def _download(sess: Any, job_id: str, destination: str | Path) -> dict[str, str]
         return {"download_refused": f"{type(exc).__name__}: {exc}"}
 
 
-def download(job_id: str, *, workspace: str | Path, admin: str | None = None, destination: str | Path) -> dict[str, Any]:
+def download(
+    job_id: str, *, workspace: str | Path, admin: str | None = None, destination: str | Path
+) -> dict[str, Any]:
     """Download a finished job's result from an admin kit (the project admin may download every job).
 
     Args:
@@ -219,9 +224,11 @@ def abort(
         except Exception as exc:  # e.g. a job a server restart interrupted: NVFlare still lists it
             if "not running" not in str(exc):
                 raise
-            out.update(status=str(sess.get_job_meta(job_id).get("status")),
-                       note=f"the server runs no such job ({exc}); nothing to abort. A job interrupted by a server "
-                            f"restart stays listed as running in NVFlare 2.9; resume it with resume_from={job_id!r}")
+            out.update(
+                status=str(sess.get_job_meta(job_id).get("status")),
+                note=f"the server runs no such job ({exc}); nothing to abort. A job interrupted by a server "
+                f"restart stays listed as running in NVFlare 2.9; resume it with resume_from={job_id!r}",
+            )
             return out
         try:
             meta = sess.wait_for_job(job_id, timeout=timeout, poll_interval=2)

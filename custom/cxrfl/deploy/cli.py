@@ -97,14 +97,25 @@ def _kit_arg(args: argparse.Namespace, name: str) -> Path:
 
 
 def _cmd_provision(args: argparse.Namespace) -> int:
-    dep = provision(args.project, args.workspace, poc=args.poc, server_host=args.server_host, port=args.port,
-                    org_admin_jobs=not args.no_org_admin_jobs)
+    dep = provision(
+        args.project,
+        args.workspace,
+        poc=args.poc,
+        server_host=args.server_host,
+        port=args.port,
+        org_admin_jobs=not args.no_org_admin_jobs,
+    )
     _print(asdict(dep))
     private = protect_keys(dep.ws)  # provision did it; this lists them
-    print(f"private keys and provisioning state are owner-only (files 0o600, folders 0o700): {len(private['keys'])} key "
-          f"files, {len(private['state'])} state folder(s) under {dep.ws}; keep the state folder (root CA key) offline",
-          file=sys.stderr)
-    print(f"kits in {dep.kits}; next: cxrfl deploy site-config --workspace {args.workspace} SITE CONFIG.yaml", file=sys.stderr)
+    print(
+        f"private keys and provisioning state are owner-only (files 0o600, folders 0o700): {len(private['keys'])} key "
+        f"files, {len(private['state'])} state folder(s) under {dep.ws}; keep the state folder (root CA key) offline",
+        file=sys.stderr,
+    )
+    print(
+        f"kits in {dep.kits}; next: cxrfl deploy site-config --workspace {args.workspace} SITE CONFIG.yaml",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -117,8 +128,14 @@ def _gpu_indices(text: str) -> list[int]:
 
 
 def _cmd_prepare_kit(args: argparse.Namespace) -> int:
-    _print(prepare_kit(_kit_arg(args, args.kit), storage=args.storage, allow=tuple(args.allow or ALLOW_PREFIXES),
-                       org_admin_jobs=not args.no_org_admin_jobs))
+    _print(
+        prepare_kit(
+            _kit_arg(args, args.kit),
+            storage=args.storage,
+            allow=tuple(args.allow or ALLOW_PREFIXES),
+            org_admin_jobs=not args.no_org_admin_jobs,
+        )
+    )
     return 0
 
 
@@ -139,10 +156,22 @@ def _cmd_job(args: argparse.Namespace) -> int:
     elif args.privacy_arg:
         raise DeployError("--privacy-arg needs --privacy")
     tracking = None if args.tracking is None else [t for t in args.tracking.split(",") if t]
-    _emit(str(build_job(args.name, args.out, mode=args.mode, overrides=_kv(args.set), privacy=privacy,
-                        exclude_batchnorm=args.exclude_batchnorm, job_name=args.job_name, tracking=tracking,
-                        tracking_uri=args.tracking_uri,
-                        sites=None if args.sites is None else [s for s in args.sites.split(",") if s])))
+    _emit(
+        str(
+            build_job(
+                args.name,
+                args.out,
+                mode=args.mode,
+                overrides=_kv(args.set),
+                privacy=privacy,
+                exclude_batchnorm=args.exclude_batchnorm,
+                job_name=args.job_name,
+                tracking=tracking,
+                tracking_uri=args.tracking_uri,
+                sites=None if args.sites is None else [s for s in args.sites.split(",") if s],
+            )
+        )
+    )
     return 0
 
 
@@ -170,8 +199,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
-    result = submit(args.job, workspace=args.workspace, admin=args.admin, kit=args.kit, wait=not args.no_wait,
-                    timeout=args.timeout, download=args.download)
+    result = submit(
+        args.job,
+        workspace=args.workspace,
+        admin=args.admin,
+        kit=args.kit,
+        wait=not args.no_wait,
+        timeout=args.timeout,
+        download=args.download,
+    )
     _print(result)
     if result.get("refused"):
         print(f"cxrfl: job refused for {result['admin']}: {result['refused']}", file=sys.stderr)
@@ -179,16 +215,21 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     if result.get("not_scheduled"):
         spec = result["resource_spec"]
         asks = f"; it asks {json.dumps(spec)} (sites declare GPUs with `cxrfl deploy site-gpus`)" if spec else ""
-        print(f"cxrfl: job {result['job_id']} not scheduled ({result['status']}): {result['not_scheduled']}{asks}",
-              file=sys.stderr)
+        print(
+            f"cxrfl: job {result['job_id']} not scheduled ({result['status']}): {result['not_scheduled']}{asks}",
+            file=sys.stderr,
+        )
         return 1
     return _download_status(result) if result.get("status") in (COMPLETED, "SUBMITTED") else 1
 
 
 def _download_status(result: dict[str, Any]) -> int:
     if result.get("download_refused"):
-        print(f"cxrfl: download of job {result.get('job_id')} refused for {result.get('admin')}: "
-              f"{result['download_refused']} (org admins download no job results; see docs/security.md)", file=sys.stderr)
+        print(
+            f"cxrfl: download of job {result.get('job_id')} refused for {result.get('admin')}: "
+            f"{result['download_refused']} (org admins download no job results; see docs/security.md)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -200,7 +241,9 @@ def _cmd_download(args: argparse.Namespace) -> int:
 
 
 def _cmd_abort(args: argparse.Namespace) -> int:
-    result = abort(args.job_id, workspace=args.workspace, admin=args.admin, timeout=args.timeout, download=args.download)
+    result = abort(
+        args.job_id, workspace=args.workspace, admin=args.admin, timeout=args.timeout, download=args.download
+    )
     _print(result)
     return 0 if str(result.get("status", "")).startswith("FINISHED") else 1
 
@@ -219,10 +262,14 @@ def _add_setup_commands(ds: argparse._SubParsersAction) -> None:
     p.add_argument("--poc", action="store_true", help="POC mode (nvflare poc prepare -i) instead of production")
     p.add_argument("--server-host", help="host the sites connect to (e.g. localhost for one machine)")
     p.add_argument("--port", type=int, help="the server's port (FL and admin traffic)")
-    p.add_argument("--no-org-admin-jobs", action="store_true", help="org admins submit no jobs (they never download any)")
+    p.add_argument(
+        "--no-org-admin-jobs", action="store_true", help="org admins submit no jobs (they never download any)"
+    )
     p.set_defaults(func=_quiet(_cmd_provision))
 
-    p = ds.add_parser("prepare-kit", help="a kit's local/resources.json (storage, class_allow_list) and authorization.json")
+    p = ds.add_parser(
+        "prepare-kit", help="a kit's local/resources.json (storage, class_allow_list) and authorization.json"
+    )
     p.add_argument("kit", help="kit folder, or a participant name with --workspace")
     p.add_argument("--workspace")
     p.add_argument("--storage", help="server job and snapshot storage folder (default <kit>/storage)")
@@ -245,20 +292,37 @@ def _add_setup_commands(ds: argparse._SubParsersAction) -> None:
     p = ds.add_parser("job", help="write a deployable job folder (pre-installed or bring-your-own-code)")
     p.add_argument("name", help="a job of cxrfl.jobs.JOBS: the folder names under jobs/ (surgical_agg, ...)")
     p.add_argument("--out", required=True, help="parent folder of the job folder")
-    p.add_argument("--mode", choices=["preinstalled", "byoc", "readme"], default="preinstalled",
-                   help="preinstalled: no app/custom (sites allow cxrfl.); byoc: package in app/custom")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="change a controller setting, e.g. num_rounds=2 or train_config.batch_size=16 (JSON values)")
+    p.add_argument(
+        "--mode",
+        choices=["preinstalled", "byoc", "readme"],
+        default="preinstalled",
+        help="preinstalled: no app/custom (sites allow cxrfl.); byoc: package in app/custom",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="change a controller setting, e.g. num_rounds=2 or train_config.batch_size=16 (JSON values)",
+    )
     p.add_argument("--privacy", choices=["percentile", "svt"], help="NVFlare privacy filter on site results")
     p.add_argument("--privacy-arg", action="append", metavar="KEY=VALUE", help="its arguments, e.g. gamma=0.05")
-    p.add_argument("--exclude-batchnorm", action="store_true", help="ExcludeVars filter of BatchNorm entries (FedBN/FedBN+)")
+    p.add_argument(
+        "--exclude-batchnorm", action="store_true", help="ExcludeVars filter of BatchNorm entries (FedBN/FedBN+)"
+    )
     p.add_argument("--job-name", help="another job (folder) name")
-    p.add_argument("--sites", help="the client sites, comma-separated: the server's app goes to the server alone and "
-                                   "each site gets a client app (needed for fedfew; default: the job's)")
-    p.add_argument("--tracking", help="experiment trackers, comma-separated: tensorboard, mlflow ('' for none; "
-                                      "default: the job's, tensorboard)")
-    p.add_argument("--tracking-uri", help="MLflow tracking server (default: an SQLite file mlflow.db in the job's "
-                                          "server workspace folder)")
+    p.add_argument(
+        "--sites",
+        help="the client sites, comma-separated: the server's app goes to the server alone and "
+        "each site gets a client app (needed for fedfew; default: the job's)",
+    )
+    p.add_argument(
+        "--tracking",
+        help="experiment trackers, comma-separated: tensorboard, mlflow ('' for none; default: the job's, tensorboard)",
+    )
+    p.add_argument(
+        "--tracking-uri",
+        help="MLflow tracking server (default: an SQLite file mlflow.db in the job's server workspace folder)",
+    )
     p.set_defaults(func=_quiet(_cmd_job))
 
 

@@ -56,10 +56,17 @@ def build_job(
         _set(args, key, value, name)
     # meta.json's min_clients (sites needed to schedule the job) follows an explicit min_clients override
     meta_min = int(overrides["min_clients"]) if "min_clients" in (overrides or {}) else spec.min_clients
-    spec = dataclasses.replace(spec, name=job_name or spec.name, controller_args=args, privacy=privacy,
-                               exclude_batchnorm=exclude_batchnorm, min_clients=meta_min, tracking_uri=tracking_uri,
-                               tracking=spec.tracking if tracking is None else tuple(tracking),
-                               sites=spec.sites if sites is None else tuple(sites))
+    spec = dataclasses.replace(
+        spec,
+        name=job_name or spec.name,
+        controller_args=args,
+        privacy=privacy,
+        exclude_batchnorm=exclude_batchnorm,
+        min_clients=meta_min,
+        tracking_uri=tracking_uri,
+        tracking=spec.tracking if tracking is None else tuple(tracking),
+        sites=spec.sites if sites is None else tuple(sites),
+    )
     out = Path(out)
     if (out / spec.name).exists():
         raise DeployError(f"{out / spec.name} exists; choose another --out")

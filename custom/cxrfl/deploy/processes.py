@@ -84,7 +84,9 @@ def start(
     names = [dep.server if n == "server" else n for n in (only or [dep.server, *dep.clients])]
     unknown = [n for n in names if n not in (dep.server, *dep.clients)]
     if unknown:
-        raise DeployError(f"cannot start {unknown}: not a server or site of this project ({[dep.server, *dep.clients]})")
+        raise DeployError(
+            f"cannot start {unknown}: not a server or site of this project ({[dep.server, *dep.clients]})"
+        )
     clients = [n for n in names if n != dep.server]
     started: list[dict[str, Any]] = []
     offsets = {n: _size(dep.kit(n) / "log.txt") for n in clients}
@@ -111,8 +113,14 @@ def _start_poc(dep: Deployment, names: list[str], started: list[dict[str, Any]],
         cmd += ["-p", n]
     log_path = ws / f"poc_start_{int(time.time())}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=process_env(ws, "cli", poc_workspace=ws / "poc"), stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=process_env(ws, "cli", poc_workspace=ws / "poc"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     entry = {"name": "nvflare poc start", "pid": proc.pid, "pgid": proc.pid, "log": str(log_path)}
     started.append(entry)
     _record(ws, [entry])
@@ -130,8 +138,13 @@ def _start_kit(dep: Deployment, name: str, started: list[dict[str, Any]], timeou
     log_path = kit / CONSOLE_LOG
     with open(log_path, "a") as log:
         proc = subprocess.Popen(
-            ["bash", str(kit / "startup" / "sub_start.sh"), "--once"], cwd=kit, env=process_env(dep.ws, name),
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            ["bash", str(kit / "startup" / "sub_start.sh"), "--once"],
+            cwd=kit,
+            env=process_env(dep.ws, name),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
     entry = {"name": name, "pid": proc.pid, "pgid": proc.pid, "log": str(log_path)}
     started.append(entry)
@@ -224,8 +237,12 @@ def stop(workspace: str | Path, *, timeout: float = 120) -> dict[str, Any]:
         finally:
             sess.close()
         if dep.mode == "poc":
-            run_command([nvflare_command(), "poc", "stop"], process_env(ws, "cli", poc_workspace=ws / "poc"), "nvflare poc stop",
-                 timeout=timeout)
+            run_command(
+                [nvflare_command(), "poc", "stop"],
+                process_env(ws, "cli", poc_workspace=ws / "poc"),
+                "nvflare poc stop",
+                timeout=timeout,
+            )
         else:
             sess = admin_session(dep, timeout=10)
             try:

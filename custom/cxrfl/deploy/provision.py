@@ -46,8 +46,9 @@ GPU_CONSUMER = "cxrfl.fl.resources.GPUListConsumer"
 own."""
 
 
-def _effective_project(project_file: str | Path, effective: Path, *, poc: bool, server_host: str | None,
-                       port: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def _effective_project(
+    project_file: str | Path, effective: Path, *, poc: bool, server_host: str | None, port: int | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The project file with the server's host and port set, written to ``effective``; (project, server entry)."""
     project = yaml.safe_load(Path(project_file).read_text())
     if not isinstance(project, dict) or "participants" not in project:
@@ -76,7 +77,9 @@ def _make_kits(ws: Path, effective: Path, name: str, poc: bool) -> Path:
         run_command([nvflare_command(), "poc", "prepare", "-i", str(effective), "--force"], env, "nvflare poc prepare")
         return poc_ws / name / "prod_00"
     env = process_env(ws, "cli")
-    run_command([nvflare_command(), "provision", "-p", str(effective), "-w", str(ws / "prod")], env, "nvflare provision")
+    run_command(
+        [nvflare_command(), "provision", "-p", str(effective), "-w", str(ws / "prod")], env, "nvflare provision"
+    )
     prods = sorted((ws / "prod" / name).glob("prod_*"))
     if not prods:
         raise DeployError(f"nvflare provision wrote no kits under {ws / 'prod' / name}")
@@ -126,8 +129,11 @@ def provision(
     if is_loopback(host):
         _listen_on_loopback(dep.kit(dep.server))
     for participant in [dep.server, *dep.clients]:
-        prepare_kit(dep.kit(participant), storage=ws / "storage" if participant == dep.server else None,
-                    org_admin_jobs=org_admin_jobs)
+        prepare_kit(
+            dep.kit(participant),
+            storage=ws / "storage" if participant == dep.server else None,
+            org_admin_jobs=org_admin_jobs,
+        )
     protect_keys(ws)
     dep.save()
     return dep
@@ -178,7 +184,9 @@ def kit_kind(kit: Path) -> str:
     for kind, marker in (("server", "fed_server.json"), ("client", "fed_client.json"), ("admin", "fed_admin.json")):
         if (startup / marker).is_file():
             return kind
-    raise DeployError(f"{kit} is not an NVFlare startup kit (no startup/fed_server.json, fed_client.json or fed_admin.json)")
+    raise DeployError(
+        f"{kit} is not an NVFlare startup kit (no startup/fed_server.json, fed_client.json or fed_admin.json)"
+    )
 
 
 def _load_local(kit: Path, name: str) -> dict[str, Any]:
@@ -268,8 +276,13 @@ def _write_authorization(kit: Path, org_admin_jobs: bool) -> Any:
     permissions = policy.setdefault("permissions", {})
     org_admin = permissions.get("org_admin")
     if not isinstance(org_admin, dict):  # missing, or one expression for every right: replace by the explicit set
-        org_admin = permissions["org_admin"] = {"view": "any", "operate": "o:site", "shell_commands": "o:site",
-                                                "manage_job": "o:submitter", "submit_job": "none"}
+        org_admin = permissions["org_admin"] = {
+            "view": "any",
+            "operate": "o:site",
+            "shell_commands": "o:site",
+            "manage_job": "o:submitter",
+            "submit_job": "none",
+        }
     org_admin.update(ORG_ADMIN_RIGHTS if org_admin_jobs else {**ORG_ADMIN_ALWAYS, "submit_job": "none"})
     (kit / "local" / "authorization.json").write_text(json.dumps(policy, indent=2) + "\n")
     return org_admin
@@ -325,7 +338,11 @@ def declare_gpus(kit: str | Path, gpus: Sequence[int]) -> dict[str, Any]:
     res = _load_local(kit, "resources.json")
     others = [c for c in res.get("components", []) if c.get("id") not in ("resource_manager", "resource_consumer")]
     res["components"] = [
-        {"id": "resource_manager", "path": GPU_MANAGER, "args": {"resources": {GPU_KEY: gpus}, "expiration_period": 300}},
+        {
+            "id": "resource_manager",
+            "path": GPU_MANAGER,
+            "args": {"resources": {GPU_KEY: gpus}, "expiration_period": 300},
+        },
         {"id": "resource_consumer", "path": GPU_CONSUMER, "args": {}},
         *others,
     ]
@@ -354,7 +371,9 @@ def install_site_config(kit: str | Path, config: str | Path) -> Path:
     if cfg.site != name:
         raise DeployError(f"{config} describes site {cfg.site!r} but the kit {kit} is {name!r}")
     target = kit / "local" / LOCAL_CONFIG_NAME
-    header = (f"# {name}'s data, read by cxrfl at job start "
-              f"(written by `cxrfl deploy site-config` from {Path(config).resolve()})\n")
+    header = (
+        f"# {name}'s data, read by cxrfl at job start "
+        f"(written by `cxrfl deploy site-config` from {Path(config).resolve()})\n"
+    )
     target.write_text(header + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return target

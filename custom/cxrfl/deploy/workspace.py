@@ -72,7 +72,9 @@ class Deployment:
         name = self.server if name == "server" else name
         path = Path(self.kits) / name
         if not path.is_dir():
-            raise DeployError(f"no kit for {name!r} in {self.kits}; participants: {[self.server, *self.clients, *self.admins]}")
+            raise DeployError(
+                f"no kit for {name!r} in {self.kits}; participants: {[self.server, *self.clients, *self.admins]}"
+            )
         return path
 
     def admin_with_role(self, role: str) -> str:
@@ -99,7 +101,9 @@ class Deployment:
         """
         path = Path(workspace).resolve() / STATE_FILE
         if not path.is_file():
-            raise DeployError(f"{workspace} is not a deployment workspace (no {STATE_FILE}); run `cxrfl deploy provision` first")
+            raise DeployError(
+                f"{workspace} is not a deployment workspace (no {STATE_FILE}); run `cxrfl deploy provision` first"
+            )
         return cls(**json.loads(path.read_text()))
 
 
@@ -145,11 +149,15 @@ def run_command(cmd: list[str], env: dict[str, str], what: str, timeout: float =
         cwd: its working folder.
     """
     try:
-        proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired as exc:
         raise DeployError(f"{what} did not finish within {timeout:.0f}s: {' '.join(cmd)}") from exc
     if proc.returncode != 0:
-        raise DeployError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise DeployError(
+            f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc.stdout
 
 

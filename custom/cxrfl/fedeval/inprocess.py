@@ -19,10 +19,17 @@ from cxrfl.surgical.inprocess import make_hosts
 log = logging.getLogger(__name__)
 
 
-def run_fedeval(sites: Sequence[SiteData] | Mapping[str, SiteHost], checkpoint: str | Path | Mapping[str, Any],
-                config: FedEvalConfig, out_dir: str | Path, *, run_id: str = "fedeval",
-                device: torch.device | None = None, info: Callable[[str], None] = log.info,
-                warning: Callable[[str], None] = log.warning) -> dict[str, Any]:
+def run_fedeval(
+    sites: Sequence[SiteData] | Mapping[str, SiteHost],
+    checkpoint: str | Path | Mapping[str, Any],
+    config: FedEvalConfig,
+    out_dir: str | Path,
+    *,
+    run_id: str = "fedeval",
+    device: torch.device | None = None,
+    info: Callable[[str], None] = log.info,
+    warning: Callable[[str], None] = log.warning,
+) -> dict[str, Any]:
     """Evaluate a checkpoint at in-process sites; returns the report (also in ``out_dir/cxrfl/evaluation.json``).
 
     Args:
@@ -37,6 +44,14 @@ def run_fedeval(sites: Sequence[SiteData] | Mapping[str, SiteHost], checkpoint: 
     """
     hosts = sites if isinstance(sites, Mapping) else make_hosts(sites, Path(out_dir) / "sites", device=device)
     ckpt = load_checkpoint(checkpoint) if isinstance(checkpoint, (str, Path)) else checkpoint
-    server = FedEvalServer(inprocess_transport(hosts, warning=warning), config=config, checkpoint=ckpt,
-                           sites=list(hosts), out_dir=out_dir, run_id=run_id, info=info, warning=warning)
+    server = FedEvalServer(
+        inprocess_transport(hosts, warning=warning),
+        config=config,
+        checkpoint=ckpt,
+        sites=list(hosts),
+        out_dir=out_dir,
+        run_id=run_id,
+        info=info,
+        warning=warning,
+    )
     return server.run()

@@ -68,8 +68,11 @@ class FedEvalServer(ServerLoop):
         evaluated = {s: [c for c in own if c in model_classes] for s, own in announced.items()}
         bins = dict.fromkeys(model_classes, cfg.bins)
         counts = self._count(checkpoint, announced, evaluated, bins)
-        fitted = {c: refine_bins(pooled) for c, per in counts.items()
-                  if (pooled := _pooled(per)) is not None and pooled_auroc(pooled).binning_bound > cfg.tolerance}
+        fitted = {
+            c: refine_bins(pooled)
+            for c, per in counts.items()
+            if (pooled := _pooled(per)) is not None and pooled_auroc(pooled).binning_bound > cfg.tolerance
+        }
         if fitted:
             self.info(f"{len(fitted)} class(es) counted again in bins fitted to their pooled scores")
             again = {s: [c for c in ev if c in fitted] for s, ev in evaluated.items()}
@@ -87,34 +90,55 @@ class FedEvalServer(ServerLoop):
         out: dict[str, list[str]] = {}
         for site, (_, meta) in answers.items():
             classes = meta.get("classes")
-            if (not isinstance(classes, list) or not all(isinstance(c, str) for c in classes)
-                    or len(set(classes)) != len(classes)):
+            if (
+                not isinstance(classes, list)
+                or not all(isinstance(c, str) for c in classes)
+                or len(set(classes)) != len(classes)
+            ):
                 self.warning(f"site {site}: its class list is not a list of distinct names; left out")
                 continue
             out[site] = classes
         if len(out) < self.config.min_sites:
-            raise RunStopped(f"only {len(out)} site(s) answered (fedeval.min_sites is {self.config.min_sites}); "
-                             "check the sites' logs and run the evaluation again")
+            raise RunStopped(
+                f"only {len(out)} site(s) answered (fedeval.min_sites is {self.config.min_sites}); "
+                "check the sites' logs and run the evaluation again"
+            )
         return out
 
-    def _message(self, checkpoint: Mapping[str, Any], own: Sequence[str], evaluated: Sequence[str],
-                 bins: Mapping[str, BinSpec]) -> Message:
+    def _message(
+        self, checkpoint: Mapping[str, Any], own: Sequence[str], evaluated: Sequence[str], bins: Mapping[str, BinSpec]
+    ) -> Message:
         """A site's task: the feature extractor, one head row per own class, the count request."""
-        state = {k: np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v)
-                 for k, v in checkpoint["model"].items()}
+        state = {
+            k: np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v)
+            for k, v in checkpoint["model"].items()
+        }
         rows = {c: i for i, c in enumerate(checkpoint["classes"])}
         weight, bias = state.pop(HEAD_PREFIX + "weight"), state.pop(HEAD_PREFIX + "bias")
-        params = {**state,
-                  HEAD_PREFIX + "weight": np.stack([weight[rows[c]] if c in rows else np.zeros_like(weight[0])
-                                                    for c in own]),
-                  HEAD_PREFIX + "bias": np.array([bias[rows[c]] if c in rows else 0 for c in own], dtype=bias.dtype)}
-        meta = {"model_config": dict(checkpoint["model_config"]), "train_config": TrainConfig().to_dict(),
-                "batchnorm": "fedavg", "head_mode": "surgical", "missing": "negative", "run_key": self.run_id,
-                "split": self.config.split, "counts": count_request(evaluated, bins, self.config.min_cell)}
+        params = {
+            **state,
+            HEAD_PREFIX + "weight": np.stack([weight[rows[c]] if c in rows else np.zeros_like(weight[0]) for c in own]),
+            HEAD_PREFIX + "bias": np.array([bias[rows[c]] if c in rows else 0 for c in own], dtype=bias.dtype),
+        }
+        meta = {
+            "model_config": dict(checkpoint["model_config"]),
+            "train_config": TrainConfig().to_dict(),
+            "batchnorm": "fedavg",
+            "head_mode": "surgical",
+            "missing": "negative",
+            "run_key": self.run_id,
+            "split": self.config.split,
+            "counts": count_request(evaluated, bins, self.config.min_cell),
+        }
         return params, meta
 
-    def _count(self, checkpoint: Mapping[str, Any], announced: Mapping[str, list[str]],
-               evaluated: Mapping[str, list[str]], bins: Mapping[str, BinSpec]) -> Counts:
+    def _count(
+        self,
+        checkpoint: Mapping[str, Any],
+        announced: Mapping[str, list[str]],
+        evaluated: Mapping[str, list[str]],
+        bins: Mapping[str, BinSpec],
+    ) -> Counts:
         """One counting pass over the sites with classes to evaluate."""
         payloads = {s: self._message(checkpoint, announced[s], ev, bins) for s, ev in evaluated.items() if ev}
         out: Counts = {}
@@ -128,40 +152,63 @@ class FedEvalServer(ServerLoop):
                 out.setdefault(c, {})[site] = value
         return out
 
-    def _parse(self, site: str, meta: Mapping[str, Any], classes: Sequence[str],
-               bins: Mapping[str, BinSpec]) -> dict[str, ScoreCounts | None]:
+    def _parse(
+        self, site: str, meta: Mapping[str, Any], classes: Sequence[str], bins: Mapping[str, BinSpec]
+    ) -> dict[str, ScoreCounts | None]:
         """A site's answer checked whole: counts for exactly the classes asked, each valid."""
         counts = (meta.get("metrics") or {}).get("counts") if isinstance(meta.get("metrics"), Mapping) else None
         if not isinstance(counts, Mapping) or set(counts) != set(classes):
             named = sorted(map(str, counts))[:5] if isinstance(counts, Mapping) else type(counts).__name__
             raise UpdateRejected(f"site {site}: answered counts for {named}, asked for {len(classes)} class(es)")
-        return {c: None if counts[c] is None else ScoreCounts.from_dict(
-            counts[c], bins=bins[c], min_cell=self.config.min_cell, where=f"site {site}, class {c}") for c in classes}
+        return {
+            c: None
+            if counts[c] is None
+            else ScoreCounts.from_dict(
+                counts[c], bins=bins[c], min_cell=self.config.min_cell, where=f"site {site}, class {c}"
+            )
+            for c in classes
+        }
 
-    def _report(self, model_classes: Sequence[str], evaluated: Mapping[str, list[str]], counts: Counts
-                ) -> dict[str, Any]:
+    def _report(
+        self, model_classes: Sequence[str], evaluated: Mapping[str, list[str]], counts: Counts
+    ) -> dict[str, Any]:
         """Per class pooled statistics (see the module docstring); one log line per class."""
         cfg, classes = self.config, {}
         for c in model_classes:
             per = counts.get(c, {})
             sent = {s: v for s, v in per.items() if v is not None}
-            entry: dict[str, Any] = {"sites_labelling": sorted(s for s, ev in evaluated.items() if c in ev),
-                                     "sites_pooled": sorted(sent), "sites_withheld": sorted(set(per) - set(sent))}
+            entry: dict[str, Any] = {
+                "sites_labelling": sorted(s for s, ev in evaluated.items() if c in ev),
+                "sites_pooled": sorted(sent),
+                "sites_withheld": sorted(set(per) - set(sent)),
+            }
             pooled = _pooled(per)
             if pooled is None:
                 entry["auroc"] = None  # no site sent counts, or the pooled split has one label only
             else:
                 auroc, diagram = pooled_auroc(pooled, level=cfg.level), reliability(pooled)
-                entry.update(auroc=auroc.to_dict(), ece=diagram.ece, reliability=diagram.to_dict(),
-                             at_threshold=at_threshold(pooled, cfg.threshold, level=cfg.level).to_dict(),
-                             bins=pooled.bins.to_dict())
-                self.info(f"{c}: pooled AUROC {auroc.value:.3f} ({auroc.low:.3f}-{auroc.high:.3f}) over "
-                          f"{len(sent)} site(s), {auroc.n_pos} positives / {auroc.n_neg} negatives, ECE {diagram.ece:.3f}")
+                entry.update(
+                    auroc=auroc.to_dict(),
+                    ece=diagram.ece,
+                    reliability=diagram.to_dict(),
+                    at_threshold=at_threshold(pooled, cfg.threshold, level=cfg.level).to_dict(),
+                    bins=pooled.bins.to_dict(),
+                )
+                self.info(
+                    f"{c}: pooled AUROC {auroc.value:.3f} ({auroc.low:.3f}-{auroc.high:.3f}) over "
+                    f"{len(sent)} site(s), {auroc.n_pos} positives / {auroc.n_neg} negatives, ECE {diagram.ece:.3f}"
+                )
             classes[c] = entry
         values = [e["auroc"]["value"] for e in classes.values() if e["auroc"] is not None]
-        return {"split": cfg.split, "min_cell": cfg.min_cell, "level": cfg.level, "threshold": cfg.threshold,
-                "classes": classes, "mean_auroc": float(np.mean(values)) if values else None,
-                "not_labelled": [c for c, e in classes.items() if not e["sites_labelling"]]}
+        return {
+            "split": cfg.split,
+            "min_cell": cfg.min_cell,
+            "level": cfg.level,
+            "threshold": cfg.threshold,
+            "classes": classes,
+            "mean_auroc": float(np.mean(values)) if values else None,
+            "not_labelled": [c for c, e in classes.items() if not e["sites_labelling"]],
+        }
 
 
 def _pooled(per: Mapping[str, ScoreCounts | None]) -> ScoreCounts | None:

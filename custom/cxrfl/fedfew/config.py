@@ -167,12 +167,16 @@ class FedFewConfig(Config):
         if self.m_in is not None and self.m_out is not None and self.m_in >= self.m_out:
             self.fail("m_in", f"({self.m_in}) must be below fedfew.m_out ({self.m_out})")
         if self.uc_negatives == "in" and self.uc_energy_on == "all":
-            self.fail("uc_negatives", "'in' pushes a UC site's negatives down while fedfew.uc_energy_on 'all' pushes "
-                      "them up; choose one")
+            self.fail(
+                "uc_negatives",
+                "'in' pushes a UC site's negatives down while fedfew.uc_energy_on 'all' pushes them up; choose one",
+            )
         if not self.ssl_splits or any(s not in ("train", "val", "test") for s in self.ssl_splits):
             self.fail("ssl_splits", f"must name train/val/test splits, got {list(self.ssl_splits)!r}")
         if self.uc_classes is not None and (not self.uc_classes or len(set(self.uc_classes)) != len(self.uc_classes)):
-            self.fail("uc_classes", f"must be a non-empty list of distinct names or null, got {list(self.uc_classes)!r}")
+            self.fail(
+                "uc_classes", f"must be a non-empty list of distinct names or null, got {list(self.uc_classes)!r}"
+            )
 
     @property
     def margins_given(self) -> bool:

@@ -142,8 +142,11 @@ def threshold_grid(low: float, high: float, bins: int) -> np.ndarray:
     return np.linspace(low - step, high + step, bins)
 
 
-def threshold_counts(energy_in: Sequence[float] | np.ndarray, energy_out: Sequence[float] | np.ndarray,
-                     grid: Sequence[float] | np.ndarray) -> dict[str, list[int] | int]:
+def threshold_counts(
+    energy_in: Sequence[float] | np.ndarray,
+    energy_out: Sequence[float] | np.ndarray,
+    grid: Sequence[float] | np.ndarray,
+) -> dict[str, list[int] | int]:
     """A site's errors for every candidate threshold (the only threshold data that leaves it).
 
     An image is flagged "may hold a UC" when its energy is above the threshold, so an in image
@@ -163,13 +166,22 @@ def threshold_counts(energy_in: Sequence[float] | np.ndarray, energy_out: Sequen
     e_out = np.sort(np.asarray(energy_out, dtype=np.float64).ravel())
     in_above = len(e_in) - np.searchsorted(e_in, grid, side="right")
     out_below = np.searchsorted(e_out, grid, side="right")
-    return {"in_above": in_above.astype(int).tolist(), "out_below": out_below.astype(int).tolist(),
-            "n_in": int(len(e_in)), "n_out": int(len(e_out))}
+    return {
+        "in_above": in_above.astype(int).tolist(),
+        "out_below": out_below.astype(int).tolist(),
+        "n_in": int(len(e_in)),
+        "n_out": int(len(e_out)),
+    }
 
 
-def choose_threshold(grid: Sequence[float] | np.ndarray, in_above: Sequence[float] | np.ndarray,
-                     out_below: Sequence[float] | np.ndarray, n_in: int, n_out: int,
-                     weighting: str = "count") -> dict[str, float]:
+def choose_threshold(
+    grid: Sequence[float] | np.ndarray,
+    in_above: Sequence[float] | np.ndarray,
+    out_below: Sequence[float] | np.ndarray,
+    n_in: int,
+    n_out: int,
+    weighting: str = "count",
+) -> dict[str, float]:
     """The threshold that classifies the training examples best, from the summed site counts.
 
     Errors per candidate: ``in_above + out_below`` (``count``: the paper's "maximise the number

@@ -24,13 +24,26 @@ from cxrfl.nn.models import ModelConfig
 log = logging.getLogger(__name__)
 
 
-def run_fedfew(data: Mapping[str, SiteData], *, config: FedFewConfig, model_config: ModelConfig, out_dir: str | Path,
-               device: torch.device | None = None, min_clients: int = 1, min_clients_timeout: float = 0,
-               retry_pause: float = 0, resume_from: str | None = None, resume_root: str | Path | None = None,
-               evaluate_test: bool = False,
-               info: Callable[[str], None] = log.info, warning: Callable[[str], None] = log.warning,
-               site_info: Callable[[str], None] | None = None, hosts: Mapping[str, SiteHost] | None = None,
-               on_round: RoundHook | None = None, aborted: Callable[[], bool] = lambda: False) -> FedFewOutcome:
+def run_fedfew(
+    data: Mapping[str, SiteData],
+    *,
+    config: FedFewConfig,
+    model_config: ModelConfig,
+    out_dir: str | Path,
+    device: torch.device | None = None,
+    min_clients: int = 1,
+    min_clients_timeout: float = 0,
+    retry_pause: float = 0,
+    resume_from: str | None = None,
+    resume_root: str | Path | None = None,
+    evaluate_test: bool = False,
+    info: Callable[[str], None] = log.info,
+    warning: Callable[[str], None] = log.warning,
+    site_info: Callable[[str], None] | None = None,
+    hosts: Mapping[str, SiteHost] | None = None,
+    on_round: RoundHook | None = None,
+    aborted: Callable[[], bool] = lambda: False,
+) -> FedFewOutcome:
     """Run the three FedFew stages over in-memory sites.
 
     Args:
@@ -55,9 +68,21 @@ def run_fedfew(data: Mapping[str, SiteData], *, config: FedFewConfig, model_conf
         aborted: returns True when the run must stop.
     """
     hosts = dict(hosts) if hosts is not None else {s: SiteHost(d, device) for s, d in data.items()}
-    server = FedFewServer(inprocess_transport(hosts, warning, site_info), sites=list(data), config=config,
-                          model_config=model_config, out_dir=out_dir, min_clients=min_clients,
-                          min_clients_timeout=min_clients_timeout, retry_pause=retry_pause,
-                          resume_from=resume_from, resume_root=resume_root, evaluate_test=evaluate_test,
-                          info=info, warning=warning, aborted=aborted, on_round=on_round)
+    server = FedFewServer(
+        inprocess_transport(hosts, warning, site_info),
+        sites=list(data),
+        config=config,
+        model_config=model_config,
+        out_dir=out_dir,
+        min_clients=min_clients,
+        min_clients_timeout=min_clients_timeout,
+        retry_pause=retry_pause,
+        resume_from=resume_from,
+        resume_root=resume_root,
+        evaluate_test=evaluate_test,
+        info=info,
+        warning=warning,
+        aborted=aborted,
+        on_round=on_round,
+    )
     return server.run()

@@ -58,7 +58,6 @@ _GROUPS = {"in": _IN, "out": _OUT, "uc_neg": _UC_NEG}
 """The training images whose mean energy a stage-2 round reports, by metric suffix."""
 
 
-
 def load_state(module: torch.nn.Module, params: Mapping[str, Any], what: str) -> None:
     """Load received weights strictly, with a clear message when they do not fit.
 
@@ -71,7 +70,9 @@ def load_state(module: torch.nn.Module, params: Mapping[str, Any], what: str) ->
     missing = sorted(set(own) - set(params))
     extra = sorted(set(params) - set(own))
     if missing or extra:
-        raise ValueError(f"{what}: received weights do not fit the model (missing {missing[:3]}, unexpected {extra[:3]})")
+        raise ValueError(
+            f"{what}: received weights do not fit the model (missing {missing[:3]}, unexpected {extra[:3]})"
+        )
     state = {}
     for k, v in params.items():
         t = torch.as_tensor(np.asarray(v))
@@ -79,7 +80,6 @@ def load_state(module: torch.nn.Module, params: Mapping[str, Any], what: str) ->
             raise ValueError(f"{what}: {k} has shape {tuple(t.shape)}, the model needs {tuple(own[k].shape)}")
         state[k] = t.to(own[k].dtype)
     module.load_state_dict(state)
-
 
 
 def stage2_classes(cc_classes: Sequence[str]) -> list[str]:
@@ -118,8 +118,15 @@ class FedFewSite:
         num_workers: data-loader workers.
     """
 
-    def __init__(self, data: SiteData, *, model_config: ModelConfig, config: FedFewConfig,
-                 device: torch.device | None = None, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        data: SiteData,
+        *,
+        model_config: ModelConfig,
+        config: FedFewConfig,
+        device: torch.device | None = None,
+        num_workers: int = 0,
+    ) -> None:
         self.data = data
         self.model_config = ModelConfig.from_dict({**model_config.to_dict(), "pretrained": None})
         self.config = config
@@ -224,8 +231,10 @@ class FedFewSite:
         start = time.perf_counter()
         rows = self.data.table[self.data.table["split"].isin(cfg.ssl_splits)]
         if len(rows) < 2:
-            raise DataError(f"site {self.site}: {len(rows)} image(s) in splits {list(cfg.ssl_splits)}; "
-                            "self-supervised training needs at least 2")
+            raise DataError(
+                f"site {self.site}: {len(rows)} image(s) in splits {list(cfg.ssl_splits)}; "
+                "self-supervised training needs at least 2"
+            )
         torch.manual_seed(cfg.seed + 1000 * round_num)
         model = self.compute.prepare(ssl_model(self.model_config, cfg))
         load_state(model, params, f"site {self.site} stage 1")
@@ -233,11 +242,20 @@ class FedFewSite:
         key = (tuple(paths), self.model_config.image_size)
         if self._ssl_images is None or self._ssl_images[0] != key:
             self._ssl_images = (key, TwoViewDataset.load_images(paths, self.model_config.image_size))
-        dataset = TwoViewDataset(paths, self.model_config.image_size, self.model_config.in_channels,
-                                 seed=cfg.seed + 7919 * round_num, images=self._ssl_images[1])
+        dataset = TwoViewDataset(
+            paths,
+            self.model_config.image_size,
+            self.model_config.in_channels,
+            seed=cfg.seed + 7919 * round_num,
+            images=self._ssl_images[1],
+        )
         loader = torch.utils.data.DataLoader(
-            dataset, batch_size=cfg.ssl_batch_size, shuffle=True, drop_last=len(dataset) > cfg.ssl_batch_size,
-            num_workers=self.num_workers, generator=torch.Generator().manual_seed(cfg.seed + round_num),
+            dataset,
+            batch_size=cfg.ssl_batch_size,
+            shuffle=True,
+            drop_last=len(dataset) > cfg.ssl_batch_size,
+            num_workers=self.num_workers,
+            generator=torch.Generator().manual_seed(cfg.seed + round_num),
         )
         opt = torch.optim.Adam(model.parameters(), lr=cfg.ssl_lr)
         scaler = self.compute.scaler()
@@ -259,8 +277,14 @@ class FedFewSite:
                 backward_step(loss, opt, scaler)
                 total += float(loss.detach())
                 steps += 1
-        metrics = {"stage": 1, "round": round_num, "ssl_loss": total / steps if steps else None, "steps": steps,
-                   "images": len(dataset), "seconds": time.perf_counter() - start}
+        metrics = {
+            "stage": 1,
+            "round": round_num,
+            "ssl_loss": total / steps if steps else None,
+            "steps": steps,
+            "images": len(dataset),
+            "seconds": time.perf_counter() - start,
+        }
         return StageUpdate(to_numpy(model.state_dict()), len(dataset), metrics)
 
     # --------------------------------------------------------------- stage 2
@@ -279,8 +303,15 @@ class FedFewSite:
         outputs = logits if self.config.energy_outputs == "all" else logits[:, :k]
         return joint_energy(outputs, self.config.temperature)
 
-    def train_round(self, params: Mapping[str, Any], round_num: int, *, energy_weight: float,
-                    m_in: float | None, m_out: float | None) -> StageUpdate:
+    def train_round(
+        self,
+        params: Mapping[str, Any],
+        round_num: int,
+        *,
+        energy_weight: float,
+        m_in: float | None,
+        m_out: float | None,
+    ) -> StageUpdate:
         """One round of energy-based multi-label training (Eqs. 3-7).
 
         CC-labelled images: masked BCE over the CC and "no CC" outputs + ``energy_weight`` *
@@ -308,10 +339,18 @@ class FedFewSite:
         torch.manual_seed(cfg.seed + 1000 * round_num + 1)
         model = self.network(params)
         k = len(self.cc_classes)
-        loader = make_loader(table, [*self.cc_classes, *_GROUPS.values()], image_size=self.model_config.image_size,
-                             train=cfg.augment, batch_size=cfg.batch_size, num_workers=self.num_workers,
-                             seed=cfg.seed + round_num, in_channels=self.model_config.in_channels,
-                             cache_dir=self.data.cache_dir, device=self.device)
+        loader = make_loader(
+            table,
+            [*self.cc_classes, *_GROUPS.values()],
+            image_size=self.model_config.image_size,
+            train=cfg.augment,
+            batch_size=cfg.batch_size,
+            num_workers=self.num_workers,
+            seed=cfg.seed + round_num,
+            in_channels=self.model_config.in_channels,
+            cache_dir=self.data.cache_dir,
+            device=self.device,
+        )
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         scaler = self.compute.scaler()
         model.train()
@@ -334,10 +373,20 @@ class FedFewSite:
                 opt.zero_grad(set_to_none=True)
                 with self.compute.autocast():
                     logits = model(x)
-                parts, energy = self._stage2_loss(logits.float(), target, mask, is_in.to(self.device),
-                                                  is_out.to(self.device), energy_weight, m_in, m_out)
+                parts, energy = self._stage2_loss(
+                    logits.float(),
+                    target,
+                    mask,
+                    is_in.to(self.device),
+                    is_out.to(self.device),
+                    energy_weight,
+                    m_in,
+                    m_out,
+                )
                 if not torch.isfinite(parts["loss"]):
-                    raise FloatingPointError(f"site {self.site}: stage-2 loss became {parts['loss'].item()} at step {steps}")
+                    raise FloatingPointError(
+                        f"site {self.site}: stage-2 loss became {parts['loss'].item()} at step {steps}"
+                    )
                 backward_step(parts["loss"], opt, scaler)
                 for name, v in parts.items():
                     sums[name] += float(v.detach())
@@ -346,16 +395,30 @@ class FedFewSite:
                     energy_sums[g] += float(energy.detach()[rows].sum())
                     energy_counts[g] += int(rows.sum())
                 steps += 1
-        metrics = {"stage": 2, "round": round_num, "energy_weight": energy_weight, "steps": steps, "skipped_batches": skipped,
-                   "images": len(table), "seconds": time.perf_counter() - start,
-                   **{f"train_{name}": (v / steps if steps else None) for name, v in sums.items()},
-                   **{f"train_energy_{g}": (energy_sums[g] / energy_counts[g] if energy_counts[g] else None)
-                      for g in _GROUPS}}
+        metrics = {
+            "stage": 2,
+            "round": round_num,
+            "energy_weight": energy_weight,
+            "steps": steps,
+            "skipped_batches": skipped,
+            "images": len(table),
+            "seconds": time.perf_counter() - start,
+            **{f"train_{name}": (v / steps if steps else None) for name, v in sums.items()},
+            **{f"train_energy_{g}": (energy_sums[g] / energy_counts[g] if energy_counts[g] else None) for g in _GROUPS},
+        }
         return StageUpdate(to_numpy(model.state_dict()), n, metrics)
 
-    def _stage2_loss(self, logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, is_in: torch.Tensor,
-                     is_out: torch.Tensor, energy_weight: float, m_in: float | None,
-                     m_out: float | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def _stage2_loss(
+        self,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        mask: torch.Tensor,
+        is_in: torch.Tensor,
+        is_out: torch.Tensor,
+        energy_weight: float,
+        m_in: float | None,
+        m_out: float | None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """One batch's loss (Eq. 6, or Eq. 7 where no CC label is known) and its parts, with its energies.
 
         Args:
@@ -398,10 +461,17 @@ class FedFewSite:
         table = self.role_table(split)
         feats, energies = [], []
         if len(table):
-            loader = make_loader(table, [*self.cc_classes], image_size=self.model_config.image_size, train=False,
-                                 batch_size=self.config.eval_batch_size, num_workers=self.num_workers,
-                                 in_channels=self.model_config.in_channels, cache_dir=self.data.cache_dir,
-                                 device=self.device)
+            loader = make_loader(
+                table,
+                [*self.cc_classes],
+                image_size=self.model_config.image_size,
+                train=False,
+                batch_size=self.config.eval_batch_size,
+                num_workers=self.num_workers,
+                in_channels=self.model_config.in_channels,
+                cache_dir=self.data.cache_dir,
+                device=self.device,
+            )
             for x, _, _ in loader:
                 x = self.compute.inputs(x)
                 with self.compute.autocast():
@@ -410,8 +480,11 @@ class FedFewSite:
                 feats.append(f.float().cpu().numpy())
                 energies.append(self._energy(logits.float()).cpu().numpy())
         d = model.backbone.norm5.num_features
-        out = (np.concatenate(feats) if feats else np.zeros((0, d), np.float32),
-               np.concatenate(energies) if energies else np.zeros((0,), np.float32), table)
+        out = (
+            np.concatenate(feats) if feats else np.zeros((0, d), np.float32),
+            np.concatenate(energies) if energies else np.zeros((0,), np.float32),
+            table,
+        )
         self._embed_cache = {key: out}
         return out
 
@@ -419,7 +492,9 @@ class FedFewSite:
         """Energies of the threshold's training examples: without a UC (the UC negatives, and
         with ``threshold_examples="all"`` the CC-labelled images) and with one (UC positives)."""
         _, energies, table = self.embed(params, "train")
-        uc_pos = table[self.uc_classes].eq(1.0).any(axis=1).to_numpy() if self.uc_classes else np.zeros(len(table), bool)
+        uc_pos = (
+            table[self.uc_classes].eq(1.0).any(axis=1).to_numpy() if self.uc_classes else np.zeros(len(table), bool)
+        )
         is_in = table[_UC_NEG].to_numpy() == 1.0
         if self.config.threshold_examples == "all":
             is_in = is_in | (table[_IN].to_numpy() == 1.0)
@@ -435,14 +510,23 @@ class FedFewSite:
         _, energies, table = self.embed(params, "train")
         e_in = energies[table[_IN].to_numpy() == 1.0]
         e_out = energies[table[_OUT].to_numpy() == 1.0]
-        return {"sum_in": float(e_in.sum()), "n_in": int(len(e_in)), "sum_out": float(e_out.sum()), "n_out": int(len(e_out))}
+        return {
+            "sum_in": float(e_in.sum()),
+            "n_in": int(len(e_in)),
+            "sum_out": float(e_out.sum()),
+            "n_out": int(len(e_out)),
+        }
 
     def energy_range(self, params: Mapping[str, Any]) -> dict[str, float | int | None]:
         """Lowest and highest energy over the site's in and out training images (for the grid)."""
         e_in, e_out = self._in_out_energies(params)
         both = np.concatenate([e_in, e_out])
-        return {"min": float(both.min()) if len(both) else None, "max": float(both.max()) if len(both) else None,
-                "n_in": int(len(e_in)), "n_out": int(len(e_out))}
+        return {
+            "min": float(both.min()) if len(both) else None,
+            "max": float(both.max()) if len(both) else None,
+            "n_in": int(len(e_in)),
+            "n_out": int(len(e_out)),
+        }
 
     def threshold_counts(self, params: Mapping[str, Any], grid: Sequence[float]) -> dict[str, Any]:
         """Errors per candidate threshold (see :func:`cxrfl.fedfew.energy.threshold_counts`)."""
@@ -461,7 +545,9 @@ class FedFewSite:
         sent, refused = [], {}
         for uc in self.uc_classes:
             try:
-                proto = dual_prototype(uc, feats, table[uc].to_numpy(dtype=np.float64), self.config.min_prototype_images)
+                proto = dual_prototype(
+                    uc, feats, table[uc].to_numpy(dtype=np.float64), self.config.min_prototype_images
+                )
             except PrototypeRefused as exc:
                 refused[uc] = f"site {self.site}: {exc}"
                 continue
@@ -469,8 +555,14 @@ class FedFewSite:
         return {"prototypes": sent, "refused": refused}
 
     # ------------------------------------------------------------ evaluation
-    def evaluate(self, params: Mapping[str, Any], *, threshold: float,
-                 prototypes: Mapping[str, Sequence[DualPrototype]], split: str = "test") -> dict[str, Any]:
+    def evaluate(
+        self,
+        params: Mapping[str, Any],
+        *,
+        threshold: float,
+        prototypes: Mapping[str, Sequence[DualPrototype]],
+        split: str = "test",
+    ) -> dict[str, Any]:
         """A model on one split: the BCE over the CCs and "no CC" (``cc_loss``, mean over the
         ``cc_known`` known labels: stage 2's validation loss), AUROC of the CCs the site labels,
         and accuracy, precision, recall and F1 of each UC it labels (with the prototypes given).

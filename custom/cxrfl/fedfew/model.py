@@ -35,9 +35,17 @@ FEDFEW_KEY = "fedfew"
 ARTIFACT_VERSION = 1
 
 
-def fedfew_extra(*, cc_classes: list[str], threshold: float, temperature: float, energy_outputs: str,
-                 prototypes: Mapping[str, list[DualPrototype]], margins: Mapping[str, Any] | None = None,
-                 threshold_stats: Mapping[str, Any] | None = None, min_prototype_images: int | None = None) -> dict[str, Any]:
+def fedfew_extra(
+    *,
+    cc_classes: list[str],
+    threshold: float,
+    temperature: float,
+    energy_outputs: str,
+    prototypes: Mapping[str, list[DualPrototype]],
+    margins: Mapping[str, Any] | None = None,
+    threshold_stats: Mapping[str, Any] | None = None,
+    min_prototype_images: int | None = None,
+) -> dict[str, Any]:
     """The ``fedfew`` entry of the final checkpoint (pass as ``extra`` to ``save_checkpoint``).
 
     Args:
@@ -51,23 +59,34 @@ def fedfew_extra(*, cc_classes: list[str], threshold: float, temperature: float,
         min_prototype_images: the minimum the prototypes were computed under.
     """
     protos = {
-        uc: [{"positive": torch.as_tensor(np.asarray(p.positive, np.float32)), "negative": torch.as_tensor(np.asarray(p.negative, np.float32)),
-              "n_positive": int(p.n_positive), "n_negative": int(p.n_negative), "source": int(p.source)} for p in pairs]
-        for uc, pairs in prototypes.items() if pairs
+        uc: [
+            {
+                "positive": torch.as_tensor(np.asarray(p.positive, np.float32)),
+                "negative": torch.as_tensor(np.asarray(p.negative, np.float32)),
+                "n_positive": int(p.n_positive),
+                "n_negative": int(p.n_negative),
+                "source": int(p.source),
+            }
+            for p in pairs
+        ]
+        for uc, pairs in prototypes.items()
+        if pairs
     }
-    return {FEDFEW_KEY: {
-        "version": ARTIFACT_VERSION,
-        "cc_classes": list(cc_classes),
-        "no_cc_class": NO_CC,
-        "uc_classes": sorted(protos),
-        "temperature": float(temperature),
-        "energy_outputs": energy_outputs,
-        "threshold": float(threshold),
-        "prototypes": protos,
-        "margins": dict(margins or {}),
-        "threshold_stats": dict(threshold_stats or {}),
-        "min_prototype_images": min_prototype_images,
-    }}
+    return {
+        FEDFEW_KEY: {
+            "version": ARTIFACT_VERSION,
+            "cc_classes": list(cc_classes),
+            "no_cc_class": NO_CC,
+            "uc_classes": sorted(protos),
+            "temperature": float(temperature),
+            "energy_outputs": energy_outputs,
+            "threshold": float(threshold),
+            "prototypes": protos,
+            "margins": dict(margins or {}),
+            "threshold_stats": dict(threshold_stats or {}),
+            "min_prototype_images": min_prototype_images,
+        }
+    }
 
 
 class FedFewModel:
@@ -88,13 +107,16 @@ class FedFewModel:
             self.energy_outputs = str(info.get("energy_outputs", "all"))
             self.prototypes = {
                 str(uc): [DualPrototype.from_payload({**p, "uc": uc}) for p in pairs]
-                for uc, pairs in dict(info.get("prototypes") or {}).items() if pairs
+                for uc, pairs in dict(info.get("prototypes") or {}).items()
+                if pairs
             }
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: malformed FedFew entry ({type(exc).__name__}: {exc})") from exc
         if net.num_classes != len(self.cc_classes) + 1:
-            raise ConfigError(f"{where}: the network has {net.num_classes} outputs, the FedFew entry names "
-                              f"{len(self.cc_classes)} CCs + 'no CC'")
+            raise ConfigError(
+                f"{where}: the network has {net.num_classes} outputs, the FedFew entry names "
+                f"{len(self.cc_classes)} CCs + 'no CC'"
+            )
         if self.energy_outputs not in ("all", "cc"):
             raise ConfigError(f"{where}: unknown energy_outputs {self.energy_outputs!r}")
         self.uc_classes = sorted(self.prototypes)
@@ -135,5 +157,9 @@ class FedFewModel:
         energy = joint_energy(outputs, self.temperature).cpu().numpy()
         f = feats.float().cpu().numpy()
         uc = predict_ucs(f, energy, self.threshold, self.prototypes) if self.prototypes else {}
-        return {"cc_probabilities": torch.sigmoid(logits[:, :k]).cpu().numpy(), "energy": energy,
-                "flagged": energy > self.threshold, "uc": uc}
+        return {
+            "cc_probabilities": torch.sigmoid(logits[:, :k]).cpu().numpy(),
+            "energy": energy,
+            "flagged": energy > self.threshold,
+            "uc": uc,
+        }

@@ -40,9 +40,16 @@ class ClassPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-friendly values (``cxrfl/plan.json``)."""
-        return {"cc_classes": self.cc_classes, "uc_classes": self.uc_classes, "uc_sites": self.uc_sites,
-                "site_ucs": self.site_ucs, "stage2_sites": self.stage2_sites, "cc_sites": self.cc_sites,
-                "ssl_sites": self.ssl_sites, "notes": self.notes}
+        return {
+            "cc_classes": self.cc_classes,
+            "uc_classes": self.uc_classes,
+            "uc_sites": self.uc_sites,
+            "site_ucs": self.site_ucs,
+            "stage2_sites": self.stage2_sites,
+            "cc_sites": self.cc_sites,
+            "ssl_sites": self.ssl_sites,
+            "notes": self.notes,
+        }
 
 
 def split_classes(infos: Mapping[str, Mapping[str, Any]], config: FedFewConfig) -> ClassPlan:
@@ -63,8 +70,10 @@ def split_classes(infos: Mapping[str, Mapping[str, Any]], config: FedFewConfig) 
         notes.append(f"site {s} has fewer than 2 images for self-supervised training; it sits out stage 1")
     labelled = sorted(s for s, i in infos.items() if int(i.get("n_labelled", 0)) > 0)
     for s in sorted(set(infos) - set(labelled)):
-        notes.append(f"site {s} has no labelled training image: it takes part in stage 1 only (no classifier "
-                     "training, no threshold statistics, no prototypes)")
+        notes.append(
+            f"site {s} has no labelled training image: it takes part in stage 1 only (no classifier "
+            "training, no threshold statistics, no prototypes)"
+        )
     sites_of: dict[str, list[str]] = {}
     positives: dict[str, int] = {}
     for s in labelled:
@@ -79,7 +88,9 @@ def split_classes(infos: Mapping[str, Mapping[str, Any]], config: FedFewConfig) 
         for c in sorted(set(config.uc_classes) - set(sites_of)):
             notes.append(f"UC {c!r} (fedfew.uc_classes) is labelled at no site; it is left out")
     else:
-        ucs = sorted(c for c in sites_of if len(sites_of[c]) < config.cc_min_sites and positives[c] < config.uc_max_positives)
+        ucs = sorted(
+            c for c in sites_of if len(sites_of[c]) < config.cc_min_sites and positives[c] < config.uc_max_positives
+        )
     ccs = sorted(c for c in sites_of if c not in ucs)
     site_ucs = {s: [c for c in ucs if s in sites_of[c]] for s in labelled}
     for c in ucs:

@@ -42,7 +42,12 @@ from cxrfl.fedfew.prototypes import DualPrototype
 from cxrfl.nn.models import ModelConfig
 
 INFO, SSL, TRAIN, ENERGY, PROTOTYPES, VALIDATE = (
-    "fedfew_info", "fedfew_ssl", "fedfew_train", "fedfew_energy", "fedfew_prototypes", "fedfew_validate",
+    "fedfew_info",
+    "fedfew_ssl",
+    "fedfew_train",
+    "fedfew_energy",
+    "fedfew_prototypes",
+    "fedfew_validate",
 )
 TASKS: tuple[str, ...] = (INFO, SSL, TRAIN, ENERGY, PROTOTYPES, VALIDATE)
 """Every task a FedFew site answers."""
@@ -76,8 +81,13 @@ def handle_task(site: FedFewSite, task: str, params: Mapping[str, Any], meta: Ma
         return update.params, {"num_samples": update.num_samples, "metrics": update.metrics}
     site.set_roles(list(meta.get("cc_classes") or []), list(meta.get("uc_classes") or []))
     if task == TRAIN:
-        update = site.train_round(params, int(meta.get("round", 0)), energy_weight=float(meta.get("energy_weight", 0.0)),
-                                  m_in=meta.get("m_in"), m_out=meta.get("m_out"))
+        update = site.train_round(
+            params,
+            int(meta.get("round", 0)),
+            energy_weight=float(meta.get("energy_weight", 0.0)),
+            m_in=meta.get("m_in"),
+            m_out=meta.get("m_out"),
+        )
         return update.params, {"num_samples": update.num_samples, "metrics": update.metrics}
     if task == ENERGY:
         mode = meta.get("mode")
@@ -94,8 +104,12 @@ def handle_task(site: FedFewSite, task: str, params: Mapping[str, Any], meta: Ma
         protos: dict[str, list[DualPrototype]] = {}
         for p in meta.get("prototypes") or []:
             protos.setdefault(str(p["uc"]), []).append(DualPrototype.from_payload(p))
-        metrics = site.evaluate(params, threshold=float(meta.get("threshold", math.inf)), prototypes=protos,
-                                split=str(meta.get("split", "test")))
+        metrics = site.evaluate(
+            params,
+            threshold=float(meta.get("threshold", math.inf)),
+            prototypes=protos,
+            split=str(meta.get("split", "test")),
+        )
         return {}, {"metrics": metrics}
     raise ValueError(f"unknown FedFew task {task!r}")
 
@@ -116,27 +130,36 @@ def describe_task(site: str, task: str, meta: Mapping[str, Any], answer: Mapping
     m = answer.get("metrics") or {}
     if task == INFO:
         info = answer["info"]
-        return (f"site {site}: {len(info['classes'])} class(es), {info['n_labelled']} labelled training image(s), "
-                f"{info['n_ssl']} image(s) for self-supervised learning")
+        return (
+            f"site {site}: {len(info['classes'])} class(es), {info['n_labelled']} labelled training image(s), "
+            f"{info['n_ssl']} image(s) for self-supervised learning"
+        )
     if task == SSL:
-        return (f"site {site} stage 1 round {m.get('round')}: SimSiam loss {_num(m.get('ssl_loss'))}, "
-                f"{m.get('steps')} steps, time {m.get('seconds', 0):.1f}s")
+        return (
+            f"site {site} stage 1 round {m.get('round')}: SimSiam loss {_num(m.get('ssl_loss'))}, "
+            f"{m.get('steps')} steps, time {m.get('seconds', 0):.1f}s"
+        )
     if task == TRAIN:
-        return (f"site {site} stage 2 round {m.get('round')} (lambda {m.get('energy_weight')}): "
-                f"train_loss {_num(m.get('train_loss'))} bce {_num(m.get('train_bce'))} "
-                f"hinge_in {_num(m.get('train_hinge_in'))} hinge_out {_num(m.get('train_hinge_out'))}, "
-                f"{m.get('steps')} steps, time {m.get('seconds', 0):.1f}s")
+        return (
+            f"site {site} stage 2 round {m.get('round')} (lambda {m.get('energy_weight')}): "
+            f"train_loss {_num(m.get('train_loss'))} bce {_num(m.get('train_bce'))} "
+            f"hinge_in {_num(m.get('train_hinge_in'))} hinge_out {_num(m.get('train_hinge_out'))}, "
+            f"{m.get('steps')} steps, time {m.get('seconds', 0):.1f}s"
+        )
     if task == ENERGY:
         s = answer.get("stats") or {}
-        return (f"site {site}: energy statistics ({meta.get('mode')}) over {s.get('n_in')} image(s) "
-                f"without and {s.get('n_out')} with a UC")
+        return (
+            f"site {site}: energy statistics ({meta.get('mode')}) over {s.get('n_in')} image(s) "
+            f"without and {s.get('n_out')} with a UC"
+        )
     if task == PROTOTYPES:
         sent = [p["uc"] for p in answer.get("prototypes") or []]
         refused = "".join(f"; refused: {reason}" for reason in (answer.get("refused") or {}).values())
         return f"site {site}: sent the prototypes of {sent or 'no class'}{refused}"
     if task == VALIDATE:
         parts = [f"CC loss {_num(m.get('cc_loss'))}", f"CC mean AUROC {_num(m.get('cc_mean_auroc'))}"] + [
-            f"{uc} F1 {u['f1']:.3f}" for uc, u in (m.get("uc") or {}).items()]
+            f"{uc} F1 {u['f1']:.3f}" for uc, u in (m.get("uc") or {}).items()
+        ]
         return f"site {site} {m.get('split')}: {'; '.join(parts)}"
     return None
 
@@ -169,8 +192,9 @@ class SiteHost:
         model_config, config = site_settings(meta)
         key = (model_config, config)
         if self._site is None or key != self._key:
-            self._site = FedFewSite(self.data, model_config=model_config, config=config, device=self.device,
-                                    num_workers=self.num_workers)
+            self._site = FedFewSite(
+                self.data, model_config=model_config, config=config, device=self.device, num_workers=self.num_workers
+            )
             self._key = key
         return self._site
 

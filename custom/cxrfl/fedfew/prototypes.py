@@ -52,9 +52,14 @@ class DualPrototype:
 
     def to_payload(self) -> dict[str, Any]:
         """JSON-friendly dict (what travels to the server and is stored in the model file)."""
-        return {"uc": self.uc, "positive": np.asarray(self.positive, np.float32).tolist(),
-                "negative": np.asarray(self.negative, np.float32).tolist(),
-                "n_positive": int(self.n_positive), "n_negative": int(self.n_negative), "source": int(self.source)}
+        return {
+            "uc": self.uc,
+            "positive": np.asarray(self.positive, np.float32).tolist(),
+            "negative": np.asarray(self.negative, np.float32).tolist(),
+            "n_positive": int(self.n_positive),
+            "n_negative": int(self.n_negative),
+            "source": int(self.source),
+        }
 
     @classmethod
     def from_payload(cls, d: dict[str, Any], source: int | None = None) -> DualPrototype:
@@ -67,11 +72,19 @@ class DualPrototype:
         pos = np.asarray(_as_array(d["positive"]), np.float32).ravel()
         neg = np.asarray(_as_array(d["negative"]), np.float32).ravel()
         if pos.shape != neg.shape or pos.size == 0:
-            raise ValueError(f"prototype of {d.get('uc')!r}: positive {pos.shape} and negative {neg.shape} must be equal, non-empty")
+            raise ValueError(
+                f"prototype of {d.get('uc')!r}: positive {pos.shape} and negative {neg.shape} must be equal, non-empty"
+            )
         if not (np.isfinite(pos).all() and np.isfinite(neg).all()):
             raise ValueError(f"prototype of {d.get('uc')!r} holds non-finite values")
-        return cls(str(d["uc"]), pos, neg, int(d["n_positive"]), int(d["n_negative"]),
-                   int(d.get("source", 0) if source is None else source))
+        return cls(
+            str(d["uc"]),
+            pos,
+            neg,
+            int(d["n_positive"]),
+            int(d["n_negative"]),
+            int(d.get("source", 0) if source is None else source),
+        )
 
 
 def _as_array(v: Any) -> np.ndarray:
@@ -106,8 +119,9 @@ def dual_prototype(uc: str, features: np.ndarray, labels: np.ndarray, min_images
             f"{min_images} images (fedfew.min_prototype_images) so that it never describes a single patient; "
             "not sent"
         )
-    return DualPrototype(uc, features[pos].mean(axis=0).astype(np.float32), features[neg].mean(axis=0).astype(np.float32),
-                         n_pos, n_neg)
+    return DualPrototype(
+        uc, features[pos].mean(axis=0).astype(np.float32), features[neg].mean(axis=0).astype(np.float32), n_pos, n_neg
+    )
 
 
 def cosine_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -141,8 +155,12 @@ def match_prototypes(features: np.ndarray, prototypes: Sequence[DualPrototype]) 
     if not prototypes:
         raise ValueError("no prototypes to match")
     features = np.atleast_2d(np.asarray(features, dtype=np.float64))
-    margins = np.stack([cosine_distance(features, p.negative[None, :]) - cosine_distance(features, p.positive[None, :])
-                        for p in prototypes])  # [pairs, n]
+    margins = np.stack(
+        [
+            cosine_distance(features, p.negative[None, :]) - cosine_distance(features, p.positive[None, :])
+            for p in prototypes
+        ]
+    )  # [pairs, n]
     votes = (margins > 0).sum(axis=0)
     pairs = len(prototypes)
     total = margins.sum(axis=0)
@@ -150,8 +168,9 @@ def match_prototypes(features: np.ndarray, prototypes: Sequence[DualPrototype]) 
     return {"positive": positive, "votes": votes, "pairs": pairs, "margin": total / pairs}
 
 
-def predict_ucs(features: np.ndarray, energies: np.ndarray, threshold: float,
-                prototypes: dict[str, Sequence[DualPrototype]]) -> dict[str, dict[str, np.ndarray]]:
+def predict_ucs(
+    features: np.ndarray, energies: np.ndarray, threshold: float, prototypes: dict[str, Sequence[DualPrototype]]
+) -> dict[str, dict[str, np.ndarray]]:
     """FedFew's UC predictions: energy above the threshold, then the nearer prototype.
 
     Args:
@@ -182,8 +201,15 @@ def uc_metrics(y_true: np.ndarray, y_pred: np.ndarray) -> dict[str, float | int]
     y_true = np.asarray(y_true).astype(int)
     y_pred = np.asarray(y_pred).astype(int)
     if len(y_true) == 0:
-        return {"accuracy": math.nan, "precision": math.nan, "recall": math.nan, "f1": math.nan, "n": 0,
-                "n_positive": 0, "n_predicted": 0}
+        return {
+            "accuracy": math.nan,
+            "precision": math.nan,
+            "recall": math.nan,
+            "f1": math.nan,
+            "n": 0,
+            "n_positive": 0,
+            "n_predicted": 0,
+        }
     return {
         "accuracy": float(accuracy_score(y_true, y_pred)),
         "precision": float(precision_score(y_true, y_pred, zero_division=0)),

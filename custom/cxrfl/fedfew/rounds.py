@@ -111,12 +111,22 @@ class Progress:
 
     def to_state(self) -> dict[str, Any]:
         """Plain values with tensors (for ``torch.save``)."""
+
         def tensors(p: Mapping[str, Any] | None) -> dict[str, torch.Tensor] | None:
             return None if p is None else {k: torch.as_tensor(np.asarray(v)) for k, v in p.items()}
 
-        return {"stage": self.stage, "params": tensors(self.params), "phase": self.phase, "round": self.round,
-                "phase_round": self.phase_round, "best": tensors(self.best), "best_round": self.best_round,
-                "stopper": self.stopper, "margins": dict(self.margins), "contributed": self.contributed}
+        return {
+            "stage": self.stage,
+            "params": tensors(self.params),
+            "phase": self.phase,
+            "round": self.round,
+            "phase_round": self.phase_round,
+            "best": tensors(self.best),
+            "best_round": self.best_round,
+            "stopper": self.stopper,
+            "margins": dict(self.margins),
+            "contributed": self.contributed,
+        }
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> Progress:
@@ -126,9 +136,18 @@ class Progress:
             state: the saved dict.
         """
         best = state.get("best")
-        return cls(int(state["stage"]), to_numpy(state["params"]), int(state["phase"]), int(state["round"]),
-                   int(state["phase_round"]), None if best is None else to_numpy(best), state.get("best_round"),
-                   state.get("stopper"), dict(state.get("margins") or {}), bool(state.get("contributed")))
+        return cls(
+            int(state["stage"]),
+            to_numpy(state["params"]),
+            int(state["phase"]),
+            int(state["round"]),
+            int(state["phase_round"]),
+            None if best is None else to_numpy(best),
+            state.get("best_round"),
+            state.get("stopper"),
+            dict(state.get("margins") or {}),
+            bool(state.get("contributed")),
+        )
 
     def next_phase(self, params: Mapping[str, np.ndarray]) -> None:
         """Start the next phase from ``params``."""
@@ -150,9 +169,18 @@ class FederatedRounds(ServerLoop):
         kwargs: :class:`cxrfl.common.server.ServerLoop`'s arguments.
     """
 
-    def __init__(self, *, min_clients: int = 1, min_clients_timeout: float = 600, retry_pause: float = 10,
-                 on_round: RoundHook | None = None, robust: str | None = None, clip_norm: float | None = None,
-                 max_num_samples: int = MAX_NUM_SAMPLES, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        min_clients: int = 1,
+        min_clients_timeout: float = 600,
+        retry_pause: float = 10,
+        on_round: RoundHook | None = None,
+        robust: str | None = None,
+        clip_norm: float | None = None,
+        max_num_samples: int = MAX_NUM_SAMPLES,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         if min_clients < 1:
             raise ValueError("min_clients must be >= 1")
@@ -166,9 +194,16 @@ class FederatedRounds(ServerLoop):
         self.progress_settings: dict[str, Any] = {}
 
     # ----------------------------------------------------------------- FedAvg
-    def fedavg(self, results: dict[str, Message], expected: Mapping[str, tuple], classes: list[str] | None,
-               needed: int, *, reference: Mapping[str, np.ndarray], task: str
-               ) -> tuple[dict[str, np.ndarray] | None, dict[str, str], list[str]]:
+    def fedavg(
+        self,
+        results: dict[str, Message],
+        expected: Mapping[str, tuple],
+        classes: list[str] | None,
+        needed: int,
+        *,
+        reference: Mapping[str, np.ndarray],
+        task: str,
+    ) -> tuple[dict[str, np.ndarray] | None, dict[str, str], list[str]]:
         """Weighted FedAvg of the valid results (``classes``: a stage-2 head; None: no head); with
         ``robust``, their median or their clipped updates (unweighted median).
 
@@ -192,8 +227,12 @@ class FederatedRounds(ServerLoop):
         counts = self.counts.setdefault(task, SampleCounts(self.max_num_samples))
         dtypes = expected_dtypes(ref)
         for site, (params, meta) in sorted(results.items()):
-            update = {"site": site, "classes": list(classes or [PLACEHOLDER_CLASS]), "num_samples": meta.get("num_samples"),
-                      "params": dict(params) if classes else with_placeholder_head(params)}
+            update = {
+                "site": site,
+                "classes": list(classes or [PLACEHOLDER_CLASS]),
+                "num_samples": meta.get("num_samples"),
+                "params": dict(params) if classes else with_placeholder_head(params),
+            }
             try:
                 validate_update(update, expected_shapes=shapes, dtypes=dtypes)
                 counts.check(site, update["num_samples"])
@@ -208,8 +247,12 @@ class FederatedRounds(ServerLoop):
         used = [u["site"] for u in updates]
         if len(updates) < needed:
             return None, rejected, used
-        robust = {"robust": self.robust, "clip_norm": self.clip_norm, "reference": reference,
-                  "weighting": "uniform" if self.robust == "median" else "samples"}
+        robust = {
+            "robust": self.robust,
+            "clip_norm": self.clip_norm,
+            "reference": reference,
+            "weighting": "uniform" if self.robust == "median" else "samples",
+        }
         if classes is None:
             params, _ = aggregate(updates, head_mode="local", **robust)
         else:
@@ -217,8 +260,14 @@ class FederatedRounds(ServerLoop):
         return {k: np.asarray(v) for k, v in params.items()}, rejected, used
 
     # ----------------------------------------------------------------- phases
-    def run_phase(self, phase: Phase, progress: Progress, meta_for: Callable[[str, int], dict[str, Any]],
-                  expected: Mapping[str, tuple], classes: list[str] | None) -> dict[str, np.ndarray]:
+    def run_phase(
+        self,
+        phase: Phase,
+        progress: Progress,
+        meta_for: Callable[[str, int], dict[str, Any]],
+        expected: Mapping[str, tuple],
+        classes: list[str] | None,
+    ) -> dict[str, np.ndarray]:
         """Run a phase's remaining rounds; returns its result (the best scored model, else the last).
 
         Args:
@@ -230,33 +279,54 @@ class FederatedRounds(ServerLoop):
         """
         stopper = None
         if phase.score is not None:
-            stopper = (EarlyStopping.from_dict(progress.stopper) if progress.stopper
-                       else EarlyStopping(phase.patience, phase.min_delta))
+            stopper = (
+                EarlyStopping.from_dict(progress.stopper)
+                if progress.stopper
+                else EarlyStopping(phase.patience, phase.min_delta)
+            )
         while progress.phase_round < phase.max_rounds and not (stopper and stopper.should_stop):
             self._round(phase, progress, meta_for, expected, classes, stopper)
         if stopper is not None and stopper.should_stop:
-            self.info(f"stage {phase.stage} {phase.name}: early stop after {stopper.stale} round(s) without an "
-                      f"improvement of the validation loss by {phase.min_delta:g}; keeping round {progress.best_round}")
+            self.info(
+                f"stage {phase.stage} {phase.name}: early stop after {stopper.stale} round(s) without an "
+                f"improvement of the validation loss by {phase.min_delta:g}; keeping round {progress.best_round}"
+            )
         if phase.score is not None and progress.best is not None:
             return progress.best
         if phase.score is not None and progress.phase_round:
-            self.warning(f"stage {phase.stage} {phase.name}: no round could be scored on the validation splits; "
-                         "keeping the last model")
+            self.warning(
+                f"stage {phase.stage} {phase.name}: no round could be scored on the validation splits; "
+                "keeping the last model"
+            )
         return progress.params
 
-    def _round(self, phase: Phase, progress: Progress, meta_for: Callable[[str, int], dict[str, Any]],
-               expected: Mapping[str, tuple], classes: list[str] | None, stopper: EarlyStopping | None) -> None:
+    def _round(
+        self,
+        phase: Phase,
+        progress: Progress,
+        meta_for: Callable[[str, int], dict[str, Any]],
+        expected: Mapping[str, tuple],
+        classes: list[str] | None,
+        stopper: EarlyStopping | None,
+    ) -> None:
         """One attempt at the phase's next round (a failed attempt waits or stops the run)."""
         rnd = progress.round + 1
         start = time.perf_counter()
         results = self.broadcast(phase.task, phase.sites, progress.params, lambda s: meta_for(s, rnd))
         self.check_abort()  # aborted mid-round: the round is not recorded, nothing is written
-        agg, rejected, used = self.fedavg(results, expected, classes, self.needed(phase), reference=progress.params,
-                                          task=phase.task)
+        agg, rejected, used = self.fedavg(
+            results, expected, classes, self.needed(phase), reference=progress.params, task=phase.task
+        )
         metrics = {s: m.get("metrics") for s, (_, m) in results.items()}
-        record: dict[str, Any] = {"stage": phase.stage, "round": rnd, "phase": phase.name, "sites_answered": sorted(results),
-                                  "sites_aggregated": used if agg is not None else [], "rejected": rejected,
-                                  "site_metrics": metrics}
+        record: dict[str, Any] = {
+            "stage": phase.stage,
+            "round": rnd,
+            "phase": phase.name,
+            "sites_answered": sorted(results),
+            "sites_aggregated": used if agg is not None else [],
+            "rejected": rejected,
+            "site_metrics": metrics,
+        }
         if phase.stage == 2:
             record.update(energy_weight=phase.energy_weight, margins=dict(progress.margins))
         if agg is None:
@@ -287,9 +357,11 @@ class FederatedRounds(ServerLoop):
         if "val_loss" in record:
             v = record["val_loss"]
             val = f", CC validation loss {'n/a' if v is None else f'{v:.4f}'} (best round {progress.best_round})"
-        return (f"stage {phase.stage} round {record['round']} ({phase.name} {progress.phase_round}/{phase.max_rounds}): "
-                f"{len(record['sites_aggregated'])} site(s) aggregated, mean {key.replace('_', ' ')} {loss}{val} "
-                f"({record['seconds']:.1f}s)")
+        return (
+            f"stage {phase.stage} round {record['round']} ({phase.name} {progress.phase_round}/{phase.max_rounds}): "
+            f"{len(record['sites_aggregated'])} site(s) aggregated, mean {key.replace('_', ' ')} {loss}{val} "
+            f"({record['seconds']:.1f}s)"
+        )
 
     def needed(self, phase: Phase) -> int:
         """Fewest valid results that make a round of ``phase``: ``min_clients``, at most the sites it trains
@@ -302,17 +374,23 @@ class FederatedRounds(ServerLoop):
         valid = len(record["sites_answered"]) - len(record["rejected"])
         silent = sorted(set(phase.sites) - set(record["sites_answered"]))
         if self.clock.expired:
-            reason = (f"stopping: stage {phase.stage} round {rnd} had fewer than {self.needed(phase)} valid "
-                      f"results for {waited:.0f}s (min_clients_timeout={self.clock.timeout:g}); answered "
-                      f"{record['sites_answered']}, no answer from {silent}, rejected {dict(record['rejected'])}. "
-                      f"Finished stages and the last completed round are kept in {self.resume.folder}; resume with "
-                      f"resume_from={self.run_id!r} once enough sites are back")
-            self.record({"stage": phase.stage, "round": rnd, "phase": phase.name, "status": "stopped", "reason": reason})
+            reason = (
+                f"stopping: stage {phase.stage} round {rnd} had fewer than {self.needed(phase)} valid "
+                f"results for {waited:.0f}s (min_clients_timeout={self.clock.timeout:g}); answered "
+                f"{record['sites_answered']}, no answer from {silent}, rejected {dict(record['rejected'])}. "
+                f"Finished stages and the last completed round are kept in {self.resume.folder}; resume with "
+                f"resume_from={self.run_id!r} once enough sites are back"
+            )
+            self.record(
+                {"stage": phase.stage, "round": rnd, "phase": phase.name, "status": "stopped", "reason": reason}
+            )
             raise RunStopped(reason)
-        self.warning(f"stage {phase.stage} round {rnd}: {valid} valid result(s), {self.needed(phase)} needed "
-                     f"(min_clients={self.min_clients}); "
-                     f"running it again in {self.clock.pause:g}s ({waited:.0f}s of "
-                     f"min_clients_timeout={self.clock.timeout:g}s)")
+        self.warning(
+            f"stage {phase.stage} round {rnd}: {valid} valid result(s), {self.needed(phase)} needed "
+            f"(min_clients={self.min_clients}); "
+            f"running it again in {self.clock.pause:g}s ({waited:.0f}s of "
+            f"min_clients_timeout={self.clock.timeout:g}s)"
+        )
         self.clock.wait(self.aborted)
         self.check_abort()
 
@@ -341,10 +419,14 @@ class FederatedRounds(ServerLoop):
         if int(state.get("stage", 0)) != stage:
             return None
         saved = state.get("settings") or {}
-        differ = sorted(k for k in set(saved) | set(self.progress_settings) if saved.get(k) != self.progress_settings.get(k))
+        differ = sorted(
+            k for k in set(saved) | set(self.progress_settings) if saved.get(k) != self.progress_settings.get(k)
+        )
         if differ:
-            self.warning(f"resume: {path} holds stage {stage} after round {state.get('round')} but with other "
-                         f"settings ({differ}); stage {stage} starts over")
+            self.warning(
+                f"resume: {path} holds stage {stage} after round {state.get('round')} but with other "
+                f"settings ({differ}); stage {stage} starts over"
+            )
             return None
         progress = Progress.from_state(state)
         self.info(f"resume: stage {stage} goes on after its round {progress.round} ({path})")

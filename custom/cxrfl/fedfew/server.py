@@ -127,17 +127,44 @@ class FedFewServer(FederatedRounds):
         on_round: called after every completed round of stages 1-2 (:data:`cxrfl.fedfew.rounds.RoundHook`).
     """
 
-    def __init__(self, send: Send, *, sites: Sequence[str], config: FedFewConfig, model_config: ModelConfig,
-                 out_dir: str | Path, min_clients: int = 1, min_clients_timeout: float = 600, retry_pause: float = 10,
-                 evaluate_test: bool = True, run_id: str = "run", resume_root: str | Path | None = None,
-                 resume_from: str | None = None, info: Callable[[str], None] = log.info,
-                 warning: Callable[[str], None] = log.warning, aborted: Callable[[], bool] = lambda: False,
-                 on_round: RoundHook | None = None) -> None:
-        super().__init__(send=send, sites=sites, out_dir=out_dir, run_id=run_id, resume_root=resume_root,
-                         resume_from=str(resume_from) if resume_from else None, info=info, warning=warning,
-                         aborted=aborted, min_clients=min_clients, min_clients_timeout=min_clients_timeout,
-                         retry_pause=retry_pause, on_round=on_round, robust=config.robust, clip_norm=config.clip_norm,
-                         max_num_samples=config.max_num_samples)
+    def __init__(
+        self,
+        send: Send,
+        *,
+        sites: Sequence[str],
+        config: FedFewConfig,
+        model_config: ModelConfig,
+        out_dir: str | Path,
+        min_clients: int = 1,
+        min_clients_timeout: float = 600,
+        retry_pause: float = 10,
+        evaluate_test: bool = True,
+        run_id: str = "run",
+        resume_root: str | Path | None = None,
+        resume_from: str | None = None,
+        info: Callable[[str], None] = log.info,
+        warning: Callable[[str], None] = log.warning,
+        aborted: Callable[[], bool] = lambda: False,
+        on_round: RoundHook | None = None,
+    ) -> None:
+        super().__init__(
+            send=send,
+            sites=sites,
+            out_dir=out_dir,
+            run_id=run_id,
+            resume_root=resume_root,
+            resume_from=str(resume_from) if resume_from else None,
+            info=info,
+            warning=warning,
+            aborted=aborted,
+            min_clients=min_clients,
+            min_clients_timeout=min_clients_timeout,
+            retry_pause=retry_pause,
+            on_round=on_round,
+            robust=config.robust,
+            clip_norm=config.clip_norm,
+            max_num_samples=config.max_num_samples,
+        )
         self.config = config
         self.model_config = model_config
         self.evaluate_test = evaluate_test
@@ -166,7 +193,8 @@ class FedFewServer(FederatedRounds):
         if not folder.is_dir():
             raise RunStopped(
                 f"resume_from={self.resume_from!r}: {folder} does not exist; give the job id of an interrupted FedFew "
-                f"run on this server, or remove resume_from")
+                f"run on this server, or remove resume_from"
+            )
         return folder
 
     def _load_resume(self, plan: ClassPlan) -> tuple[int, dict[str, Any], Progress | None]:
@@ -190,8 +218,11 @@ class FedFewServer(FederatedRounds):
                 if src.resolve() != self._stage_path(k).parent.resolve():
                     copy_stage(src / STAGE_FILES[k], self._stage_path(k))
                 self._keep(k)
-        self.info(f"resume: stage(s) 1-{done} loaded from {src}; going on with stage {done + 1}" if done < 3
-                  else f"resume: all three stages loaded from {src}; writing the final model")
+        self.info(
+            f"resume: stage(s) 1-{done} loaded from {src}; going on with stage {done + 1}"
+            if done < 3
+            else f"resume: all three stages loaded from {src}; writing the final model"
+        )
         return done, data, progress
 
     # ------------------------------------------------------------------ run
@@ -203,16 +234,30 @@ class FedFewServer(FederatedRounds):
             RunAborted: the abort callable said so.
         """
         cfg = self.config
-        self.info(f"FedFew: {len(self.sites)} site(s), {cfg.ssl_rounds} self-supervised round(s), at most "
-                  f"{cfg.warmup_rounds}+{cfg.rounds} classifier round(s) (patience {cfg.patience}), "
-                  f"resume_from={self.resume_from}")
-        self.write_run_config({"fedfew_config": cfg.to_dict(), "model_config": self.model_config.to_dict(),
-                               "sites": self.sites, "min_clients": self.min_clients,
-                               "min_clients_timeout": self.clock.timeout, "retry_pause": self.clock.pause,
-                               "run_id": self.run_id, "resume_from": self.resume_from})
+        self.info(
+            f"FedFew: {len(self.sites)} site(s), {cfg.ssl_rounds} self-supervised round(s), at most "
+            f"{cfg.warmup_rounds}+{cfg.rounds} classifier round(s) (patience {cfg.patience}), "
+            f"resume_from={self.resume_from}"
+        )
+        self.write_run_config(
+            {
+                "fedfew_config": cfg.to_dict(),
+                "model_config": self.model_config.to_dict(),
+                "sites": self.sites,
+                "min_clients": self.min_clients,
+                "min_clients_timeout": self.clock.timeout,
+                "retry_pause": self.clock.pause,
+                "run_id": self.run_id,
+                "resume_from": self.resume_from,
+            }
+        )
         plan = self._plan()
-        self.progress_settings = {"fedfew_config": cfg.to_dict(), "model_config": self._site_config.to_dict(),
-                                  "cc_classes": plan.cc_classes, "uc_classes": plan.uc_classes}
+        self.progress_settings = {
+            "fedfew_config": cfg.to_dict(),
+            "model_config": self._site_config.to_dict(),
+            "cc_classes": plan.cc_classes,
+            "uc_classes": plan.uc_classes,
+        }
         done, resumed, progress = self._load_resume(plan)
         ssl_state = resumed.get("ssl_state")
         if done < 1:
@@ -233,23 +278,52 @@ class FedFewServer(FederatedRounds):
         final = self._write_final(plan, model_state, margins, stage3, prototypes)
         evaluation = self._evaluate(plan, model_state, stage3, prototypes) if self.evaluate_test else None
         self.resume.clear()
-        return FedFewOutcome(plan, ssl_state, model_state, dict(margins), float(stage3["threshold"]),
-                             dict(stage3["threshold_stats"]), prototypes, dict(stage3.get("refused", {})), evaluation,
-                             final, list(range(1, done + 1)))
+        return FedFewOutcome(
+            plan,
+            ssl_state,
+            model_state,
+            dict(margins),
+            float(stage3["threshold"]),
+            dict(stage3["threshold_stats"]),
+            prototypes,
+            dict(stage3.get("refused", {})),
+            evaluation,
+            final,
+            list(range(1, done + 1)),
+        )
 
-    def _write_final(self, plan: ClassPlan, model_state: Mapping[str, np.ndarray], margins: Mapping[str, Any],
-                     stage3: Mapping[str, Any], prototypes: Mapping[str, list[DualPrototype]]) -> Path:
+    def _write_final(
+        self,
+        plan: ClassPlan,
+        model_state: Mapping[str, np.ndarray],
+        margins: Mapping[str, Any],
+        stage3: Mapping[str, Any],
+        prototypes: Mapping[str, list[DualPrototype]],
+    ) -> Path:
         cfg = self.config
         final = self.path(GLOBAL_MODEL)
-        extra = fedfew_extra(cc_classes=plan.cc_classes, threshold=stage3["threshold"], temperature=cfg.temperature,
-                             energy_outputs=cfg.energy_outputs, prototypes=dict(prototypes), margins=dict(margins),
-                             threshold_stats=stage3["threshold_stats"], min_prototype_images=cfg.min_prototype_images)
-        save_checkpoint(final, {k: torch.as_tensor(np.asarray(v)) for k, v in model_state.items()},
-                        classes=stage2_classes(plan.cc_classes), model_config=self.model_config,
-                        extra={**extra, "method": "fedfew", "fedfew_config": cfg.to_dict()})
+        extra = fedfew_extra(
+            cc_classes=plan.cc_classes,
+            threshold=stage3["threshold"],
+            temperature=cfg.temperature,
+            energy_outputs=cfg.energy_outputs,
+            prototypes=dict(prototypes),
+            margins=dict(margins),
+            threshold_stats=stage3["threshold_stats"],
+            min_prototype_images=cfg.min_prototype_images,
+        )
+        save_checkpoint(
+            final,
+            {k: torch.as_tensor(np.asarray(v)) for k, v in model_state.items()},
+            classes=stage2_classes(plan.cc_classes),
+            model_config=self.model_config,
+            extra={**extra, "method": "fedfew", "fedfew_config": cfg.to_dict()},
+        )
         ucs = sorted(uc for uc, p in prototypes.items() if p)
-        self.info(f"final FedFew model: {final} ({len(plan.cc_classes)} CCs, UCs with prototypes: {ucs or 'none'}, "
-                  f"energy threshold {stage3['threshold']:.4f})")
+        self.info(
+            f"final FedFew model: {final} ({len(plan.cc_classes)} CCs, UCs with prototypes: {ucs or 'none'}, "
+            f"energy threshold {stage3['threshold']:.4f})"
+        )
         if not ucs:
             self.warning("no UC has a prototype: the final model predicts the CCs only")
         return final
@@ -265,11 +339,15 @@ class FedFewServer(FederatedRounds):
             waited = self.clock.failed()
             if self.clock.expired:
                 who = f"only {sorted(infos)}" if infos else "no site"
-                raise RunStopped(f"stopping: {who} answered the info task (min_clients={self.min_clients}) for "
-                                 f"{waited:.0f}s (min_clients_timeout={self.clock.timeout:g}); the others failed at "
-                                 "start or are down: see their logs")
-            self.warning(f"start: {len(infos)} site(s) answered the info task (min_clients={self.min_clients}); "
-                         f"asking again in {self.clock.pause:g}s ({waited:.0f}s of min_clients_timeout={self.clock.timeout:g}s)")
+                raise RunStopped(
+                    f"stopping: {who} answered the info task (min_clients={self.min_clients}) for "
+                    f"{waited:.0f}s (min_clients_timeout={self.clock.timeout:g}); the others failed at "
+                    "start or are down: see their logs"
+                )
+            self.warning(
+                f"start: {len(infos)} site(s) answered the info task (min_clients={self.min_clients}); "
+                f"asking again in {self.clock.pause:g}s ({waited:.0f}s of min_clients_timeout={self.clock.timeout:g}s)"
+            )
             self.clock.wait(self.aborted)
             self.check_abort()
 
@@ -279,13 +357,17 @@ class FedFewServer(FederatedRounds):
         for note in plan.notes:
             self.warning(note)
         if not plan.cc_classes:
-            raise RunStopped("no common class: no site labels a class that counts as a CC "
-                             f"(labelled classes: {sorted(set().union(*(set(i.get('classes', [])) for i in infos.values())))}); "
-                             "stage 2 has nothing to learn. Check the site configs or fedfew.uc_classes")
+            raise RunStopped(
+                "no common class: no site labels a class that counts as a CC "
+                f"(labelled classes: {sorted(set().union(*(set(i.get('classes', [])) for i in infos.values())))}); "
+                "stage 2 has nothing to learn. Check the site configs or fedfew.uc_classes"
+            )
         write_json(self.path("cxrfl", "plan.json"), {**plan.to_dict(), "sites": {s: dict(i) for s, i in infos.items()}})
         ucs = ", ".join(f"{c} ({'/'.join(plan.uc_sites[c])})" for c in plan.uc_classes) or "none"
-        self.info(f"FedFew plan: {len(plan.cc_classes)} CC(s) labelled at {len(plan.cc_sites)} site(s); "
-                  f"UCs: {ucs}; stage 1 at {len(plan.ssl_sites)} site(s), stages 2-3 at {len(plan.stage2_sites)}")
+        self.info(
+            f"FedFew plan: {len(plan.cc_classes)} CC(s) labelled at {len(plan.cc_sites)} site(s); "
+            f"UCs: {ucs}; stage 1 at {len(plan.ssl_sites)} site(s), stages 2-3 at {len(plan.stage2_sites)}"
+        )
         return plan
 
     # ------------------------------------------------------------ stage 1
@@ -304,7 +386,9 @@ class FedFewServer(FederatedRounds):
         if cfg.ssl_rounds == 0:
             self.info("stage 1 (self-supervised): ssl_rounds = 0, skipped")
         elif not plan.ssl_sites:
-            self.warning("stage 1 (self-supervised): no site has images for it; stage 2 starts from the initial weights")
+            self.warning(
+                "stage 1 (self-supervised): no site has images for it; stage 2 starts from the initial weights"
+            )
         else:
             if progress.round == 0 and self.on_round is not None:
                 self.on_round(1, 0, progress.params)
@@ -334,19 +418,23 @@ class FedFewServer(FederatedRounds):
         if not cfg.margins_given and cfg.warmup_rounds:
             phases.append(Phase(2, "warm-up", P.TRAIN, cfg.warmup_rounds, tuple(plan.cc_sites), **common))
         if cfg.rounds:
-            phases.append(Phase(2, "energy", P.TRAIN, cfg.rounds, tuple(plan.stage2_sites), cfg.energy_weight, **common))
+            phases.append(
+                Phase(2, "energy", P.TRAIN, cfg.rounds, tuple(plan.stage2_sites), cfg.energy_weight, **common)
+            )
         return phases
 
-    def _stage2(self, plan: ClassPlan, ssl_state: Mapping[str, np.ndarray] | None, progress: Progress | None
-                ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def _stage2(
+        self, plan: ClassPlan, ssl_state: Mapping[str, np.ndarray] | None, progress: Progress | None
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         cfg = self.config
         if not plan.stage2_sites:
             raise RunStopped("stage 2: no site has labelled training images; nothing to train")
         classes = stage2_classes(plan.cc_classes)
         if progress is None:
             chosen = "config" if cfg.margins_given else None if cfg.energy_weight > 0 else "unused (energy_weight = 0)"
-            progress = Progress(2, self._stage2_start(plan, ssl_state),
-                                margins={"m_in": cfg.m_in, "m_out": cfg.m_out, "chosen": chosen})
+            progress = Progress(
+                2, self._stage2_start(plan, ssl_state), margins={"m_in": cfg.m_in, "m_out": cfg.m_out, "chosen": chosen}
+            )
         expected = {k: tuple(v.shape) for k, v in progress.params.items()}
         phases = self._stage2_phases(plan)
         result = progress.params
@@ -357,8 +445,13 @@ class FedFewServer(FederatedRounds):
                 progress.margins = self._choose_margins(plan, progress.params)
 
             def meta(site: str, rnd: int, w: float = phase.energy_weight) -> dict[str, Any]:
-                return self._meta(round=rnd, energy_weight=w, m_in=progress.margins["m_in"],
-                                  m_out=progress.margins["m_out"], **self._roles(plan, site))
+                return self._meta(
+                    round=rnd,
+                    energy_weight=w,
+                    m_in=progress.margins["m_in"],
+                    m_out=progress.margins["m_out"],
+                    **self._roles(plan, site),
+                )
 
             result = self.run_phase(phase, progress, meta, expected, classes)
             if i + 1 < len(phases):
@@ -366,17 +459,29 @@ class FedFewServer(FederatedRounds):
         margins = dict(progress.margins)
         if margins.get("chosen") is None:  # rounds == 0: margins never needed
             margins["chosen"] = "unused (no energy round)"
-        path = write_stage2(self._stage_path(2), result, classes=classes, model_config=self.model_config,
-                            cc_classes=plan.cc_classes, margins=margins, rounds=progress.round, config=cfg)
+        path = write_stage2(
+            self._stage_path(2),
+            result,
+            classes=classes,
+            model_config=self.model_config,
+            cc_classes=plan.cc_classes,
+            margins=margins,
+            rounds=progress.round,
+            config=cfg,
+        )
         self.info(f"stage 2 done: {path}")
         return dict(result), margins
 
-    def _validation_loss(self, plan: ClassPlan) -> Callable[[Mapping[str, np.ndarray]], tuple[float | None, dict[str, Any]]]:
+    def _validation_loss(
+        self, plan: ClassPlan
+    ) -> Callable[[Mapping[str, np.ndarray]], tuple[float | None, dict[str, Any]]]:
         """A new stage-2 model's CC validation loss: the CC sites' BCE on their validation splits, pooled over the
         known labels."""
+
         def score(params: Mapping[str, np.ndarray]) -> tuple[float | None, dict[str, Any]]:
-            answers = self.broadcast(P.VALIDATE, plan.cc_sites, params,
-                                     lambda s: self._meta(split="val", **self._roles(plan, s)))
+            answers = self.broadcast(
+                P.VALIDATE, plan.cc_sites, params, lambda s: self._meta(split="val", **self._roles(plan, s))
+            )
             detail, total, weighted = {}, 0, 0.0
             for site, (_, meta) in sorted(answers.items()):
                 m = meta.get("metrics") or {}
@@ -384,7 +489,9 @@ class FedFewServer(FederatedRounds):
                     loss, known = m.get("cc_loss"), int(m.get("cc_known") or 0)
                     loss = None if loss is None else float(loss)
                 except (TypeError, ValueError):
-                    self.warning(f"stage 2: validation answer of site {site} is unusable ({m.get('cc_loss')!r}); left out")
+                    self.warning(
+                        f"stage 2: validation answer of site {site} is unusable ({m.get('cc_loss')!r}); left out"
+                    )
                     continue
                 detail[site] = {"cc_loss": loss, "cc_known": known, "cc_mean_auroc": m.get("cc_mean_auroc")}
                 if loss is not None and known > 0 and math.isfinite(loss):
@@ -395,7 +502,9 @@ class FedFewServer(FederatedRounds):
 
     def _choose_margins(self, plan: ClassPlan, state: Mapping[str, np.ndarray]) -> dict[str, Any]:
         cfg = self.config
-        results = self.broadcast(P.ENERGY, plan.stage2_sites, state, lambda s: self._meta(mode="means", **self._roles(plan, s)))
+        results = self.broadcast(
+            P.ENERGY, plan.stage2_sites, state, lambda s: self._meta(mode="means", **self._roles(plan, s))
+        )
         stats = [m["stats"] for _, m in results.values() if isinstance(m.get("stats"), Mapping)]
         n_in = sum(int(s["n_in"]) for s in stats)
         n_out = sum(int(s["n_out"]) for s in stats)
@@ -412,10 +521,19 @@ class FedFewServer(FederatedRounds):
             m_in = float(cfg.m_in)
         if cfg.m_out is not None:
             m_out = float(cfg.m_out)
-        self.info(f"stage 2 margins from the warm-up model: mean energy of CC images {mean_in:.4f} (n={n_in}), of UC "
-                  f"images {mean_out:.4f} (n={n_out}) -> m_in {m_in:.4f}, m_out {m_out:.4f}")
-        return {"m_in": m_in, "m_out": m_out, "chosen": "warm-up", "mean_in": mean_in, "mean_out": mean_out,
-                "n_in": n_in, "n_out": n_out}
+        self.info(
+            f"stage 2 margins from the warm-up model: mean energy of CC images {mean_in:.4f} (n={n_in}), of UC "
+            f"images {mean_out:.4f} (n={n_out}) -> m_in {m_in:.4f}, m_out {m_out:.4f}"
+        )
+        return {
+            "m_in": m_in,
+            "m_out": m_out,
+            "chosen": "warm-up",
+            "mean_in": mean_in,
+            "mean_out": mean_out,
+            "n_in": n_in,
+            "n_out": n_out,
+        }
 
     # ------------------------------------------------------------ stage 3
     def _threshold(self, plan: ClassPlan, state: Mapping[str, np.ndarray]) -> dict[str, Any]:
@@ -423,51 +541,96 @@ class FedFewServer(FederatedRounds):
         cfg = self.config
         sites = plan.stage2_sites
         ranges = self.broadcast(P.ENERGY, sites, state, lambda s: self._meta(mode="range", **self._roles(plan, s)))
-        rs = {s: m["stats"] for s, (_, m) in ranges.items()
-              if isinstance(m.get("stats"), Mapping) and m["stats"].get("min") is not None}
+        rs = {
+            s: m["stats"]
+            for s, (_, m) in ranges.items()
+            if isinstance(m.get("stats"), Mapping) and m["stats"].get("min") is not None
+        }
         chosen: dict[str, Any] | None = None
         if rs:
-            grid = threshold_grid(min(float(r["min"]) for r in rs.values()), max(float(r["max"]) for r in rs.values()),
-                                  cfg.threshold_bins)
-            counts = self.broadcast(P.ENERGY, sorted(rs), state,
-                                    lambda s: self._meta(mode="counts", grid=grid.tolist(), **self._roles(plan, s)))
+            grid = threshold_grid(
+                min(float(r["min"]) for r in rs.values()), max(float(r["max"]) for r in rs.values()), cfg.threshold_bins
+            )
+            counts = self.broadcast(
+                P.ENERGY,
+                sorted(rs),
+                state,
+                lambda s: self._meta(mode="counts", grid=grid.tolist(), **self._roles(plan, s)),
+            )
             chosen = threshold_from_counts(grid, counts, cfg, self.warning)
         if chosen is None:
-            self.warning("stage 3: no usable threshold statistics (no site has UC positives or negatives"
-                         f"{' or CC-labelled images' if cfg.threshold_examples == 'all' else ''}); the threshold is set to 0, "
-                         "above every joint energy, so no image is flagged and the final model predicts the CCs only")
-            return {"threshold": 0.0, "errors": None, "accuracy": None, "balanced_accuracy": None, "n_in": 0, "n_out": 0,
-                    "sites": [], "weighting": cfg.threshold_weighting, "note": "no statistics: flags nothing"}
-        self.info(f"stage 3 threshold: {chosen['threshold']:.4f} classifies {chosen['accuracy']:.1%} of "
-                  f"{chosen['n_in'] + chosen['n_out']} training examples correctly ({chosen['n_in']} without UC, "
-                  f"{chosen['n_out']} with one)")
+            self.warning(
+                "stage 3: no usable threshold statistics (no site has UC positives or negatives"
+                f"{' or CC-labelled images' if cfg.threshold_examples == 'all' else ''}); the threshold is set to 0, "
+                "above every joint energy, so no image is flagged and the final model predicts the CCs only"
+            )
+            return {
+                "threshold": 0.0,
+                "errors": None,
+                "accuracy": None,
+                "balanced_accuracy": None,
+                "n_in": 0,
+                "n_out": 0,
+                "sites": [],
+                "weighting": cfg.threshold_weighting,
+                "note": "no statistics: flags nothing",
+            }
+        self.info(
+            f"stage 3 threshold: {chosen['threshold']:.4f} classifies {chosen['accuracy']:.1%} of "
+            f"{chosen['n_in'] + chosen['n_out']} training examples correctly ({chosen['n_in']} without UC, "
+            f"{chosen['n_out']} with one)"
+        )
         return chosen
 
     def _stage3(self, plan: ClassPlan, state: Mapping[str, np.ndarray]) -> dict[str, Any]:
         start = time.perf_counter()
         chosen = self._threshold(plan, state)
         holders = [s for s in plan.stage2_sites if plan.site_ucs.get(s)]
-        answers = self.broadcast(P.PROTOTYPES, holders, state, lambda s: self._meta(**self._roles(plan, s))) if holders else {}
+        answers = (
+            self.broadcast(P.PROTOTYPES, holders, state, lambda s: self._meta(**self._roles(plan, s)))
+            if holders
+            else {}
+        )
         prototypes, refused = collect_prototypes(answers, plan, self.config, self.warning)
-        result = {"threshold": chosen["threshold"], "threshold_stats": chosen,
-                  "prototypes": {uc: p for uc, p in prototypes.items() if p}, "refused": refused,
-                  "prototype_counts": {uc: len(p) for uc, p in prototypes.items()}}
-        self.record({"stage": 3, "threshold": chosen, "prototype_counts": result["prototype_counts"], "refused": refused,
-                     "seconds": time.perf_counter() - start})
+        result = {
+            "threshold": chosen["threshold"],
+            "threshold_stats": chosen,
+            "prototypes": {uc: p for uc, p in prototypes.items() if p},
+            "refused": refused,
+            "prototype_counts": {uc: len(p) for uc, p in prototypes.items()},
+        }
+        self.record(
+            {
+                "stage": 3,
+                "threshold": chosen,
+                "prototype_counts": result["prototype_counts"],
+                "refused": refused,
+                "seconds": time.perf_counter() - start,
+            }
+        )
         path = write_stage3(self._stage_path(3), result)
         self.info(f"stage 3 done: {path}")
         return result
 
     # ----------------------------------------------------------- evaluation
-    def _evaluate(self, plan: ClassPlan, state: Mapping[str, np.ndarray], stage3: Mapping[str, Any],
-                  prototypes: Mapping[str, list[DualPrototype]]) -> dict[str, Any]:
+    def _evaluate(
+        self,
+        plan: ClassPlan,
+        state: Mapping[str, np.ndarray],
+        stage3: Mapping[str, Any],
+        prototypes: Mapping[str, list[DualPrototype]],
+    ) -> dict[str, Any]:
         def meta(s: str) -> dict[str, Any]:
             own = [p.to_payload() for uc in plan.site_ucs.get(s, []) for p in prototypes.get(uc, [])]
             return self._meta(threshold=stage3["threshold"], prototypes=own, split="test", **self._roles(plan, s))
 
         results = self.broadcast(P.VALIDATE, plan.stage2_sites, state, meta)
-        report: dict[str, Any] = {"cc_classes": plan.cc_classes, "uc_classes": plan.uc_classes,
-                                  "threshold": stage3["threshold"], "sites": {}}
+        report: dict[str, Any] = {
+            "cc_classes": plan.cc_classes,
+            "uc_classes": plan.uc_classes,
+            "threshold": stage3["threshold"],
+            "sites": {},
+        }
         for s, (_, m) in sorted(results.items()):
             report["sites"][s] = ev = m.get("metrics", {})
             parts = []

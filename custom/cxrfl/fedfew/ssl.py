@@ -54,8 +54,13 @@ def load_encoder(net: CXRNet, ssl_state: Mapping[str, Any]) -> None:
         net: the network.
         ssl_state: SimSiam weights (arrays or tensors).
     """
-    net.backbone.load_state_dict({k[len(ENCODER_PREFIX):]: torch.as_tensor(np.asarray(v))
-                                  for k, v in ssl_state.items() if k.startswith(ENCODER_PREFIX)})
+    net.backbone.load_state_dict(
+        {
+            k[len(ENCODER_PREFIX) :]: torch.as_tensor(np.asarray(v))
+            for k, v in ssl_state.items()
+            if k.startswith(ENCODER_PREFIX)
+        }
+    )
 
 
 class SimSiam(nn.Module):
@@ -73,12 +78,19 @@ class SimSiam(nn.Module):
         self.backbone = net.backbone
         dim = net.backbone.norm5.num_features
         self.projector = nn.Sequential(
-            nn.Linear(dim, proj_dim, bias=False), nn.BatchNorm1d(proj_dim), nn.ReLU(inplace=True),
-            nn.Linear(proj_dim, proj_dim, bias=False), nn.BatchNorm1d(proj_dim), nn.ReLU(inplace=True),
-            nn.Linear(proj_dim, proj_dim, bias=False), nn.BatchNorm1d(proj_dim, affine=False),
+            nn.Linear(dim, proj_dim, bias=False),
+            nn.BatchNorm1d(proj_dim),
+            nn.ReLU(inplace=True),
+            nn.Linear(proj_dim, proj_dim, bias=False),
+            nn.BatchNorm1d(proj_dim),
+            nn.ReLU(inplace=True),
+            nn.Linear(proj_dim, proj_dim, bias=False),
+            nn.BatchNorm1d(proj_dim, affine=False),
         )
         self.predictor = nn.Sequential(
-            nn.Linear(proj_dim, pred_dim, bias=False), nn.BatchNorm1d(pred_dim), nn.ReLU(inplace=True),
+            nn.Linear(proj_dim, pred_dim, bias=False),
+            nn.BatchNorm1d(pred_dim),
+            nn.ReLU(inplace=True),
             nn.Linear(pred_dim, proj_dim),
         )
 
@@ -86,7 +98,9 @@ class SimSiam(nn.Module):
         """Pooled encoder features [B, 1024] (as :meth:`CXRNet.features`)."""
         return torch.flatten(F.adaptive_avg_pool2d(F.relu(self.backbone(x)), 1), 1)
 
-    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x1: torch.Tensor, x2: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Predictions and projections of both views: ``(p1, p2, z1, z2)``.
 
         Args:
@@ -123,8 +137,9 @@ def view_transforms(image_size: int, in_channels: int = 3) -> tuple[Compose, Com
     """
     if in_channels not in (1, 3):
         raise ValueError(f"in_channels must be 1 or 3, got {in_channels}")
-    load = Compose([LoadGrayscale(), EnsureChannelFirst(channel_dim="no_channel"),
-                    Resize((image_size, image_size), mode="area")])
+    load = Compose(
+        [LoadGrayscale(), EnsureChannelFirst(channel_dim="no_channel"), Resize((image_size, image_size), mode="area")]
+    )
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if in_channels == 3 else (GRAY_MEAN, GRAY_STD)
     steps = [
         RandScaleCrop(roi_scale=0.5, max_roi_scale=1.0, random_center=True, random_size=True),
@@ -139,8 +154,10 @@ def view_transforms(image_size: int, in_channels: int = 3) -> tuple[Compose, Com
     ]
     if in_channels > 1:
         steps.append(RepeatChannel(repeats=in_channels))
-    steps += [NormalizeIntensity(subtrahend=mean, divisor=std, channel_wise=True),
-              EnsureType(data_type="tensor", dtype=torch.float32, track_meta=False)]
+    steps += [
+        NormalizeIntensity(subtrahend=mean, divisor=std, channel_wise=True),
+        EnsureType(data_type="tensor", dtype=torch.float32, track_meta=False),
+    ]
     return load, Compose(steps)
 
 
@@ -158,8 +175,14 @@ class TwoViewDataset(Dataset):
         images: the loaded images of ``paths`` (from :meth:`load_images`), to skip reading them.
     """
 
-    def __init__(self, paths: Sequence[str], image_size: int, in_channels: int = 3, seed: int = 0,
-                 images: Sequence[np.ndarray] | None = None) -> None:
+    def __init__(
+        self,
+        paths: Sequence[str],
+        image_size: int,
+        in_channels: int = 3,
+        seed: int = 0,
+        images: Sequence[np.ndarray] | None = None,
+    ) -> None:
         _, self.view = view_transforms(image_size, in_channels)
         self.images = list(images) if images is not None else self.load_images(paths, image_size)
         if len(self.images) != len(paths):

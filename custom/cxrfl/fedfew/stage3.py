@@ -18,8 +18,9 @@ from cxrfl.fedfew.plan import ClassPlan
 from cxrfl.fedfew.prototypes import DualPrototype
 
 
-def threshold_from_counts(grid: np.ndarray, counts: Mapping[str, Message], config: FedFewConfig,
-                          warning: Callable[[str], None]) -> dict[str, Any] | None:
+def threshold_from_counts(
+    grid: np.ndarray, counts: Mapping[str, Message], config: FedFewConfig, warning: Callable[[str], None]
+) -> dict[str, Any] | None:
     """Sum the sites' error counts and choose the threshold.
 
     Args:
@@ -58,8 +59,9 @@ def threshold_from_counts(grid: np.ndarray, counts: Mapping[str, Message], confi
     if n_in == 0:
         warning("stage 3: no training example without a UC; the threshold flags (almost) everything")
     chosen = choose_threshold(grid, in_above, out_below, n_in, n_out, config.threshold_weighting)
-    chosen.update(n_in=n_in, n_out=n_out, sites=used, weighting=config.threshold_weighting,
-                  examples=config.threshold_examples)
+    chosen.update(
+        n_in=n_in, n_out=n_out, sites=used, weighting=config.threshold_weighting, examples=config.threshold_examples
+    )
     return chosen
 
 
@@ -74,8 +76,9 @@ def _usable(proto: DualPrototype, site: str, plan: ClassPlan, config: FedFewConf
     return None
 
 
-def collect_prototypes(answers: Mapping[str, Message], plan: ClassPlan, config: FedFewConfig,
-                       warning: Callable[[str], None]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
+def collect_prototypes(
+    answers: Mapping[str, Message], plan: ClassPlan, config: FedFewConfig, warning: Callable[[str], None]
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
     """The prototypes to keep from the UC sites' answers, anonymised (a running ``source`` number, no site).
 
     Args:

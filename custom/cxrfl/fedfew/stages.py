@@ -36,8 +36,9 @@ def _tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}
 
 
-def write_stage1(path: Path, ssl_state: Mapping[str, Any], site_config: ModelConfig, config: FedFewConfig,
-                 contributed: bool) -> Path:
+def write_stage1(
+    path: Path, ssl_state: Mapping[str, Any], site_config: ModelConfig, config: FedFewConfig, contributed: bool
+) -> Path:
     """Stage 1's file.
 
     Args:
@@ -47,12 +48,29 @@ def write_stage1(path: Path, ssl_state: Mapping[str, Any], site_config: ModelCon
         config: the FedFew settings.
         contributed: whether any round was aggregated (else the weights are the initial ones).
     """
-    return torch_save(path, {"format": STAGE1_FORMAT, "ssl_state": _tensors(ssl_state), "model_config": site_config.to_dict(),
-                             "fedfew_config": config.to_dict(), "contributed": contributed})
+    return torch_save(
+        path,
+        {
+            "format": STAGE1_FORMAT,
+            "ssl_state": _tensors(ssl_state),
+            "model_config": site_config.to_dict(),
+            "fedfew_config": config.to_dict(),
+            "contributed": contributed,
+        },
+    )
 
 
-def write_stage2(path: Path, state: Mapping[str, Any], *, classes: Sequence[str], model_config: ModelConfig,
-                 cc_classes: Sequence[str], margins: Mapping[str, Any], rounds: int, config: FedFewConfig) -> Path:
+def write_stage2(
+    path: Path,
+    state: Mapping[str, Any],
+    *,
+    classes: Sequence[str],
+    model_config: ModelConfig,
+    cc_classes: Sequence[str],
+    margins: Mapping[str, Any],
+    rounds: int,
+    config: FedFewConfig,
+) -> Path:
     """Stage 2's file: a cxrfl checkpoint with the CCs and margins.
 
     Args:
@@ -65,9 +83,16 @@ def write_stage2(path: Path, state: Mapping[str, Any], *, classes: Sequence[str]
         rounds: warm-up plus energy rounds run.
         config: the FedFew settings.
     """
-    save_checkpoint(path, _tensors(state), classes=list(classes), model_config=model_config,
-                    extra={"fedfew_stage2": {"cc_classes": list(cc_classes), "margins": dict(margins), "rounds": rounds},
-                           "fedfew_config": config.to_dict()})
+    save_checkpoint(
+        path,
+        _tensors(state),
+        classes=list(classes),
+        model_config=model_config,
+        extra={
+            "fedfew_stage2": {"cc_classes": list(cc_classes), "margins": dict(margins), "rounds": rounds},
+            "fedfew_config": config.to_dict(),
+        },
+    )
     return path
 
 
@@ -96,8 +121,10 @@ def finished_stages(folder: Path) -> tuple[int, set[int]]:
 def _same_model(path: Path, saved: Mapping[str, Any], site_config: ModelConfig) -> None:
     found = ModelConfig.from_dict({**saved, "pretrained": None})
     if found != site_config:
-        raise RunStopped(f"resume: {path} was trained with model settings {found.to_dict()}, this run has "
-                         f"{site_config.to_dict()}; remove resume_from or match the settings")
+        raise RunStopped(
+            f"resume: {path} was trained with model settings {found.to_dict()}, this run has "
+            f"{site_config.to_dict()}; remove resume_from or match the settings"
+        )
 
 
 def load_stages(folder: Path, done: int, site_config: ModelConfig, cc_classes: Sequence[str]) -> dict[str, Any]:
@@ -123,8 +150,10 @@ def load_stages(folder: Path, done: int, site_config: ModelConfig, cc_classes: S
         _same_model(path, ckpt["model_config"], site_config)
         saved_cc = list(ckpt.get("fedfew_stage2", {}).get("cc_classes", ckpt["classes"][:-1]))
         if saved_cc != list(cc_classes):
-            raise RunStopped(f"resume: {path} predicts the CCs {saved_cc}, the sites now give {list(cc_classes)}; "
-                             "the stage-2 model cannot be reused")
+            raise RunStopped(
+                f"resume: {path} predicts the CCs {saved_cc}, the sites now give {list(cc_classes)}; "
+                "the stage-2 model cannot be reused"
+            )
         data["model_state"] = to_numpy(ckpt["model"])
         data["margins"] = dict(ckpt.get("fedfew_stage2", {}).get("margins", {}))
     if done == 3:

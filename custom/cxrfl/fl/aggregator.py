@@ -36,11 +36,25 @@ class SurgicalAggregator(ModelAggregator):
         head_prefix: state-dict prefix of the classification head.
     """
 
-    def __init__(self, weighting: str = "uniform", batchnorm: str = "fedavg", bn_keys: Sequence[str] = (),
-                 robust: str | None = None, clip_norm: float | None = None, head_prefix: str = HEAD_PREFIX) -> None:
+    def __init__(
+        self,
+        weighting: str = "uniform",
+        batchnorm: str = "fedavg",
+        bn_keys: Sequence[str] = (),
+        robust: str | None = None,
+        clip_norm: float | None = None,
+        head_prefix: str = HEAD_PREFIX,
+    ) -> None:
         super().__init__()
-        self.core = RoundAggregator(weighting=weighting, batchnorm=batchnorm, bn_keys=bn_keys, robust=robust,
-                                    clip_norm=clip_norm, head_prefix=head_prefix, warning=self.warning)
+        self.core = RoundAggregator(
+            weighting=weighting,
+            batchnorm=batchnorm,
+            bn_keys=bn_keys,
+            robust=robust,
+            clip_norm=clip_norm,
+            head_prefix=head_prefix,
+            warning=self.warning,
+        )
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         """At the job's start, refuse a job of a role that may not learn every site's classes: NVFlare's
@@ -51,8 +65,13 @@ class SurgicalAggregator(ModelAggregator):
                 self.system_panic(refusal, fl_ctx)
         super().handle_event(event_type, fl_ctx)
 
-    def expect(self, shapes: dict[str, tuple] | None, announced: dict[str, list[str]] | None = None,
-               classes: list[str] | None = None, reference: dict | None = None) -> None:
+    def expect(
+        self,
+        shapes: dict[str, tuple] | None,
+        announced: dict[str, list[str]] | None = None,
+        classes: list[str] | None = None,
+        reference: dict | None = None,
+    ) -> None:
         """Set what valid results look like (see :meth:`RoundAggregator.expect`).
 
         Args:
@@ -73,8 +92,14 @@ class SurgicalAggregator(ModelAggregator):
             True if accepted, False if rejected (logged with the site and reason).
         """
         meta = model.meta or {}
-        return self.core.accept({"site": str(meta.get("client_name", "unknown-site")), "classes": meta.get("classes"),
-                                 "params": model.params or {}, "num_samples": meta.get("num_samples")})
+        return self.core.accept(
+            {
+                "site": str(meta.get("client_name", "unknown-site")),
+                "classes": meta.get("classes"),
+                "params": model.params or {},
+                "num_samples": meta.get("num_samples"),
+            }
+        )
 
     @property
     def rejected(self) -> dict[str, str]:
@@ -93,8 +118,11 @@ class SurgicalAggregator(ModelAggregator):
     def aggregate_model(self) -> FLModel:
         """Stitch the accepted results; ``meta`` carries ``classes``, ``contributors`` and ``sites``."""
         result = self.core.aggregate()
-        return FLModel(params_type=ParamsType.FULL, params=result.params,
-                       meta={"classes": result.classes, "contributors": result.contributors, "sites": result.sites})
+        return FLModel(
+            params_type=ParamsType.FULL,
+            params=result.params,
+            meta={"classes": result.classes, "contributors": result.contributors, "sites": result.sites},
+        )
 
     def reset_stats(self) -> None:
         """Forget the accepted results and rejections of the current round."""

@@ -88,9 +88,11 @@ def class_names_refusal(fl_ctx: FLContext, what: str) -> str | None:
     role = submitter_role(fl_ctx)
     if role is None or role in CLASS_NAME_ROLES:
         return None
-    return (f"{what} sends every site class names other sites hold, and this job was submitted by role {role!r}; "
-            f"only {' or '.join(CLASS_NAME_ROLES)} may submit it. Submit it as the lead, or use head_mode "
-            f"surgical or local (docs/security.md)")
+    return (
+        f"{what} sends every site class names other sites hold, and this job was submitted by role {role!r}; "
+        f"only {' or '.join(CLASS_NAME_ROLES)} may submit it. Submit it as the lead, or use head_mode "
+        f"surgical or local (docs/security.md)"
+    )
 
 
 def write_every_arg(component: Any, args: Mapping[str, Any] | None = None) -> Any:
@@ -118,15 +120,18 @@ def write_every_arg(component: Any, args: Mapping[str, Any] | None = None) -> An
         args = {p: component.__dict__[p] for p in params if p in component.__dict__}
     for name, value in args.items():
         if name in component.__dict__ and component.__dict__[name] != value:
-            raise ValueError(f"{type(component).__name__}.{name} does not hold its argument; the job would carry "
-                             f"{component.__dict__[name]!r} instead of {value!r}")
+            raise ValueError(
+                f"{type(component).__name__}.{name} does not hold its argument; the job would carry "
+                f"{component.__dict__[name]!r} instead of {value!r}"
+            )
         component.__dict__[f"_{name}"] = value
     component._always_serialize_args = tuple(args)
     return component
 
 
-def mean_over_sites(site_metrics: Mapping[str, Mapping[str, Any] | None], names: Sequence[str],
-                    per_class: str | None = None) -> dict[str, float]:
+def mean_over_sites(
+    site_metrics: Mapping[str, Mapping[str, Any] | None], names: Sequence[str], per_class: str | None = None
+) -> dict[str, float]:
     """Each metric's mean over the sites that report a finite value (missing: left out).
 
     Args:
@@ -232,8 +237,13 @@ class TaskController(ModelController):
             if site not in connected:
                 self.warning(f"site {site} is not connected; task {task} not sent")
                 continue
-            self.send_model(task_name=task, data=FLModel(params_type=ParamsType.FULL, params=dict(params), meta=dict(meta)),
-                            targets=[site], callback=collect, timeout=self.task_timeout)
+            self.send_model(
+                task_name=task,
+                data=FLModel(params_type=ParamsType.FULL, params=dict(params), meta=dict(meta)),
+                targets=[site],
+                callback=collect,
+                timeout=self.task_timeout,
+            )
         while self.get_num_standing_tasks() > 0:
             if self.abort_signal.triggered:
                 break
@@ -251,8 +261,13 @@ class TaskController(ModelController):
         resume_root = os.environ.get(RESUME_ROOT_ENV) or Path(workspace.get_root_dir()) / RESUME_ROOT
         try:
             server = self.make_server(
-                send=self.send, sites=self.sample_clients(), out_dir=self.get_app_dir(), run_id=self.fl_ctx.get_job_id(),
-                resume_root=resume_root, info=self.info, warning=self.warning,
+                send=self.send,
+                sites=self.sample_clients(),
+                out_dir=self.get_app_dir(),
+                run_id=self.fl_ctx.get_job_id(),
+                resume_root=resume_root,
+                info=self.info,
+                warning=self.warning,
                 aborted=lambda: bool(self.abort_signal.triggered),
             )
             self.writer = engine.get_component(self.analytic_sender_id) if self.analytic_sender_id else None
@@ -280,8 +295,13 @@ class TaskExecutor(Executor):
         analytic_sender_id: component id of NVFlare's analytics writer for metrics ("" for none).
     """
 
-    def __init__(self, device: str = "auto", num_workers: int | str = "auto", num_threads: int = 0,
-                 analytic_sender_id: str = "analytic_sender") -> None:
+    def __init__(
+        self,
+        device: str = "auto",
+        num_workers: int | str = "auto",
+        num_threads: int = 0,
+        analytic_sender_id: str = "analytic_sender",
+    ) -> None:
         super().__init__()
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 0:
             raise ValueError(f"num_threads must be an integer >= 0 (0: all cores given), got {num_threads!r}")
@@ -336,10 +356,16 @@ class TaskExecutor(Executor):
         for path, reason in self.data.skipped[:10]:
             self.log_warning(fl_ctx, f"site {self.site}: skipped image {path}: {reason}")
         splits = self.data.split_sizes()
-        self.log_info(fl_ctx, f"site {self.site}: {len(self.data.table)} images ({splits}), {len(self.data.classes)} "
-                              f"classes, {len(self.data.skipped)} skipped, loaded in {time.perf_counter() - start:.1f}s")
-        self.log_info(fl_ctx, f"site {self.site}: {resolve_workers(self.num_workers)} loader worker(s) per loader "
-                              f"(num_workers={self.num_workers}); preprocessed images cached in {self.data.cache_dir}")
+        self.log_info(
+            fl_ctx,
+            f"site {self.site}: {len(self.data.table)} images ({splits}), {len(self.data.classes)} "
+            f"classes, {len(self.data.skipped)} skipped, loaded in {time.perf_counter() - start:.1f}s",
+        )
+        self.log_info(
+            fl_ctx,
+            f"site {self.site}: {resolve_workers(self.num_workers)} loader worker(s) per loader "
+            f"(num_workers={self.num_workers}); preprocessed images cached in {self.data.cache_dir}",
+        )
         self.error = training_refusal(self.data)
         if self.error:
             self.log_error(fl_ctx, self.error)

@@ -71,14 +71,22 @@ class CyclicWeightTransfer(TaskController):
         super().__init__(task_timeout=task_timeout, analytic_sender_id=analytic_sender_id)
         self.config = CWTConfig.from_dict(cwt_config)
         self.network = ModelConfig.from_dict(model_config or {})
-        self.relay = RelayConfig.from_dict({"site_order": site_order, "min_sites": min_sites,
-                                            "min_sites_timeout": min_sites_timeout, "retry_pause": retry_pause,
-                                            "evaluate_test": evaluate_test}, where="the CWT controller's arguments")
+        self.relay = RelayConfig.from_dict(
+            {
+                "site_order": site_order,
+                "min_sites": min_sites,
+                "min_sites_timeout": min_sites_timeout,
+                "retry_pause": retry_pause,
+                "evaluate_test": evaluate_test,
+            },
+            where="the CWT controller's arguments",
+        )
         self.resume_from = resume_from
 
     def make_server(self, **common: Any) -> ServerLoop:
-        return CWTServer(config=self.config, model_config=self.network, relay=self.relay,
-                         resume_from=self.resume_from, **common)
+        return CWTServer(
+            config=self.config, model_config=self.network, relay=self.relay, resume_from=self.resume_from, **common
+        )
 
     def record_scalars(self, name: str, record: Mapping[str, Any]) -> Scalars | None:
         """Per completed cycle: the validation loss pooled over the sites, and the sites trained."""

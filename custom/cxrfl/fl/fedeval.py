@@ -37,11 +37,16 @@ class FederatedEvaluation(TaskController):
         analytic_sender_id: the server's analytics writer ("": none; an evaluation tracks nothing).
     """
 
-    def __init__(self, *, model: str, fedeval_config: dict | None = None, task_timeout: int = 0,
-                 analytic_sender_id: str = "") -> None:
+    def __init__(
+        self, *, model: str, fedeval_config: dict | None = None, task_timeout: int = 0, analytic_sender_id: str = ""
+    ) -> None:
         super().__init__(task_timeout=task_timeout, analytic_sender_id=analytic_sender_id)
-        self.model = plain_name(model, "model", "give the checkpoint's file name: ship it with the job "
-                                "(job.py --model FILE) or place it in the folder $CXRFL_MODEL_ROOT names")
+        self.model = plain_name(
+            model,
+            "model",
+            "give the checkpoint's file name: ship it with the job "
+            "(job.py --model FILE) or place it in the folder $CXRFL_MODEL_ROOT names",
+        )
         self.config = FedEvalConfig.from_dict(fedeval_config, where="the FederatedEvaluation arguments")
 
     @property
@@ -62,9 +67,11 @@ class FederatedEvaluation(TaskController):
         for path in candidates:
             if path.is_file():
                 return path
-        raise ConfigError(f"model {self.model!r} is neither in the job's server app nor in ${MODEL_ROOT_ENV} "
-                          f"({os.environ.get(MODEL_ROOT_ENV) or 'not set'}): export the job with "
-                          "job.py --model FILE, or ask the server's operator to place it there")
+        raise ConfigError(
+            f"model {self.model!r} is neither in the job's server app nor in ${MODEL_ROOT_ENV} "
+            f"({os.environ.get(MODEL_ROOT_ENV) or 'not set'}): export the job with "
+            "job.py --model FILE, or ask the server's operator to place it there"
+        )
 
     def make_server(self, **common: Any) -> ServerLoop:
         common.pop("resume_root", None)  # nothing to resume

@@ -54,16 +54,28 @@ class FedFew(TaskController):
             (:meth:`record_scalars`; "": none).
     """
 
-    def __init__(self, *, fedfew_config: dict | None = None, model_config: dict | None = None, min_clients: int = 1,
-                 min_clients_timeout: float = 600, retry_pause: float = 10, task_timeout: int = 0,
-                 resume_from: str | None = None, resume: str | None = None, evaluate_test: bool = True,
-                 analytic_sender_id: str = "analytic_sender") -> None:
+    def __init__(
+        self,
+        *,
+        fedfew_config: dict | None = None,
+        model_config: dict | None = None,
+        min_clients: int = 1,
+        min_clients_timeout: float = 600,
+        retry_pause: float = 10,
+        task_timeout: int = 0,
+        resume_from: str | None = None,
+        resume: str | None = None,
+        evaluate_test: bool = True,
+        analytic_sender_id: str = "analytic_sender",
+    ) -> None:
         super().__init__(task_timeout=task_timeout, analytic_sender_id=analytic_sender_id)
         if isinstance(min_clients, bool) or not isinstance(min_clients, int) or min_clients < 1:
             raise ValueError(f"min_clients must be an integer >= 1, got {min_clients!r}")
         if resume:
-            raise ConfigError(f"FedFew: resume={resume!r} is no longer accepted (a folder the server would read); "
-                              f"set resume_from to the interrupted job's id on this server instead")
+            raise ConfigError(
+                f"FedFew: resume={resume!r} is no longer accepted (a folder the server would read); "
+                f"set resume_from to the interrupted job's id on this server instead"
+            )
         self.config = FedFewConfig.from_dict(fedfew_config)
         self.network = ModelConfig.from_dict(model_config or {})
         if min_clients_timeout < 0 or retry_pause < 0:
@@ -75,9 +87,16 @@ class FedFew(TaskController):
         self.evaluate_test = evaluate_test
 
     def make_server(self, **common: Any) -> FedFewServer:
-        return FedFewServer(config=self.config, model_config=self.network, min_clients=self.min_clients,
-                            min_clients_timeout=self.min_clients_timeout, retry_pause=self.retry_pause,
-                            resume_from=self.resume_from, evaluate_test=self.evaluate_test, **common)
+        return FedFewServer(
+            config=self.config,
+            model_config=self.network,
+            min_clients=self.min_clients,
+            min_clients_timeout=self.min_clients_timeout,
+            retry_pause=self.retry_pause,
+            resume_from=self.resume_from,
+            evaluate_test=self.evaluate_test,
+            **common,
+        )
 
     def record_scalars(self, name: str, record: Mapping[str, Any]) -> Scalars | None:
         """Per completed stage-1/2 round: the sites' mean SimSiam or training loss and, when stage 2

@@ -106,15 +106,22 @@ class UpdatePrivacy(Filter):
         dxo = from_shareable(shareable)
         if dxo.data_kind != DataKind.WEIGHTS or not dxo.data:
             return shareable
-        filtered, meta = privatize_update(self.inner, dxo.data, received, meta=dxo.meta, shareable=shareable, fl_ctx=fl_ctx)
+        filtered, meta = privatize_update(
+            self.inner, dxo.data, received, meta=dxo.meta, shareable=shareable, fl_ctx=fl_ctx
+        )
         report = fidelity(dxo.data, received, filtered, HEAD_PREFIX)
-        line = (f"{self.method} privacy applied to {sum(1 for v in filtered.values() if _is_float(v))} parameter arrays "
-                f"({sum(1 for k in filtered if k not in received)} without a received value, filtered from zero); "
-                f"{describe(report, meta)}")
+        line = (
+            f"{self.method} privacy applied to {sum(1 for v in filtered.values() if _is_float(v))} parameter arrays "
+            f"({sum(1 for k in filtered if k not in received)} without a received value, filtered from zero); "
+            f"{describe(report, meta)}"
+        )
         lost = destroyed(report)
         if lost:
-            self.log_warning(fl_ctx, f"{line}. The filter DESTROYS this update's {', '.join(lost)}: change its "
-                                     "settings (README, 'Privacy filters')")
+            self.log_warning(
+                fl_ctx,
+                f"{line}. The filter DESTROYS this update's {', '.join(lost)}: change its "
+                "settings (README, 'Privacy filters')",
+            )
         else:
             self.log_info(fl_ctx, line)
         dxo.data = filtered
@@ -143,8 +150,11 @@ def describe(report: dict[str, dict[str, Any]], meta: dict) -> str:
         report: :func:`cxrfl.common.privacy.fidelity` of the filtered update.
         meta: the meta :func:`privatize_update` returned.
     """
-    parts = [f"{part}: cosine {_num(m['cosine'])}, norm {_num(m['relative_norm'])}, kept {_num(m['kept'])}"
-             for part, m in report.items() if m["entries"]]
+    parts = [
+        f"{part}: cosine {_num(m['cosine'])}, norm {_num(m['relative_norm'])}, kept {_num(m['kept'])}"
+        for part, m in report.items()
+        if m["entries"]
+    ]
     call, run = svt_epsilon(meta)
     eps = f"; SVT epsilon {call:.4g} this round, {run:.4g} in this run" if call is not None else ""
     return "vs the true update: " + ("; ".join(parts) or "no change") + eps

@@ -132,8 +132,9 @@ class JobSettings(Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         if len(set(self.sites)) != len(self.sites) or any(not s or s in ("server", ALL_SITES) for s in self.sites):
-            self.fail("sites", f"must list distinct client site names (not 'server' or '{ALL_SITES}'), "
-                               f"got {list(self.sites)}")
+            self.fail(
+                "sites", f"must list distinct client site names (not 'server' or '{ALL_SITES}'), got {list(self.sites)}"
+            )
         bad = [t for t in self.tracking if t not in TRACKERS]
         if bad or len(set(self.tracking)) != len(self.tracking):
             self.fail("tracking", f"must list distinct trackers of {list(TRACKERS)}, got {list(self.tracking)}")
@@ -149,14 +150,19 @@ class JobSettings(Config):
         """``resources`` and ``site_resources`` as NVFlare 2.9 reads them (its own validation), else one line."""
         bad = [s for s in self.site_resources if s.startswith("@") or s == "server"]
         if bad:
-            self.fail("site_resources", f"must be keyed by client site names, got {bad}; a request of every site "
-                                        f"goes in resources (NVFlare's '{DEFAULT_KEY}')")
+            self.fail(
+                "site_resources",
+                f"must be keyed by client site names, got {bad}; a request of every site "
+                f"goes in resources (NVFlare's '{DEFAULT_KEY}')",
+            )
         unknown = [s for s in self.site_resources if self.sites and s not in self.sites]
         if unknown:
             self.fail("site_resources", f"names {unknown}, not among the job's sites {list(self.sites)}")
         every_site = f" (it holds {list(PORTABLE_KEYS)}; a key of one site's resource manager goes in site_resources)"
-        for key, spec, hint in (("resources", {DEFAULT_KEY: self.resources}, every_site),
-                                ("site_resources", self.resource_spec, "")):
+        for key, spec, hint in (
+            ("resources", {DEFAULT_KEY: self.resources}, every_site),
+            ("site_resources", self.resource_spec, ""),
+        ):
             try:
                 validate_portable_resource_spec(spec)
             except ValueError as exc:
@@ -177,10 +183,14 @@ class JobSettings(Config):
         """
         own = {f.name for f in fields(cls)}
         if "resource_spec" in settings:
-            raise ConfigError(f"{cls.qualified('resource_spec')} is replaced by resources (every site: NVFlare's "
-                              f"'{DEFAULT_KEY}') and site_resources (one site's own), as NVFlare 2.9 reads them")
-        return (cls.from_dict({k: v for k, v in settings.items() if k in own}, where="the recipe's arguments"),
-                {k: v for k, v in settings.items() if k not in own})
+            raise ConfigError(
+                f"{cls.qualified('resource_spec')} is replaced by resources (every site: NVFlare's "
+                f"'{DEFAULT_KEY}') and site_resources (one site's own), as NVFlare 2.9 reads them"
+            )
+        return (
+            cls.from_dict({k: v for k, v in settings.items() if k in own}, where="the recipe's arguments"),
+            {k: v for k, v in settings.items() if k not in own},
+        )
 
     @property
     def sender_id(self) -> str:
@@ -188,8 +198,12 @@ class JobSettings(Config):
         return ANALYTIC_SENDER if self.tracking else ""
 
 
-def controller_args(controller: type[TaskController], given: Mapping[str, Any],
-                    sections: Mapping[str, type[Config]], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def controller_args(
+    controller: type[TaskController],
+    given: Mapping[str, Any],
+    sections: Mapping[str, type[Config]],
+    skip: tuple[str, ...] = (),
+) -> dict[str, Any]:
     """Every argument of a workflow as JSON values: the given ones, the rest at their defaults.
 
     Args:
@@ -202,12 +216,14 @@ def controller_args(controller: type[TaskController], given: Mapping[str, Any],
     Raises:
         ConfigError: an argument the workflow does not take.
     """
-    params = [p for p in inspect.signature(controller.__init__).parameters.values()
-              if p.name != "self" and p.name not in skip]
+    params = [
+        p for p in inspect.signature(controller.__init__).parameters.values() if p.name != "self" and p.name not in skip
+    ]
     unknown = sorted(set(given) - {p.name for p in params})
     if unknown:
-        raise ConfigError(f"unknown {controller.__name__} argument(s) {unknown}; "
-                          f"known: {sorted(p.name for p in params)}")
+        raise ConfigError(
+            f"unknown {controller.__name__} argument(s) {unknown}; known: {sorted(p.name for p in params)}"
+        )
     args = {p.name: given.get(p.name, p.default) for p in params}
     for key, section in sections.items():
         args[key] = section.from_dict(args[key], where=f"{controller.__name__} {key}").to_dict()
@@ -252,15 +268,25 @@ class CxrflRecipe(Recipe):
     executor: ClassVar[type[TaskExecutor]]
     tasks: ClassVar[tuple[str, ...]]
 
-    def __init__(self, job: JobSettings, controller: type[TaskController], args: dict[str, Any],
-                 result_filters: tuple[Any, ...] = (), server_config_files: tuple[Path, ...] = ()) -> None:
+    def __init__(
+        self,
+        job: JobSettings,
+        controller: type[TaskController],
+        args: dict[str, Any],
+        result_filters: tuple[Any, ...] = (),
+        server_config_files: tuple[Path, ...] = (),
+    ) -> None:
         self.settings = job
         self.controller_args = args
         fed_job = FedJob(name=job.name, min_clients=job.min_clients, meta_props={"description": job.description})
         fed_job.set_app_packages(["cxrfl"])  # the code is the installed package, never copied piecemeal
         fed_job.to_server(write_every_arg(controller(**args), args), id="controller")
-        site = {"device": job.device, "num_workers": job.num_workers, "num_threads": job.num_threads,
-                "analytic_sender_id": job.sender_id}
+        site = {
+            "device": job.device,
+            "num_workers": job.num_workers,
+            "num_threads": job.num_threads,
+            "analytic_sender_id": job.sender_id,
+        }
         _to_sites(fed_job, job, write_every_arg(self.executor(**site), site), tasks=list(self.tasks))
         if job.tracking:
             self._add_tracking(fed_job, job)
@@ -278,17 +304,25 @@ class CxrflRecipe(Recipe):
         """Sites and server write NVFlare analytics events; the server's receivers store them."""
         fed_job.to_server(write_every_arg(TBWriter(event_type=ANALYTIC_EVENT_TYPE)), id=ANALYTIC_SENDER)
         _to_sites(fed_job, job, write_every_arg(TBWriter(event_type=ANALYTIC_EVENT_TYPE)), id=ANALYTIC_SENDER)
-        _to_sites(fed_job, job, write_every_arg(ConvertToFedEvent(events_to_convert=[ANALYTIC_EVENT_TYPE],
-                                                                  fed_event_prefix="fed.")), id="event_to_fed")
+        _to_sites(
+            fed_job,
+            job,
+            write_every_arg(ConvertToFedEvent(events_to_convert=[ANALYTIC_EVENT_TYPE], fed_event_prefix="fed.")),
+            id="event_to_fed",
+        )
         events = [FED_EVENT, ANALYTIC_EVENT_TYPE]  # the sites' and the server's own
         if "tensorboard" in job.tracking:
-            fed_job.to_server(write_every_arg(TBAnalyticsReceiver(tb_folder="tb_events", events=events)),
-                              id="tb_receiver")
+            fed_job.to_server(
+                write_every_arg(TBAnalyticsReceiver(tb_folder="tb_events", events=events)), id="tb_receiver"
+            )
         if "mlflow" in job.tracking:
             from cxrfl.fl.tracking import MLflowReceiver
 
-            receiver = MLflowReceiver(tracking_uri=job.tracking_uri, events=events, kw_args={
-                "experiment_name": job.name, "run_name": job.name, "experiment_tags": {}, "run_tags": {}})
+            receiver = MLflowReceiver(
+                tracking_uri=job.tracking_uri,
+                events=events,
+                kw_args={"experiment_name": job.name, "run_name": job.name, "experiment_tags": {}, "run_tags": {}},
+            )
             fed_job.to_server(write_every_arg(receiver), id="mlflow_receiver")
 
     @staticmethod
@@ -299,8 +333,13 @@ class CxrflRecipe(Recipe):
         if job.privacy is not None:
             # the same class remembers what the site received (data filter) and filters the difference (result)
             privacy = {"method": job.privacy["method"], "args": privacy_args(job.privacy)}
-            _to_sites(fed_job, job, write_every_arg(UpdatePrivacy(**privacy), privacy),
-                      filter_type=FilterType.TASK_DATA, tasks=[TRAIN_TASK])
+            _to_sites(
+                fed_job,
+                job,
+                write_every_arg(UpdatePrivacy(**privacy), privacy),
+                filter_type=FilterType.TASK_DATA,
+                tasks=[TRAIN_TASK],
+            )
             chain.append(write_every_arg(UpdatePrivacy(**privacy), privacy))
         for result_filter in chain:
             _to_sites(fed_job, job, result_filter, filter_type=FilterType.TASK_RESULT, tasks=[TRAIN_TASK])
@@ -341,21 +380,40 @@ class SurgicalAggregationRecipe(CxrflRecipe):
     executor = SiteExecutor
     tasks = SURGICAL_TASKS
 
-    def __init__(self, *, name: str = "surgical_agg", min_clients: int = _S.min_clients,
-                 num_rounds: int = _S.num_rounds, model_config: ModelConfig | Mapping[str, Any] | None = None,
-                 train_config: TrainConfig | Mapping[str, Any] | None = None, head_mode: str = _S.head_mode,
-                 missing: str = _S.missing, batchnorm: str = _S.batchnorm, exclude_batchnorm: bool = False,
-                 **settings: Any) -> None:
+    def __init__(
+        self,
+        *,
+        name: str = "surgical_agg",
+        min_clients: int = _S.min_clients,
+        num_rounds: int = _S.num_rounds,
+        model_config: ModelConfig | Mapping[str, Any] | None = None,
+        train_config: TrainConfig | Mapping[str, Any] | None = None,
+        head_mode: str = _S.head_mode,
+        missing: str = _S.missing,
+        batchnorm: str = _S.batchnorm,
+        exclude_batchnorm: bool = False,
+        **settings: Any,
+    ) -> None:
         job, rest = JobSettings.split({"name": name, "min_clients": min_clients, **settings})
-        given = {"num_rounds": num_rounds, "min_clients": min_clients, "model_config": model_config,
-                 "train_config": train_config, "head_mode": head_mode, "missing": missing, "batchnorm": batchnorm,
-                 "analytic_sender_id": job.sender_id, **rest}
+        given = {
+            "num_rounds": num_rounds,
+            "min_clients": min_clients,
+            "model_config": model_config,
+            "train_config": train_config,
+            "head_mode": head_mode,
+            "missing": missing,
+            "batchnorm": batchnorm,
+            "analytic_sender_id": job.sender_id,
+            **rest,
+        }
         args = controller_args(SurgicalAggregation, given, {"model_config": ModelConfig, "train_config": TrainConfig})
         filters: tuple[Any, ...] = ()
         if exclude_batchnorm:
             if args["batchnorm"] == "fedavg":
-                raise ConfigError(f"{name}: exclude_batchnorm needs batchnorm 'fedbn' or 'fedbn+' (FedAvg averages "
-                                  "BatchNorm, so the server needs it from every site)")
+                raise ConfigError(
+                    f"{name}: exclude_batchnorm needs batchnorm 'fedbn' or 'fedbn+' (FedAvg averages "
+                    "BatchNorm, so the server needs it from every site)"
+                )
             keys = batchnorm_state_keys(ModelConfig.from_dict(args["model_config"]))
             filters = (write_every_arg(ExcludeVars(exclude_vars=keys)),)
         super().__init__(job, SurgicalAggregation, args, filters)
@@ -377,9 +435,15 @@ class CWTRecipe(CxrflRecipe):
     executor = CWTExecutor
     tasks = CWT_TASKS
 
-    def __init__(self, *, name: str = "cwt", min_clients: int = 2,
-                 cwt_config: CWTConfig | Mapping[str, Any] | None = None,
-                 model_config: ModelConfig | Mapping[str, Any] | None = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        *,
+        name: str = "cwt",
+        min_clients: int = 2,
+        cwt_config: CWTConfig | Mapping[str, Any] | None = None,
+        model_config: ModelConfig | Mapping[str, Any] | None = None,
+        **settings: Any,
+    ) -> None:
         job, rest = JobSettings.split({"name": name, "min_clients": min_clients, **settings})
         given = {"cwt_config": cwt_config, "model_config": model_config, "analytic_sender_id": job.sender_id, **rest}
         args = controller_args(CyclicWeightTransfer, given, {"cwt_config": CWTConfig, "model_config": ModelConfig})
@@ -406,17 +470,33 @@ class FedFewRecipe(CxrflRecipe):
     executor = FedFewExecutor
     tasks = FEDFEW_TASKS
 
-    def __init__(self, *, name: str = "fedfew", min_clients: int = 2, min_results: int = 1,
-                 sites: Sequence[str] = DEMO_SITES, fedfew_config: FedFewConfig | Mapping[str, Any] | None = None,
-                 model_config: ModelConfig | Mapping[str, Any] | None = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        *,
+        name: str = "fedfew",
+        min_clients: int = 2,
+        min_results: int = 1,
+        sites: Sequence[str] = DEMO_SITES,
+        fedfew_config: FedFewConfig | Mapping[str, Any] | None = None,
+        model_config: ModelConfig | Mapping[str, Any] | None = None,
+        **settings: Any,
+    ) -> None:
         job, rest = JobSettings.split({"name": name, "min_clients": min_clients, "sites": tuple(sites), **settings})
         if not job.sites:
-            raise ConfigError(f"{name}: name the sites (sites=[...]): FedFew's server config must reach the server "
-                              "only, and an unnamed set of sites gets the server's app too (NVFlare's @ALL)")
-        given = {"fedfew_config": fedfew_config, "model_config": model_config, "min_clients": min_results,
-                 "analytic_sender_id": job.sender_id, **rest}
-        args = controller_args(FedFew, given, {"fedfew_config": FedFewConfig, "model_config": ModelConfig},
-                               skip=("resume",))
+            raise ConfigError(
+                f"{name}: name the sites (sites=[...]): FedFew's server config must reach the server "
+                "only, and an unnamed set of sites gets the server's app too (NVFlare's @ALL)"
+            )
+        given = {
+            "fedfew_config": fedfew_config,
+            "model_config": model_config,
+            "min_clients": min_results,
+            "analytic_sender_id": job.sender_id,
+            **rest,
+        }
+        args = controller_args(
+            FedFew, given, {"fedfew_config": FedFewConfig, "model_config": ModelConfig}, skip=("resume",)
+        )
         super().__init__(job, FedFew, args)
 
 
@@ -440,14 +520,25 @@ class FedEvalRecipe(CxrflRecipe):
     executor = SiteExecutor
     tasks = EVALUATION_TASKS
 
-    def __init__(self, *, model: str | Path, name: str = "fedeval", min_clients: int = 2,
-                 sites: Sequence[str] = DEMO_SITES, fedeval_config: FedEvalConfig | Mapping[str, Any] | None = None,
-                 ship_model: bool = True, **settings: Any) -> None:
-        job, rest = JobSettings.split({"name": name, "min_clients": min_clients, "sites": tuple(sites),
-                                       "tracking": (), **settings})
+    def __init__(
+        self,
+        *,
+        model: str | Path,
+        name: str = "fedeval",
+        min_clients: int = 2,
+        sites: Sequence[str] = DEMO_SITES,
+        fedeval_config: FedEvalConfig | Mapping[str, Any] | None = None,
+        ship_model: bool = True,
+        **settings: Any,
+    ) -> None:
+        job, rest = JobSettings.split(
+            {"name": name, "min_clients": min_clients, "sites": tuple(sites), "tracking": (), **settings}
+        )
         if not job.sites:
-            raise ConfigError(f"{name}: name the sites (sites=[...]): the model must reach the server only, and "
-                              "an unnamed set of sites gets the server's app too (NVFlare's @ALL)")
+            raise ConfigError(
+                f"{name}: name the sites (sites=[...]): the model must reach the server only, and "
+                "an unnamed set of sites gets the server's app too (NVFlare's @ALL)"
+            )
         path = Path(model)
         if ship_model and not path.is_file():
             raise ConfigError(f"{name}: model {str(model)!r} is not a file; give the checkpoint to evaluate")
@@ -462,20 +553,36 @@ def add_run_arguments(parser: Any) -> None:
     Args:
         parser: an ``argparse.ArgumentParser``.
     """
-    parser.add_argument("--tracking", default=("tensorboard",),
-                        type=lambda text: tuple(t for t in text.split(",") if t),
-                        help="comma-separated trackers of " + ", ".join(TRACKERS) + " ('' for none)")
-    parser.add_argument("--tracking_uri", default=None,
-                        help="MLflow tracking server (default: an SQLite file mlflow.db in the job's server folder)")
+    parser.add_argument(
+        "--tracking",
+        default=("tensorboard",),
+        type=lambda text: tuple(t for t in text.split(",") if t),
+        help="comma-separated trackers of " + ", ".join(TRACKERS) + " ('' for none)",
+    )
+    parser.add_argument(
+        "--tracking_uri",
+        default=None,
+        help="MLflow tracking server (default: an SQLite file mlflow.db in the job's server folder)",
+    )
     parser.add_argument("--num_threads", type=int, default=1, help="CPU threads per site (0: all it is given)")
     env = parser.add_argument_group("where to run")
-    env.add_argument("--env", choices=("sim", "poc", "prod"), default="sim",
-                     help="simulator (default), a local POC federation, or a provisioned deployment")
-    env.add_argument("--n_clients", type=int, default=2,
-                     help="sites to simulate (site-1, site-2, ...: the embedded demo hospitals) or to start in POC")
-    env.add_argument("--clients", default=None,
-                     help="comma-separated site names instead "
-                          "(data: $CXRFL_SITE_CONFIG_DIR/<site>.yaml or site_configs/)")
+    env.add_argument(
+        "--env",
+        choices=("sim", "poc", "prod"),
+        default="sim",
+        help="simulator (default), a local POC federation, or a provisioned deployment",
+    )
+    env.add_argument(
+        "--n_clients",
+        type=int,
+        default=2,
+        help="sites to simulate (site-1, site-2, ...: the embedded demo hospitals) or to start in POC",
+    )
+    env.add_argument(
+        "--clients",
+        default=None,
+        help="comma-separated site names instead (data: $CXRFL_SITE_CONFIG_DIR/<site>.yaml or site_configs/)",
+    )
     env.add_argument("--threads", type=int, default=None, help="simulator threads (default: one per site)")
     env.add_argument("--workspace", default="/tmp/nvflare/simulation", help="simulator workspace root")
     env.add_argument("--startup_kit", default=None, help="prod: the admin's startup kit folder")
@@ -492,8 +599,12 @@ def env_from_args(args: Any) -> Any:
 
     clients = [c for c in (args.clients or "").split(",") if c] or None
     if args.env == "sim":
-        return SimEnv(num_clients=0 if clients else args.n_clients, clients=clients, num_threads=args.threads,
-                      workspace_root=args.workspace)
+        return SimEnv(
+            num_clients=0 if clients else args.n_clients,
+            clients=clients,
+            num_threads=args.threads,
+            workspace_root=args.workspace,
+        )
     if args.env == "poc":
         return PocEnv(num_clients=len(clients) if clients else args.n_clients, clients=clients, username=args.username)
     if not args.startup_kit:

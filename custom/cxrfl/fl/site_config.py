@@ -39,7 +39,10 @@ def resolve_site_config(site: str, local_dir: str | Path | None = None, *, simul
         return Path(env), f"${SITE_CONFIG_ENV}"
     if local_dir and (Path(local_dir) / LOCAL_CONFIG_NAME).is_file():
         return Path(local_dir) / LOCAL_CONFIG_NAME, "the site's local/ folder"
-    for folder, how in ((os.environ.get(SITE_CONFIG_DIR_ENV), f"${SITE_CONFIG_DIR_ENV}"), ("site_configs", "site_configs/")):
+    for folder, how in (
+        (os.environ.get(SITE_CONFIG_DIR_ENV), f"${SITE_CONFIG_DIR_ENV}"),
+        ("site_configs", "site_configs/"),
+    ):
         if folder and (Path(folder) / f"{site}.yaml").is_file():
             return (Path(folder) / f"{site}.yaml").resolve(), how
     if not simulator:

@@ -69,15 +69,31 @@ class SurgicalAggregation(TaskController):
         analytic_sender_id: str = "analytic_sender",
     ) -> None:
         super().__init__(task_timeout=task_timeout, analytic_sender_id=analytic_sender_id)
-        self.config = SurgicalConfig.from_dict({
-            "num_rounds": num_rounds, "min_clients": min_clients, "model_config": model_config,
-            "train_config": train_config, "batchnorm": batchnorm, "weighting": weighting, "robust": robust,
-            "clip_norm": clip_norm, "max_num_samples": max_num_samples, "patience": patience, "min_delta": min_delta,
-            "min_clients_timeout": min_clients_timeout, "resume_from": resume_from, "seed": seed,
-            "evaluate_test": evaluate_test, "external_test": external_test,
-            "keep_round_checkpoints": keep_round_checkpoints, "head_mode": head_mode, "missing": missing,
-            "retry_pause": retry_pause,
-        }, where="the SurgicalAggregation arguments of the job's server config")
+        self.config = SurgicalConfig.from_dict(
+            {
+                "num_rounds": num_rounds,
+                "min_clients": min_clients,
+                "model_config": model_config,
+                "train_config": train_config,
+                "batchnorm": batchnorm,
+                "weighting": weighting,
+                "robust": robust,
+                "clip_norm": clip_norm,
+                "max_num_samples": max_num_samples,
+                "patience": patience,
+                "min_delta": min_delta,
+                "min_clients_timeout": min_clients_timeout,
+                "resume_from": resume_from,
+                "seed": seed,
+                "evaluate_test": evaluate_test,
+                "external_test": external_test,
+                "keep_round_checkpoints": keep_round_checkpoints,
+                "head_mode": head_mode,
+                "missing": missing,
+                "retry_pause": retry_pause,
+            },
+            where="the SurgicalAggregation arguments of the job's server config",
+        )
 
     @property
     def discloses_class_names(self) -> bool:

@@ -29,7 +29,11 @@ class MLflowReceiver(NVFlareMLflowReceiver):
         if fl_ctx.get_process_type() != ProcessType.SERVER_JOB:
             return
         server = fl_ctx.get_identity_name()
-        self._mlflow_setup(self._get_artifact_location(self.artifact_location, fl_ctx),
-                           self.kw_args.get(TrackConst.EXPERIMENT_NAME, "FLARE FL Experiment"),
-                           self._get_tags(TrackConst.EXPERIMENT_TAGS, kwargs=self.kw_args), [server], fl_ctx)
+        self._mlflow_setup(
+            self._get_artifact_location(self.artifact_location, fl_ctx),
+            self.kw_args.get(TrackConst.EXPERIMENT_NAME, "FLARE FL Experiment"),
+            self._get_tags(TrackConst.EXPERIMENT_TAGS, kwargs=self.kw_args),
+            [server],
+            fl_ctx,
+        )
         self._init_buffer([server])

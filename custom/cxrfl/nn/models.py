@@ -147,8 +147,11 @@ def build_model(config: ModelConfig, num_classes: int) -> CXRNet:
 
 
 def _load_pretrained_backbone(model: CXRNet, path: Path) -> None:
-    obj = torch_load(path, "pretrained checkpoint (model.pretrained)",
-                     "give a DenseNet121 state_dict or a cxrfl checkpoint saved with torch.save")
+    obj = torch_load(
+        path,
+        "pretrained checkpoint (model.pretrained)",
+        "give a DenseNet121 state_dict or a cxrfl checkpoint saved with torch.save",
+    )
     if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):
         obj = obj["model"]  # cxrfl checkpoint or NVFlare persistor layout
     elif isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
@@ -293,9 +296,7 @@ def select_device(requested: str = "auto") -> torch.device:
 
 
 def _cpu_state_dict(model_or_state_dict: nn.Module | Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    state = (
-        model_or_state_dict.state_dict() if isinstance(model_or_state_dict, nn.Module) else model_or_state_dict
-    )
+    state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, nn.Module) else model_or_state_dict
     out: dict[str, torch.Tensor] = {}
     for k, v in state.items():
         if isinstance(v, np.ndarray):
@@ -397,8 +398,9 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
             not finite (the message names the file).
     """
     path = Path(path)
-    obj = torch_load(path, "checkpoint", "give a cxrfl checkpoint (FL_global_model.pt, best_FL_global_model.pt)",
-                     map_location)
+    obj = torch_load(
+        path, "checkpoint", "give a cxrfl checkpoint (FL_global_model.pt, best_FL_global_model.pt)", map_location
+    )
     if not isinstance(obj, dict) or not isinstance(obj.get("model"), Mapping):
         keys = sorted(map(str, obj))[:8] if isinstance(obj, Mapping) else type(obj).__name__
         raise ConfigError(f"{path} is not a cxrfl checkpoint: no 'model' state_dict (found {keys})")

@@ -39,8 +39,13 @@ CHANNELS_LAST = ("auto", True, False)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _WARNED: set[str] = set()
 
-LEGACY_AMP = {"amp": LegacyKey(bool, lambda on: {"precision": "auto" if on else "fp32"},
-                               "write precision: auto (was amp: true) or fp32 (was amp: false)")}
+LEGACY_AMP = {
+    "amp": LegacyKey(
+        bool,
+        lambda on: {"precision": "auto" if on else "fp32"},
+        "write precision: auto (was amp: true) or fp32 (was amp: false)",
+    )
+}
 """The ``amp`` key of configs exported before ``precision`` (``LEGACY`` of the training configs)."""
 
 

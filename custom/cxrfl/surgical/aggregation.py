@@ -88,10 +88,12 @@ def check_options(weighting: str, batchnorm: str, robust: str | None, clip_norm:
         raise ValueError("robust='median' is an unweighted median; use weighting='uniform'")
     if robust is None and clip_norm is not None:
         raise ValueError("clip_norm is only used with robust='clip' or robust='median'")
-    if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
-                                  or not 0 < clip_norm < math.inf):
-        raise ValueError(f"clip_norm must be a positive number or null (the median norm of each round's "
-                         f"updates), got {clip_norm!r}")
+    if clip_norm is not None and (
+        isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or not 0 < clip_norm < math.inf
+    ):
+        raise ValueError(
+            f"clip_norm must be a positive number or null (the median norm of each round's updates), got {clip_norm!r}"
+        )
 
 
 def _site_weights(parsed: Sequence[ParsedUpdate], weighting: str) -> list[float]:
@@ -159,8 +161,9 @@ def _mean_body(
     bad = first_nonfinite((k, out[k]) for k in floats)
     if bad is not None:
         _raise_for_bad_key(bad, parsed)
-    return {k: (out[k] if running.dtype(k).is_floating_point else torch.round(out[k])).to(running.dtype(k))
-            for k in keys}
+    return {
+        k: (out[k] if running.dtype(k).is_floating_point else torch.round(out[k])).to(running.dtype(k)) for k in keys
+    }
 
 
 def _median_body(parsed: Sequence[ParsedUpdate], keys: Sequence[str]) -> dict[str, np.ndarray]:
@@ -199,8 +202,9 @@ def _aggregate_head(
     bound = clip_norm
     if robust is not None and bound is None:  # ADAPTIVE: the median norm of every row sent this round
         refs = ref_rows or {}
-        bound = _lower_median([float(torch.linalg.vector_norm(r - refs.get(c, zero)))
-                               for c in global_classes for _, r in rows[c]])
+        bound = _lower_median(
+            [float(torch.linalg.vector_norm(r - refs.get(c, zero))) for c in global_classes for _, r in rows[c]]
+        )
     merged = torch.empty(len(global_classes), n_in + 1, dtype=torch.float64)
     for i, c in enumerate(global_classes):
         contrib = rows[c]
@@ -261,8 +265,15 @@ def _reference_tensors(
     return body, {c: rows[i] for i, c in enumerate(classes)}
 
 
-def _parse_all(updates: Iterable[Mapping[str, Any]], *, head_prefix: str, order: list[str] | None,
-               check_finite: bool, drop: frozenset[str], dtypes: Mapping[str, str]) -> list[ParsedUpdate]:
+def _parse_all(
+    updates: Iterable[Mapping[str, Any]],
+    *,
+    head_prefix: str,
+    order: list[str] | None,
+    check_finite: bool,
+    drop: frozenset[str],
+    dtypes: Mapping[str, str],
+) -> list[ParsedUpdate]:
     """Every update checked against ``dtypes`` and the first one's shapes and dtypes; one update per site."""
     updates = updates if isinstance(updates, Sequence) else list(updates)
     if not updates:
@@ -270,8 +281,15 @@ def _parse_all(updates: Iterable[Mapping[str, Any]], *, head_prefix: str, order:
     parsed: list[ParsedUpdate] = []
     expected: dict[str, tuple[int, ...]] | None = None
     for update in updates:
-        p = parse_update(update, expected_shapes=expected, head_prefix=head_prefix, announced_classes=order,
-                         check_finite=check_finite, drop=drop, dtypes=dtypes)
+        p = parse_update(
+            update,
+            expected_shapes=expected,
+            head_prefix=head_prefix,
+            announced_classes=order,
+            check_finite=check_finite,
+            drop=drop,
+            dtypes=dtypes,
+        )
         if p.site in {q.site for q in parsed}:
             raise UpdateRejected(f"site {p.site}: sent more than one update this round")
         parsed.append(p)
@@ -348,8 +366,9 @@ def surgical_aggregate(
         raise ValueError(f"bn_keys may not include head parameters: {head_bn}")
     drop = frozenset(bn_keys) if batchnorm != "fedavg" else frozenset()
     order = unique_names(classes, "classes") if classes is not None else None
-    parsed = _parse_all(updates, head_prefix=head_prefix, order=order, check_finite=robust == "median", drop=drop,
-                        dtypes=ref_dtypes)
+    parsed = _parse_all(
+        updates, head_prefix=head_prefix, order=order, check_finite=robust == "median", drop=drop, dtypes=ref_dtypes
+    )
     few = robust == "median" and len(parsed) < MEDIAN_MIN_SITES  # the feature extractor is clipped instead
     if few and reference is None:
         raise ValueError(f"robust='median' over fewer than {MEDIAN_MIN_SITES} updates clips them: pass reference=")
@@ -358,16 +377,31 @@ def surgical_aggregate(
     wkey, bkey = head_prefix + "weight", head_prefix + "bias"
     keys = [k for k in parsed[0].params if not k.startswith(head_prefix)]
     weights = _site_weights(parsed, weighting)
-    summed = running is not None and running.usable and robust is None and running.added == list(
-        zip((p.site for p in parsed), weights))
+    summed = (
+        running is not None
+        and running.usable
+        and robust is None
+        and running.added == list(zip((p.site for p in parsed), weights))
+    )
     if not keys and running is not None and running.keys:  # feature extractors summed as they arrived, dropped
         if not summed:
-            raise ValueError("the updates' feature extractors were dropped, but the running sum is not theirs "
-                             "(other sites, weights or a robust mode)")
+            raise ValueError(
+                "the updates' feature extractors were dropped, but the running sum is not theirs "
+                "(other sites, weights or a robust mode)"
+            )
         keys = list(running.keys)
-    ref_body, ref_rows = ({}, None) if reference is None else _reference_tensors(
-        reference, expected, global_classes if order is not None or robust is not None else None, head_prefix,
-        for_clip=robust == "clip" or few, need_head=order is not None)
+    ref_body, ref_rows = (
+        ({}, None)
+        if reference is None
+        else _reference_tensors(
+            reference,
+            expected,
+            global_classes if order is not None or robust is not None else None,
+            head_prefix,
+            for_clip=robust == "clip" or few,
+            need_head=order is not None,
+        )
+    )
 
     body: Mapping[str, Array]
     if robust == "median" and not few:
@@ -375,8 +409,9 @@ def surgical_aggregate(
     else:
         fits = summed and running.keys == keys
         body = _mean_body(parsed, keys, weights, ref_body or None, clip_norm, running if fits else None)
-    head_w, head_b = _aggregate_head(parsed, global_classes, weights, head_prefix=head_prefix, robust=robust,
-                                     clip_norm=clip_norm, ref_rows=ref_rows)
+    head_w, head_b = _aggregate_head(
+        parsed, global_classes, weights, head_prefix=head_prefix, robust=robust, clip_norm=clip_norm, ref_rows=ref_rows
+    )
     numpy_out = isinstance(parsed[0].params[wkey], np.ndarray)
     result: dict[str, Array] = {}
     for k in [*(k for k in keys if k not in parsed[0].params), *parsed[0].params]:
@@ -421,7 +456,11 @@ def aggregate(
     if reference is not None:
         kwargs["reference"] = with_placeholder_head(drop_head(reference, head_prefix), head_prefix)
     wrapped = [
-        {**u, "classes": [PLACEHOLDER_CLASS], "params": with_placeholder_head(drop_head(u["params"], head_prefix), head_prefix)}
+        {
+            **u,
+            "classes": [PLACEHOLDER_CLASS],
+            "params": with_placeholder_head(drop_head(u["params"], head_prefix), head_prefix),
+        }
         for u in updates
     ]
     params, _ = surgical_aggregate(wrapped, head_prefix=head_prefix, **kwargs)

@@ -108,16 +108,21 @@ class SurgicalConfig(Config):
         except ValueError as exc:
             raise ConfigError(f"{self.SECTION}: {exc}") from None
         if self.batchnorm == "fedbn+" and not self.model_config.pretrained:
-            self.fail("batchnorm", "'fedbn+' freezes BatchNorm at the statistics of a pretrained feature extractor, but "
-                                   "model_config.pretrained is null (from scratch they would be torch's initial mean 0 / "
-                                   "variance 1): set model_config.pretrained to a local checkpoint (e.g. ImageNet "
-                                   "DenseNet121 weights), or use batchnorm 'fedbn' or 'fedavg' from scratch")
+            self.fail(
+                "batchnorm",
+                "'fedbn+' freezes BatchNorm at the statistics of a pretrained feature extractor, but "
+                "model_config.pretrained is null (from scratch they would be torch's initial mean 0 / "
+                "variance 1): set model_config.pretrained to a local checkpoint (e.g. ImageNet "
+                "DenseNet121 weights), or use batchnorm 'fedbn' or 'fedavg' from scratch",
+            )
 
     def rate_warning(self) -> str | None:
         """One line when the network trains from scratch at a fine-tuning rate (None otherwise)."""
         lr = self.train_config.lr
         if self.model_config.pretrained or lr > FINE_TUNING_LR:
             return None
-        return (f"train_config.lr={lr:g} is a fine-tuning rate (the papers' 5e-5 is for ImageNet-initialised networks) but "
-                f"model_config.pretrained is null (from scratch): expect little learning; use lr {FROM_SCRATCH_LR:g} "
-                f"(Adam, measured to learn from scratch) or a local pretrained checkpoint")
+        return (
+            f"train_config.lr={lr:g} is a fine-tuning rate (the papers' 5e-5 is for ImageNet-initialised networks) but "
+            f"model_config.pretrained is null (from scratch): expect little learning; use lr {FROM_SCRATCH_LR:g} "
+            f"(Adam, measured to learn from scratch) or a local pretrained checkpoint"
+        )

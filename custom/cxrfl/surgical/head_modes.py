@@ -48,8 +48,11 @@ def check_modes(head_mode: str, missing: str, batchnorm: str = "fedavg") -> None
         missing: one of :data:`MISSING_POLICIES`.
         batchnorm: one of :data:`BATCHNORM_MODES`.
     """
-    for name, value, allowed in (("head_mode", head_mode, HEAD_MODES), ("missing", missing, MISSING_POLICIES),
-                                 ("batchnorm", batchnorm, BATCHNORM_MODES)):
+    for name, value, allowed in (
+        ("head_mode", head_mode, HEAD_MODES),
+        ("missing", missing, MISSING_POLICIES),
+        ("batchnorm", batchnorm, BATCHNORM_MODES),
+    ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 

@@ -86,8 +86,11 @@ class LearnerSettings:
             batchnorm=str(meta.get("batchnorm", "fedavg")),
             head_mode=str(meta.get("head_mode", "surgical")),
             missing=str(meta.get("missing", "negative")),
-            run_key=plain_name(meta.get("run_key") or "run", "run_key",
-                               "the server sent a run key that is not a plain name; this site refuses the task"),
+            run_key=plain_name(
+                meta.get("run_key") or "run",
+                "run_key",
+                "the server sent a run key that is not a plain name; this site refuses the task",
+            ),
         )
 
 
@@ -135,9 +138,16 @@ class SurgicalSiteHost:
 
     tasks: tuple[str, ...] = (*TASKS, CLASSES)
 
-    def __init__(self, data: SiteData, state_root: str | Path, *, device: torch.device | None = None,
-                 num_workers: int = 0, warmups: Warmups | None = None,
-                 train_overrides: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        data: SiteData,
+        state_root: str | Path,
+        *,
+        device: torch.device | None = None,
+        num_workers: int = 0,
+        warmups: Warmups | None = None,
+        train_overrides: Mapping[str, Any] | None = None,
+    ) -> None:
         self.data = data
         self.state_root = Path(state_root)
         self.device = device or torch.device("cpu")
@@ -159,9 +169,15 @@ class SurgicalSiteHost:
             if not state_dir.is_dir():
                 prune_states(self.state_root, KEEP_STATES - 1)
             self.learner = SiteLearner(
-                self.data, state_dir, model_config=settings.model_config, train_config=settings.train_config,
-                batchnorm=settings.batchnorm, device=self.device, num_workers=self.num_workers,
-                head_mode=settings.head_mode, missing=settings.missing,
+                self.data,
+                state_dir,
+                model_config=settings.model_config,
+                train_config=settings.train_config,
+                batchnorm=settings.batchnorm,
+                device=self.device,
+                num_workers=self.num_workers,
+                head_mode=settings.head_mode,
+                missing=settings.missing,
             )
             self.settings = settings
         return self.learner
@@ -184,18 +200,31 @@ class SurgicalSiteHost:
         learner = self.learner_for(meta)
         if task == TRAIN:
             update = self._train(learner, dict(params), meta)
-            return update.params, {"classes": update.classes, "num_samples": update.num_samples, "metrics": update.metrics}
+            return update.params, {
+                "classes": update.classes,
+                "num_samples": update.num_samples,
+                "metrics": update.metrics,
+            }
         if task == VALIDATE:
-            metrics = learner.evaluate_params(dict(params), str(meta.get("split", "test")), classes=meta.get("classes"),
-                                              model_round=meta.get("model_round"), keep_rounds=meta.get("keep_rounds") or (),
-                                              counts=meta.get("counts"))
+            metrics = learner.evaluate_params(
+                dict(params),
+                str(meta.get("split", "test")),
+                classes=meta.get("classes"),
+                model_round=meta.get("model_round"),
+                keep_rounds=meta.get("keep_rounds") or (),
+                counts=meta.get("counts"),
+            )
             return {}, {"classes": list(learner.classes), "metrics": metrics}
         raise ValueError(f"unknown surgical-aggregation task {task!r}")
 
     def _train(self, learner: SiteLearner, params: dict[str, Any], meta: Mapping[str, Any]) -> SiteUpdate:
         if meta.get("phase") != "warmup":
-            return learner.train_round(params, int(meta.get("round", 1)), classes=meta.get("classes"),
-                                       keep_rounds=meta.get("keep_rounds") or ())
+            return learner.train_round(
+                params,
+                int(meta.get("round", 1)),
+                classes=meta.get("classes"),
+                keep_rounds=meta.get("keep_rounds") or (),
+            )
         if self.warmups is None:
             return learner.warmup(params)
         key = self.warmups.key(self.data.site, params, self.settings)
@@ -215,8 +244,12 @@ class SurgicalSiteHost:
             meta: a ``validate`` task's meta.
         """
         learner = self.learner_for(meta)
-        learner.receive(dict(params), meta.get("classes"), model_round=meta.get("model_round"),
-                        keep_rounds=meta.get("keep_rounds") or ())
+        learner.receive(
+            dict(params),
+            meta.get("classes"),
+            model_round=meta.get("model_round"),
+            keep_rounds=meta.get("keep_rounds") or (),
+        )
         return {k: v.detach().cpu().clone() for k, v in learner.model.state_dict().items()}
 
     def describe(self, task: str, meta: Mapping[str, Any], answer: Mapping[str, Any]) -> str | None:
@@ -225,11 +258,15 @@ class SurgicalSiteHost:
         if task == CLASSES:
             return None
         if task == TRAIN:
-            return (f"site {self.data.site} {m.get('phase', meta.get('phase'))} round {meta.get('round', 0)}: "
-                    f"train_loss {_fmt(m.get('train_loss'))} val_loss {_fmt(m.get('val_loss'))} "
-                    f"val_AUROC {_fmt(m.get('val_mean_auroc'))} time {_fmt(m.get('seconds'), 1)}s")
-        return (f"site {self.data.site} {m.get('split', meta.get('split'))} (model of round {meta.get('model_round')}): "
-                f"loss {_fmt(m.get('loss'))} mean AUROC {_fmt(m.get('mean_auroc'))} time {_fmt(m.get('seconds'), 1)}s")
+            return (
+                f"site {self.data.site} {m.get('phase', meta.get('phase'))} round {meta.get('round', 0)}: "
+                f"train_loss {_fmt(m.get('train_loss'))} val_loss {_fmt(m.get('val_loss'))} "
+                f"val_AUROC {_fmt(m.get('val_mean_auroc'))} time {_fmt(m.get('seconds'), 1)}s"
+            )
+        return (
+            f"site {self.data.site} {m.get('split', meta.get('split'))} (model of round {meta.get('model_round')}): "
+            f"loss {_fmt(m.get('loss'))} mean AUROC {_fmt(m.get('mean_auroc'))} time {_fmt(m.get('seconds'), 1)}s"
+        )
 
     def scalars(self, task: str, answer: Mapping[str, Any]) -> tuple[dict[str, float], int] | None:
         """Training and validation metrics per round (``train`` tasks only): the losses, the mean
@@ -251,8 +288,11 @@ def prune_states(root: Path, keep: int) -> None:
     """
     if not root.is_dir():
         return
-    runs = sorted((p for p in root.iterdir() if p.is_dir() and p.name != IMAGE_CACHE),  # the site's image cache stays
-                  key=lambda p: p.stat().st_mtime, reverse=True)
+    runs = sorted(
+        (p for p in root.iterdir() if p.is_dir() and p.name != IMAGE_CACHE),  # the site's image cache stays
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
     for old in runs[keep:]:
         shutil.rmtree(old, ignore_errors=True)
 

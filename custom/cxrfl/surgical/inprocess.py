@@ -117,9 +117,14 @@ def _metered(send: Send, comm: dict[str, dict[str, int]], speeds: list[float]) -
     return wrapped
 
 
-def make_hosts(sites: Sequence[SiteData], state_root: str | Path, *, warmups: Warmups | None = None,
-               train_overrides: Mapping[str, Mapping[str, Any]] | None = None,
-               device: torch.device | None = None) -> dict[str, SurgicalSiteHost]:
+def make_hosts(
+    sites: Sequence[SiteData],
+    state_root: str | Path,
+    *,
+    warmups: Warmups | None = None,
+    train_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    device: torch.device | None = None,
+) -> dict[str, SurgicalSiteHost]:
     """One host per site, keeping its state under ``state_root/<site>``.
 
     Args:
@@ -129,15 +134,31 @@ def make_hosts(sites: Sequence[SiteData], state_root: str | Path, *, warmups: Wa
         train_overrides: site -> train settings it replaces (e.g. a step cap).
         device: torch device of the sites.
     """
-    return {d.site: SurgicalSiteHost(d, Path(state_root) / d.site, device=device, warmups=warmups,
-                                     train_overrides=(train_overrides or {}).get(d.site)) for d in sites}
+    return {
+        d.site: SurgicalSiteHost(
+            d,
+            Path(state_root) / d.site,
+            device=device,
+            warmups=warmups,
+            train_overrides=(train_overrides or {}).get(d.site),
+        )
+        for d in sites
+    }
 
 
-def run_surgical(sites: Sequence[SiteData] | Mapping[str, SiteHost], config: SurgicalConfig, out_dir: str | Path, *,
-                 run_id: str = "run", warmups: Warmups | None = None,
-                 train_overrides: Mapping[str, Mapping[str, Any]] | None = None, device: torch.device | None = None,
-                 info: Callable[[str], None] = log.info, warning: Callable[[str], None] = log.warning,
-                 aborted: Callable[[], bool] = lambda: False) -> InProcessResult:
+def run_surgical(
+    sites: Sequence[SiteData] | Mapping[str, SiteHost],
+    config: SurgicalConfig,
+    out_dir: str | Path,
+    *,
+    run_id: str = "run",
+    warmups: Warmups | None = None,
+    train_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    device: torch.device | None = None,
+    info: Callable[[str], None] = log.info,
+    warning: Callable[[str], None] = log.warning,
+    aborted: Callable[[], bool] = lambda: False,
+) -> InProcessResult:
     """Run the surgical-aggregation server over in-process sites.
 
     Args:
@@ -157,20 +178,32 @@ def run_surgical(sites: Sequence[SiteData] | Mapping[str, SiteHost], config: Sur
         RunAborted: ``aborted`` said so.
     """
     start = time.perf_counter()
-    hosts = dict(sites) if isinstance(sites, Mapping) else make_hosts(
-        sites, Path(out_dir) / "sites", warmups=warmups, train_overrides=train_overrides, device=device)
+    hosts = (
+        dict(sites)
+        if isinstance(sites, Mapping)
+        else make_hosts(sites, Path(out_dir) / "sites", warmups=warmups, train_overrides=train_overrides, device=device)
+    )
     comm: dict[str, dict[str, int]] = {}
     speeds: list[float] = []
     send = _metered(inprocess_transport(hosts, warning=warning, info=info), comm, speeds)
-    server = SurgicalServer(send, config=config, sites=list(hosts), out_dir=out_dir, run_id=run_id,
-                            info=info, warning=warning, aborted=aborted)
+    server = SurgicalServer(
+        send,
+        config=config,
+        sites=list(hosts),
+        out_dir=out_dir,
+        run_id=run_id,
+        info=info,
+        warning=warning,
+        aborted=aborted,
+    )
     outcome = server.run()
     site_states = None
     if config.head_mode == "local" or config.batchnorm == "fedbn":  # the sites' own heads or BatchNorm
         messages = server.messages(server.state, outcome.best_params, split="test", model_round=outcome.best_round)
         site_states = {s: hosts[s].model_state(*messages[s]) for s in messages}
-    return InProcessResult(outcome, site_states, time.perf_counter() - start,
-                           float(np.mean(speeds)) if speeds else 0.0, comm)
+    return InProcessResult(
+        outcome, site_states, time.perf_counter() - start, float(np.mean(speeds)) if speeds else 0.0, comm
+    )
 
 
 def global_model(result: InProcessResult, model_config: ModelConfig) -> torch.nn.Module:

@@ -29,8 +29,13 @@ def waiting_sites(sites: Sequence[str], announced: Mapping[str, Sequence[str]]) 
     return [s for s in sites if s not in announced]
 
 
-def add_classes(params: Mapping[str, Any], classes: Sequence[str], joined_params: Mapping[str, Any],
-                joined_classes: Sequence[str], head_prefix: str = HEAD_PREFIX) -> tuple[dict[str, Any], list[str], list[str]]:
+def add_classes(
+    params: Mapping[str, Any],
+    classes: Sequence[str],
+    joined_params: Mapping[str, Any],
+    joined_classes: Sequence[str],
+    head_prefix: str = HEAD_PREFIX,
+) -> tuple[dict[str, Any], list[str], list[str]]:
     """The global model with the joiners' new classes appended to its head.
 
     Args:

@@ -211,7 +211,9 @@ class SiteLearner:
         if missing or len(set(classes)) != len(classes):
             raise ValueError(f"site {self.data.site}: the union head must hold each own class once; lacks {missing}")
         old = self.model.classifier
-        self.model.classifier = torch.nn.Linear(old.in_features, len(classes)).to(device=old.weight.device, dtype=old.weight.dtype)
+        self.model.classifier = torch.nn.Linear(old.in_features, len(classes)).to(
+            device=old.weight.device, dtype=old.weight.dtype
+        )
         self.model.num_classes = len(classes)
         self.classes = classes
         self._loaders.clear()
@@ -335,8 +337,13 @@ class SiteLearner:
         best, best_state, last = float("inf"), None, None
         for epoch in range(tc.warmup_epochs):
             last = train_epochs(
-                self.model, train_loader, opt, self.compute, max_steps=tc.max_steps_per_epoch,
-                desc=f"{self.data.site} warm-up {epoch + 1}/{tc.warmup_epochs}", train_mode=False,
+                self.model,
+                train_loader,
+                opt,
+                self.compute,
+                max_steps=tc.max_steps_per_epoch,
+                desc=f"{self.data.site} warm-up {epoch + 1}/{tc.warmup_epochs}",
+                train_mode=False,
             )
             val = self.validate("val")
             if np.isfinite(val.loss) and val.loss < best:
@@ -377,8 +384,9 @@ class SiteLearner:
         """A copy of the full model state (what :meth:`adopt_warmup` takes)."""
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
-    def train_round(self, params: dict[str, Any], round_num: int, classes: list[str] | None = None,
-                    keep_rounds: Iterable[int] = ()) -> SiteUpdate:
+    def train_round(
+        self, params: dict[str, Any], round_num: int, classes: list[str] | None = None, keep_rounds: Iterable[int] = ()
+    ) -> SiteUpdate:
         """One federated round: evaluate the received global model (the model of round
         ``round_num - 1``), then train locally.
 
@@ -397,8 +405,13 @@ class SiteLearner:
         opt = adam(self.model, tc.lr, tc.weight_decay)
         self._restore_optimizer(opt, round_num)
         stats = train_epochs(
-            self.model, self.train_loader(round_num), opt, self.compute, epochs=tc.local_epochs,
-            max_steps=tc.max_steps_per_epoch, desc=f"{self.data.site} round {round_num}",
+            self.model,
+            self.train_loader(round_num),
+            opt,
+            self.compute,
+            epochs=tc.local_epochs,
+            max_steps=tc.max_steps_per_epoch,
+            desc=f"{self.data.site} round {round_num}",
         )
         self._store_optimizer(opt, round_num)
         metrics = {
@@ -431,8 +444,9 @@ class SiteLearner:
         except ConfigError as exc:
             log.warning("%s", exc)
         except (ValueError, KeyError):
-            log.warning("site %s: stored optimizer state %s does not fit the model; starting afresh",
-                        self.data.site, path)
+            log.warning(
+                "site %s: stored optimizer state %s does not fit the model; starting afresh", self.data.site, path
+            )
 
     def _store_optimizer(self, opt: torch.optim.Optimizer, round_num: int) -> None:
         """Save the optimizer state after ``round_num``; keep it and the latest earlier one only.
@@ -452,12 +466,22 @@ class SiteLearner:
                 raise ValueError(f"site {self.data.site}: a union head needs the class order of the received head")
             self.set_head_classes(list(classes))
         elif classes is not None and list(classes) != self.classes:
-            raise ValueError(f"site {self.data.site}: received a head for other classes than its own ({self.head_mode} head)")
+            raise ValueError(
+                f"site {self.data.site}: received a head for other classes than its own ({self.head_mode} head)"
+            )
         if self.head_mode == "local" and any(self._is_head(k) for k in params):
-            raise ValueError(f"site {self.data.site}: personalized (local) heads are never received, but head rows arrived")
+            raise ValueError(
+                f"site {self.data.site}: personalized (local) heads are never received, but head rows arrived"
+            )
 
-    def receive(self, params: dict[str, Any], classes: list[str] | None = None, *, model_round: int | None = None,
-                keep_rounds: Iterable[int] = ()) -> None:
+    def receive(
+        self,
+        params: dict[str, Any],
+        classes: list[str] | None = None,
+        *,
+        model_round: int | None = None,
+        keep_rounds: Iterable[int] = (),
+    ) -> None:
         """Load a received model; with ``model_round``, the site's own parts of that round.
 
         The first time a model round is received its local parts (head in ``local`` mode,
@@ -488,12 +512,22 @@ class SiteLearner:
     def local_keys(self) -> set[str]:
         """The state entries that never travel: the head in ``local`` mode, BatchNorm under FedBN."""
         state = self.model.state_dict()
-        return {k for k in state if (self.head_mode == "local" and self._is_head(k))
-                or (self.batchnorm == "fedbn" and k in self.bn_keys)}
+        return {
+            k
+            for k in state
+            if (self.head_mode == "local" and self._is_head(k)) or (self.batchnorm == "fedbn" and k in self.bn_keys)
+        }
 
-    def evaluate_params(self, params: dict[str, Any], split: str, classes: list[str] | None = None, *,
-                        model_round: int | None = None, keep_rounds: Iterable[int] = (),
-                        counts: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def evaluate_params(
+        self,
+        params: dict[str, Any],
+        split: str,
+        classes: list[str] | None = None,
+        *,
+        model_round: int | None = None,
+        keep_rounds: Iterable[int] = (),
+        counts: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Evaluate received parameters on one split.
 
         Args:
@@ -508,8 +542,14 @@ class SiteLearner:
         start = time.perf_counter()
         self.receive(params, classes, model_round=model_round, keep_rounds=keep_rounds)
         res = self.validate(split)
-        out = {"split": split, "loss": res.loss, "auroc": res.aurocs, "mean_auroc": res.mean_auroc,
-               "n": len(res.y_true), "seconds": time.perf_counter() - start}
+        out = {
+            "split": split,
+            "loss": res.loss,
+            "auroc": res.aurocs,
+            "mean_auroc": res.mean_auroc,
+            "n": len(res.y_true),
+            "seconds": time.perf_counter() - start,
+        }
         if counts is not None:
             labels = np.where(res.mask > 0, res.y_true, np.nan)
             out["counts"] = count_classes(res.scores, labels, res.classes or list(self.classes), counts)

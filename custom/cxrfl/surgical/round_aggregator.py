@@ -79,10 +79,19 @@ class RoundAggregator:
         warning: where each rejection line goes.
     """
 
-    def __init__(self, *, weighting: str = "uniform", batchnorm: str = "fedavg", bn_keys: Sequence[str] = (),
-                 robust: str | None = None, clip_norm: float | None = None, head_mode: str = "surgical",
-                 head_prefix: str = HEAD_PREFIX, max_num_samples: int = MAX_NUM_SAMPLES,
-                 warning: Callable[[str], None] = log.warning) -> None:
+    def __init__(
+        self,
+        *,
+        weighting: str = "uniform",
+        batchnorm: str = "fedavg",
+        bn_keys: Sequence[str] = (),
+        robust: str | None = None,
+        clip_norm: float | None = None,
+        head_mode: str = "surgical",
+        head_prefix: str = HEAD_PREFIX,
+        max_num_samples: int = MAX_NUM_SAMPLES,
+        warning: Callable[[str], None] = log.warning,
+    ) -> None:
         check_options(weighting, batchnorm, robust, clip_norm)
         check_modes(head_mode, "negative", batchnorm)
         self.weighting = weighting
@@ -103,8 +112,13 @@ class RoundAggregator:
         self.updates: list[dict[str, Any]] = []
         self.running: RunningSum | None = None  # the plain mean's sum, fed at accept time
 
-    def expect(self, shapes: Mapping[str, Sequence[int]] | None, announced: Mapping[str, Sequence[str]] | None = None,
-               classes: Sequence[str] | None = None, reference: Mapping[str, Array] | None = None) -> None:
+    def expect(
+        self,
+        shapes: Mapping[str, Sequence[int]] | None,
+        announced: Mapping[str, Sequence[str]] | None = None,
+        classes: Sequence[str] | None = None,
+        reference: Mapping[str, Array] | None = None,
+    ) -> None:
         """Set what valid results look like for the next aggregation (and forget earlier results).
 
         Args:
@@ -146,9 +160,14 @@ class RoundAggregator:
         update["params"] = update.get("params") or {}
         streaming = self.robust is None  # the plain mean: sum while checking, each array read once
         try:  # the whole update is checked before any of it is summed
-            validate_update(update, expected_shapes=self.expected_shapes, head_prefix=self.head_prefix,
-                            announced_classes=self.announced.get(site) if self.announced else None,
-                            check_finite=not streaming, dtypes=self.dtypes)
+            validate_update(
+                update,
+                expected_shapes=self.expected_shapes,
+                head_prefix=self.head_prefix,
+                announced_classes=self.announced.get(site) if self.announced else None,
+                check_finite=not streaming,
+                dtypes=self.dtypes,
+            )
             self.counts.check(site, update["num_samples"])
             if streaming:
                 self._add_checked(update)
@@ -175,7 +194,11 @@ class RoundAggregator:
         if running.usable and running.keys != keys:  # no expected shapes given: aggregation will say why
             running.usable = False
         weight = float(update["num_samples"]) if self.weighting == "samples" else 1.0
-        bad = running.add(update["site"], params, weight, check_finite=True) if running.usable else first_nonfinite(params.items())
+        bad = (
+            running.add(update["site"], params, weight, check_finite=True)
+            if running.usable
+            else first_nonfinite(params.items())
+        )
         if bad is not None:
             raise UpdateRejected(f"site {update['site']}: non-finite values (NaN or Inf) in {bad!r}")
 
@@ -204,9 +227,16 @@ class RoundAggregator:
             if not self.updates:
                 raise UpdateRejected("no valid site result to aggregate")
             params, classes = surgical_aggregate(
-                self.updates, head_prefix=self.head_prefix, classes=self.classes, weighting=self.weighting,
-                batchnorm=self.batchnorm, bn_keys=self.bn_keys, robust=self.robust, clip_norm=self.clip_norm,
-                reference=self.reference, running=self.running,
+                self.updates,
+                head_prefix=self.head_prefix,
+                classes=self.classes,
+                weighting=self.weighting,
+                batchnorm=self.batchnorm,
+                bn_keys=self.bn_keys,
+                robust=self.robust,
+                clip_norm=self.clip_norm,
+                reference=self.reference,
+                running=self.running,
             )
             if self.head_mode == "local":
                 return RoundResult(drop_head(params, self.head_prefix), [], {}, sorted(self.accepted_sites))

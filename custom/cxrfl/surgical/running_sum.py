@@ -57,8 +57,15 @@ class RunningSum:
         self._items = items
         self._dtypes = {k: t.dtype for k, t in firsts.items()}
 
-    def add(self, site: str, params: Mapping[str, Array], weight: float, *, int_weight: float | None = None,
-            check_finite: bool = False) -> str | None:
+    def add(
+        self,
+        site: str,
+        params: Mapping[str, Array],
+        weight: float,
+        *,
+        int_weight: float | None = None,
+        check_finite: bool = False,
+    ) -> str | None:
         """Add ``weight`` x the update's arrays (``int_weight`` for integer buffers, default ``weight``).
 
         With ``check_finite``, every array of ``params`` (head and keys not summed included) is
@@ -77,7 +84,9 @@ class RunningSum:
             if first_nonfinite(rest) is not None:
                 return first_nonfinite(params.items())
         xs = [_flat([params[k] for k in ks]) if flat else as_tensor(params[ks[0]]) for ks, flat, _ in self._items]
-        if check_finite and any(is_float and not math.isfinite(float(x.sum())) for (_, _, is_float), x in zip(self._items, xs)):
+        if check_finite and any(
+            is_float and not math.isfinite(float(x.sum())) for (_, _, is_float), x in zip(self._items, xs)
+        ):
             bad = first_nonfinite(params.items())  # exact, in order (the sum may just overflow)
             if bad is not None:
                 return bad

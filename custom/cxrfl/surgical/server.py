@@ -131,8 +131,10 @@ class SurgicalServer(ServerLoop):
             RunAborted: told to stop; nothing more is written.
         """
         cfg = self.config
-        self.info(f"surgical aggregation: up to {cfg.num_rounds} rounds, batchnorm={cfg.batchnorm}, "
-                  f"head_mode={cfg.head_mode}, missing={cfg.missing}, {len(self.sites)} site(s)")
+        self.info(
+            f"surgical aggregation: up to {cfg.num_rounds} rounds, batchnorm={cfg.batchnorm}, "
+            f"head_mode={cfg.head_mode}, missing={cfg.missing}, {len(self.sites)} site(s)"
+        )
         if cfg.rate_warning():
             self.warning(cfg.rate_warning())
         self.write_run_config(cfg.to_dict())
@@ -144,11 +146,21 @@ class SurgicalServer(ServerLoop):
         if not stopped:
             self._validate_last(state)
         best_round, best_params = self._selected(state)
-        self.info(f"global model: {self.path(GLOBAL_MODEL)}; selected model (round {best_round}): {self.path(BEST_MODEL)}")
+        self.info(
+            f"global model: {self.path(GLOBAL_MODEL)}; selected model (round {best_round}): {self.path(BEST_MODEL)}"
+        )
         evaluation = self._evaluate(state, best_round, best_params)
         self.resume.clear()  # finished: nothing to resume
-        return SurgicalOutcome(list(state.classes), {s: list(c) for s, c in state.announced.items()}, best_round,
-                               best_params, state.round, stopped, list(state.curve), evaluation)
+        return SurgicalOutcome(
+            list(state.classes),
+            {s: list(c) for s, c in state.announced.items()},
+            best_round,
+            best_params,
+            state.round,
+            stopped,
+            list(state.curve),
+            evaluation,
+        )
 
     def _prepare(self) -> None:
         """The initial feature extractor (seeded), BatchNorm keys, expected shapes, the aggregator."""
@@ -159,9 +171,16 @@ class SurgicalServer(ServerLoop):
         self.init_params = {k: v for k, v in to_numpy(init.state_dict()).items() if not k.startswith(HEAD_PREFIX)}
         local_bn = cfg.batchnorm != "fedavg"
         self.expected = {k: tuple(v.shape) for k, v in self.init_params.items() if not (local_bn and k in self.bn_keys)}
-        self.aggregator = RoundAggregator(weighting=cfg.weighting, batchnorm=cfg.batchnorm, bn_keys=sorted(self.bn_keys),
-                                          robust=cfg.robust, clip_norm=cfg.clip_norm, head_mode=cfg.head_mode,
-                                          max_num_samples=cfg.max_num_samples, warning=self.warning)
+        self.aggregator = RoundAggregator(
+            weighting=cfg.weighting,
+            batchnorm=cfg.batchnorm,
+            bn_keys=sorted(self.bn_keys),
+            robust=cfg.robust,
+            clip_norm=cfg.clip_norm,
+            head_mode=cfg.head_mode,
+            max_num_samples=cfg.max_num_samples,
+            warning=self.warning,
+        )
 
     # ----------------------------------------------------------- messages
     def task_meta(self, run_key: str, **extra: Any) -> dict[str, Any]:
@@ -172,9 +191,15 @@ class SurgicalServer(ServerLoop):
             extra: task-specific entries.
         """
         cfg = self.config
-        return {"model_config": self.site_model.to_dict(), "train_config": cfg.train_config.to_dict(),
-                "batchnorm": cfg.batchnorm, "head_mode": cfg.head_mode, "missing": cfg.missing, "run_key": run_key,
-                **extra}
+        return {
+            "model_config": self.site_model.to_dict(),
+            "train_config": cfg.train_config.to_dict(),
+            "batchnorm": cfg.batchnorm,
+            "head_mode": cfg.head_mode,
+            "missing": cfg.missing,
+            "run_key": run_key,
+            **extra,
+        }
 
     def messages(self, state: RunState, params: Mapping[str, Any], **extra: Any) -> dict[str, Message]:
         """One message per site of the run: its part of ``params`` and the task meta.
@@ -189,8 +214,10 @@ class SurgicalServer(ServerLoop):
         out = {}
         for site, own in state.announced.items():
             sent, classes = payload_for(params, state.classes, own, head_mode=self.config.head_mode, exclude=exclude)
-            out[site] = (sent, self.task_meta(state.run_key, classes=classes,
-                                              keep_rounds=[] if best is None else [best], **extra))
+            out[site] = (
+                sent,
+                self.task_meta(state.run_key, classes=classes, keep_rounds=[] if best is None else [best], **extra),
+            )
         return out
 
     # ---------------------------------------------------------- warm-up
@@ -204,22 +231,36 @@ class SurgicalServer(ServerLoop):
         answers = self.exchange(TRAIN, {s: (dict(self.init_params), meta) for s in self.sites}, on_answer=self._accept)
         self.check_abort()
         result, rejected = self._finish()
-        record = {**self._round_record(0, "warmup", self.sites, answers, result, rejected),
-                  "seconds": time.perf_counter() - start}
+        record = {
+            **self._round_record(0, "warmup", self.sites, answers, result, rejected),
+            "seconds": time.perf_counter() - start,
+        }
         self.record(record)
         if result is None:
-            reason = (f"stopping: the head warm-up produced fewer than min_clients={self.config.min_clients} valid "
-                      f"results (answered {record['sites_answered']}, failed {record['sites_failed']}, rejected "
-                      f"{rejected}); see the sites' logs")
+            reason = (
+                f"stopping: the head warm-up produced fewer than min_clients={self.config.min_clients} valid "
+                f"results (answered {record['sites_answered']}, failed {record['sites_failed']}, rejected "
+                f"{rejected}); see the sites' logs"
+            )
             self.record({"round": 0, "phase": "stopped", "reason": reason})
             raise RunStopped(reason)
         announced = {s: list(answers[s][1]["classes"]) for s in result.sites}
-        state = RunState(0, {**self.init_params, **result.params}, list(result.classes), announced,
-                         EarlyStopping(self.config.patience, self.config.min_delta), None, [], self.run_id)
+        state = RunState(
+            0,
+            {**self.init_params, **result.params},
+            list(result.classes),
+            announced,
+            EarlyStopping(self.config.patience, self.config.min_delta),
+            None,
+            [],
+            self.run_id,
+        )
         self._save_model(GLOBAL_MODEL, state.params, state.classes, round=0)
         self.resume.save({**state.to_dict(), "settings": self.config.to_dict()})
-        self.info(f"warm-up: {len(announced)} of {len(self.sites)} site(s) announced their classes "
-                  f"({time.perf_counter() - start:.1f}s)")
+        self.info(
+            f"warm-up: {len(announced)} of {len(self.sites)} site(s) announced their classes "
+            f"({time.perf_counter() - start:.1f}s)"
+        )
         return state
 
     def _resume(self) -> RunState:
@@ -229,12 +270,19 @@ class SurgicalServer(ServerLoop):
         except ConfigError as exc:
             raise RunStopped(str(exc)) from None
         state = RunState.from_dict(saved)
-        self.record({"round": state.round, "phase": "resumed", "resumed_from": self.resume_from, "run_key": state.run_key})
+        self.record(
+            {"round": state.round, "phase": "resumed", "resumed_from": self.resume_from, "run_key": state.run_key}
+        )
         self.info(f"resumed {self.resume_from} after its round {state.round}: continuing with round {state.round + 1}")
         self._save_model(GLOBAL_MODEL, state.params, state.classes, round=state.round)
         if state.best_params is not None:
-            self._save_model(BEST_MODEL, state.best_params, state.classes, round=state.stopper.best_step,
-                             mean_val_loss=state.stopper.best)
+            self._save_model(
+                BEST_MODEL,
+                state.best_params,
+                state.classes,
+                round=state.stopper.best_step,
+                mean_val_loss=state.stopper.best,
+            )
         return state
 
     def _join(self, state: RunState, rnd: int, waiting: Sequence[str], answers: Mapping[str, Message]) -> None:
@@ -248,18 +296,30 @@ class SurgicalServer(ServerLoop):
         added: list[str] = []
         if joined:
             if self.config.head_mode != "local":
-                state.params, state.classes, added = add_classes(state.params, state.classes, result.params,
-                                                                 result.classes)
+                state.params, state.classes, added = add_classes(
+                    state.params, state.classes, result.params, result.classes
+                )
             state.announced.update(joined)
             state.joined.update({s: rnd for s in joined})
             state.stopper, state.best_params = EarlyStopping(self.config.patience, self.config.min_delta), None
             self._save_model(GLOBAL_MODEL, state.params, state.classes, round=state.round)
             self.resume.save({**state.to_dict(), "settings": self.config.to_dict()})
-            self.info(f"round {rnd}: site(s) {sorted(joined)} joined late with their warm-up; {len(added)} new class(es) "
-                      f"in the global head (now {len(state.classes)}); model selection starts again")
-        self.record({"round": rnd, "phase": "join", "sites_asked": list(waiting), "sites_answered": sorted(answers),
-                     "sites_failed": sorted(set(waiting) - set(answers)), "joined": sorted(joined),
-                     "new_classes": added, "rejected": rejected})
+            self.info(
+                f"round {rnd}: site(s) {sorted(joined)} joined late with their warm-up; {len(added)} new class(es) "
+                f"in the global head (now {len(state.classes)}); model selection starts again"
+            )
+        self.record(
+            {
+                "round": rnd,
+                "phase": "join",
+                "sites_asked": list(waiting),
+                "sites_answered": sorted(answers),
+                "sites_failed": sorted(set(waiting) - set(answers)),
+                "joined": sorted(joined),
+                "new_classes": added,
+                "rejected": rejected,
+            }
+        )
 
     # ----------------------------------------------------------- rounds
     def _rounds(self, state: RunState) -> bool:
@@ -275,13 +335,16 @@ class SurgicalServer(ServerLoop):
             self.clock.succeeded()
             rnd += 1
         if state.stopper.should_stop:
-            self.info(f"early stop: no improvement of at least min_delta={self.config.min_delta:g} for "
-                      f"{state.stopper.stale} rounds (selected round {state.stopper.best_step})")
+            self.info(
+                f"early stop: no improvement of at least min_delta={self.config.min_delta:g} for "
+                f"{state.stopper.stale} rounds (selected round {state.stopper.best_step})"
+            )
             return True
         return False
 
-    def _round(self, state: RunState, rnd: int, waiting: Sequence[str] = (), joins: dict[str, Message] | None = None
-               ) -> dict[str, Any]:
+    def _round(
+        self, state: RunState, rnd: int, waiting: Sequence[str] = (), joins: dict[str, Message] | None = None
+    ) -> dict[str, Any]:
         """One attempt at round ``rnd``; returns its record (``aggregated``: it completed). The sites
         in ``waiting`` get the head warm-up on the same feature extractor in the same exchange; their
         answers go to ``joins``."""
@@ -304,21 +367,28 @@ class SurgicalServer(ServerLoop):
         self.check_abort()  # aborted mid-round: the round is not recorded, nothing is written
         result, rejected = self._finish()
         point = self.curve_point(rnd - 1, answers, "val_loss", "val_mean_auroc")
-        record = {**self._round_record(rnd, "train", list(state.announced), answers, result, rejected),
-                  "evaluated_round": rnd - 1, "mean_val_loss": point["mean_val_loss"],
-                  "mean_val_auroc": point["mean_val_auroc"]}
+        record = {
+            **self._round_record(rnd, "train", list(state.announced), answers, result, rejected),
+            "evaluated_round": rnd - 1,
+            "mean_val_loss": point["mean_val_loss"],
+            "mean_val_auroc": point["mean_val_auroc"],
+        }
         if result is not None:
             state.params.update(result.params)
             state.round = rnd
             self._save_model(GLOBAL_MODEL, state.params, state.classes, round=rnd)
             if self.config.keep_round_checkpoints:
-                self._save_model(f"{RECORDS_DIR}/{CHECKPOINTS}/round_{rnd:03d}.pt", state.params, state.classes, round=rnd)
+                self._save_model(
+                    f"{RECORDS_DIR}/{CHECKPOINTS}/round_{rnd:03d}.pt", state.params, state.classes, round=rnd
+                )
             self._consider(state, point, evaluated)
             self.resume.save({**state.to_dict(), "settings": self.config.to_dict()})
-            self.info(f"round {rnd}: {len(result.sites)} of {len(state.announced)} site(s) aggregated; model of round "
-                      f"{rnd - 1}: mean val loss {_fmt(point['mean_val_loss'])}, mean val AUROC "
-                      f"{_fmt(point['mean_val_auroc'])}; selected round {state.stopper.best_step} "
-                      f"({time.perf_counter() - start:.1f}s)")
+            self.info(
+                f"round {rnd}: {len(result.sites)} of {len(state.announced)} site(s) aggregated; model of round "
+                f"{rnd - 1}: mean val loss {_fmt(point['mean_val_loss'])}, mean val AUROC "
+                f"{_fmt(point['mean_val_auroc'])}; selected round {state.stopper.best_step} "
+                f"({time.perf_counter() - start:.1f}s)"
+            )
         record["seconds"] = time.perf_counter() - start
         self.record(record)  # after the resume state: a recorded round is a round a resumed run does not redo
         return record
@@ -328,20 +398,29 @@ class SurgicalServer(ServerLoop):
         waited = self.clock.failed()
         cfg = self.config
         if self.clock.expired:
-            reason = (f"stopping: round {rnd} had fewer than min_clients={cfg.min_clients} valid site results for "
-                      f"{waited:.0f}s (min_clients_timeout={cfg.min_clients_timeout:g}); answered "
-                      f"{record['sites_answered']}, failed {record['sites_failed']}, rejected {record['rejected']}. "
-                      f"The last completed round ({rnd - 1}) is in {self.path(GLOBAL_MODEL)}; resume with "
-                      f"resume_from={self.run_id!r} once enough sites are back")
+            reason = (
+                f"stopping: round {rnd} had fewer than min_clients={cfg.min_clients} valid site results for "
+                f"{waited:.0f}s (min_clients_timeout={cfg.min_clients_timeout:g}); answered "
+                f"{record['sites_answered']}, failed {record['sites_failed']}, rejected {record['rejected']}. "
+                f"The last completed round ({rnd - 1}) is in {self.path(GLOBAL_MODEL)}; resume with "
+                f"resume_from={self.run_id!r} once enough sites are back"
+            )
             self.record({"round": rnd, "phase": "stopped", "reason": reason})
             raise RunStopped(reason)
-        self.warning(f"round {rnd}: too few valid results; running it again in {cfg.retry_pause:g}s "
-                     f"({waited:.0f}s of min_clients_timeout={cfg.min_clients_timeout:g}s)")
+        self.warning(
+            f"round {rnd}: too few valid results; running it again in {cfg.retry_pause:g}s "
+            f"({waited:.0f}s of min_clients_timeout={cfg.min_clients_timeout:g}s)"
+        )
         self.clock.wait(self.aborted)
 
-    def _aggregate(self, answers: Mapping[str, Message], announced: Mapping[str, Sequence[str]] | None,
-                   classes: Sequence[str] | None, reference: Mapping[str, Any] | None, minimum: int | None = None
-                   ) -> tuple[RoundResult | None, dict[str, str]]:
+    def _aggregate(
+        self,
+        answers: Mapping[str, Message],
+        announced: Mapping[str, Sequence[str]] | None,
+        classes: Sequence[str] | None,
+        reference: Mapping[str, Any] | None,
+        minimum: int | None = None,
+    ) -> tuple[RoundResult | None, dict[str, str]]:
         """Validate and aggregate the answers; None when fewer than ``minimum`` (default
         ``min_clients``) are valid or the aggregation fails (an overflow, ...: a failed round, never a crash)."""
         self.aggregator.expect(self.expected, announced, classes, reference)
@@ -352,8 +431,9 @@ class SurgicalServer(ServerLoop):
     def _accept(self, site: str, answer: Message) -> None:
         """Hand one site's answer to the aggregator (validated; a rejection is one warning line)."""
         params, meta = answer
-        self.aggregator.accept({"site": site, "classes": meta.get("classes"), "params": params,
-                                "num_samples": meta.get("num_samples")})
+        self.aggregator.accept(
+            {"site": site, "classes": meta.get("classes"), "params": params, "num_samples": meta.get("num_samples")}
+        )
 
     def _finish(self, minimum: int | None = None) -> tuple[RoundResult | None, dict[str, str]]:
         """The aggregate of the accepted answers; None when fewer than ``minimum`` (default
@@ -362,8 +442,10 @@ class SurgicalServer(ServerLoop):
         agg = self.aggregator
         rejected = dict(agg.rejected)
         if len(agg.accepted_sites) < minimum:
-            self.warning(f"only {len(agg.accepted_sites)} valid result(s) (min_clients={minimum}); "
-                         "keeping the previous global model")
+            self.warning(
+                f"only {len(agg.accepted_sites)} valid result(s) (min_clients={minimum}); "
+                "keeping the previous global model"
+            )
             agg.reset()
             return None, rejected
         try:
@@ -386,16 +468,22 @@ class SurgicalServer(ServerLoop):
         metrics = {s: m.get("metrics") or {} for s, (_, m) in sorted(answers.items())}
         losses = {s: m.get(loss_key) for s, m in metrics.items()}
         aurocs = {s: m.get(auroc_key) for s, m in metrics.items()}
-        return {"round": model_round, "mean_val_loss": _mean(losses.values()), "mean_val_auroc": _mean(aurocs.values()),
-                "site_val_loss": losses, "site_val_auroc": aurocs}
+        return {
+            "round": model_round,
+            "mean_val_loss": _mean(losses.values()),
+            "mean_val_auroc": _mean(aurocs.values()),
+            "site_val_loss": losses,
+            "site_val_auroc": aurocs,
+        }
 
     def _consider(self, state: RunState, point: dict[str, Any], params: Mapping[str, Any]) -> None:
         """Score a model; keep it (and write ``best_FL_global_model.pt``) when it is the new best."""
         state.curve.append(point)
         if state.stopper.update(point["mean_val_loss"], point["round"]):
             state.best_params = dict(params)
-            self._save_model(BEST_MODEL, state.best_params, state.classes, round=point["round"],
-                             mean_val_loss=point["mean_val_loss"])
+            self._save_model(
+                BEST_MODEL, state.best_params, state.classes, round=point["round"], mean_val_loss=point["mean_val_loss"]
+            )
 
     def _validate_last(self, state: RunState) -> None:
         """Score the last aggregated model on the sites' validation splits (a run that did not stop
@@ -407,17 +495,29 @@ class SurgicalServer(ServerLoop):
         point = self.curve_point(state.round, answers, "loss", "mean_auroc")
         self._consider(state, point, state.params)
         self.resume.save({**state.to_dict(), "settings": self.config.to_dict()})
-        self.record({"round": state.round, "phase": "validate", "sites_answered": sorted(answers),
-                     "sites_failed": sorted(set(state.announced) - set(answers)), "evaluated_round": state.round,
-                     "mean_val_loss": point["mean_val_loss"], "mean_val_auroc": point["mean_val_auroc"],
-                     "site_metrics": {s: m.get("metrics") or {} for s, (_, m) in answers.items()}})
-        self.info(f"model of round {state.round}: mean val loss {_fmt(point['mean_val_loss'])}, mean val AUROC "
-                  f"{_fmt(point['mean_val_auroc'])}; selected round {state.stopper.best_step}")
+        self.record(
+            {
+                "round": state.round,
+                "phase": "validate",
+                "sites_answered": sorted(answers),
+                "sites_failed": sorted(set(state.announced) - set(answers)),
+                "evaluated_round": state.round,
+                "mean_val_loss": point["mean_val_loss"],
+                "mean_val_auroc": point["mean_val_auroc"],
+                "site_metrics": {s: m.get("metrics") or {} for s, (_, m) in answers.items()},
+            }
+        )
+        self.info(
+            f"model of round {state.round}: mean val loss {_fmt(point['mean_val_loss'])}, mean val AUROC "
+            f"{_fmt(point['mean_val_auroc'])}; selected round {state.stopper.best_step}"
+        )
 
     def _selected(self, state: RunState) -> tuple[int, dict[str, np.ndarray]]:
         """The selected round and model (the last one when no model had a finite validation loss)."""
         if state.best_params is None or state.stopper.best_step is None:
-            self.warning("no model had a finite mean validation loss; the last global model is kept as the selected one")
+            self.warning(
+                "no model had a finite mean validation loss; the last global model is kept as the selected one"
+            )
             self._save_model(BEST_MODEL, state.params, state.classes, round=state.round)
             return state.round, dict(state.params)
         return state.stopper.best_step, state.best_params
@@ -426,8 +526,13 @@ class SurgicalServer(ServerLoop):
     def _evaluate(self, state: RunState, best_round: int, best_params: Mapping[str, Any]) -> dict[str, Any]:
         """The selected model on the sites' test splits and the external set; ``cxrfl/evaluation.json``."""
         shared = shared_classes(state.announced)
-        report: dict[str, Any] = {"classes": state.classes, "shared_classes": shared, "best_round": best_round,
-                                  "sites": {}, "external": None}
+        report: dict[str, Any] = {
+            "classes": state.classes,
+            "shared_classes": shared,
+            "best_round": best_round,
+            "sites": {},
+            "external": None,
+        }
         if self.config.evaluate_test:
             answers = self.exchange(VALIDATE, self.messages(state, best_params, split="test", model_round=best_round))
             for site, (_, meta) in sorted(answers.items()):
@@ -462,13 +567,24 @@ class SurgicalServer(ServerLoop):
     def _save_model(self, name: str, params: Mapping[str, Any], classes: list[str], **extra: Any) -> Path:
         path = self.path(name)
         tensors = {k: torch.as_tensor(np.asarray(v)) for k, v in params.items()}
-        save_checkpoint(path, tensors, classes=classes, model_config=self.config.model_config,
-                        extra={"head_mode": self.config.head_mode, **extra})
+        save_checkpoint(
+            path,
+            tensors,
+            classes=classes,
+            model_config=self.config.model_config,
+            extra={"head_mode": self.config.head_mode, **extra},
+        )
         return path
 
     @staticmethod
-    def _round_record(rnd: int, phase: str, sent: Sequence[str], answers: Mapping[str, Message],
-                      result: RoundResult | None, rejected: Mapping[str, str]) -> dict[str, Any]:
+    def _round_record(
+        rnd: int,
+        phase: str,
+        sent: Sequence[str],
+        answers: Mapping[str, Message],
+        result: RoundResult | None,
+        rejected: Mapping[str, str],
+    ) -> dict[str, Any]:
         return {
             "round": rnd,
             "phase": phase,

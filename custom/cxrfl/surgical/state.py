@@ -46,9 +46,17 @@ class RunState:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for the resume store."""
-        return {"round": self.round, "params": self.params, "classes": self.classes, "announced": self.announced,
-                "stopper": self.stopper.to_dict(), "best_params": self.best_params, "curve": self.curve,
-                "run_key": self.run_key, "joined": self.joined}
+        return {
+            "round": self.round,
+            "params": self.params,
+            "classes": self.classes,
+            "announced": self.announced,
+            "stopper": self.stopper.to_dict(),
+            "best_params": self.best_params,
+            "curve": self.curve,
+            "run_key": self.run_key,
+            "joined": self.joined,
+        }
 
     @classmethod
     def from_dict(cls, saved: Mapping[str, Any]) -> RunState:
@@ -58,7 +66,14 @@ class RunState:
             saved: the loaded resume state.
         """
         best = saved.get("best_params")
-        return cls(int(saved["round"]), to_numpy(saved["params"]), list(saved["classes"]), dict(saved["announced"]),
-                   EarlyStopping.from_dict(saved["stopper"]), None if best is None else to_numpy(best),
-                   list(saved.get("curve") or []),
-                   str(saved["run_key"]), dict(saved.get("joined") or {}))
+        return cls(
+            int(saved["round"]),
+            to_numpy(saved["params"]),
+            list(saved["classes"]),
+            dict(saved["announced"]),
+            EarlyStopping.from_dict(saved["stopper"]),
+            None if best is None else to_numpy(best),
+            list(saved.get("curve") or []),
+            str(saved["run_key"]),
+            dict(saved.get("joined") or {}),
+        )

@@ -46,6 +46,7 @@ MAX_NUM_SAMPLES = 10_000_000
 COUNT_TOLERANCE = 0.01
 """Relative change of a site's ``num_samples`` from its first report that is still accepted (splits are fixed)."""
 
+
 @dataclass(frozen=True)
 class ParsedUpdate:
     """One site's update after :func:`parse_update`: checked, its parameters without dropped keys."""
@@ -233,8 +234,14 @@ def _classes(classes: Any, announced: Sequence[str] | None) -> list[str]:
     return classes
 
 
-def _params(raw: Any, n_classes: int, expected_shapes: Mapping[str, tuple[int, ...]] | None, head_prefix: str,
-            drop: frozenset[str], dtypes: Mapping[str, str]) -> dict[str, Array]:
+def _params(
+    raw: Any,
+    n_classes: int,
+    expected_shapes: Mapping[str, tuple[int, ...]] | None,
+    head_prefix: str,
+    drop: frozenset[str],
+    dtypes: Mapping[str, str],
+) -> dict[str, Array]:
     """The update's parameters without ``drop``, checked: names, value kinds and dtypes, shapes, one head row per
     class."""
     if not isinstance(raw, Mapping):

@@ -240,7 +240,9 @@ class Geometry:
         cx, cy, ax, ayt, ayb = self.lung_ellipse(s)
         r = self.lung_radius(s, x, y)
         lateral = soft((1.0 - r) * np.where(y < cy, min(ax, ayt), ax), edge)
-        return lateral * soft(self.dome(s, x) - y, edge) * soft(s * (x - self.a.med_shift) - self.medial(s, y), 1.5 * edge)
+        return (
+            lateral * soft(self.dome(s, x) - y, edge) * soft(s * (x - self.a.med_shift) - self.medial(s, y), 1.5 * edge)
+        )
 
     def hilum(self, s: int) -> tuple[float, float]:
         """Position of the hilum of side ``s``."""
@@ -251,7 +253,9 @@ class Geometry:
         """Height at fraction ``frac`` of the way from apex (0) to dome (1)."""
         return self.a.apex_y + frac * self.height
 
-    def lung_point(self, s: int, rng: np.random.Generator, zone: tuple[float, float], lateral: tuple[float, float] = (0.0, 1.0)) -> tuple[float, float]:
+    def lung_point(
+        self, s: int, rng: np.random.Generator, zone: tuple[float, float], lateral: tuple[float, float] = (0.0, 1.0)
+    ) -> tuple[float, float]:
         """A random point well inside lung ``s``.
 
         Args:
@@ -456,7 +460,9 @@ def vessel_segments(geo: Geometry, seed: int) -> tuple[Array, Array, Array, Arra
     for s in SIDES:
         hx, hy = geo.hilum(s)
         angles = np.deg2rad(np.array([-80.0, -45.0, -12.0, 22.0, 55.0, 85.0]) + rng.normal(0, 6, 6))
-        pos = np.stack([hx + s * rng.uniform(-0.02, 0.03, 6), hy + np.array([-0.07, -0.04, -0.01, 0.02, 0.05, 0.07]) * scale], 1)
+        pos = np.stack(
+            [hx + s * rng.uniform(-0.02, 0.03, 6), hy + np.array([-0.07, -0.04, -0.01, 0.02, 0.05, 0.07]) * scale], 1
+        )
         length = rng.uniform(0.13, 0.19, 6) * scale
         width = np.full(6, 0.024)
         for level in range(7):

@@ -24,12 +24,27 @@ import numpy as np
 from cxrfl.data.labels import KNOWN_CLASSES, NIH_CLASSES
 from cxrfl.synth import _nih_stats
 
-EXTRA_CLASSES = ("Enlarged Cardiomediastinum", "Fracture", "Lung Lesion", "Lung Opacity", "Pleural Other", "Support Devices")
+EXTRA_CLASSES = (
+    "Enlarged Cardiomediastinum",
+    "Fracture",
+    "Lung Lesion",
+    "Lung Opacity",
+    "Pleural Other",
+    "Support Devices",
+)
 """The CheXpert findings NIH does not annotate; with NIH_CLASSES they make KNOWN_CLASSES."""
 
 _EXTRA_EFFECTS: dict[str, dict[str, float]] = {
-    "Support Devices": {"AP": 2.0, "supine": 0.7, "Pleural Effusion": 0.8, "Edema": 0.8, "Pneumothorax": 1.2,
-                        "Atelectasis": 0.6, "Consolidation": 0.5, "Cardiomegaly": 0.4},
+    "Support Devices": {
+        "AP": 2.0,
+        "supine": 0.7,
+        "Pleural Effusion": 0.8,
+        "Edema": 0.8,
+        "Pneumothorax": 1.2,
+        "Atelectasis": 0.6,
+        "Consolidation": 0.5,
+        "Cardiomegaly": 0.4,
+    },
     "Fracture": {"AP": 0.3, "Pneumothorax": 0.9, "Pleural Effusion": 0.3},
     "Enlarged Cardiomediastinum": {"AP": 0.5, "Edema": 0.4},
     "Lung Opacity": {"AP": 0.3},
@@ -39,7 +54,16 @@ _EXTRA_EFFECTS: dict[str, dict[str, float]] = {
 """Log-odds effects on each extra finding's own events; intercepts are fitted per site."""
 
 _PARENTS: dict[str, tuple[str, ...]] = {
-    "Lung Opacity": ("Atelectasis", "Consolidation", "Edema", "Fibrosis", "Infiltration", "Mass", "Nodule", "Pneumonia"),
+    "Lung Opacity": (
+        "Atelectasis",
+        "Consolidation",
+        "Edema",
+        "Fibrosis",
+        "Infiltration",
+        "Mass",
+        "Nodule",
+        "Pneumonia",
+    ),
     "Lung Lesion": ("Mass", "Nodule"),
     "Enlarged Cardiomediastinum": ("Cardiomegaly",),
     "Pleural Other": ("Pleural Thickening",),
@@ -65,14 +89,23 @@ class CaseMix:
     supine_fraction: float = 0.3
     prevalence: tuple[tuple[str, float], ...] = ()
     own_rates: tuple[tuple[str, float], ...] = (
-        ("Enlarged Cardiomediastinum", 0.02), ("Fracture", 0.03), ("Lung Lesion", 0.0),
-        ("Lung Opacity", 0.03), ("Pleural Other", 0.01), ("Support Devices", 0.2),
+        ("Enlarged Cardiomediastinum", 0.02),
+        ("Fracture", 0.03),
+        ("Lung Lesion", 0.0),
+        ("Lung Opacity", 0.03),
+        ("Pleural Other", 0.01),
+        ("Support Devices", 0.2),
     )
     severity: tuple[float, float] = (1.2, 1.6)
     persistence: float = 0.3
 
     @staticmethod
-    def make(ap_fraction: float, prevalence: Mapping[str, float] | None = None, own_rates: Mapping[str, float] | None = None, **kw: object) -> CaseMix:
+    def make(
+        ap_fraction: float,
+        prevalence: Mapping[str, float] | None = None,
+        own_rates: Mapping[str, float] | None = None,
+        **kw: object,
+    ) -> CaseMix:
         """Build a case mix from plain dicts (sorted into tuples so it hashes stably).
 
         Args:
@@ -89,7 +122,12 @@ class CaseMix:
         unknown = set(rates) - set(EXTRA_CLASSES)
         if unknown:
             raise ValueError(f"own_rates are for {', '.join(EXTRA_CLASSES)}; got {', '.join(sorted(unknown))}")
-        return CaseMix(ap_fraction, prevalence=tuple(sorted((prevalence or {}).items())), own_rates=tuple(sorted(rates.items())), **kw)  # type: ignore[arg-type]
+        return CaseMix(
+            ap_fraction,
+            prevalence=tuple(sorted((prevalence or {}).items())),
+            own_rates=tuple(sorted(rates.items())),
+            **kw,
+        )  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -230,7 +268,10 @@ def sample_cohort(mix: CaseMix, n_images: int, rng: np.random.Generator, lateral
     for i, (pat, study, view, sup, sex, age, _, copy) in enumerate(rows):
         prev = exams[-1] if exams and exams[-1].patient == pat else None
         if prev is not None and (copy or view == "LL" and prev.study == study):
-            findings = {c: float(np.clip(s + (0 if view == "LL" else rng.normal(0, 0.08)), 0.03, 1.0)) for c, s in prev.findings.items()}
+            findings = {
+                c: float(np.clip(s + (0 if view == "LL" else rng.normal(0, 0.08)), 0.03, 1.0))
+                for c, s in prev.findings.items()
+            }
         else:
             findings = {c: float(severity[i, j]) for j, c in enumerate(KNOWN_CLASSES) if present[c][i]}
         if view == "LL" and prev is not None:

@@ -21,7 +21,9 @@ def _offset(points: Array, d: float) -> Array:
     return points + d * np.stack([-tangent[:, 1], tangent[:, 0]], 1)
 
 
-def _tube(layer: Array, scene: Scene, control: list[tuple[float, float]], half: float, density: float, stripe: bool = True) -> None:
+def _tube(
+    layer: Array, scene: Scene, control: list[tuple[float, float]], half: float, density: float, stripe: bool = True
+) -> None:
     """A tube: two walls (and a radio-opaque stripe) along a Bezier curve."""
     pts = bezier(np.array(control), 80)
     for d in (-half, half):
@@ -54,7 +56,19 @@ def draw_device(scene: Scene, name: str, rng: np.random.Generator, tube_side: in
         _tube(layer, scene, [(mx + 0.06, top - 0.55), (mx + 0.01, top - 0.2), (mx * 0.7, tip)], 0.011, 2.0)
     elif name == "ng_tube":
         dome = geo.dome_y[1]
-        _line(layer, scene, [(mx + 0.03, top - 0.55), (mx + 0.02, ht), (mx + 0.05, dome + 0.05), (mx + 0.3, dome + 0.05), (mx + 0.28, dome + 0.18)], 0.007, 2.0)
+        _line(
+            layer,
+            scene,
+            [
+                (mx + 0.03, top - 0.55),
+                (mx + 0.02, ht),
+                (mx + 0.05, dome + 0.05),
+                (mx + 0.3, dome + 0.05),
+                (mx + 0.28, dome + 0.18),
+            ],
+            0.007,
+            2.0,
+        )
     elif name == "central_line":
         tip = (mx - 0.045, ht + rng.uniform(-0.02, 0.1))
         if rng.random() < 0.6:
@@ -66,7 +80,13 @@ def draw_device(scene: Scene, name: str, rng: np.random.Generator, tube_side: in
         s = -1 if rng.random() < 0.6 else 1
         px, py = mx + s * 0.35, top + 0.14
         layer += 0.7 * disc(scene.x, scene.y, px, py, 0.035, 0.03, scene.edge)
-        _line(layer, scene, [(px, py), (mx - 0.08, top + 0.05), (mx - 0.05, ht - 0.05), (mx - 0.045, ht + 0.05)], 0.005, 1.5)
+        _line(
+            layer,
+            scene,
+            [(px, py), (mx - 0.08, top + 0.05), (mx - 0.05, ht - 0.05), (mx - 0.045, ht + 0.05)],
+            0.005,
+            1.5,
+        )
     elif name == "pacemaker":
         s = 1 if rng.random() < 0.8 else -1
         bx, by = mx + s * 0.45, top + 0.12
@@ -85,7 +105,9 @@ def draw_device(scene: Scene, name: str, rng: np.random.Generator, tube_side: in
         for _ in range(int(rng.integers(3, 6))):
             ex = mx + rng.uniform(-1, 1) * a.lung_w * 1.05
             ey = geo.zone_y(rng.uniform(-0.1, 1.0))
-            ring = disc(scene.x, scene.y, ex, ey, 0.028, 0.028, scene.edge) - disc(scene.x, scene.y, ex, ey, 0.02, 0.02, scene.edge)
+            ring = disc(scene.x, scene.y, ex, ey, 0.028, 0.028, scene.edge) - disc(
+                scene.x, scene.y, ex, ey, 0.02, 0.02, scene.edge
+            )
             layer += 0.35 * np.clip(ring, 0, 1) + 1.2 * disc(scene.x, scene.y, ex, ey, 0.008, 0.008, scene.edge)
             end = (np.sign(ex - mx + 1e-9) * 1.4, ey + rng.uniform(-0.6, 0.6))
             mid = (0.5 * (ex + end[0]) + rng.normal(0, 0.2), 0.5 * (ey + end[1]) + rng.normal(0, 0.2))
@@ -93,7 +115,11 @@ def draw_device(scene: Scene, name: str, rng: np.random.Generator, tube_side: in
     elif name == "chest_tube":
         s = tube_side
         dome = geo.dome_y[0 if s < 0 else 1]
-        control = [(mx + s * (a.lung_w + 0.2), dome - 0.02), (mx + s * (a.lung_w - 0.02), dome - 0.12), (mx + s * 0.55 * a.lung_w, top + 0.12)]
+        control = [
+            (mx + s * (a.lung_w + 0.2), dome - 0.02),
+            (mx + s * (a.lung_w - 0.02), dome - 0.12),
+            (mx + s * 0.55 * a.lung_w, top + 0.12),
+        ]
         _tube(layer, scene, control, 0.014, 1.4)
     else:
         raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICES)}")

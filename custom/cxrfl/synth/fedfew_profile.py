@@ -38,8 +38,16 @@ UC_POSITIVES, UC_NEGATIVES = 20, 200
 
 CC_MIX = CaseMix.make(
     0.4,
-    {"Cardiomegaly": 0.06, "Emphysema": 0.04, "Fibrosis": 0.04, "Pleural Thickening": 0.04, "Pneumothorax": 0.05,
-     "Mass": 0.05, "Nodule": 0.06, "Consolidation": 0.05},
+    {
+        "Cardiomegaly": 0.06,
+        "Emphysema": 0.04,
+        "Fibrosis": 0.04,
+        "Pleural Thickening": 0.04,
+        "Pneumothorax": 0.05,
+        "Mass": 0.05,
+        "Nodule": 0.06,
+        "Consolidation": 0.05,
+    },
 )
 """NIH co-occurrence and view mix, the rarest CCs raised; the UCs keep NIH's own low rates."""
 
@@ -72,9 +80,7 @@ def fedfew_profile(n_cc: int = 400, name: str = "fedfew", n_test: int = 200, n_u
     cc_sites = tuple(csv_site(f"cc-{k}", FEDFEW_CCS, n_cc, "nih", CC_MIX) for k in (1, 2, 3))
     prevalence = UC_POSITIVES / (UC_POSITIVES + UC_NEGATIVES)
     n_uc = n_uc or UC_POSITIVES + UC_NEGATIVES
-    uc_sites = tuple(
-        csv_site(f"uc-{site_name(uc)}", (uc,), n_uc, "nih", uc_mix(uc, prevalence)) for uc in FEDFEW_UCS
-    )
+    uc_sites = tuple(csv_site(f"uc-{site_name(uc)}", (uc,), n_uc, "nih", uc_mix(uc, prevalence)) for uc in FEDFEW_UCS)
     test_sites = tuple(
         csv_site(f"test-{site_name(uc)}", NIH_CLASSES, n_test, "nih", uc_mix(uc, 0.5), role="test") for uc in FEDFEW_UCS
     )

@@ -72,8 +72,15 @@ def _side(rng: np.random.Generator) -> int:
 def _devices(sev: float, view: str, rng: np.random.Generator, effusion: bool, pneumothorax: bool) -> tuple[str, ...]:
     """Which support devices a patient has: bedside (AP) patients get ICU lines and tubes."""
     if view == "AP":
-        probs = {"ecg": 0.65, "et_tube": 0.4, "ng_tube": 0.35, "central_line": 0.5, "chest_tube": 0.15,
-                 "pacemaker": 0.1, "sternal_wires": 0.1}
+        probs = {
+            "ecg": 0.65,
+            "et_tube": 0.4,
+            "ng_tube": 0.35,
+            "central_line": 0.5,
+            "chest_tube": 0.15,
+            "pacemaker": 0.1,
+            "sternal_wires": 0.1,
+        }
         if effusion or pneumothorax:
             probs["chest_tube"] = 0.55
     else:
@@ -147,7 +154,9 @@ def adjust_anatomy(anat: Anatomy, findings: Mapping[str, float], plan: Plan) -> 
         )
     if "Fibrosis" in f:
         sev = f["Fibrosis"]
-        anat = anat.replace(dome_y=(anat.dome_y[0] - 0.05 * sev, anat.dome_y[1] - 0.05 * sev), lung_w=anat.lung_w - 0.02 * sev)
+        anat = anat.replace(
+            dome_y=(anat.dome_y[0] - 0.05 * sev, anat.dome_y[1] - 0.05 * sev), lung_w=anat.lung_w - 0.02 * sev
+        )
     if "Cardiomegaly" in f:
         sev = f["Cardiomegaly"]
         anat = anat.replace(ctr=0.48 + 0.2 * sev, heart_right=anat.heart_right + 0.03 * sev)
@@ -234,7 +243,10 @@ def _edema(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator) -> No
     for s in (-1, 1):
         hx, hy = scene.geo.hilum(s)
         sx, sy = 0.16 + 0.12 * sev, 0.2 + 0.12 * sev
-        haze += np.exp(-(((scene.x - hx - s * 0.04) / sx) ** 2) - ((scene.y - hy - 0.04) / sy) ** 2) * scene.lung[side_index(s)]
+        haze += (
+            np.exp(-(((scene.x - hx - s * 0.04) / sx) ** 2) - ((scene.y - hy - 0.04) / sy) ** 2)
+            * scene.lung[side_index(s)]
+        )
     _add_fill(scene, (0.08 + 0.5 * sev) * haze)
     scene.vessel_gain = scene.vessel_gain * (1.0 + 0.6 * sev * soft(scene.geo.hilum(-1)[1] - scene.y, 0.1))
     scene.vessels = blur(scene.vessels, 1.5 * sev * 0.012 / scene.px)
@@ -269,7 +281,9 @@ def _atelectasis(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator)
         wedge = _triangle(scene, (hx, hy - 0.02), tip, (a.med_shift + s * a.med_w, base_y + 0.05))
     else:
         top = geo.zone_y(0.02)
-        wedge = _triangle(scene, (hx, hy), (a.med_shift + s * a.med_w, top), (a.med_shift + s * a.lung_w * (0.4 + 0.4 * sev), top))
+        wedge = _triangle(
+            scene, (hx, hy), (a.med_shift + s * a.med_w, top), (a.med_shift + s * a.lung_w * (0.4 + 0.4 * sev), top)
+        )
     _add_fill(scene, (0.5 + 0.45 * sev) * wedge * scene.lung[side_index(s)])
 
 
@@ -293,7 +307,11 @@ def _nodule(scene: Scene, sev: float, rng: np.random.Generator, count: int) -> N
         cx, cy = scene.geo.lung_point(s, rng, (0.1, 0.9), (0.15, 0.9))
         r = 0.025 + 0.05 * (0.5 * rng.random() + 0.5 * sev)
         density = 0.15 + 0.4 * sev
-        scene.dense += density * np.sqrt(dome(scene.x, scene.y, cx, cy, r, r)) * soft(r - np.hypot(scene.x - cx, scene.y - cy), scene.edge)
+        scene.dense += (
+            density
+            * np.sqrt(dome(scene.x, scene.y, cx, cy, r, r))
+            * soft(r - np.hypot(scene.x - cx, scene.y - cy), scene.edge)
+        )
 
 
 def _nodules(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator) -> None:
@@ -396,7 +414,9 @@ def _fibrosis(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator) ->
     coarse = smooth_noise(rng, scene.x.shape, 7)
     fine = smooth_noise(rng, scene.x.shape, 20 * scene.x.shape[1] / 128)
     net = np.exp(-((fine / 0.45) ** 2))
-    weight = soft(scene.y - geo.zone_y(0.45 - 0.2 * sev), 0.1) * (0.35 + 0.65 * np.clip(np.abs(scene.x - a.med_shift) / a.lung_w, 0, 1))
+    weight = soft(scene.y - geo.zone_y(0.45 - 0.2 * sev), 0.1) * (
+        0.35 + 0.65 * np.clip(np.abs(scene.x - a.med_shift) / a.lung_w, 0, 1)
+    )
     weight = weight * soft(coarse + 0.8, 0.4)
     _add_fill(scene, (0.3 + 0.6 * sev) * net * weight * scene.lungs() + 0.15 * sev * weight * scene.lungs())
 
@@ -440,7 +460,9 @@ def _pleural_other(scene: Scene, sev: float, plan: Plan, rng: np.random.Generato
             x = a.med_shift + s * a.lung_w * rng.uniform(0.3, 0.7)
             y = float(geo.dome(s, np.array(x))) - 0.01
             ax, ay = 0.05 + 0.06 * sev, 0.014
-        plaque = disc(scene.x, scene.y, x, y, ax, ay, scene.edge) * soft(smooth_noise(rng, scene.x.shape, 30) + 0.6, 0.3)
+        plaque = disc(scene.x, scene.y, x, y, ax, ay, scene.edge) * soft(
+            smooth_noise(rng, scene.x.shape, 30) + 0.6, 0.3
+        )
         scene.dense += (0.25 + 0.4 * sev) * plaque
 
 
@@ -472,7 +494,10 @@ def _fracture(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator) ->
         br = plan.rib_breaks[0]
         _, y = rib_point(scene.geo, br.side, br.rib, br.u)
         wall = a.med_shift + br.side * a.lung_w
-        lens = disc(scene.x, scene.y, wall, y, 0.03 + 0.05 * sev, 0.08 + 0.06 * sev, 0.01) * scene.lung[side_index(br.side)]
+        lens = (
+            disc(scene.x, scene.y, wall, y, 0.03 + 0.05 * sev, 0.08 + 0.06 * sev, 0.01)
+            * scene.lung[side_index(br.side)]
+        )
         _add_fill(scene, (0.5 + 0.4 * sev) * lens)
 
 

@@ -129,8 +129,15 @@ class Profile:
 
 NIH_MIX = CaseMix.make(
     0.4,
-    {"Hernia": 0.03, "Pneumonia": 0.04, "Edema": 0.04, "Fibrosis": 0.04, "Emphysema": 0.04, "Cardiomegaly": 0.06,
-     "Pleural Thickening": 0.04},
+    {
+        "Hernia": 0.03,
+        "Pneumonia": 0.04,
+        "Edema": 0.04,
+        "Fibrosis": 0.04,
+        "Emphysema": 0.04,
+        "Cardiomegaly": 0.06,
+        "Pleural Thickening": 0.04,
+    },
     {"Support Devices": 0.15, "Fracture": 0.02},
 )
 """NIH-like outpatient mix: NIH's own co-occurrence and view mix, rare findings raised to >= 3%
@@ -138,8 +145,17 @@ NIH_MIX = CaseMix.make(
 
 CHEXPERT_MIX = CaseMix.make(
     0.82,
-    {"Cardiomegaly": 0.12, "Edema": 0.22, "Pleural Effusion": 0.38, "Consolidation": 0.07, "Pneumonia": 0.04,
-     "Atelectasis": 0.15, "Pneumothorax": 0.09, "Nodule": 0.025, "Mass": 0.02},
+    {
+        "Cardiomegaly": 0.12,
+        "Edema": 0.22,
+        "Pleural Effusion": 0.38,
+        "Consolidation": 0.07,
+        "Pneumonia": 0.04,
+        "Atelectasis": 0.15,
+        "Pneumothorax": 0.09,
+        "Nodule": 0.025,
+        "Mass": 0.02,
+    },
     {"Support Devices": 0.5, "Fracture": 0.035, "Enlarged Cardiomediastinum": 0.02, "Lung Opacity": 0.03},
     supine_fraction=0.5,
     severity=(1.5, 1.4),
@@ -149,10 +165,28 @@ effusions and edema."""
 
 EXTERNAL_MIX = CaseMix.make(
     0.55,
-    {"Cardiomegaly": 0.14, "Edema": 0.1, "Pleural Effusion": 0.2, "Consolidation": 0.06, "Pneumonia": 0.06,
-     "Atelectasis": 0.16, "Pneumothorax": 0.06, "Nodule": 0.05, "Mass": 0.04, "Hernia": 0.03, "Emphysema": 0.05,
-     "Fibrosis": 0.04, "Pleural Thickening": 0.04},
-    {"Support Devices": 0.3, "Fracture": 0.05, "Enlarged Cardiomediastinum": 0.03, "Lung Opacity": 0.03, "Pleural Other": 0.02},
+    {
+        "Cardiomegaly": 0.14,
+        "Edema": 0.1,
+        "Pleural Effusion": 0.2,
+        "Consolidation": 0.06,
+        "Pneumonia": 0.06,
+        "Atelectasis": 0.16,
+        "Pneumothorax": 0.06,
+        "Nodule": 0.05,
+        "Mass": 0.04,
+        "Hernia": 0.03,
+        "Emphysema": 0.05,
+        "Fibrosis": 0.04,
+        "Pleural Thickening": 0.04,
+    },
+    {
+        "Support Devices": 0.3,
+        "Fracture": 0.05,
+        "Enlarged Cardiomediastinum": 0.03,
+        "Lung Opacity": 0.03,
+        "Pleural Other": 0.02,
+    },
 )
 """MIMIC-like mixed mix for the external test site, every class >= 3%."""
 
@@ -170,7 +204,9 @@ def nih_site(name: str, n_images: int = 500, style: str = "nih", mix: CaseMix = 
     return SiteSpec(name, "nih", NIH_CLASSES, style, n_images, mix, **kw)  # type: ignore[arg-type]
 
 
-def chexpert_site(name: str, n_images: int = 500, style: str = "chexpert", mix: CaseMix = CHEXPERT_MIX, **kw: object) -> SiteSpec:
+def chexpert_site(
+    name: str, n_images: int = 500, style: str = "chexpert", mix: CaseMix = CHEXPERT_MIX, **kw: object
+) -> SiteSpec:
     """A CheXpert-format site (13 findings, uncertain labels, some lateral images).
 
     Args:
@@ -184,7 +220,14 @@ def chexpert_site(name: str, n_images: int = 500, style: str = "chexpert", mix: 
     return SiteSpec(name, "chexpert", CHEXPERT_CLASSES, style, n_images, mix, **kw)  # type: ignore[arg-type]
 
 
-def csv_site(name: str, classes: tuple[str, ...] = KNOWN_CLASSES, n_images: int = 300, style: str = "mimic", mix: CaseMix = EXTERNAL_MIX, **kw: object) -> SiteSpec:
+def csv_site(
+    name: str,
+    classes: tuple[str, ...] = KNOWN_CLASSES,
+    n_images: int = 300,
+    style: str = "mimic",
+    mix: CaseMix = EXTERNAL_MIX,
+    **kw: object,
+) -> SiteSpec:
     """A generic-CSV site annotating ``classes`` (0/1 columns).
 
     Args:
@@ -207,18 +250,38 @@ def partition_profile(name: str, n_sites: int, n_shared: int, n_images: int = 30
         n_shared: number of classes every site annotates (the most common ones first).
         n_images: images per site.
     """
-    common = ("Pleural Effusion", "Atelectasis", "Cardiomegaly", "Pneumothorax", "Consolidation", "Edema",
-              "Pneumonia", "Lung Opacity", "Support Devices", "Nodule", "Mass", "Infiltration")
+    common = (
+        "Pleural Effusion",
+        "Atelectasis",
+        "Cardiomegaly",
+        "Pneumothorax",
+        "Consolidation",
+        "Edema",
+        "Pneumonia",
+        "Lung Opacity",
+        "Support Devices",
+        "Nodule",
+        "Mass",
+        "Infiltration",
+    )
     order = list(common) + [c for c in KNOWN_CLASSES if c not in common]
     shared, rest = order[:n_shared], order[n_shared:]
     styles = ("nih", "chexpert", "community", "mimic")
     mixes = (NIH_MIX, CHEXPERT_MIX, EXTERNAL_MIX)
     sites = tuple(
-        csv_site(f"hospital-{k + 1}", tuple(sorted(shared + rest[k::n_sites])), n_images, styles[k % len(styles)], mixes[k % len(mixes)])
+        csv_site(
+            f"hospital-{k + 1}",
+            tuple(sorted(shared + rest[k::n_sites])),
+            n_images,
+            styles[k % len(styles)],
+            mixes[k % len(mixes)],
+        )
         for k in range(n_sites)
     )
     test = csv_site("external", KNOWN_CLASSES, 300, "mimic", EXTERNAL_MIX, role="test")
-    return Profile(name, f"{n_sites} CSV hospitals sharing {n_shared} classes, the rest split between them", (*sites, test))
+    return Profile(
+        name, f"{n_sites} CSV hospitals sharing {n_shared} classes, the rest split between them", (*sites, test)
+    )
 
 
 def _two_hospitals() -> Profile:
@@ -227,26 +290,28 @@ def _two_hospitals() -> Profile:
         chexpert_site("hospital-b", 2000),
         csv_site("external", n_images=1000, role="test"),
     )
-    return Profile("two-hospitals", "NIH-like hospital-a (14 classes), CheXpert-like hospital-b (13), external test (20)", sites)
+    return Profile(
+        "two-hospitals", "NIH-like hospital-a (14 classes), CheXpert-like hospital-b (13), external test (20)", sites
+    )
 
 
 def _shared(base: Profile) -> Profile:
     sites = tuple(replace(s, config_classes=SHARED_CLASSES) if s.role == "train" else s for s in base.sites)
-    return Profile("two-hospitals-shared", "two-hospitals with both hospitals restricted to their 7 shared classes", sites)
+    return Profile(
+        "two-hospitals-shared", "two-hospitals with both hospitals restricted to their 7 shared classes", sites
+    )
 
 
 def _load(n_sites: int) -> Profile:
     sites = tuple(
-        nih_site(f"clinic-{k + 1:02d}", 60) if k % 2 == 0 else chexpert_site(f"clinic-{k + 1:02d}", 60) for k in range(n_sites)
+        nih_site(f"clinic-{k + 1:02d}", 60) if k % 2 == 0 else chexpert_site(f"clinic-{k + 1:02d}", 60)
+        for k in range(n_sites)
     )
     return Profile(f"load-{n_sites}", f"{n_sites} small sites alternating NIH and CheXpert formats (load test)", sites)
 
 
 _TWO = _two_hospitals()
-PROFILES: dict[str, Profile] = {
-    p.name: p
-    for p in (_TWO, _shared(_TWO), partition_profile("sites-4", 4, 4), _load(10))
-}
+PROFILES: dict[str, Profile] = {p.name: p for p in (_TWO, _shared(_TWO), partition_profile("sites-4", 4, 4), _load(10))}
 """The registered demo profiles by name (``fedfew`` is added by :mod:`cxrfl.synth.fedfew_profile`)."""
 
 

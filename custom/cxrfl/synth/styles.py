@@ -15,17 +15,38 @@ from scipy import ndimage
 from cxrfl.synth.draw import Array, blur
 
 _FONT: dict[str, str] = {
-    "A": "0e 11 11 1f 11 11 11", "B": "1e 11 11 1e 11 11 1e", "C": "0e 11 10 10 10 11 0e",
-    "D": "1e 11 11 11 11 11 1e", "E": "1f 10 10 1e 10 10 1f", "G": "0e 11 10 17 11 11 0f",
-    "H": "11 11 11 1f 11 11 11", "I": "0e 04 04 04 04 04 0e", "L": "10 10 10 10 10 10 1f",
-    "M": "11 1b 15 15 11 11 11", "N": "11 11 19 15 13 11 11", "O": "0e 11 11 11 11 11 0e",
-    "P": "1e 11 11 1e 10 10 10", "R": "1e 11 11 1e 14 12 11", "S": "0f 10 10 0e 01 01 1e",
-    "T": "1f 04 04 04 04 04 04", "U": "11 11 11 11 11 11 0e", "V": "11 11 11 11 11 0a 04",
-    "0": "0e 11 13 15 19 11 0e", "1": "04 0c 04 04 04 04 0e", "2": "0e 11 01 02 04 08 1f",
-    "3": "1f 02 04 02 01 11 0e", "4": "02 06 0a 12 1f 02 02", "5": "1f 10 1e 01 01 11 0e",
-    "6": "06 08 10 1e 11 11 0e", "7": "1f 01 02 04 08 08 08", "8": "0e 11 11 0e 11 11 0e",
-    "9": "0e 11 11 0f 01 02 0c", "-": "00 00 00 1f 00 00 00", ":": "00 0c 0c 00 0c 0c 00",
-    "/": "01 02 02 04 08 08 10", " ": "00 00 00 00 00 00 00",
+    "A": "0e 11 11 1f 11 11 11",
+    "B": "1e 11 11 1e 11 11 1e",
+    "C": "0e 11 10 10 10 11 0e",
+    "D": "1e 11 11 11 11 11 1e",
+    "E": "1f 10 10 1e 10 10 1f",
+    "G": "0e 11 10 17 11 11 0f",
+    "H": "11 11 11 1f 11 11 11",
+    "I": "0e 04 04 04 04 04 0e",
+    "L": "10 10 10 10 10 10 1f",
+    "M": "11 1b 15 15 11 11 11",
+    "N": "11 11 19 15 13 11 11",
+    "O": "0e 11 11 11 11 11 0e",
+    "P": "1e 11 11 1e 10 10 10",
+    "R": "1e 11 11 1e 14 12 11",
+    "S": "0f 10 10 0e 01 01 1e",
+    "T": "1f 04 04 04 04 04 04",
+    "U": "11 11 11 11 11 11 0e",
+    "V": "11 11 11 11 11 0a 04",
+    "0": "0e 11 13 15 19 11 0e",
+    "1": "04 0c 04 04 04 04 0e",
+    "2": "0e 11 01 02 04 08 1f",
+    "3": "1f 02 04 02 01 11 0e",
+    "4": "02 06 0a 12 1f 02 02",
+    "5": "1f 10 1e 01 01 11 0e",
+    "6": "06 08 10 1e 11 11 0e",
+    "7": "1f 01 02 04 08 08 08",
+    "8": "0e 11 11 0e 11 11 0e",
+    "9": "0e 11 11 0f 01 02 0c",
+    "-": "00 00 00 1f 00 00 00",
+    ":": "00 0c 0c 00 0c 0c 00",
+    "/": "01 02 02 04 08 08 10",
+    " ": "00 00 00 00 00 00 00",
 }
 """A 5x7 bitmap font: seven rows of five bits (hex) per character."""
 
@@ -82,25 +103,83 @@ class AcquisitionStyle:
 
 STYLES: dict[str, AcquisitionStyle] = {
     "nih": AcquisitionStyle(
-        name="nih", exposure=1.15, gamma=1.0, window=(0.05, 0.78), auto_window=0.5, noise=0.012,
-        texture=0.01, texture_px=1.5, blur_px=0.7, edge_enhance=0.25, heel=0.06, grid_lines=0.0,
-        collimation=0.3, border=0.0, marker=0.7, portable_text=False, id_text=0.0,
+        name="nih",
+        exposure=1.15,
+        gamma=1.0,
+        window=(0.05, 0.78),
+        auto_window=0.5,
+        noise=0.012,
+        texture=0.01,
+        texture_px=1.5,
+        blur_px=0.7,
+        edge_enhance=0.25,
+        heel=0.06,
+        grid_lines=0.0,
+        collimation=0.3,
+        border=0.0,
+        marker=0.7,
+        portable_text=False,
+        id_text=0.0,
     ),
     "chexpert": AcquisitionStyle(
-        name="chexpert", exposure=0.95, gamma=1.35, window=(0.02, 0.7), auto_window=0.3, noise=0.025,
-        texture=0.02, texture_px=0.8, blur_px=1.0, edge_enhance=0.5, heel=-0.04, grid_lines=0.0,
-        collimation=0.6, border=0.85, marker=0.5, portable_text=True, id_text=0.0,
-        aspect=(1.0, 1.25), jpeg_quality=85,
+        name="chexpert",
+        exposure=0.95,
+        gamma=1.35,
+        window=(0.02, 0.7),
+        auto_window=0.3,
+        noise=0.025,
+        texture=0.02,
+        texture_px=0.8,
+        blur_px=1.0,
+        edge_enhance=0.5,
+        heel=-0.04,
+        grid_lines=0.0,
+        collimation=0.6,
+        border=0.85,
+        marker=0.5,
+        portable_text=True,
+        id_text=0.0,
+        aspect=(1.0, 1.25),
+        jpeg_quality=85,
     ),
     "mimic": AcquisitionStyle(
-        name="mimic", exposure=1.3, gamma=0.8, window=(0.1, 0.85), auto_window=0.8, noise=0.02,
-        texture=0.025, texture_px=2.5, blur_px=0.8, edge_enhance=0.4, heel=0.03, grid_lines=0.012,
-        collimation=0.4, border=0.0, marker=0.9, portable_text=True, id_text=0.6,
+        name="mimic",
+        exposure=1.3,
+        gamma=0.8,
+        window=(0.1, 0.85),
+        auto_window=0.8,
+        noise=0.02,
+        texture=0.025,
+        texture_px=2.5,
+        blur_px=0.8,
+        edge_enhance=0.4,
+        heel=0.03,
+        grid_lines=0.012,
+        collimation=0.4,
+        border=0.0,
+        marker=0.9,
+        portable_text=True,
+        id_text=0.6,
     ),
     "community": AcquisitionStyle(
-        name="community", exposure=1.05, gamma=1.15, window=(0.0, 0.8), auto_window=0.2, noise=0.05,
-        texture=0.03, texture_px=1.2, blur_px=1.3, edge_enhance=0.15, heel=0.08, grid_lines=0.02,
-        collimation=0.7, border=0.0, marker=0.4, portable_text=False, id_text=0.9, aspect=(1.0, 1.1),
+        name="community",
+        exposure=1.05,
+        gamma=1.15,
+        window=(0.0, 0.8),
+        auto_window=0.2,
+        noise=0.05,
+        texture=0.03,
+        texture_px=1.2,
+        blur_px=1.3,
+        edge_enhance=0.15,
+        heel=0.08,
+        grid_lines=0.02,
+        collimation=0.7,
+        border=0.0,
+        marker=0.4,
+        portable_text=False,
+        id_text=0.9,
+        aspect=(1.0, 1.1),
         jpeg_quality=75,
     ),
 }
@@ -148,7 +227,9 @@ def _stamp(img: Array, text: str, row: float, col: float, height_px: float, valu
     img[r0 : r0 + mh, c0 : c0 + mw] = region * (1 - m) + value * m
 
 
-def acquire(att: Array, style: AcquisitionStyle, rng: np.random.Generator, view: str = "PA", supine: bool = False) -> np.ndarray:
+def acquire(
+    att: Array, style: AcquisitionStyle, rng: np.random.Generator, view: str = "PA", supine: bool = False
+) -> np.ndarray:
     """Turn an attenuation map into a processed 8-bit radiograph of one acquisition style.
 
     Args:
@@ -190,7 +271,15 @@ def acquire(att: Array, style: AcquisitionStyle, rng: np.random.Generator, view:
     text_h = 0.05 * h
     if rng.random() < style.marker:
         right = rng.random() < 0.5
-        _stamp(img, "R" if right else "L", 0.05 + 0.05 * rng.random(), 0.04 if right else 0.86, text_h * 1.2, 0.97, boxed=True)
+        _stamp(
+            img,
+            "R" if right else "L",
+            0.05 + 0.05 * rng.random(),
+            0.04 if right else 0.86,
+            text_h * 1.2,
+            0.97,
+            boxed=True,
+        )
     if style.portable_text and view == "AP":
         _stamp(img, "PORTABLE", 0.03, 0.05 + 0.3 * rng.random(), text_h, 0.95)
         if rng.random() < 0.7:

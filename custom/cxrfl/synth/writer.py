@@ -58,19 +58,45 @@ CHEXPERT_ROOT = "CheXpert-v1.0-small"
 CHEXPERT_COLUMNS = ("Path", "Sex", "Age", "Frontal/Lateral", "AP/PA", "No Finding", *CHEXPERT_CLASSES)
 CSV_LABELS = "labels.csv"
 _NIH_NAME = {v: k for k, v in NIH_COLUMN_NAMES.items()}
-_NIH_DETECTORS = ((2500, 2048, "0.168"), (2048, 2500, "0.168"), (2992, 2991, "0.143"), (3056, 2544, "0.139"), (2021, 2021, "0.194311"))
+_NIH_DETECTORS = (
+    (2500, 2048, "0.168"),
+    (2048, 2500, "0.168"),
+    (2992, 2991, "0.143"),
+    (3056, 2544, "0.139"),
+    (2021, 2021, "0.194311"),
+)
 _NIH_DETECTOR_P = (0.33, 0.08, 0.3, 0.18, 0.11)
 
 _CHEXPERT_UNCERTAIN = {
-    "Enlarged Cardiomediastinum": 0.055, "Cardiomegaly": 0.036, "Lung Opacity": 0.025, "Lung Lesion": 0.007,
-    "Edema": 0.058, "Consolidation": 0.124, "Pneumonia": 0.084, "Atelectasis": 0.15, "Pneumothorax": 0.014,
-    "Pleural Effusion": 0.052, "Pleural Other": 0.012, "Fracture": 0.003, "Support Devices": 0.005,
+    "Enlarged Cardiomediastinum": 0.055,
+    "Cardiomegaly": 0.036,
+    "Lung Opacity": 0.025,
+    "Lung Lesion": 0.007,
+    "Edema": 0.058,
+    "Consolidation": 0.124,
+    "Pneumonia": 0.084,
+    "Atelectasis": 0.15,
+    "Pneumothorax": 0.014,
+    "Pleural Effusion": 0.052,
+    "Pleural Other": 0.012,
+    "Fracture": 0.003,
+    "Support Devices": 0.005,
 }
 """Share of CheXpert training rows with ``-1.0`` per class (CheXpert paper, Table 1)."""
 _CHEXPERT_NEGATIVE = {
-    "Enlarged Cardiomediastinum": 0.1, "Cardiomegaly": 0.05, "Lung Opacity": 0.03, "Lung Lesion": 0.01,
-    "Edema": 0.09, "Consolidation": 0.13, "Pneumonia": 0.01, "Atelectasis": 0.005, "Pneumothorax": 0.25,
-    "Pleural Effusion": 0.15, "Pleural Other": 0.002, "Fracture": 0.01, "Support Devices": 0.03,
+    "Enlarged Cardiomediastinum": 0.1,
+    "Cardiomegaly": 0.05,
+    "Lung Opacity": 0.03,
+    "Lung Lesion": 0.01,
+    "Edema": 0.09,
+    "Consolidation": 0.13,
+    "Pneumonia": 0.01,
+    "Atelectasis": 0.005,
+    "Pneumothorax": 0.25,
+    "Pleural Effusion": 0.15,
+    "Pleural Other": 0.002,
+    "Fracture": 0.01,
+    "Support Devices": 0.03,
 }
 """Approximate share of absent findings written as an explicit ``0.0`` (the rest stay blank)."""
 
@@ -104,7 +130,9 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _render_range(spec: SiteSpec, exams: list[Exam], paths: list[Path], size: int, seed: int, start: int, stop: int) -> None:
+def _render_range(
+    spec: SiteSpec, exams: list[Exam], paths: list[Path], size: int, seed: int, start: int, stop: int
+) -> None:
     """Render exams ``start:stop`` and save them to ``paths`` (one worker's share).
 
     Every image's random stream depends only on its index, its patient and study, so the
@@ -152,7 +180,10 @@ def _render_site(spec: SiteSpec, exams: list[Exam], paths: list[Path], size: int
         return
     bounds = np.linspace(0, len(exams), workers + 1).astype(int)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        jobs = [pool.submit(_render_range, spec, exams, paths, size, seed, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        jobs = [
+            pool.submit(_render_range, spec, exams, paths, size, seed, int(a), int(b))
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
         for job in jobs:
             job.result()
 
@@ -229,7 +260,9 @@ def _write_csv(spec: SiteSpec, folder: Path, exams: list[Exam], size: int, seed:
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(["path", "patient_id", *(["split"] if test else []), *spec.classes])
     for ex, rel in zip(exams, rels):
-        writer.writerow([rel, f"p{ex.patient:05d}", *(["test"] if test else []), *(int(c in ex.findings) for c in spec.classes)])
+        writer.writerow(
+            [rel, f"p{ex.patient:05d}", *(["test"] if test else []), *(int(c in ex.findings) for c in spec.classes)]
+        )
     (folder / CSV_LABELS).write_text(buf.getvalue())
 
 
@@ -262,7 +295,9 @@ def write_site_data(spec: SiteSpec, out: Path, n: int, size: int, seed: int) -> 
             if json.loads(marker.read_text()).get("hash") == digest:
                 return False
     elif folder.exists():
-        raise ConfigError(f"{folder} exists but was not written by 'cxrfl data synth'; remove it or choose another --out")
+        raise ConfigError(
+            f"{folder} exists but was not written by 'cxrfl data synth'; remove it or choose another --out"
+        )
     for stale in out.glob(f".{spec.name}.tmp-*"):  # left by an interrupted writer (we hold the lock)
         shutil.rmtree(stale, ignore_errors=True)
     tmp = out / f".{spec.name}.tmp-{os.getpid()}"
@@ -289,10 +324,20 @@ def site_config(spec: SiteSpec, seed: int) -> dict[str, object]:
     if spec.format == "nih":
         dataset: dict[str, object] = {"format": "nih", "labels": f"{name}/{NIH_LABELS}", "images": f"{name}/images"}
     elif spec.format == "chexpert":
-        dataset = {"format": "chexpert", "labels": f"{name}/{CHEXPERT_ROOT}/train.csv", "images": name, "uncertain": "zeros"}
+        dataset = {
+            "format": "chexpert",
+            "labels": f"{name}/{CHEXPERT_ROOT}/train.csv",
+            "images": name,
+            "uncertain": "zeros",
+        }
     else:
-        dataset = {"format": "csv", "labels": f"{name}/{CSV_LABELS}", "images": name, "path_column": "path",
-                   "patient_column": "patient_id"}
+        dataset = {
+            "format": "csv",
+            "labels": f"{name}/{CSV_LABELS}",
+            "images": name,
+            "path_column": "path",
+            "patient_column": "patient_id",
+        }
         if spec.role == "test":
             dataset["split_column"] = "split"
     cfg: dict[str, object] = {"site": name, "dataset": dataset}
@@ -304,7 +349,9 @@ def site_config(spec: SiteSpec, seed: int) -> dict[str, object]:
 
 def _write_config(spec: SiteSpec, out: Path, profile: str, seed: int) -> Path:
     path = out / f"{spec.name}.yaml"
-    head = f"# synthetic demo site ({profile}, seed {seed}) written by 'cxrfl data synth'; paths relative to this file\n"
+    head = (
+        f"# synthetic demo site ({profile}, seed {seed}) written by 'cxrfl data synth'; paths relative to this file\n"
+    )
     text = head + yaml.safe_dump(site_config(spec, seed), sort_keys=False)
     if not path.is_file() or path.read_text() != text:
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

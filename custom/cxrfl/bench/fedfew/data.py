@@ -46,8 +46,12 @@ def prepare_data(settings: BenchSettings, data_dir: Path, seed: int) -> SeedData
     from cxrfl.synth import write_profile
 
     n_uc = round((fp.UC_POSITIVES + fp.UC_NEGATIVES) / settings.train_fraction)  # ~20 + ~200 in the training split
-    profile = fp.fedfew_profile(n_cc=settings.n_cc, n_test=settings.n_test, n_uc=n_uc,
-                                name=f"fedfew-bench-{settings.n_cc}-{n_uc}-{settings.n_test}")
+    profile = fp.fedfew_profile(
+        n_cc=settings.n_cc,
+        n_test=settings.n_test,
+        n_uc=n_uc,
+        name=f"fedfew-bench-{settings.n_cc}-{n_uc}-{settings.n_test}",
+    )
     fp.PROFILES.setdefault(profile.name, profile)
     configs = write_profile(profile.name, data_dir, image_size=settings.data_image_size, seed=seed)
     rng = np.random.default_rng([seed, 17])
@@ -95,6 +99,11 @@ def site_counts(data: SeedData) -> dict[str, dict[str, object]]:
     Args:
         data: the seed's sites.
     """
-    return {s: {"train": int((d.table["split"] == "train").sum()),
-                "labelled": int(d.split_table("train")[d.classes].notna().any(axis=1).sum()),
-                "positives": d.positives("train")} for s, d in data.train.items()}
+    return {
+        s: {
+            "train": int((d.table["split"] == "train").sum()),
+            "labelled": int(d.split_table("train")[d.classes].notna().any(axis=1).sum()),
+            "positives": d.positives("train"),
+        }
+        for s, d in data.train.items()
+    }

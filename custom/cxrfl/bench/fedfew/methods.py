@@ -46,7 +46,9 @@ MLC_CLASSES = sorted([*FEDFEW_CCS, *FEDFEW_UCS])
 
 
 @torch.no_grad()
-def _features_logits(model: CXRNet, table: pd.DataFrame, image_size: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+def _features_logits(
+    model: CXRNet, table: pd.DataFrame, image_size: int, batch_size: int
+) -> tuple[np.ndarray, np.ndarray]:
     model.eval()
     loader = make_loader(table, [], image_size=image_size, train=False, batch_size=batch_size)
     feats, logits = [], []
@@ -98,8 +100,13 @@ def _pooled_val_loss(model: CXRNet, tables: dict[str, pd.DataFrame], settings: B
     """The sites' validation BCE (unweighted) pooled over their known labels."""
     total = known = 0.0
     for t in tables.values():
-        loader = make_loader(t, MLC_CLASSES, image_size=settings.image_size, train=False,
-                             batch_size=int(settings.fedfew.get("eval_batch_size", 128)))
+        loader = make_loader(
+            t,
+            MLC_CLASSES,
+            image_size=settings.image_size,
+            train=False,
+            batch_size=int(settings.fedfew.get("eval_batch_size", 128)),
+        )
         ev = evaluate(model, loader, MLC_CLASSES, torch.device("cpu"))
         n = float(ev.mask.sum())
         if n and np.isfinite(ev.loss):
@@ -107,8 +114,13 @@ def _pooled_val_loss(model: CXRNet, tables: dict[str, pd.DataFrame], settings: B
     return total / known if known else None
 
 
-def train_mlc(data: SeedData, settings: BenchSettings, seed: int, ssl_state: dict[str, np.ndarray] | None,
-              log: Callable[[str], None]) -> tuple[CXRNet, dict[str, Any]]:
+def train_mlc(
+    data: SeedData,
+    settings: BenchSettings,
+    seed: int,
+    ssl_state: dict[str, np.ndarray] | None,
+    log: Callable[[str], None],
+) -> tuple[CXRNet, dict[str, Any]]:
     """The plain federated multi-label baseline: FedAvg of a 14-class network, weighted BCE on known labels,
     until the pooled validation loss stops improving (:class:`cxrfl.common.selection.EarlyStopping`,
     ``mlc_patience``; at most ``mlc_rounds``); the round of lowest loss is kept.
@@ -137,19 +149,36 @@ def train_mlc(data: SeedData, settings: BenchSettings, seed: int, ssl_state: dic
         for s, t in tables.items():
             model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
             cw, pw = _chexnet_weights(t, classes)
-            loader = make_loader(t, classes, image_size=settings.image_size, train=True, batch_size=settings.mlc_batch_size,
-                                 seed=seed * 1000 + rnd)
-            train_epochs(model, loader, adam(model, settings.mlc_lr), torch.device("cpu"), epochs=settings.mlc_local_epochs,
-                         class_weight=cw, pos_weight=pw)
-            updates.append({"site": s, "classes": classes, "params": to_numpy(model.state_dict()), "num_samples": len(t)})
+            loader = make_loader(
+                t,
+                classes,
+                image_size=settings.image_size,
+                train=True,
+                batch_size=settings.mlc_batch_size,
+                seed=seed * 1000 + rnd,
+            )
+            train_epochs(
+                model,
+                loader,
+                adam(model, settings.mlc_lr),
+                torch.device("cpu"),
+                epochs=settings.mlc_local_epochs,
+                class_weight=cw,
+                pos_weight=pw,
+            )
+            updates.append(
+                {"site": s, "classes": classes, "params": to_numpy(model.state_dict()), "num_samples": len(t)}
+            )
         state, _ = surgical_aggregate(updates, weighting="samples", classes=classes)
         model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in state.items()})
         loss = _pooled_val_loss(model, val, settings)
         curve.append(loss)
         if stopper.update(loss, rnd):
             best = {k: np.asarray(v) for k, v in state.items()}
-        log(f"  {name} round {rnd}/{settings.mlc_rounds}: validation loss {loss if loss is None else round(loss, 4)} "
-            f"(best round {stopper.best_step})")
+        log(
+            f"  {name} round {rnd}/{settings.mlc_rounds}: validation loss {loss if loss is None else round(loss, 4)} "
+            f"(best round {stopper.best_step})"
+        )
         if stopper.should_stop:
             break
     model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in best.items()})
@@ -246,7 +275,10 @@ def eval_fedfew(final: Path, data: SeedData, settings: BenchSettings) -> dict[st
     def run(table: pd.DataFrame) -> dict[str, Any]:
         loader = make_loader(table, [], image_size=settings.image_size, train=False, batch_size=bs)
         outs = [model.predict(x) for x, _, _ in loader]
-        res = {"cc": np.concatenate([o["cc_probabilities"] for o in outs]), "energy": np.concatenate([o["energy"] for o in outs])}
+        res = {
+            "cc": np.concatenate([o["cc_probabilities"] for o in outs]),
+            "energy": np.concatenate([o["energy"] for o in outs]),
+        }
         res["uc"] = {uc: np.concatenate([o["uc"][uc]["positive"] for o in outs]) for uc in model.uc_classes}
         res["margin"] = {uc: np.concatenate([o["uc"][uc]["margin"] for o in outs]) for uc in model.uc_classes}
         return res
@@ -261,11 +293,20 @@ def eval_fedfew(final: Path, data: SeedData, settings: BenchSettings) -> dict[st
         ucs[uc] = uc_metrics(y, pred)
         ucs[uc]["flagged_positives"] = float((r["energy"][y == 1] > model.threshold).mean())
         ucs[uc]["flagged_negatives"] = float((r["energy"][y == 0] > model.threshold).mean())
-        energy[uc] = {"positives": float(r["energy"][y == 1].mean()), "negatives": float(r["energy"][y == 0].mean()),
-                      "energy_auroc": _auroc(y, r["energy"]),
-                      "prototype_margin_auroc": _auroc(y, r["margin"][uc]) if uc in r["margin"] else None}
-    return {"mean_cc_auroc": mean, "cc_auroc": aurocs, "uc": ucs, "threshold": model.threshold, "test_energy": energy,
-            "uc_with_prototypes": model.uc_classes}
+        energy[uc] = {
+            "positives": float(r["energy"][y == 1].mean()),
+            "negatives": float(r["energy"][y == 0].mean()),
+            "energy_auroc": _auroc(y, r["energy"]),
+            "prototype_margin_auroc": _auroc(y, r["margin"][uc]) if uc in r["margin"] else None,
+        }
+    return {
+        "mean_cc_auroc": mean,
+        "cc_auroc": aurocs,
+        "uc": ucs,
+        "threshold": model.threshold,
+        "test_energy": energy,
+        "uc_with_prototypes": model.uc_classes,
+    }
 
 
 def _auroc(y: np.ndarray, score: np.ndarray) -> float | None:

@@ -28,8 +28,14 @@ def _uc_f1(table: dict[str, Any], methods: list[str], path: Path) -> None:
     for i, m in enumerate(methods):
         cells = [table[m]["uc"][uc]["f1"] for uc in FEDFEW_UCS] + [table[m]["mean_uc_f1"]]
         x = np.arange(len(groups)) + (i - (len(methods) - 1) / 2) * width
-        ax.bar(x, [c["mean"] or 0.0 for c in cells], width, yerr=[c["sd"] or 0.0 for c in cells], capsize=2,
-               label=table[m]["label"])
+        ax.bar(
+            x,
+            [c["mean"] or 0.0 for c in cells],
+            width,
+            yerr=[c["sd"] or 0.0 for c in cells],
+            capsize=2,
+            label=table[m]["label"],
+        )
     ax.set_xticks(np.arange(len(groups)), groups)
     ax.set_ylabel("F1 on the balanced UC test set")
     ax.set_ylim(0, 1)
@@ -61,8 +67,13 @@ def _probe(probe: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     rounds = [int(r) for r in probe]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.errorbar(rounds, [probe[str(r)]["mean"] for r in rounds], yerr=[probe[str(r)]["sd"] or 0.0 for r in rounds],
-                fmt="o-", capsize=3)
+    ax.errorbar(
+        rounds,
+        [probe[str(r)]["mean"] for r in rounds],
+        yerr=[probe[str(r)]["sd"] or 0.0 for r in rounds],
+        fmt="o-",
+        capsize=3,
+    )
     ax.axhline(0.5, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("SimSiam rounds (stage 1)")
     ax.set_ylabel("linear-probe mean CC AUROC (CC test set)")

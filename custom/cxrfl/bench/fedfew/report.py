@@ -32,30 +32,46 @@ def _ms(values: list[float | None]) -> dict[str, float | None]:
 
 def _fedfew_extras(rs: list[dict[str, Any]]) -> dict[str, Any]:
     """Stage diagnostics of a FedFew method over seeds."""
-    diag = {uc: {k: _ms([r["test_energy"][uc].get(k) for r in rs if uc in r.get("test_energy", {})]) for k in DIAGNOSTICS}
-            for uc in FEDFEW_UCS}
+    diag = {
+        uc: {k: _ms([r["test_energy"][uc].get(k) for r in rs if uc in r.get("test_energy", {})]) for k in DIAGNOSTICS}
+        for uc in FEDFEW_UCS
+    }
     flagged = {uc: {k: _ms([r["uc"][uc].get(k) for r in rs if uc in r["uc"]]) for k in FLAGGED} for uc in FEDFEW_UCS}
     seen = {p for r in rs for p in r.get("stage2", {})}
     phases = [p for p in ("warm-up", "energy", "bce") if p in seen] + sorted(seen - {"warm-up", "energy", "bce"})
-    stage2 = {p: {k: _ms([r["stage2"][p].get(k) for r in rs if p in r.get("stage2", {})])
-                  for k in ("rounds", "best_round", "best_val_loss", "uc_energy_gap")} for p in phases}
+    stage2 = {
+        p: {
+            k: _ms([r["stage2"][p].get(k) for r in rs if p in r.get("stage2", {})])
+            for k in ("rounds", "best_round", "best_val_loss", "uc_energy_gap")
+        }
+        for p in phases
+    }
     out: dict[str, Any] = {"diagnostics": diag, "flagged": flagged, "stage2": stage2}
     rounds = sorted({p["round"] for r in rs for p in r.get("ssl_probe", [])})
     if rounds:
-        out["ssl_probe"] = {str(k): _ms([p["mean_auroc"] for r in rs for p in r.get("ssl_probe", []) if p["round"] == k])
-                            for k in rounds}
+        out["ssl_probe"] = {
+            str(k): _ms([p["mean_auroc"] for r in rs for p in r.get("ssl_probe", []) if p["round"] == k])
+            for k in rounds
+        }
     return out
 
 
 def _summarise_method(method: str, rs: list[dict[str, Any]]) -> dict[str, Any]:
-    entry: dict[str, Any] = {"label": LABELS[method], "seeds": len(rs), "mean_uc_f1": _ms([r["mean_uc_f1"] for r in rs]),
-                             "mean_cc_auroc": _ms([r.get("mean_cc_auroc") for r in rs]), "uc": {}}
+    entry: dict[str, Any] = {
+        "label": LABELS[method],
+        "seeds": len(rs),
+        "mean_uc_f1": _ms([r["mean_uc_f1"] for r in rs]),
+        "mean_cc_auroc": _ms([r.get("mean_cc_auroc") for r in rs]),
+        "uc": {},
+    }
     for uc in FEDFEW_UCS:
         entry["uc"][uc] = {k: _ms([r["uc"][uc][k] for r in rs if uc in r["uc"]]) for k in UC_METRICS}
     if method.startswith("fedfew"):
         entry.update(_fedfew_extras(rs))
     if any("training" in r for r in rs):
-        entry["training"] = {k: _ms([r["training"].get(k) for r in rs if "training" in r]) for k in ("rounds", "best_round")}
+        entry["training"] = {
+            k: _ms([r["training"].get(k) for r in rs if "training" in r]) for k in ("rounds", "best_round")
+        }
     return entry
 
 
@@ -86,20 +102,30 @@ def targets(table: dict[str, Any], runs: dict[str, dict[str, dict[str, Any]]]) -
         return out
     f1, auc = ff["mean_uc_f1"]["mean"], ff["mean_cc_auroc"]["mean"]
     f1_seeds, auc_seeds = _per_seed(runs, "fedfew", "mean_uc_f1"), _per_seed(runs, "fedfew", "mean_cc_auroc")
-    out["cc_auroc_at_least_0.7"] = {"value": auc, "met": auc is not None and auc >= 0.7, "stats": against(auc_seeds, 0.7)}
+    out["cc_auroc_at_least_0.7"] = {
+        "value": auc,
+        "met": auc is not None and auc >= 0.7,
+        "stats": against(auc_seeds, 0.7),
+    }
     out["uc_f1_at_least_0.5"] = {"value": f1, "met": f1 is not None and f1 >= 0.5, "stats": against(f1_seeds, 0.5)}
     for b in BASELINES:
         if b not in table:
             continue
         bf1, ba = table[b]["mean_uc_f1"]["mean"], table[b]["mean_cc_auroc"]["mean"]
         out[f"uc_f1_0.3_above_{b}"] = {
-            "fedfew": f1, "baseline": bf1, "difference": (f1 - bf1) if None not in (f1, bf1) else None,
+            "fedfew": f1,
+            "baseline": bf1,
+            "difference": (f1 - bf1) if None not in (f1, bf1) else None,
             "met": None not in (f1, bf1) and f1 - bf1 >= 0.3,
-            "stats": paired(_per_seed(runs, b, "mean_uc_f1"), f1_seeds, margin=0.3)}
+            "stats": paired(_per_seed(runs, b, "mean_uc_f1"), f1_seeds, margin=0.3),
+        }
         out[f"cc_auroc_within_0.01_of_{b}"] = {
-            "fedfew": auc, "baseline": ba, "difference": (auc - ba) if None not in (auc, ba) else None,
+            "fedfew": auc,
+            "baseline": ba,
+            "difference": (auc - ba) if None not in (auc, ba) else None,
             "met": None not in (auc, ba) and auc >= ba - 0.01,
-            "stats": paired(_per_seed(runs, b, "mean_cc_auroc"), auc_seeds, margin=-0.01)}
+            "stats": paired(_per_seed(runs, b, "mean_cc_auroc"), auc_seeds, margin=-0.01),
+        }
     return out
 
 
@@ -166,18 +192,30 @@ def _header(result: dict[str, Any], commit: str) -> list[str]:
 
 
 def _table(table: dict[str, Any]) -> list[str]:
-    lines = ["| Method | " + " | ".join(f"{uc} A / P / R / F1" for uc in FEDFEW_UCS) + " | mean UC F1 | mean CC AUROC |",
-             "| --- |" + " --- |" * (len(FEDFEW_UCS) + 2)]
+    lines = [
+        "| Method | " + " | ".join(f"{uc} A / P / R / F1" for uc in FEDFEW_UCS) + " | mean UC F1 | mean CC AUROC |",
+        "| --- |" + " --- |" * (len(FEDFEW_UCS) + 2),
+    ]
     for e in (table[m] for m in METHODS if m in table):
         cells = [" / ".join(_fmt(e["uc"][uc][k]) for k in UC_METRICS) for uc in FEDFEW_UCS]
-        lines.append(f"| {e['label']} | {' | '.join(cells)} | {_fmt(e['mean_uc_f1'])} | {_fmt(e['mean_cc_auroc'], 3)} |")
-    lines += ["", "Mean ± SD over seeds. A / P / R / F1: accuracy, precision, recall, F1 of each UC on its balanced test set."]
+        lines.append(
+            f"| {e['label']} | {' | '.join(cells)} | {_fmt(e['mean_uc_f1'])} | {_fmt(e['mean_cc_auroc'], 3)} |"
+        )
+    lines += [
+        "",
+        "Mean ± SD over seeds. A / P / R / F1: accuracy, precision, recall, F1 of each UC on its balanced test set.",
+    ]
     if "fedfew-balanced" in table:
-        lines.append("\\* Not the paper's rule: the same stage-2 model, stage 3 re-run (through `resume_from`) with "
-                     "`threshold_weighting: balanced` instead of the most correctly classified training examples.")
+        lines.append(
+            "\\* Not the paper's rule: the same stage-2 model, stage 3 re-run (through `resume_from`) with "
+            "`threshold_weighting: balanced` instead of the most correctly classified training examples."
+        )
     if any(m in table for m in ENERGY_VARIANTS):
-        lines.append("\\* " + "; ".join(LABELS[m].rstrip("*") for m in ENERGY_VARIANTS if m in table)
-                     + ": labelled variants of stage 2, not the paper's recipe (below: what they change).")
+        lines.append(
+            "\\* "
+            + "; ".join(LABELS[m].rstrip("*") for m in ENERGY_VARIANTS if m in table)
+            + ": labelled variants of stage 2, not the paper's recipe (below: what they change)."
+        )
     return lines
 
 
@@ -185,18 +223,28 @@ def _diagnostics(table: dict[str, Any]) -> list[str]:
     ff = table.get("fedfew")
     if not ff or not ff.get("diagnostics"):
         return []
-    lines = ["", "Which stage limits FedFew w/ EBM (UC test sets, mean ± SD over seeds): the AUROC of the energy alone "
-                 "(stage 2: does the energy rank UC positives above negatives?), of the prototype margin alone (stage 2's "
-                 "features: are positives nearer their prototype?), and the share of positives and of negatives the "
-                 "threshold flags (stage 3's rule)" + (", also under the balanced rule*" if "fedfew-balanced" in table else "")
-             + ".", "",
-             "| UC | energy AUROC | prototype-margin AUROC | flagged positives | flagged negatives | "
-             + ("flagged pos. / neg. (balanced*) | " if "fedfew-balanced" in table else "") + "F1 |",
-             "| --- | --- | --- | --- | --- | " + ("--- | " if "fedfew-balanced" in table else "") + "--- |"]
+    lines = [
+        "",
+        "Which stage limits FedFew w/ EBM (UC test sets, mean ± SD over seeds): the AUROC of the energy alone "
+        "(stage 2: does the energy rank UC positives above negatives?), of the prototype margin alone (stage 2's "
+        "features: are positives nearer their prototype?), and the share of positives and of negatives the "
+        "threshold flags (stage 3's rule)"
+        + (", also under the balanced rule*" if "fedfew-balanced" in table else "")
+        + ".",
+        "",
+        "| UC | energy AUROC | prototype-margin AUROC | flagged positives | flagged negatives | "
+        + ("flagged pos. / neg. (balanced*) | " if "fedfew-balanced" in table else "")
+        + "F1 |",
+        "| --- | --- | --- | --- | --- | " + ("--- | " if "fedfew-balanced" in table else "") + "--- |",
+    ]
     for uc in FEDFEW_UCS:
         d, f = ff["diagnostics"][uc], ff["flagged"][uc]
-        cells = [_fmt(d["energy_auroc"]), _fmt(d["prototype_margin_auroc"]), _fmt(f["flagged_positives"]),
-                 _fmt(f["flagged_negatives"])]
+        cells = [
+            _fmt(d["energy_auroc"]),
+            _fmt(d["prototype_margin_auroc"]),
+            _fmt(f["flagged_positives"]),
+            _fmt(f["flagged_negatives"]),
+        ]
         if "fedfew-balanced" in table:
             fb = table["fedfew-balanced"]["flagged"][uc]
             cells.append(f"{_fmt(fb['flagged_positives'])} / {_fmt(fb['flagged_negatives'])}")
@@ -206,9 +254,10 @@ def _diagnostics(table: dict[str, Any]) -> list[str]:
 
 VARIANT_NOTES = {
     "fedfew-lambda1": "stages 2-3 re-run from the same stage-1 encoder with the hinge terms weighted by lambda = 1 "
-                      "instead of 0.1",
+    "instead of 0.1",
     "fedfew-neg-in": "stages 2-3 re-run from the same stage-1 encoder with the UC sites' negatives also pushed below "
-                     "`m_in` (`uc_negatives: in`; the paper names no loss for them)"}
+    "`m_in` (`uc_negatives: in`; the paper names no loss for them)",
+}
 """What each energy variant changes (:data:`~cxrfl.bench.fedfew.settings.ENERGY_VARIANTS`)."""
 
 
@@ -217,17 +266,25 @@ def _energy_variants(table: dict[str, Any]) -> list[str]:
     shown = [m for m in ("fedfew", *ENERGY_VARIANTS) if m in table]
     if len(shown) < 2:
         return []
-    lines = ["", "What opens the energy gap (mean ± SD over seeds): the energy AUROC per UC test set, the training-time "
-                 "energy of the UC sites' positives minus their negatives at stage 2's kept round (> 0: positives above), "
-                 "F1 and CC AUROC. " + " ".join(f"{LABELS[m]}: {VARIANT_NOTES[m]}." for m in shown if m in VARIANT_NOTES),
-             "", "| Method | " + " | ".join(f"{uc} energy AUROC" for uc in FEDFEW_UCS)
-             + " | UC training energy gap | mean UC F1 | mean CC AUROC |", "| --- |" + " --- |" * (len(FEDFEW_UCS) + 3)]
+    lines = [
+        "",
+        "What opens the energy gap (mean ± SD over seeds): the energy AUROC per UC test set, the training-time "
+        "energy of the UC sites' positives minus their negatives at stage 2's kept round (> 0: positives above), "
+        "F1 and CC AUROC. " + " ".join(f"{LABELS[m]}: {VARIANT_NOTES[m]}." for m in shown if m in VARIANT_NOTES),
+        "",
+        "| Method | "
+        + " | ".join(f"{uc} energy AUROC" for uc in FEDFEW_UCS)
+        + " | UC training energy gap | mean UC F1 | mean CC AUROC |",
+        "| --- |" + " --- |" * (len(FEDFEW_UCS) + 3),
+    ]
     for m in shown:
         e = table[m]
         cells = [_fmt(e["diagnostics"][uc]["energy_auroc"]) for uc in FEDFEW_UCS]
         gap = (e.get("stage2") or {}).get("energy", {}).get("uc_energy_gap")
-        lines.append(f"| {e['label']} | {' | '.join(cells)} | {_fmt(gap)} | {_fmt(e['mean_uc_f1'])} | "
-                     f"{_fmt(e['mean_cc_auroc'], 3)} |")
+        lines.append(
+            f"| {e['label']} | {' | '.join(cells)} | {_fmt(gap)} | {_fmt(e['mean_uc_f1'])} | "
+            f"{_fmt(e['mean_cc_auroc'], 3)} |"
+        )
     return lines
 
 
@@ -237,37 +294,58 @@ def _convergence(table: dict[str, Any]) -> list[str]:
     probe = ff.get("ssl_probe")
     if probe:
         rounds = list(probe)
-        lines += ["", "Stage 1: linear-probe AUROC of the SimSiam encoder's features (one logistic regression per CC on the "
-                      "CC sites' labelled training images, mean AUROC over the CCs on the CC test set), per SimSiam round "
-                      "budget; 0 = the initial weights:", "",
-                  "| rounds | " + " | ".join(rounds) + " |", "| --- |" + " --- |" * len(rounds),
-                  "| probe AUROC | " + " | ".join(_fmt(probe[r], 3) for r in rounds) + " |"]
-    parts = [f"{p} {_fmt(v['rounds'], 1)} round(s) (best: stage-2 round {_fmt(v['best_round'], 1)}, CC validation loss "
-             f"{_fmt(v['best_val_loss'], 3)})" for p, v in (ff.get("stage2") or {}).items()]
-    parts += [f"{table[m]['label']} {_fmt(table[m]['training']['rounds'], 1)} round(s) (best "
-              f"{_fmt(table[m]['training']['best_round'], 1)})" for m in BASELINES if m in table and "training" in table[m]]
+        lines += [
+            "",
+            "Stage 1: linear-probe AUROC of the SimSiam encoder's features (one logistic regression per CC on the "
+            "CC sites' labelled training images, mean AUROC over the CCs on the CC test set), per SimSiam round "
+            "budget; 0 = the initial weights:",
+            "",
+            "| rounds | " + " | ".join(rounds) + " |",
+            "| --- |" + " --- |" * len(rounds),
+            "| probe AUROC | " + " | ".join(_fmt(probe[r], 3) for r in rounds) + " |",
+        ]
+    parts = [
+        f"{p} {_fmt(v['rounds'], 1)} round(s) (best: stage-2 round {_fmt(v['best_round'], 1)}, CC validation loss "
+        f"{_fmt(v['best_val_loss'], 3)})"
+        for p, v in (ff.get("stage2") or {}).items()
+    ]
+    parts += [
+        f"{table[m]['label']} {_fmt(table[m]['training']['rounds'], 1)} round(s) (best "
+        f"{_fmt(table[m]['training']['best_round'], 1)})"
+        for m in BASELINES
+        if m in table and "training" in table[m]
+    ]
     if parts:
         lines += ["", "Rounds run (mean ± SD over seeds): FedFew stage 2: " + "; ".join(parts) + "."]
     return lines
 
 
 def _targets(t: dict[str, Any]) -> list[str]:
-    lines = ["", "Targets (statistics over seeds: the mean difference with its 95% CI, Cohen's d_z, paired t-test "
-                 "p-values):", ""]
-    for key, text in (("cc_auroc_at_least_0.7", "FedFew mean CC AUROC >= 0.70 (the models learned)"),
-                      ("uc_f1_at_least_0.5", "FedFew mean F1 over the UCs >= 0.5")):
+    lines = [
+        "",
+        "Targets (statistics over seeds: the mean difference with its 95% CI, Cohen's d_z, paired t-test p-values):",
+        "",
+    ]
+    for key, text in (
+        ("cc_auroc_at_least_0.7", "FedFew mean CC AUROC >= 0.70 (the models learned)"),
+        ("uc_f1_at_least_0.5", "FedFew mean F1 over the UCs >= 0.5"),
+    ):
         if key in t and t[key]["value"] is not None:
             v = t[key]
             against = f"; against {v['stats']['reference']}: {format_stats(v['stats'])}" if v.get("stats") else ""
             lines.append(f"- {text}: **{'met' if v['met'] else 'not met'}** ({v['value']:.3f}{against}).")
     for b in BASELINES:
-        for key, text in ((f"uc_f1_0.3_above_{b}", f"FedFew mean UC F1 at least 0.3 above {LABELS[b]}"),
-                          (f"cc_auroc_within_0.01_of_{b}", f"FedFew mean CC AUROC no worse than {LABELS[b]} by more than 0.01")):
+        for key, text in (
+            (f"uc_f1_0.3_above_{b}", f"FedFew mean UC F1 at least 0.3 above {LABELS[b]}"),
+            (f"cc_auroc_within_0.01_of_{b}", f"FedFew mean CC AUROC no worse than {LABELS[b]} by more than 0.01"),
+        ):
             v = t.get(key)
             if v and v["difference"] is not None:
                 paired = f"; paired: {format_stats(v['stats'])}" if v.get("stats") else ""
-                lines.append(f"- {text}: **{'met' if v['met'] else 'not met'}** ({v['fedfew']:.3f} vs {v['baseline']:.3f}, "
-                             f"difference {v['difference']:+.3f}{paired}).")
+                lines.append(
+                    f"- {text}: **{'met' if v['met'] else 'not met'}** ({v['fedfew']:.3f} vs {v['baseline']:.3f}, "
+                    f"difference {v['difference']:+.3f}{paired})."
+                )
     return lines
 
 
@@ -280,9 +358,17 @@ def format_markdown(result: dict[str, Any], commit: str | None = None) -> str:
     """
     summary = result.get("summary", {})
     methods = summary.get("methods", {})
-    lines = ["## FedFew: underrepresented classes held by few sites (synthetic `fedfew` profile)", "",
-             *_header(result, commit or code_text(result) or "unknown"), "", *_table(methods), *_diagnostics(methods),
-             *_energy_variants(methods), *_convergence(methods), *_targets(summary.get("targets", {}))]
+    lines = [
+        "## FedFew: underrepresented classes held by few sites (synthetic `fedfew` profile)",
+        "",
+        *_header(result, commit or code_text(result) or "unknown"),
+        "",
+        *_table(methods),
+        *_diagnostics(methods),
+        *_energy_variants(methods),
+        *_convergence(methods),
+        *_targets(summary.get("targets", {})),
+    ]
     if result.get("plots"):
         lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in result["plots"]) + "."]
     return "\n".join(lines) + "\n"

@@ -56,8 +56,10 @@ class RunStore:
         marker = self.root / "settings.json"
         wanted = settings.identity()
         if marker.is_file() and resume and identity(json.loads(marker.read_text())) != wanted:
-            raise ConfigError(f"{self.root} holds runs of other settings; use another --out, the same settings, "
-                              "or --no-resume to start over")
+            raise ConfigError(
+                f"{self.root} holds runs of other settings; use another --out, the same settings, "
+                "or --no-resume to start over"
+            )
         if not resume:
             shutil.rmtree(self.root, ignore_errors=True)
         write_json(marker, wanted)
@@ -96,8 +98,16 @@ class RunStore:
         return out
 
 
-def run_seed(settings: BenchSettings, seed: int, methods: Sequence[str], data_root: Path, work: Path, out: Path,
-             log: Callable[[str], None], done: Callable[[], object] = lambda: None) -> int:
+def run_seed(
+    settings: BenchSettings,
+    seed: int,
+    methods: Sequence[str],
+    data_root: Path,
+    work: Path,
+    out: Path,
+    log: Callable[[str], None],
+    done: Callable[[], object] = lambda: None,
+) -> int:
     """Run some methods of one seed, keeping each result as it finishes.
 
     Args:
@@ -119,27 +129,33 @@ def run_seed(settings: BenchSettings, seed: int, methods: Sequence[str], data_ro
     data = prepare_data(settings, data_root / f"seed{seed}", seed)
     counts = site_counts(data)
     store.save(seed, "data", counts)
-    log(f"seed {seed}: data ready ({time.perf_counter() - start:.0f}s): "
-        + ", ".join(f"{s} {c['labelled']}/{c['train']} labelled" for s, c in counts.items()))
+    log(
+        f"seed {seed}: data ready ({time.perf_counter() - start:.0f}s): "
+        + ", ".join(f"{s} {c['labelled']}/{c['train']} labelled" for s, c in counts.items())
+    )
     runner = SeedRun(settings, seed, data, work, log)
     for method in methods:
         result = runner.run(method)
         store.save(seed, method, result)
-        log(f"seed {seed} {method}: mean UC F1 {result['mean_uc_f1']:.3f}"
+        log(
+            f"seed {seed} {method}: mean UC F1 {result['mean_uc_f1']:.3f}"
             + (f", mean CC AUROC {result['mean_cc_auroc']:.3f}" if result.get("mean_cc_auroc") is not None else "")
-            + f" ({result['seconds']:.0f}s)")
+            + f" ({result['seconds']:.0f}s)"
+        )
         done()
     return seed
 
 
-def _run_seed_in_worker(settings: BenchSettings, seed: int, methods: Sequence[str], data_root: Path, work: Path,
-                        out: Path) -> int:
+def _run_seed_in_worker(
+    settings: BenchSettings, seed: int, methods: Sequence[str], data_root: Path, work: Path, out: Path
+) -> int:
     """:func:`run_seed` in a worker process; its lines go to that process's stdout, tagged with the seed."""
     return run_seed(settings, seed, methods, data_root, work, out, lambda m: print(f"[seed {seed}] {m}", flush=True))
 
 
-def write_results(out: Path, base: dict[str, Any], runs: dict[str, dict[str, dict[str, Any]]], complete: bool,
-                  wall: float) -> dict[str, Any]:
+def write_results(
+    out: Path, base: dict[str, Any], runs: dict[str, dict[str, dict[str, Any]]], complete: bool, wall: float
+) -> dict[str, Any]:
     """``results.json``, ``report.md`` and the plots, from the finished runs.
 
     Args:
@@ -150,8 +166,14 @@ def write_results(out: Path, base: dict[str, Any], runs: dict[str, dict[str, dic
         wall: seconds this call has run.
     """
     seeds_done = sorted({int(s) for by_seed in runs.values() for s in by_seed})
-    result = {**base, "runs": runs, "seeds_done": seeds_done, "complete": complete, "wall_seconds": round(wall, 1),
-              "wall_seconds_total": round(base.get("wall_seconds_before", 0.0) + wall, 1)}
+    result = {
+        **base,
+        "runs": runs,
+        "seeds_done": seeds_done,
+        "complete": complete,
+        "wall_seconds": round(wall, 1),
+        "wall_seconds_total": round(base.get("wall_seconds_before", 0.0) + wall, 1),
+    }
     result.pop("wall_seconds_before", None)
     if runs:
         result["summary"] = summarise(runs)
@@ -161,10 +183,17 @@ def write_results(out: Path, base: dict[str, Any], runs: dict[str, dict[str, dic
     return result
 
 
-def run_fedfew_benchmark(out: str | Path, seeds: int | Sequence[int] = 3, *, settings: BenchSettings | None = None,
-                         data_root: str | Path | None = None, work: str | Path | None = None,
-                         log: Callable[[str], None] = logger.info, resume: bool = True,
-                         command: str | None = None) -> dict[str, Any]:
+def run_fedfew_benchmark(
+    out: str | Path,
+    seeds: int | Sequence[int] = 3,
+    *,
+    settings: BenchSettings | None = None,
+    data_root: str | Path | None = None,
+    work: str | Path | None = None,
+    log: Callable[[str], None] = logger.info,
+    resume: bool = True,
+    command: str | None = None,
+) -> dict[str, Any]:
     """Run the FedFew benchmark; write ``OUT/results.json``, ``OUT/report.md`` and the plots (and return the results).
 
     Args:
@@ -182,14 +211,22 @@ def run_fedfew_benchmark(out: str | Path, seeds: int | Sequence[int] = 3, *, set
     seeds = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    data_root = Path(data_root or Path(os.environ.get("CXRFL_DEMO_DIR") or Path.home() / ".cache" / "cxrfl") / "fedfew-bench")
+    data_root = Path(
+        data_root or Path(os.environ.get("CXRFL_DEMO_DIR") or Path.home() / ".cache" / "cxrfl") / "fedfew-bench"
+    )
     work = Path(work) if work else data_root / "runs"
     store = RunStore(out)
     store.open(settings, resume)
     earlier = json.loads((out / RESULTS).read_text()) if resume and (out / RESULTS).is_file() else {}
-    base = {"benchmark": "fedfew", "command": command or command_line() or f"cxrfl bench fedfew --seeds {len(seeds)} --out {out}",
-            "settings": settings.to_dict(), "seeds": seeds, "machine": machine(torch.device("cpu")), "code": code_version(),
-            "wall_seconds_before": float(earlier.get("wall_seconds_total", 0.0)) if earlier.get("runs") else 0.0}
+    base = {
+        "benchmark": "fedfew",
+        "command": command or command_line() or f"cxrfl bench fedfew --seeds {len(seeds)} --out {out}",
+        "settings": settings.to_dict(),
+        "seeds": seeds,
+        "machine": machine(torch.device("cpu")),
+        "code": code_version(),
+        "wall_seconds_before": float(earlier.get("wall_seconds_total", 0.0)) if earlier.get("runs") else 0.0,
+    }
     methods = [m for m in RUN_ORDER if m in settings.runs]
     finished = store.runs(seeds, methods)
     todo = {s: [m for m in methods if str(s) not in finished.get(m, {})] for s in seeds}
@@ -209,8 +246,12 @@ def run_fedfew_benchmark(out: str | Path, seeds: int | Sequence[int] = 3, *, set
 
         for seed in todo:  # write the data first, one seed at a time (the writer forks its own workers)
             prepare_data(settings, data_root / f"seed{seed}", seed)
-        with ProcessPoolExecutor(min(settings.jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_run_seed_in_worker, settings, s, ms, data_root, work, out) for s, ms in todo.items()]
+        with ProcessPoolExecutor(
+            min(settings.jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")
+        ) as pool:
+            futures = [
+                pool.submit(_run_seed_in_worker, settings, s, ms, data_root, work, out) for s, ms in todo.items()
+            ]
             for fut in as_completed(futures):
                 log(f"seed {fut.result()} finished")
                 write()

@@ -36,11 +36,24 @@ from cxrfl.fedfew.ssl import load_encoder
 from cxrfl.fedfew.stages import STAGE_DIR, STAGE_FILES
 from cxrfl.nn.models import CXRNet, ModelConfig, build_model, load_checkpoint, model_from_checkpoint, save_checkpoint
 
-RUN_ORDER = ("fedfew", "fedfew-balanced", "fedfew-no-ebm", "nn-ssl", "mlc", "mlc-ssl", "nn-mlc-ssl", "fedfew-lambda1",
-             "fedfew-neg-in")
+RUN_ORDER = (
+    "fedfew",
+    "fedfew-balanced",
+    "fedfew-no-ebm",
+    "nn-ssl",
+    "mlc",
+    "mlc-ssl",
+    "nn-mlc-ssl",
+    "fedfew-lambda1",
+    "fedfew-neg-in",
+)
 """The order a seed's methods run in (each after what it reuses)."""
-VARIANTS = {"fedfew-balanced": ((1, 2), {"threshold_weighting": "balanced"}), "fedfew-no-ebm": ((1,), {"energy_weight": 0.0}),
-            "fedfew-lambda1": ((1,), {"energy_weight": 1.0}), "fedfew-neg-in": ((1,), {"uc_negatives": "in"})}
+VARIANTS = {
+    "fedfew-balanced": ((1, 2), {"threshold_weighting": "balanced"}),
+    "fedfew-no-ebm": ((1,), {"energy_weight": 0.0}),
+    "fedfew-lambda1": ((1,), {"energy_weight": 1.0}),
+    "fedfew-neg-in": ((1,), {"uc_negatives": "in"}),
+}
 """A FedFew variant: the stages it reuses from ``fedfew`` and the settings it changes."""
 
 
@@ -55,7 +68,9 @@ class SeedRun:
         log: progress lines.
     """
 
-    def __init__(self, settings: BenchSettings, seed: int, data: SeedData, work: Path, log: Callable[[str], None]) -> None:
+    def __init__(
+        self, settings: BenchSettings, seed: int, data: SeedData, work: Path, log: Callable[[str], None]
+    ) -> None:
         self.settings = settings
         self.seed = seed
         self.data = data
@@ -65,7 +80,9 @@ class SeedRun:
         self.config = FedFewConfig.from_dict({**settings.fedfew, "seed": seed})
         marker = self.folder / "settings.json"
         wanted = settings.identity()
-        if not marker.is_file() or identity(json.loads(marker.read_text())) != wanted:  # other settings' files are never reused
+        if (
+            not marker.is_file() or identity(json.loads(marker.read_text())) != wanted
+        ):  # other settings' files are never reused
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder.mkdir(parents=True)
             marker.write_text(json.dumps(wanted, sort_keys=True))
@@ -122,15 +139,25 @@ class SeedRun:
                 probes.append({**p, "seconds": round(time.perf_counter() - start, 1)})
                 self.log(f"  stage-1 linear probe after {rnd} round(s): mean CC AUROC {p['mean_auroc']:.3f}")
 
-        outcome = run_fedfew(self.data.train, config=self.config, model_config=self.model_config, out_dir=out,
-                             info=lambda m: self.log("  " + m), warning=lambda m: self.log("  WARNING " + m),
-                             on_round=probe)
+        outcome = run_fedfew(
+            self.data.train,
+            config=self.config,
+            model_config=self.model_config,
+            out_dir=out,
+            info=lambda m: self.log("  " + m),
+            warning=lambda m: self.log("  WARNING " + m),
+            on_round=probe,
+        )
         if not evaluate:
             return {}
         result = eval_fedfew(outcome.final_path, self.data, self.settings)
-        result.update(margins=outcome.margins, threshold_stats=outcome.threshold_stats, ssl_probe=probes,
-                      stage2=stage2_summary(out),
-                      prototypes={uc: [(p.n_positive, p.n_negative) for p in ps] for uc, ps in outcome.prototypes.items()})
+        result.update(
+            margins=outcome.margins,
+            threshold_stats=outcome.threshold_stats,
+            ssl_probe=probes,
+            stage2=stage2_summary(out),
+            prototypes={uc: [(p.n_positive, p.n_negative) for p in ps] for uc, ps in outcome.prototypes.items()},
+        )
         return result
 
     def _variant(self, method: str) -> dict[str, Any]:
@@ -142,9 +169,16 @@ class SeedRun:
         source.mkdir(parents=True)
         for k in reused:
             shutil.copy2(stages / STAGE_FILES[k], source / STAGE_FILES[k])
-        outcome = run_fedfew(self.data.train, config=self.config.replace(**changes), model_config=self.model_config,
-                             out_dir=out, resume_root=out, resume_from=source.name, info=lambda m: None,
-                             warning=lambda m: self.log("  WARNING " + m))
+        outcome = run_fedfew(
+            self.data.train,
+            config=self.config.replace(**changes),
+            model_config=self.model_config,
+            out_dir=out,
+            resume_root=out,
+            resume_from=source.name,
+            info=lambda m: None,
+            warning=lambda m: self.log("  WARNING " + m),
+        )
         result = eval_fedfew(outcome.final_path, self.data, self.settings)
         result.update(threshold_stats=outcome.threshold_stats, stage2=stage2_summary(out))
         return result
@@ -162,8 +196,9 @@ class SeedRun:
             model, _, _ = model_from_checkpoint(path)
             return model, dict(load_checkpoint(path).get("training") or {})
         model, training = train_mlc(self.data, self.settings, self.seed, self._ssl_state(), self.log)
-        save_checkpoint(path, model, classes=list(MLC_CLASSES), model_config=self.model_config,
-                        extra={"training": training})
+        save_checkpoint(
+            path, model, classes=list(MLC_CLASSES), model_config=self.model_config, extra={"training": training}
+        )
         return model, training
 
 
@@ -197,6 +232,8 @@ def _site_energies(site_metrics: dict[str, dict[str, Any]]) -> dict[str, float |
     """One round's training-time energies (``train_energy_<group>``), each the mean over the sites reporting it."""
     means: dict[str, float | None] = {}
     for group in ("in", "out", "uc_neg"):
-        values = [m[f"train_energy_{group}"] for m in site_metrics.values() if m.get(f"train_energy_{group}") is not None]
+        values = [
+            m[f"train_energy_{group}"] for m in site_metrics.values() if m.get(f"train_energy_{group}") is not None
+        ]
         means[group] = sum(values) / len(values) if values else None
     return means

@@ -8,13 +8,29 @@ from typing import Any
 
 from cxrfl.fedfew.config import FedFewConfig
 
-METHODS = ("mlc", "mlc-ssl", "nn-ssl", "nn-mlc-ssl", "fedfew-no-ebm", "fedfew", "fedfew-balanced", "fedfew-lambda1",
-           "fedfew-neg-in")
+METHODS = (
+    "mlc",
+    "mlc-ssl",
+    "nn-ssl",
+    "nn-mlc-ssl",
+    "fedfew-no-ebm",
+    "fedfew",
+    "fedfew-balanced",
+    "fedfew-lambda1",
+    "fedfew-neg-in",
+)
 """Every method, in report order."""
-LABELS = {"mlc": "MLC w/o FSSL", "mlc-ssl": "MLC w/ FSSL", "nn-ssl": "NN (FSSL)", "nn-mlc-ssl": "NN (MLC w/ FSSL)",
-          "fedfew-no-ebm": "FedFew w/o EBM", "fedfew": "FedFew w/ EBM",
-          "fedfew-balanced": "FedFew w/ EBM, balanced threshold*", "fedfew-lambda1": "FedFew w/ EBM, lambda = 1*",
-          "fedfew-neg-in": "FedFew w/ EBM, UC negatives pushed in*"}
+LABELS = {
+    "mlc": "MLC w/o FSSL",
+    "mlc-ssl": "MLC w/ FSSL",
+    "nn-ssl": "NN (FSSL)",
+    "nn-mlc-ssl": "NN (MLC w/ FSSL)",
+    "fedfew-no-ebm": "FedFew w/o EBM",
+    "fedfew": "FedFew w/ EBM",
+    "fedfew-balanced": "FedFew w/ EBM, balanced threshold*",
+    "fedfew-lambda1": "FedFew w/ EBM, lambda = 1*",
+    "fedfew-neg-in": "FedFew w/ EBM, UC negatives pushed in*",
+}
 """The paper's names of the methods (``*``: a labelled variant, not the paper's recipe)."""
 ENERGY_VARIANTS = ("fedfew-lambda1", "fedfew-neg-in")
 """Variants of stage 2 that test what opens the energy gap between a UC's positives and negatives:
@@ -31,9 +47,20 @@ def _default_fedfew() -> dict[str, Any]:
     epoch over the 6 training sites' images; the linear probes show the encoder's features per
     round budget), stage 2's phases until the CC validation loss stops improving (patience 5; at most 20
     warm-up and 40 energy rounds)."""
-    return FedFewConfig(ssl_rounds=30, ssl_batch_size=64, ssl_proj_dim=2048, ssl_pred_dim=512, warmup_rounds=20,
-                        rounds=40, patience=5, local_epochs=1, batch_size=64, lr=1e-3, min_prototype_images=10,
-                        eval_batch_size=128).to_dict()
+    return FedFewConfig(
+        ssl_rounds=30,
+        ssl_batch_size=64,
+        ssl_proj_dim=2048,
+        ssl_pred_dim=512,
+        warmup_rounds=20,
+        rounds=40,
+        patience=5,
+        local_epochs=1,
+        batch_size=64,
+        lr=1e-3,
+        min_prototype_images=10,
+        eval_batch_size=128,
+    ).to_dict()
 
 
 @dataclass(frozen=True)
@@ -128,9 +155,28 @@ def identity(settings: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps({k: v for k, v in full.items() if k not in IDENTITY_EXCLUDES}))
 
 
-QUICK = BenchSettings(image_size=32, data_image_size=32, n_cc=120, n_test=80, probe_every=1,
-                      fedfew={**_default_fedfew(), "ssl_rounds": 1, "ssl_max_steps": 2, "ssl_batch_size": 32,
-                              "ssl_proj_dim": 64, "ssl_pred_dim": 16, "warmup_rounds": 1, "rounds": 2, "batch_size": 32,
-                              "min_prototype_images": 3},
-                      mlc_rounds=2, mlc_patience=1, mlc_batch_size=32, test_per_class=30, jobs=1)
+QUICK = BenchSettings(
+    image_size=32,
+    data_image_size=32,
+    n_cc=120,
+    n_test=80,
+    probe_every=1,
+    fedfew={
+        **_default_fedfew(),
+        "ssl_rounds": 1,
+        "ssl_max_steps": 2,
+        "ssl_batch_size": 32,
+        "ssl_proj_dim": 64,
+        "ssl_pred_dim": 16,
+        "warmup_rounds": 1,
+        "rounds": 2,
+        "batch_size": 32,
+        "min_prototype_images": 3,
+    },
+    mlc_rounds=2,
+    mlc_patience=1,
+    mlc_batch_size=32,
+    test_per_class=30,
+    jobs=1,
+)
 """A few-minute smoke setting (not for reporting)."""
