@@ -565,6 +565,22 @@ def prod(tmp_path_factory, repo_root):
             check=False,
         )
         out["timings"]["byoc_refusal"] = time.perf_counter() - t
+        t = time.perf_counter()
+        out["submit_fedeval"] = cxrfl(
+            tmp,
+            "deploy",
+            "submit",
+            str(fedeval_job(tmp, repo_root)),
+            "--workspace",
+            str(ws),
+            "--timeout",
+            "300",
+            "--download",
+            str(tmp / "download_fedeval"),
+            timeout=400,
+            check=False,
+        )
+        out["timings"]["fedeval_job"] = time.perf_counter() - t
         out["status"] = cxrfl(tmp, "deploy", "status", "--workspace", str(ws), timeout=120, check=False)
     finally:
         t = time.perf_counter()
@@ -573,6 +589,36 @@ def prod(tmp_path_factory, repo_root):
     out["timings"]["total"] = time.perf_counter() - t0
     print(f"\ndeployment (production mode) timings: {json.dumps({k: round(v, 1) for k, v in out['timings'].items()})}")
     return out
+
+
+def fedeval_job(tmp: Path, repo_root: Path) -> Path:
+    """The evaluation-only job (issue 45) for the two hospitals, carrying a model no job here trained."""
+    from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
+
+    torch.manual_seed(0)
+    config = ModelConfig(image_size=64)
+    model = tmp / "external_model.pt"
+    save_checkpoint(model, build_model(config, len(KNOWN_CLASSES)), classes=list(KNOWN_CLASSES), model_config=config)
+    subprocess.run(
+        [
+            sys.executable,
+            str(repo_root / "job_recipes" / "fedeval" / "job.py"),
+            "--model",
+            str(model),
+            "--clients",
+            "hospital-a,hospital-b",
+            "--min_cell",
+            "1",
+            "--export",
+            "--export-dir",
+            str(tmp / "jobs_fedeval"),
+        ],
+        env=cli_env(tmp),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return tmp / "jobs_fedeval" / "fedeval"
 
 
 def json_out(proc: subprocess.CompletedProcess) -> dict:
@@ -590,6 +636,21 @@ _submitted = json_out
 
 def _server_app(result: dict) -> Path:
     return Path(result["result"]) / "workspace" / "app_server"
+
+
+@pytest.mark.slow
+def test_prod_evaluation_only_job_pools_each_class_over_the_sites_that_label_it(prod):
+    # issue 45 point 1: the evaluation job in a provisioned (loopback) deployment, on a model it did not train
+    result = json_out(prod["submit_fedeval"])
+    assert result["status"] == COMPLETED, result
+    report = json.loads((_server_app(result) / "cxrfl" / "evaluation.json").read_text())
+    assert list(report["classes"]) == list(KNOWN_CLASSES)
+    for c, entry in report["classes"].items():
+        labelling = [s for s, own in (("hospital-a", NIH_CLASSES), ("hospital-b", CHEXPERT_CLASSES)) if c in own]
+        assert entry["sites_labelling"] == labelling, c
+    shared = set(NIH_CLASSES) & set(CHEXPERT_CLASSES)
+    assert any(report["classes"][c]["sites_pooled"] == ["hospital-a", "hospital-b"] for c in shared)
+    assert report["mean_auroc"] is not None
 
 
 @pytest.mark.slow

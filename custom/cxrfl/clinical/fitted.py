@@ -1,0 +1,119 @@
+"""What a checkpoint carries for clinical use: per-class calibration maps and operating points.
+
+Fitted by an evaluation-only run on the sites' validation splits (:mod:`cxrfl.fedeval`), written into
+the checkpoint under ``clinical`` and read by ``cxrfl predict`` and the MONAI bundle. A threshold is
+kept as a probability of the RAW model output (``raw >= threshold`` is positive), so a decision never
+depends on the calibration map; its calibrated value is stored beside it for display.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cxrfl.clinical.calibration import CalibrationMap, fit_calibration
+from cxrfl.clinical.counts import ScoreCounts
+from cxrfl.clinical.operating import choose_threshold
+from cxrfl.errors import ConfigError
+
+CHECKPOINT_KEY = "clinical"
+"""The checkpoint entry holding :meth:`ClinicalFit.to_dict`."""
+
+
+@dataclass(frozen=True)
+class ClinicalFit:
+    """Calibration maps and operating points of a model's classes (either may cover only some).
+
+    Args:
+        calibration: class -> its map.
+        operating_points: class -> ``threshold`` (raw probability), ``calibrated_threshold``, ``target``,
+            ``value``, ``met``, ``sensitivity``, ``specificity`` (reached on the fitting data).
+        fitted_on: what they were fitted on (split, class -> positives, negatives and sites pooled).
+    """
+
+    calibration: dict[str, CalibrationMap]
+    operating_points: dict[str, dict[str, Any]]
+    fitted_on: dict[str, Any]
+
+    @classmethod
+    def fit(cls, pooled: Mapping[str, ScoreCounts], *, calibration: str | None, target: str | None,
+            value: float | None, fitted_on: Mapping[str, Any]) -> ClinicalFit:
+        """Fit from each class's pooled validation counts.
+
+        Args:
+            pooled: class -> merged counts (positives and negatives both present).
+            calibration: ``platt``, ``temperature`` or None (no maps).
+            target: ``sensitivity``, ``specificity``, ``youden`` or None (no operating points).
+            value: the target sensitivity or specificity.
+            fitted_on: provenance stored with the fit.
+        """
+        maps = {c: fit_calibration(n, calibration) for c, n in pooled.items()} if calibration else {}
+        points: dict[str, dict[str, Any]] = {}
+        for c, counts in pooled.items() if target else ():
+            op = choose_threshold(counts, target, value)
+            mapped = maps.get(c, CalibrationMap()).apply(np.array([op.point.threshold]))[0]
+            points[c] = {"threshold": op.point.threshold, "calibrated_threshold": float(mapped), "target": target,
+                         "value": value, "met": op.met, "sensitivity": op.point.sensitivity.value,
+                         "specificity": op.point.specificity.value}
+        return cls(maps, points, dict(fitted_on))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The checkpoint entry (JSON-safe)."""
+        return {"calibration": {c: m.to_dict() for c, m in self.calibration.items()},
+                "operating_points": self.operating_points, "fitted_on": self.fitted_on}
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Mapping[str, Any], where: str) -> ClinicalFit | None:
+        """The fit a checkpoint carries (None: none), checked against its classes.
+
+        Args:
+            checkpoint: :func:`cxrfl.nn.models.load_checkpoint`'s dict.
+            where: the file, for messages.
+
+        Raises:
+            ConfigError: a malformed entry (one line naming the file and the class).
+        """
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        if entry is None:
+            return None
+        classes = set(checkpoint["classes"])
+        try:
+            maps = {str(c): CalibrationMap.from_dict(m, where=f"{where}, class {c}")
+                    for c, m in entry["calibration"].items()}
+            points = {str(c): dict(p) for c, p in entry["operating_points"].items()}
+            bad = [c for c in [*maps, *points] if c not in classes]
+            thresholds = [float(p["threshold"]) for p in points.values()]
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"{where}: malformed '{CHECKPOINT_KEY}' entry ({type(exc).__name__}: {exc}); "
+                              "fit it again with an evaluation-only run (job_recipes/fedeval)") from None
+        if bad or not all(0 < t < 1 for t in thresholds):
+            raise ConfigError(f"{where}: '{CHECKPOINT_KEY}' names classes the model lacks {bad} or thresholds "
+                              "outside (0, 1); fit it again with an evaluation-only run (job_recipes/fedeval)")
+        return cls(maps, points, dict(entry.get("fitted_on") or {}))
+
+    def calibrate(self, raw: np.ndarray, classes: Sequence[str]) -> np.ndarray:
+        """Calibrated probabilities (a class without a map unchanged).
+
+        Args:
+            raw: [n, K] raw probabilities, columns in ``classes`` order.
+            classes: the column names.
+        """
+        out = np.array(raw, dtype=float, copy=True)
+        for j, c in enumerate(classes):
+            if c in self.calibration:
+                out[:, j] = self.calibration[c].apply(out[:, j])
+        return out
+
+    def decide(self, raw: np.ndarray, classes: Sequence[str]) -> list[dict[str, bool]]:
+        """Positive or negative per class with an operating point, per row.
+
+        Args:
+            raw: [n, K] raw probabilities.
+            classes: the column names.
+        """
+        cols = [(j, c, float(self.operating_points[c]["threshold"]))
+                for j, c in enumerate(classes) if c in self.operating_points]
+        return [{c: bool(row[j] >= t) for j, c, t in cols} for row in np.atleast_2d(raw)]
