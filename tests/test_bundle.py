@@ -190,6 +190,76 @@ def test_monai_bundle_run_predicts_a_folder_of_png_and_dicom_like_cxrfl_predict(
         assert [float(v) for v in row[1:]] == pytest.approx([expected[c] for c in CLASSES], abs=1e-4), row[0]
 
 
+def run_bundle(bundle: Path, images: Path, out: Path) -> list[list[str]]:
+    """``python -m monai.bundle run`` over a folder; the rows of predictions.csv."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "monai.bundle",
+            "run",
+            "--config_file",
+            str(bundle / "configs" / "inference.json"),
+            "--bundle_root",
+            str(bundle),
+            "--dataset_dir",
+            str(images),
+            "--output_dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return list(csv.reader((out / "predictions.csv").read_text().splitlines()))
+
+
+def test_a_calibrated_model_predicts_and_bundles_calibrated_probabilities_and_decisions(trained, tmp_path):
+    # issue 45 points 2-3: the calibration map and operating points travel in the checkpoint and the bundle
+    clinical = {
+        "calibration": {
+            "Atelectasis": {"kind": "platt", "slope": 0.5, "intercept": -1.0},
+            "Pneumonia": {"kind": "temperature", "slope": 2.0, "intercept": 0.0},
+        },
+        "operating_points": {
+            "Edema": {
+                "threshold": 0.5,
+                "calibrated_threshold": 0.5,
+                "target": "youden",
+                "value": None,
+                "met": True,
+                "sensitivity": 0.8,
+                "specificity": 0.7,
+            }
+        },
+        "fitted_on": {"split": "val", "classes": {"Atelectasis": {"positives": 30, "negatives": 70, "sites": 2}}},
+    }
+    model = tmp_path / "calibrated.pt"
+    save_checkpoint(model, trained["model"], classes=CLASSES, model_config=CONFIG, extra={"clinical": clinical})
+    images = [p for p in sorted(trained["images"].iterdir()) if p.suffix != ".txt"]
+    raw = predict_images(model, images, precision="fp32", raw=True)
+    shown = predict_images(model, images, precision="fp32")
+    for r, s in zip(raw, shown, strict=True):
+        z = {c: np.log(r["probabilities"][c] / (1 - r["probabilities"][c])) for c in CLASSES}
+        assert s["probabilities"]["Atelectasis"] == pytest.approx(
+            1 / (1 + np.exp(-(0.5 * z["Atelectasis"] - 1))), abs=1e-5
+        )
+        assert s["probabilities"]["Pneumonia"] == pytest.approx(1 / (1 + np.exp(-2 * z["Pneumonia"])), abs=1e-5)
+        assert s["probabilities"]["Edema"] == pytest.approx(r["probabilities"]["Edema"], abs=1e-7)  # no map: raw
+        assert s["positive"] == {"Edema": r["probabilities"]["Edema"] >= 0.5}
+    assert main(["export", "bundle", "--model", str(model), "--out", str(tmp_path / "bundle")]) == 0
+    rows = run_bundle(tmp_path / "bundle", trained["images"], tmp_path / "out")
+    expected = {Path(s["image"]).name: s["probabilities"] for s in shown}
+    for row in rows:
+        assert [float(v) for v in row[1:]] == pytest.approx([expected[Path(row[0]).name][c] for c in CLASSES], abs=1e-4)
+    card = (tmp_path / "bundle" / "docs" / "README.md").read_text()
+    assert "## Calibration and operating points" in card and "| Edema | none | 0.5000 / 0.5000 | youden |" in card
+    meta = json.loads((tmp_path / "bundle" / "configs" / "metadata.json").read_text())
+    assert meta["cxrfl_clinical"]["calibration"]["Pneumonia"]["slope"] == 2.0
+
+
 def test_a_fedfew_model_is_refused_with_the_reason(tmp_path):
     path = tmp_path / "fedfew.pt"
     save_checkpoint(

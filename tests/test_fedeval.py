@@ -129,3 +129,39 @@ def test_a_site_receives_and_is_asked_about_only_its_own_classes(sites, checkpoi
                 assert shapes["classifier.weight"][0] == len(by_name[site].classes)
         planted = messages[-1][2].replace("}", f', "x": "{others[0]}"}}', 1)
         assert others[0] in planted  # the scan above finds a name when one is there
+
+
+def test_calibration_and_operating_points_fitted_on_validation_travel_in_the_checkpoint(sites, checkpoint, tmp_path):
+    from cxrfl.clinical.fitted import ClinicalFit
+    from cxrfl.errors import ConfigError
+    from scipy.special import logit
+    from sklearn.linear_model import LogisticRegression
+
+    with pytest.raises(ConfigError, match="split.*val"):
+        FedEvalConfig(calibration="platt")  # never fitted on the test split
+    config = FedEvalConfig(split="val", min_cell=1, calibration="platt", target="sensitivity", target_value=0.9)
+    report = run_fedeval(fp32_hosts(sites, tmp_path / "sites"), checkpoint, config, tmp_path)
+    path = tmp_path / "cxrfl" / "calibrated_model.pt"
+    fit = ClinicalFit.from_checkpoint(load_checkpoint(path), str(path))
+    assert fit is not None and fit.operating_points and report["fitted"]["model"] == "cxrfl/calibrated_model.pt"
+    # independent: the pooled raw validation scores of the class with most cases, as `cxrfl predict --raw` gives them
+    c = max(fit.calibration, key=lambda k: sum(fit.fitted_on["classes"][k][n] for n in ("positives", "negatives")))
+    images, labels = [], []
+    for site in sites:
+        if c in site.classes:
+            table = site.split_table("val")
+            known = table[c].notna()
+            images += table.loc[known, "path"].tolist()
+            labels += table.loc[known, c].tolist()
+    raw_rows = predict_images(path, images, device="cpu", precision="fp32", raw=True)
+    raw = np.array([r["probabilities"][c] for r in raw_rows])
+    shown = predict_images(path, images, device="cpu", precision="fp32")
+    np.testing.assert_allclose([r["probabilities"][c] for r in shown], fit.calibration[c].apply(raw), atol=1e-6)
+    assert [r["positive"][c] for r in shown] == list(raw >= fit.operating_points[c]["threshold"])
+    # the map is the logistic regression of the labels on the raw logits (scikit-learn, unpenalised)
+    reference = LogisticRegression(penalty=None, tol=1e-10, max_iter=10_000).fit(logit(raw)[:, None], labels)
+    expected = reference.predict_proba(logit(raw)[:, None])[:, 1]
+    np.testing.assert_allclose(fit.calibration[c].apply(raw), expected, atol=0.01)
+    # the operating point keeps at least 90 % of the validation positives
+    y = np.array(labels) == 1
+    assert (raw[y] >= fit.operating_points[c]["threshold"]).mean() >= 0.9

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import platform
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 import cxrfl
+from cxrfl.clinical.fitted import ClinicalFit
 from cxrfl.common.io import atomic_write, torch_save, write_json
 from cxrfl.errors import ConfigError
 from cxrfl.nn.models import ModelConfig, load_checkpoint, model_from_checkpoint
@@ -70,11 +71,15 @@ def export_bundle(model_path: str | Path, out: str | Path, *, name: str | None =
             "class): a MONAI bundle covers surgical aggregation, its baselines and CWT models"
         )
     model, classes, config = model_from_checkpoint(model_path)
+    fit = ClinicalFit.from_checkpoint(load_checkpoint(model_path), str(model_path))
     run = run_records(model_path)
     torch_save(out / "models" / "model.pt", model.state_dict())
-    write_json(out / "configs" / "metadata.json", metadata(classes, config, name or model_path.stem, run))
-    write_json(out / "configs" / "inference.json", inference_config(classes, config))
-    card = model_card(classes, config, name or model_path.stem, model_path, run)
+    meta = metadata(classes, config, name or model_path.stem, run)
+    if fit is not None:
+        meta["cxrfl_clinical"] = fit.to_dict()  # maps, thresholds and what they were fitted on (no site named)
+    write_json(out / "configs" / "metadata.json", meta)
+    write_json(out / "configs" / "inference.json", inference_config(classes, config, fit))
+    card = model_card(classes, config, name or model_path.stem, model_path, run) + clinical_card(classes, fit)
     atomic_write(out / "docs" / "README.md", lambda f: f.write(card), mode="w")
     return out
 
@@ -185,12 +190,13 @@ def metadata(classes: list[str], config: ModelConfig, name: str, run: Mapping[st
     }
 
 
-def inference_config(classes: list[str], config: ModelConfig) -> dict[str, Any]:
+def inference_config(classes: list[str], config: ModelConfig, fit: ClinicalFit | None = None) -> dict[str, Any]:
     """``configs/inference.json``: a MONAI bundle config that predicts a folder of images.
 
     Args:
         classes: output classes, in order.
         config: the network settings.
+        fit: the checkpoint's calibration maps (postprocessing: :class:`CalibratedSigmoid`) and operating points.
     """
     return {
         "imports": [
@@ -236,7 +242,7 @@ def inference_config(classes: list[str], config: ModelConfig) -> dict[str, Any]:
             "num_workers": 0,
         },
         "inferer": {"_target_": "SimpleInferer"},
-        "postprocessing": {"_target_": "Activations", "sigmoid": True},
+        "postprocessing": _postprocessing(classes, fit),
         "saver": {
             "_target_": "CSVSaver",
             "output_dir": "@output_dir",
@@ -253,6 +259,73 @@ def inference_config(classes: list[str], config: ModelConfig) -> dict[str, Any]:
         ],
         "finalize": ["$@saver.finalize()"],
     }
+
+
+class CalibratedSigmoid:
+    """MONAI postprocessing of a calibrated model: per channel ``sigmoid(slope * logit + intercept)``.
+
+    Args:
+        slopes: one per output channel (1: no map).
+        intercepts: one per output channel (0: no map).
+    """
+
+    def __init__(self, slopes: Sequence[float], intercepts: Sequence[float]) -> None:
+        self.slopes = torch.tensor(list(slopes), dtype=torch.float64)
+        self.intercepts = torch.tensor(list(intercepts), dtype=torch.float64)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        z = logits.double() * self.slopes.to(logits.device) + self.intercepts.to(logits.device)
+        return torch.sigmoid(z).float()
+
+
+def _postprocessing(classes: list[str], fit: ClinicalFit | None) -> dict[str, Any]:
+    """The sigmoid, calibrated per class where the checkpoint carries maps."""
+    if fit is None or not fit.calibration:
+        return {"_target_": "Activations", "sigmoid": True}
+    maps = [fit.calibration.get(c) for c in classes]
+    return {
+        "_target_": "cxrfl.bundle.CalibratedSigmoid",
+        "slopes": [m.slope if m else 1.0 for m in maps],
+        "intercepts": [m.intercept if m else 0.0 for m in maps],
+    }
+
+
+def clinical_card(classes: list[str], fit: ClinicalFit | None) -> str:
+    """The model card's section on calibration and operating points ("" without a fit).
+
+    Args:
+        classes: output classes, in order.
+        fit: the checkpoint's fit.
+    """
+    if fit is None:
+        return ""
+    on = fit.fitted_on.get("classes", {})
+    lines = [
+        "",
+        "## Calibration and operating points",
+        "",
+        f"Fitted by an evaluation-only federation on the sites' `{fit.fitted_on.get('split', '?')}` splits from "
+        "binned score counts (no image or score left a site). `pred` holds calibrated probabilities; a finding is "
+        "positive when its RAW probability reaches the threshold (`cxrfl predict` prints the decision, `--raw` the "
+        "raw probabilities).",
+        "",
+        "| finding | map | threshold (raw / calibrated) | target | sensitivity / specificity reached | cases (+/-) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in classes:
+        m, op, n = fit.calibration.get(c), fit.operating_points.get(c), on.get(c, {})
+        if m is None and op is None:
+            continue
+        mapping = f"{m.kind}: sigmoid({m.slope:.3f} z {m.intercept:+.3f})" if m else "none"
+        point = reached = goal = "-"
+        if op:
+            point = f"{op['threshold']:.4f} / {op['calibrated_threshold']:.4f}"
+            reached = f"{op['sensitivity']:.3f} / {op['specificity']:.3f}"
+            goal = f"{op['target']} {op['value'] if op['value'] is not None else ''}".strip()
+            goal += "" if op["met"] else " (not met)"
+        cases = f"{n.get('positives', '?')} / {n.get('negatives', '?')}"
+        lines.append(f"| {c} | {mapping} | {point} | {goal} | {reached} | {cases} |")
+    return "\n".join(lines) + "\n"
 
 
 def model_card(classes: list[str], config: ModelConfig, name: str, model_path: Path, run: Mapping[str, Any]) -> str:

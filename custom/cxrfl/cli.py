@@ -41,7 +41,7 @@ def _cmd_summary(args: argparse.Namespace) -> int:
 def _cmd_predict(args: argparse.Namespace) -> int:
     from cxrfl.predict import format_predictions, predict_images
 
-    rows = predict_images(args.model, args.images, device=args.device, precision=args.precision)
+    rows = predict_images(args.model, args.images, device=args.device, precision=args.precision, raw=args.raw)
     text = format_predictions(rows, fmt="json" if args.json else "csv" if args.csv else "table")
     if text:
         print(text)
@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=("auto", "fp32", "bf16", "fp16"),
         help="auto (default): bf16 autocast on a GPU or a CPU with native bf16, as training does; fp32 otherwise",
+    )
+    pr.add_argument(
+        "--raw",
+        action="store_true",
+        help="the model's raw probabilities, not the calibrated ones of a model fitted by an evaluation-only run",
     )
     pr.set_defaults(func=_cmd_predict)
 

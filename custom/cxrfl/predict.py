@@ -13,16 +13,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from cxrfl.clinical.fitted import ClinicalFit
 from cxrfl.data.images import ImageError, read_image
 from cxrfl.data.transforms import build_transforms
-from cxrfl.nn.models import model_from_checkpoint, select_device
+from cxrfl.nn.models import load_checkpoint, model_from_checkpoint, select_device
 from cxrfl.nn.precision import resolve
 
 
 def predict_images(
-    model_path: str | Path, images: Sequence[str | Path], *, device: str = "auto", precision: str = "auto"
+    model_path: str | Path,
+    images: Sequence[str | Path],
+    *,
+    device: str = "auto",
+    precision: str = "auto",
+    raw: bool = False,
 ) -> list[dict[str, Any]]:
     """Class probabilities for each image.
 
@@ -32,16 +39,20 @@ def predict_images(
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         precision: ``auto`` (the training loops' inference path on this device:
             :mod:`cxrfl.nn.precision`), ``fp32``, ``bf16`` or ``fp16``.
+        raw: the model's raw probabilities even where the checkpoint carries calibration maps.
 
     Returns:
         one dict per image, in input order: ``image`` and ``probabilities`` (class -> probability,
-        model order), or ``image`` and ``error`` (why it cannot be read) for a missing or
-        unreadable image.
+        model order; calibrated where the checkpoint carries a map, unless ``raw``) and, for a
+        checkpoint with operating points, ``positive`` (class -> the decision at its threshold); or
+        ``image`` and ``error`` (why it cannot be read) for a missing or unreadable image.
     """
     model, classes, config = model_from_checkpoint(model_path)
+    checkpoint = load_checkpoint(model_path)
+    fit = ClinicalFit.from_checkpoint(checkpoint, str(model_path))
     compute = resolve(precision, "auto", select_device(device))
     compute.prepare(model).eval()
-    fedfew = _fedfew_model(model_path, model)
+    fedfew = _fedfew_model(checkpoint, model, model_path)
     transform = build_transforms(config.image_size, train=False, in_channels=config.in_channels)
     rows: list[dict[str, Any]] = []
     for image in images:
@@ -56,17 +67,26 @@ def predict_images(
                 rows.append({"image": str(image), **_fedfew_row(fedfew, x)})
                 continue
             logits = model(x)
-        probs = torch.sigmoid(logits.float()).squeeze(0).cpu().tolist()
-        rows.append({"image": str(image), "probabilities": dict(zip(classes, probs, strict=True))})
+        rows.append(
+            {"image": str(image), **_clinical_row(torch.sigmoid(logits.float()).cpu().numpy(), classes, fit, raw)}
+        )
     return rows
 
 
-def _fedfew_model(model_path: str | Path, model: torch.nn.Module) -> Any:
+def _clinical_row(probs: np.ndarray, classes: list[str], fit: ClinicalFit | None, raw: bool) -> dict[str, Any]:
+    """One image's probabilities (calibrated unless ``raw`` or no map) and decisions at the operating points."""
+    shown = probs if fit is None or raw else fit.calibrate(probs, classes)
+    row: dict[str, Any] = {"probabilities": dict(zip(classes, shown[0].astype(float).tolist(), strict=True))}
+    if fit is not None and fit.operating_points:
+        row["positive"] = fit.decide(probs, classes)[0]
+    return row
+
+
+def _fedfew_model(checkpoint: dict[str, Any], model: torch.nn.Module, model_path: str | Path) -> Any:
     """The FedFew view of a checkpoint that carries a ``fedfew`` entry, else None."""
     from cxrfl.fedfew.model import FEDFEW_KEY, FedFewModel
-    from cxrfl.nn.models import load_checkpoint
 
-    info = load_checkpoint(model_path).get(FEDFEW_KEY)
+    info = checkpoint.get(FEDFEW_KEY)
     return None if info is None else FedFewModel(model, info, str(model_path))
 
 
@@ -98,7 +118,8 @@ def format_predictions(rows: list[dict[str, Any]], fmt: str = "table") -> str:
         rows: output of :func:`predict_images`.
         fmt: ``table`` (one block per readable image; unreadable ones are left to the caller's
             error lines), ``json`` (every row, ``error`` rows included) or ``csv`` (one row per
-            image, a last ``error`` column that is empty for readable images).
+            image, a last ``error`` column that is empty for readable images). A model with operating
+            points adds each class's decision (table: ``positive``/``negative``; csv: ``<class> positive``, 1/0).
     """
     if fmt == "json":
         return json.dumps(rows, indent=2)
@@ -106,13 +127,15 @@ def format_predictions(rows: list[dict[str, Any]], fmt: str = "table") -> str:
     classes = list(good[0]["probabilities"]) if good else []
     ucs = list(good[0].get("underrepresented", {})) if good else []  # FedFew models: rare-class decisions
     fedfew = bool(good) and "energy" in good[0]
+    decided = list(good[0].get("positive", {})) if good else []  # classes with an operating point
     if fmt == "csv":
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
-        writer.writerow(["image", *classes, *(["energy"] if fedfew else []), *ucs, "error"])
+        header = [*classes, *(["energy"] if fedfew else []), *ucs, *(f"{c} positive" for c in decided)]
+        writer.writerow(["image", *header, "error"])
         for r in rows:
             if "error" in r:
-                writer.writerow([r["image"], *[""] * (len(classes) + int(fedfew) + len(ucs)), r["error"]])
+                writer.writerow([r["image"], *[""] * len(header), r["error"]])
                 continue
             extra = [f"{r['energy']:.4f}"] if fedfew else []
             writer.writerow(
@@ -121,6 +144,7 @@ def format_predictions(rows: list[dict[str, Any]], fmt: str = "table") -> str:
                     *(f"{r['probabilities'][c]:.4f}" for c in classes),
                     *extra,
                     *(int(r["underrepresented"][u]["present"]) for u in ucs),
+                    *(int(r["positive"][c]) for c in decided),
                     "",
                 ]
             )
@@ -128,7 +152,8 @@ def format_predictions(rows: list[dict[str, Any]], fmt: str = "table") -> str:
     width = max((len(c) for c in [*classes, *ucs]), default=5)
     blocks = []
     for r in good:
-        lines = [r["image"]] + [f"  {c:<{width}}  {p:.3f}" for c, p in r["probabilities"].items()]
+        verdict = {c: "  positive" if v else "  negative" for c, v in r.get("positive", {}).items()}
+        lines = [r["image"]] + [f"  {c:<{width}}  {p:.3f}{verdict.get(c, '')}" for c, p in r["probabilities"].items()]
         if "energy" in r:
             flagged = r["energy"] > r["energy_threshold"]
             lines.append(

@@ -2,6 +2,7 @@
 
     python job.py --model best_FL_global_model.pt                    # simulator, the demo hospitals site-1, site-2
     python job.py --model M.pt --split val --min_cell 20
+    python job.py --model M.pt --split val --calibration platt --target sensitivity --target_value 0.9
     python job.py --model M.pt --env poc | --env prod --startup_kit KIT --clients hospital-a,hospital-b
     python job.py --model M.pt --export --export-dir jobs            # write the job folder: jobs/fedeval
 
@@ -39,6 +40,19 @@ def define_parser() -> argparse.ArgumentParser:
         default=DEFAULTS.threshold,
         help="probability whose sensitivity and specificity are reported",
     )
+    p.add_argument(
+        "--calibration",
+        choices=("platt", "temperature"),
+        default=None,
+        help="fit a calibration map per class (needs --split val); the model with it: cxrfl/calibrated_model.pt",
+    )
+    p.add_argument(
+        "--target",
+        choices=("sensitivity", "specificity", "youden"),
+        default=None,
+        help="choose an operating point per class (needs --split val)",
+    )
+    p.add_argument("--target_value", type=float, default=None, help="the sensitivity or specificity --target asks for")
     p.add_argument("--task_timeout", type=int, default=0, help="seconds a site may take (0: no limit)")
     add_run_arguments(p)
     return p
@@ -52,7 +66,14 @@ def main() -> None:
         name=args.name,
         min_clients=len(sites),
         sites=sites,
-        fedeval_config={"split": args.split, "min_cell": args.min_cell, "threshold": args.threshold},
+        fedeval_config={
+            "split": args.split,
+            "min_cell": args.min_cell,
+            "threshold": args.threshold,
+            "calibration": args.calibration,
+            "target": args.target,
+            "target_value": args.target_value,
+        },
         task_timeout=args.task_timeout,
         num_threads=args.num_threads,
     )

@@ -39,8 +39,15 @@ class ClinicalFit:
     fitted_on: dict[str, Any]
 
     @classmethod
-    def fit(cls, pooled: Mapping[str, ScoreCounts], *, calibration: str | None, target: str | None,
-            value: float | None, fitted_on: Mapping[str, Any]) -> ClinicalFit:
+    def fit(
+        cls,
+        pooled: Mapping[str, ScoreCounts],
+        *,
+        calibration: str | None,
+        target: str | None,
+        value: float | None,
+        fitted_on: Mapping[str, Any],
+    ) -> ClinicalFit:
         """Fit from each class's pooled validation counts.
 
         Args:
@@ -50,20 +57,38 @@ class ClinicalFit:
             value: the target sensitivity or specificity.
             fitted_on: provenance stored with the fit.
         """
-        maps = {c: fit_calibration(n, calibration) for c, n in pooled.items()} if calibration else {}
+        maps: dict[str, CalibrationMap] = {}
+        unfitted: dict[str, str] = {}
+        for c, counts in pooled.items():
+            try:
+                if calibration:
+                    maps[c] = fit_calibration(counts, calibration)
+            except ValueError as exc:  # e.g. perfectly separated scores: no finite map; the class keeps raw scores
+                unfitted[c] = str(exc)
         points: dict[str, dict[str, Any]] = {}
-        for c, counts in pooled.items() if target else ():
+        for c, counts in pooled.items():
+            if target is None:
+                break
             op = choose_threshold(counts, target, value)
             mapped = maps.get(c, CalibrationMap()).apply(np.array([op.point.threshold]))[0]
-            points[c] = {"threshold": op.point.threshold, "calibrated_threshold": float(mapped), "target": target,
-                         "value": value, "met": op.met, "sensitivity": op.point.sensitivity.value,
-                         "specificity": op.point.specificity.value}
-        return cls(maps, points, dict(fitted_on))
+            points[c] = {
+                "threshold": op.point.threshold,
+                "calibrated_threshold": float(mapped),
+                "target": target,
+                "value": value,
+                "met": op.met,
+                "sensitivity": op.point.sensitivity.value,
+                "specificity": op.point.specificity.value,
+            }
+        return cls(maps, points, {**fitted_on, **({"calibration_not_fitted": unfitted} if unfitted else {})})
 
     def to_dict(self) -> dict[str, Any]:
         """The checkpoint entry (JSON-safe)."""
-        return {"calibration": {c: m.to_dict() for c, m in self.calibration.items()},
-                "operating_points": self.operating_points, "fitted_on": self.fitted_on}
+        return {
+            "calibration": {c: m.to_dict() for c, m in self.calibration.items()},
+            "operating_points": self.operating_points,
+            "fitted_on": self.fitted_on,
+        }
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Mapping[str, Any], where: str) -> ClinicalFit | None:
@@ -81,17 +106,23 @@ class ClinicalFit:
             return None
         classes = set(checkpoint["classes"])
         try:
-            maps = {str(c): CalibrationMap.from_dict(m, where=f"{where}, class {c}")
-                    for c, m in entry["calibration"].items()}
+            maps = {
+                str(c): CalibrationMap.from_dict(m, where=f"{where}, class {c}")
+                for c, m in entry["calibration"].items()
+            }
             points = {str(c): dict(p) for c, p in entry["operating_points"].items()}
             bad = [c for c in [*maps, *points] if c not in classes]
             thresholds = [float(p["threshold"]) for p in points.values()]
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ConfigError(f"{where}: malformed '{CHECKPOINT_KEY}' entry ({type(exc).__name__}: {exc}); "
-                              "fit it again with an evaluation-only run (job_recipes/fedeval)") from None
+            raise ConfigError(
+                f"{where}: malformed '{CHECKPOINT_KEY}' entry ({type(exc).__name__}: {exc}); "
+                "fit it again with an evaluation-only run (job_recipes/fedeval)"
+            ) from None
         if bad or not all(0 < t < 1 for t in thresholds):
-            raise ConfigError(f"{where}: '{CHECKPOINT_KEY}' names classes the model lacks {bad} or thresholds "
-                              "outside (0, 1); fit it again with an evaluation-only run (job_recipes/fedeval)")
+            raise ConfigError(
+                f"{where}: '{CHECKPOINT_KEY}' names classes the model lacks {bad} or thresholds "
+                "outside (0, 1); fit it again with an evaluation-only run (job_recipes/fedeval)"
+            )
         return cls(maps, points, dict(entry.get("fitted_on") or {}))
 
     def calibrate(self, raw: np.ndarray, classes: Sequence[str]) -> np.ndarray:
@@ -114,6 +145,9 @@ class ClinicalFit:
             raw: [n, K] raw probabilities.
             classes: the column names.
         """
-        cols = [(j, c, float(self.operating_points[c]["threshold"]))
-                for j, c in enumerate(classes) if c in self.operating_points]
+        cols = [
+            (j, c, float(self.operating_points[c]["threshold"]))
+            for j, c in enumerate(classes)
+            if c in self.operating_points
+        ]
         return [{c: bool(row[j] >= t) for j, c, t in cols} for row in np.atleast_2d(raw)]

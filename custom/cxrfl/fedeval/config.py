@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from cxrfl.clinical.counts import BinSpec
+from cxrfl.clinical.operating import TARGETS
 from cxrfl.common.config import Config
 
 SPLITS = ("test", "val")
@@ -24,6 +25,14 @@ class FedEvalConfig(Config):
         level: confidence level of the intervals.
         threshold: the probability whose sensitivity and specificity are reported.
         min_sites: fewest sites that must answer; fewer stop the run with the reason.
+        calibration: ``platt`` or ``temperature``: fit a calibration map per class (``split: val`` only).
+        target: ``sensitivity``, ``specificity`` or ``youden``: choose an operating point per class
+            (``split: val`` only).
+        target_value: the sensitivity or specificity ``target`` asks for (none for ``youden``).
+
+    With ``calibration`` or ``target`` the run also writes ``cxrfl/calibrated_model.pt``: the model with
+    its maps and operating points (:class:`cxrfl.clinical.fitted.ClinicalFit`), which ``cxrfl predict``
+    and the MONAI bundle apply.
     """
 
     SECTION: ClassVar[str] = "fedeval"
@@ -34,3 +43,24 @@ class FedEvalConfig(Config):
     level: float = field(default=0.95, metadata={"gt": 0, "lt": 1})
     threshold: float = field(default=0.5, metadata={"gt": 0, "lt": 1})
     min_sites: int = field(default=1, metadata={"ge": 1})
+    calibration: str | None = field(default=None, metadata={"choices": ("platt", "temperature")})
+    target: str | None = field(default=None, metadata={"choices": TARGETS})
+    target_value: float | None = field(default=None, metadata={"gt": 0, "le": 1})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.calibration or self.target) and self.split != "val":
+            self.fail(
+                "split",
+                f"must be 'val' to fit calibration or operating points (on validation data only, "
+                f"never on the test split), got {self.split!r}",
+            )
+        if self.target in ("sensitivity", "specificity") and self.target_value is None:
+            self.fail("target_value", f"is needed with target {self.target!r} (e.g. 0.9)")
+        if self.target_value is not None and self.target not in ("sensitivity", "specificity"):
+            self.fail("target_value", f"is only used with target 'sensitivity' or 'specificity', got {self.target!r}")
+
+    @property
+    def fits(self) -> bool:
+        """Whether the run fits calibration maps or operating points."""
+        return bool(self.calibration or self.target)

@@ -22,14 +22,19 @@ import numpy as np
 
 from cxrfl.clinical.calibration import reliability
 from cxrfl.clinical.counts import BinSpec, ScoreCounts, count_request, merge, refine_bins
+from cxrfl.clinical.fitted import CHECKPOINT_KEY, ClinicalFit
 from cxrfl.clinical.pooled import at_threshold, pooled_auroc
-from cxrfl.common.server import RunStopped, ServerLoop
+from cxrfl.common.io import owner_only
+from cxrfl.common.server import RECORDS_DIR, RunStopped, ServerLoop
 from cxrfl.common.transport import Message, Send
 from cxrfl.errors import UpdateRejected
 from cxrfl.fedeval.config import FedEvalConfig
-from cxrfl.nn.models import HEAD_PREFIX
+from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, save_checkpoint
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.host import CLASSES, VALIDATE
+
+CALIBRATED_MODEL = "calibrated_model.pt"
+"""The model with its calibration maps and operating points, under ``cxrfl/`` (runs that fit them)."""
 
 Counts = dict[str, dict[str, ScoreCounts | None]]
 """class -> site -> its counts (None: the site had too few cases and sent nothing)."""
@@ -81,8 +86,41 @@ class FedEvalServer(ServerLoop):
                 if set(recount.get(c, {})) == set(counts[c]):
                     counts[c] = recount[c]
         report = self._report(model_classes, evaluated, counts)
+        if cfg.fits:
+            report["fitted"] = self._fit(counts, report)
         self.write_evaluation(report)
         return report
+
+    def _fit(self, counts: Counts, report: dict[str, Any]) -> dict[str, Any]:
+        """Calibration maps and operating points from the pooled counts; ``cxrfl/calibrated_model.pt``."""
+        cfg, checkpoint = self.config, self.checkpoint
+        pooled = {c: p for c, per in counts.items() if (p := _pooled(per)) is not None}
+        on = {
+            "split": cfg.split,
+            "classes": {
+                c: {"positives": p.n_pos, "negatives": p.n_neg, "sites": len(report["classes"][c]["sites_pooled"])}
+                for c, p in pooled.items()
+            },
+        }
+        fit = ClinicalFit.fit(
+            pooled, calibration=cfg.calibration, target=cfg.target, value=cfg.target_value, fitted_on=on
+        )
+        path = self.path(RECORDS_DIR, CALIBRATED_MODEL)
+        save_checkpoint(
+            path,
+            checkpoint["model"],
+            classes=list(checkpoint["classes"]),
+            model_config=ModelConfig.from_dict(checkpoint["model_config"]),
+            extra={CHECKPOINT_KEY: fit.to_dict()},
+        )
+        owner_only(path)
+        for c, m in fit.calibration.items():
+            report["classes"][c]["ece_calibrated"] = reliability(pooled[c], m).ece
+        self.info(
+            f"calibration of {len(fit.calibration)} and operating points of {len(fit.operating_points)} "
+            f"class(es) written with the model to {path}"
+        )
+        return {"model": str(path.relative_to(self.out)), **fit.to_dict()}
 
     def _announce(self) -> dict[str, list[str]]:
         """Each answering site's class names (checked: a list of distinct texts)."""
