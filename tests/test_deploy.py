@@ -613,7 +613,7 @@ def fedeval_job(tmp: Path, repo_root: Path) -> Path:
             "--export-dir",
             str(tmp / "jobs_fedeval"),
         ],
-        env=cli_env(tmp),
+        env={**cli_env(tmp), "HOME": str(tmp / "export_home")},  # the export may write caches: not the user's
         check=True,
         capture_output=True,
         timeout=300,
