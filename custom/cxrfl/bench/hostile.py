@@ -31,13 +31,15 @@ from cxrfl.bench.profiles import prepare
 from cxrfl.bench.protocol import code_label, code_version, command_line, machine
 from cxrfl.bench.warmups import WarmupCache
 from cxrfl.common.io import json_default
+from cxrfl.common.server import RunStopped
 from cxrfl.errors import ConfigError
 from cxrfl.nn.metrics import per_class_auroc
-from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.models import ModelConfig, model_from_checkpoint
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import TRAIN
 from cxrfl.surgical.inprocess import InProcessResult, global_model, make_hosts, run_surgical
+from cxrfl.surgical.server import BEST_MODEL, GLOBAL_MODEL
 
 Log = Callable[[str], None]
 
@@ -254,38 +256,61 @@ def _run_one(
         hosts[bad] = HostileHost(hosts[bad], attack)
     config = settings.server_config(seed, robust)
     started = time.perf_counter()
-    result = run_surgical(hosts, config, folder / "server", info=lambda _: None, warning=lambda _: None)
-    records = [json.loads(line) for line in (folder / "server" / "cxrfl" / "rounds.jsonl").read_text().splitlines()]
-    rejected = sum(bad in (r.get("rejected") or {}) for r in records)
-    auroc = mean_auroc(result, config.model_config, tests)
+    server = folder / "server"
+    model: torch.nn.Module | None
+    result: InProcessResult | None
+    try:
+        result = run_surgical(hosts, config, server, info=lambda _: None, warning=lambda _: None)
+        model, classes, stopped = global_model(result, config.model_config), result.classes, None
+    except RunStopped as exc:  # the attack broke the federation: the operator keeps the model selected so far
+        result, stopped = None, str(exc)
+        model, classes = _kept_model(server)
+    records = [json.loads(line) for line in (server / "cxrfl" / "rounds.jsonl").read_text().splitlines()]
     run = {
         "attack": attack,
         "robust": robust,
         "seed": seed,
-        "best_round": result.best_round,
-        "rounds": result.rounds,
-        "mean_auroc": auroc,
-        "rejected": rejected,
-        "val_loss": result.curve("mean_val_loss"),
+        "best_round": result.best_round if result else None,
+        "rounds": result.rounds if result else max((r.get("round", 0) for r in records), default=0),
+        "mean_auroc": mean_auroc(model, classes, tests),
+        "rejected": sum(bad in (r.get("rejected") or {}) for r in records),
+        "stopped": stopped,
+        "val_loss": result.curve("mean_val_loss") if result else [r.get("mean_val_loss") for r in records],
         "seconds": time.perf_counter() - started,
     }
     shutil.rmtree(folder, ignore_errors=True)
     return run
 
 
-def mean_auroc(result: InProcessResult, model_config: ModelConfig, tests: Mapping[str, Any]) -> float | None:
-    """The selected global model's mean AUROC over every class of the external test sets; a class the
-    model lacks (its only site was rejected) or scores with NaN (the attack broke it) counts 0.5 (no skill).
+def _kept_model(server: Path) -> tuple[torch.nn.Module | None, list[str]]:
+    """The selected (else the last) global model a stopped run left, or (None, []) when it has none or its
+    weights are not finite."""
+    for name in (BEST_MODEL, GLOBAL_MODEL):
+        if (server / name).is_file():
+            try:
+                model, classes, _ = model_from_checkpoint(server / name)
+            except ConfigError:  # non-finite weights: no usable model
+                return None, []
+            return model.eval(), classes
+    return None, []
+
+
+def mean_auroc(model: torch.nn.Module | None, classes: list[str], tests: Mapping[str, Any]) -> float | None:
+    """A global model's mean AUROC over every class of the external test sets; a class the model lacks
+    (its only site was rejected) or scores with NaN (the attack broke it), or no model at all, counts 0.5
+    (no skill).
 
     Args:
-        result: the run.
-        model_config: network settings.
+        model: the selected global model (None: the run left none).
+        classes: its classes.
         tests: the external test sets.
     """
-    model = global_model(result, model_config)
-    values = []
+    values: list[float | None] = []
     for test in tests.values():
-        scores = scores_on(model, result.classes, test)
+        if model is None:
+            values += [0.5] * len(test.classes)
+            continue
+        scores = scores_on(model, classes, test)
         usable = [j for j in range(len(test.classes)) if np.isfinite(scores[:, j]).all()]
         aurocs = per_class_auroc(test.labels[:, usable], scores[:, usable], [test.classes[j] for j in usable])
         values += [aurocs.get(c, 0.5) for c in test.classes]
@@ -302,9 +327,10 @@ def summarise(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     honest = {r["seed"]: r["mean_auroc"] for r in runs if r["attack"] == "none" and r["robust"] == "none"}
     out: dict[str, dict[str, Any]] = {}
     for r in runs:
-        cell = out.setdefault(f"{r['attack']}/{r['robust']}", {"aurocs": [], "deltas": [], "rejected": 0})
+        cell = out.setdefault(f"{r['attack']}/{r['robust']}", {"aurocs": [], "deltas": [], "rejected": 0, "stopped": 0})
         cell["aurocs"].append(r["mean_auroc"])
         cell["rejected"] += r["rejected"]
+        cell["stopped"] += bool(r.get("stopped"))
         if r["mean_auroc"] is not None and honest.get(r["seed"]) is not None:
             cell["deltas"].append(r["mean_auroc"] - honest[r["seed"]])
     return {
@@ -313,6 +339,7 @@ def summarise(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             "change": _mean(v["deltas"]),
             "seeds": len(v["aurocs"]),
             "rejected": v["rejected"],
+            "stopped": v["stopped"],
         }
         for k, v in out.items()
     }
@@ -335,7 +362,8 @@ def format_report(results: Mapping[str, Any]) -> str:
         "weighting by samples except median (unweighted). Cell: the selected global model's mean test AUROC on the "
         "external set (a class it lacks or scores with NaN: 0.5), its change against the honest run (no "
         "attack, no robust "
-        "option) of the same seed, and how many of the hostile site's results were rejected.",
+        "option) of the same seed, how many of the hostile site's results were rejected, and how many runs the "
+        "attack stopped (every site failed: the model selected before then is scored).",
         "",
         "| attack | " + " | ".join(s["robust"]) + " |",
         "| --- |" + " --- |" * len(s["robust"]),
@@ -344,8 +372,11 @@ def format_report(results: Mapping[str, Any]) -> str:
         row = []
         for robust in s["robust"]:
             c = cells.get(f"{attack}/{robust}")
+            stops = f"; {c['stopped']} of {c['seeds']} stopped" if c and c["stopped"] else ""
             row.append(
-                "-" if c is None else f"{_num(c['mean_auroc'])} ({_signed(c['change'])}; {c['rejected']} rejected)"
+                "-"
+                if c is None
+                else f"{_num(c['mean_auroc'])} ({_signed(c['change'])}; {c['rejected']} rejected{stops})"
             )
         lines.append(f"| {attack} | " + " | ".join(row) + " |")
     codes = sorted({code_label(r.get("code") or results.get("code") or {}) for r in results["runs"].values()})
