@@ -19,7 +19,7 @@ import torch
 from cxrfl.clinical.fitted import ClinicalFit
 from cxrfl.data.images import ImageError, read_image
 from cxrfl.data.transforms import build_transforms
-from cxrfl.nn.models import load_checkpoint, model_from_checkpoint, select_device
+from cxrfl.nn.models import CXRNet, load_checkpoint, model_from_checkpoint, select_device
 from cxrfl.nn.precision import resolve
 
 
@@ -82,7 +82,7 @@ def _clinical_row(probs: np.ndarray, classes: list[str], fit: ClinicalFit | None
     return row
 
 
-def _fedfew_model(checkpoint: dict[str, Any], model: torch.nn.Module, model_path: str | Path) -> Any:
+def _fedfew_model(checkpoint: dict[str, Any], model: CXRNet, model_path: str | Path) -> Any:
     """The FedFew view of a checkpoint that carries a ``fedfew`` entry, else None."""
     from cxrfl.fedfew.model import FEDFEW_KEY, FedFewModel
 
@@ -152,8 +152,8 @@ def format_predictions(rows: list[dict[str, Any]], fmt: str = "table") -> str:
     width = max((len(c) for c in [*classes, *ucs]), default=5)
     blocks = []
     for r in good:
-        verdict = {c: "  positive" if v else "  negative" for c, v in r.get("positive", {}).items()}
-        lines = [r["image"]] + [f"  {c:<{width}}  {p:.3f}{verdict.get(c, '')}" for c, p in r["probabilities"].items()]
+        decision = {c: "  positive" if v else "  negative" for c, v in r.get("positive", {}).items()}
+        lines = [r["image"]] + [f"  {c:<{width}}  {p:.3f}{decision.get(c, '')}" for c, p in r["probabilities"].items()]
         if "energy" in r:
             flagged = r["energy"] > r["energy_threshold"]
             lines.append(

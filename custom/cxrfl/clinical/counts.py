@@ -227,7 +227,9 @@ def merge(counts: Sequence[ScoreCounts]) -> ScoreCounts:
     bins = counts[0].bins
     if any(c.bins != bins for c in counts):
         raise ValueError(f"cannot merge counts over different bins: {sorted({str(c.bins.to_dict()) for c in counts})}")
-    return ScoreCounts(bins, sum(c.positives for c in counts), sum(c.negatives for c in counts))
+    return ScoreCounts(
+        bins, np.sum([c.positives for c in counts], axis=0), np.sum([c.negatives for c in counts], axis=0)
+    )
 
 
 def refine_bins(counts: ScoreCounts, *, mass: float = 0.999) -> BinSpec:

@@ -67,9 +67,11 @@ def choose_threshold(
     tp = np.cumsum(counts.positives[::-1])[::-1][1:]  # tp[i]: positives in bins i+1 ... (cut i+1)
     tn = np.cumsum(counts.negatives)[: n + 1]  # tn[i]: negatives in bins 0 ... i
     if target == "sensitivity":
+        assert value is not None  # checked above
         ok = np.flatnonzero(tp / counts.n_pos >= value)
         i, met = (int(ok[-1]), True) if ok.size else (0, False)
     elif target == "specificity":
+        assert value is not None  # checked above
         ok = np.flatnonzero(tn / counts.n_neg >= value)
         i, met = (int(ok[0]), True) if ok.size else (n, False)
     else:

@@ -178,6 +178,10 @@ class ServerLoop:
         return path
 
     # --------------------------------------------------------------- sending
+    def run(self) -> Any:
+        """Run the method to its end (each method's loop implements it)."""
+        raise NotImplementedError
+
     def check_abort(self) -> None:
         """Raise :class:`RunAborted` when the run must stop."""
         if self.aborted():

@@ -227,6 +227,7 @@ class SurgicalSiteHost:
             )
         if self.warmups is None:
             return learner.warmup(params)
+        assert self.settings is not None  # learner_for set them
         key = self.warmups.key(self.data.site, params, self.settings)
         done = self.warmups.get(key)
         if done is not None:
