@@ -32,6 +32,7 @@ from cxrfl.fedeval.config import FedEvalConfig
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, save_checkpoint
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.host import CLASSES, VALIDATE
+from cxrfl.surgical.validation import as_numpy
 
 CALIBRATED_MODEL = "calibrated_model.pt"
 """The model with its calibration maps and operating points, under ``cxrfl/`` (runs that fit them)."""
@@ -56,6 +57,11 @@ class FedEvalServer(ServerLoop):
         super().__init__(send, **loop)
         self.config = config
         self.checkpoint = checkpoint
+        # the model as numpy once: every site's message of every pass is cut from these
+        arrays = {k: as_numpy(v) for k, v in checkpoint["model"].items()}
+        self.head = arrays.pop(HEAD_PREFIX + "weight"), arrays.pop(HEAD_PREFIX + "bias")
+        self.body = arrays
+        self.rows = {c: i for i, c in enumerate(checkpoint["classes"])}
 
     def run(self) -> dict[str, Any]:
         """Evaluate the checkpoint at every site.
@@ -72,7 +78,7 @@ class FedEvalServer(ServerLoop):
         announced = self._announce()
         evaluated = {s: [c for c in own if c in model_classes] for s, own in announced.items()}
         bins = dict.fromkeys(model_classes, cfg.bins)
-        counts = self._count(checkpoint, announced, evaluated, bins)
+        counts = self._count(announced, evaluated, bins)
         fitted = {
             c: refine_bins(pooled)
             for c, per in counts.items()
@@ -81,7 +87,7 @@ class FedEvalServer(ServerLoop):
         if fitted:
             self.info(f"{len(fitted)} class(es) counted again in bins fitted to their pooled scores")
             again = {s: [c for c in ev if c in fitted] for s, ev in evaluated.items()}
-            recount = self._count(checkpoint, announced, {s: v for s, v in again.items() if v}, {**bins, **fitted})
+            recount = self._count(announced, {s: v for s, v in again.items() if v}, {**bins, **fitted})
             for c in fitted:  # the second pass replaces the first only where the same sites answered
                 if set(recount.get(c, {})) == set(counts[c]):
                     counts[c] = recount[c]
@@ -143,23 +149,16 @@ class FedEvalServer(ServerLoop):
             )
         return out
 
-    def _message(
-        self, checkpoint: Mapping[str, Any], own: Sequence[str], evaluated: Sequence[str], bins: Mapping[str, BinSpec]
-    ) -> Message:
+    def _message(self, own: Sequence[str], evaluated: Sequence[str], bins: Mapping[str, BinSpec]) -> Message:
         """A site's task: the feature extractor, one head row per own class, the count request."""
-        state = {
-            k: np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v)
-            for k, v in checkpoint["model"].items()
-        }
-        rows = {c: i for i, c in enumerate(checkpoint["classes"])}
-        weight, bias = state.pop(HEAD_PREFIX + "weight"), state.pop(HEAD_PREFIX + "bias")
+        (weight, bias), rows = self.head, self.rows
         params = {
-            **state,
+            **self.body,
             HEAD_PREFIX + "weight": np.stack([weight[rows[c]] if c in rows else np.zeros_like(weight[0]) for c in own]),
             HEAD_PREFIX + "bias": np.array([bias[rows[c]] if c in rows else 0 for c in own], dtype=bias.dtype),
         }
         meta = {
-            "model_config": dict(checkpoint["model_config"]),
+            "model_config": dict(self.checkpoint["model_config"]),
             "train_config": TrainConfig().to_dict(),
             "batchnorm": "fedavg",
             "head_mode": "surgical",
@@ -172,13 +171,12 @@ class FedEvalServer(ServerLoop):
 
     def _count(
         self,
-        checkpoint: Mapping[str, Any],
         announced: Mapping[str, list[str]],
         evaluated: Mapping[str, list[str]],
         bins: Mapping[str, BinSpec],
     ) -> Counts:
         """One counting pass over the sites with classes to evaluate."""
-        payloads = {s: self._message(checkpoint, announced[s], ev, bins) for s, ev in evaluated.items() if ev}
+        payloads = {s: self._message(announced[s], ev, bins) for s, ev in evaluated.items() if ev}
         out: Counts = {}
         for site, (_, meta) in self.exchange(VALIDATE, payloads).items():
             try:
