@@ -20,7 +20,7 @@ class Honest:
         return out, {"num_samples": 10, "metrics": {}}
 
 
-RECEIVED = {"w": np.full(3, 5.0, np.float32), "n": np.array(7, np.int64)}
+RECEIVED = {"w": np.full(3, 5.0, np.float32), "n": np.array(7, np.int64), "bn.running_var": np.full(2, 1.0, np.float32)}
 
 
 @pytest.mark.parametrize("attack, w, row", [("scale", 105.0, 200.0), ("sign", 4.0, -2.0)])
@@ -29,6 +29,8 @@ def test_scale_and_sign_act_on_the_update_not_on_the_weights(attack, w, row):
     torch.testing.assert_close(torch.as_tensor(out["w"]), torch.full((3,), w))  # 5 + factor * (6 - 5)
     torch.testing.assert_close(torch.as_tensor(out["classifier.weight"]), torch.full((1, 2), row))  # from zero
     assert out["n"] == 7 and out["n"].dtype == np.int64 and meta["num_samples"] == 10
+    # running variances as trained (altered ones are negative and rejected: not an attack that counts)
+    torch.testing.assert_close(torch.as_tensor(out["bn.running_var"]), torch.full((2,), 2.0))
 
 
 def test_nan_and_count_attacks_and_other_tasks():

@@ -145,6 +145,41 @@ def test_a_changed_sample_count_is_rejected_in_a_later_round():
     assert_honest(agg.aggregate().params)
 
 
+# -------------------------------------------------------------------------- BatchNorm variances
+VAR = "f.bn.running_var"
+
+
+@pytest.mark.parametrize("robust", [None, "median", "clip"])
+def test_a_negative_batchnorm_variance_is_rejected_and_the_model_stays_usable(robust):
+    # issue 40, hostile benchmark: one sign-flipped site among five made 26 running variances of the
+    # global model negative and every site's validation failed (NaN) in the next round, with or without
+    # clipping (the flipped update has an honest norm). Previous variance 1; the hostile site c flips
+    # an honest update of 9: 1 - (9 - 1) = -7. The plain mean of a, b, c would be (0.5 + 0.5 - 7) / 3 = -2.
+    agg = RoundAggregator(warning=lambda _: None, bn_keys=(VAR,), robust=robust)
+    ref = {**reference(), VAR: np.ones(4, np.float32)}
+    agg.expect({k: v.shape for k, v in ref.items() if not k.startswith("classifier.")}, None, ["x"], ref)
+    honest = {VAR: np.full(4, 0.5, np.float32)}
+    flipped = {VAR: np.array([1.0, 1.0, -7.0, 1.0], np.float32)}
+    accept_all(agg, [site("a", 1.0, **honest), site("b", 1.0, **honest), site("c", 1.0, **flipped)])
+    assert set(agg.rejected) == {"c"}
+    assert VAR in agg.rejected["c"] and "negative" in agg.rejected["c"] and "-7" in agg.rejected["c"]
+    out = agg.aggregate().params
+    assert_honest(out)
+    torch.testing.assert_close(torch.as_tensor(np.asarray(out[VAR])), torch.full((4,), 0.5), rtol=0, atol=0)
+
+
+def test_a_zero_variance_is_accepted_and_torch_tensors_are_checked_too():
+    from cxrfl.errors import UpdateRejected
+    from cxrfl.surgical.validation import validate_update
+
+    ok = site("a", 1.0, **{VAR: torch.zeros(4)})
+    ok["params"] = {k: torch.as_tensor(v) for k, v in ok["params"].items()}
+    validate_update(ok)  # a channel that never varied has variance 0: valid
+    bad = dict(ok, params={**ok["params"], VAR: torch.tensor([0.0, -1e-3, 0.0, 0.0])})
+    with pytest.raises(UpdateRejected, match=r"site a: BatchNorm running variance 'f.bn.running_var' has negative"):
+        validate_update(bad)
+
+
 # ------------------------------------------------------------------------------- robust modes
 def test_median_of_two_falls_back_to_clipping_around_the_reference():
     # issue 40 point 6: the median of two sites is their mean; documented fallback: clip (clip_norm)

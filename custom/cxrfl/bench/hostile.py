@@ -4,9 +4,12 @@ Surgical aggregation's own server loop (:func:`cxrfl.surgical.inprocess.run_surg
 process on a synthetic profile of ``sites`` sites (default 5, ``synth-nih``), one of which
 (:class:`HostileHost`) alters every ``train`` answer (head warm-up and rounds) by an attack of
 :data:`ATTACKS`: its update scaled x100, its update sign-flipped, NaN weights, or a claim of 10**12
-training images. Every (attack, robust option, seed) runs until the mean validation loss stops
-improving (``patience``); the selected global model is scored by its mean AUROC on the profile's
-external test set, against the honest run (no attack, no robust option) of the same seed.
+training images. The scaled and flipped updates leave the BatchNorm running variances as trained:
+altered, they turn negative and update validation rejects them (``tests/test_security_aggregation.py``),
+so an attacker who wants its update counted keeps them. Every (attack, robust option, seed) runs
+until the mean validation loss stops improving (``patience``); the selected global model is scored
+by its mean AUROC on the profile's external test set, against the honest run (no attack, no robust
+option) of the same seed.
 ``weighting`` is ``samples`` (a claimed count matters) except for ``median``, which is unweighted.
 Each run's result is written to ``results.json`` as it finishes, so an interrupted benchmark
 resumes where it stopped; ``report.md`` is written at the end.
@@ -40,6 +43,7 @@ from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import TRAIN
 from cxrfl.surgical.inprocess import InProcessResult, global_model, make_hosts, run_surgical
 from cxrfl.surgical.server import BEST_MODEL, GLOBAL_MODEL
+from cxrfl.surgical.validation import RUNNING_VAR
 
 Log = Callable[[str], None]
 
@@ -146,14 +150,17 @@ class HostileHost:
             return out, answer
         if self.attack == "count":
             return out, {**answer, "num_samples": CLAIMED}
-        return {k: self._alter(np.asarray(v), params.get(k)) for k, v in out.items()}, answer
+        return {k: self._alter(k, np.asarray(v), params.get(k)) for k, v in out.items()}, answer
 
-    def _alter(self, value: np.ndarray, received: Any) -> np.ndarray:
-        """One array of the answer under the attack (integer buffers unchanged)."""
+    def _alter(self, key: str, value: np.ndarray, received: Any) -> np.ndarray:
+        """One array of the answer under the attack (integer buffers unchanged; running variances unchanged
+        by ``scale`` and ``sign``, see the module docstring)."""
         if value.dtype.kind != "f":
             return value
         if self.attack == "nan":
             return np.full_like(value, np.nan)
+        if key.endswith(RUNNING_VAR):
+            return value
         start = np.asarray(received, dtype=value.dtype) if received is not None else np.zeros_like(value)
         factor = SCALE if self.attack == "scale" else -1.0
         return (start + factor * (value - start)).astype(value.dtype)

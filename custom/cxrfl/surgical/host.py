@@ -263,6 +263,7 @@ class SurgicalSiteHost:
                 f"site {self.data.site} {m.get('phase', meta.get('phase'))} round {meta.get('round', 0)}: "
                 f"train_loss {_fmt(m.get('train_loss'))} val_loss {_fmt(m.get('val_loss'))} "
                 f"val_AUROC {_fmt(m.get('val_mean_auroc'))} time {_fmt(m.get('seconds'), 1)}s"
+                + (f" ({m['images_per_second']:.1f} img/s training)" if m.get("images_per_second") else "")
             )
         return (
             f"site {self.data.site} {m.get('split', meta.get('split'))} (model of round {meta.get('model_round')}): "

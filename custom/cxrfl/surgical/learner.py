@@ -358,6 +358,7 @@ class SiteLearner:
         metrics = {
             "phase": "warmup",
             "train_loss": last.loss if last else None,
+            "images_per_second": last.images_per_second if last else None,
             "val_loss": val.loss,
             "val_auroc": val.aurocs,
             "val_mean_auroc": val.mean_auroc,

@@ -1,4 +1,4 @@
-"""Checks of one site's update before it is aggregated: fields, classes, shapes, finite values.
+"""Checks of one site's update before it is aggregated: fields, classes, shapes, finite values, variances.
 
 Framework-free (no NVFlare import). An update is a mapping::
 
@@ -11,7 +11,8 @@ Every value must be a real number array: floating point, or integer for buffers 
 ``num_batches_tracked``); head values floating point. With expected dtypes (the previous global
 model's, per key) a value must have exactly its key's dtype, so float64, int64 or bool where float32 is
 expected is rejected; complex, bool, object and string arrays never pass. :class:`SampleCounts`
-bounds ``num_samples`` (a hard cap, and the count a site reported first).
+bounds ``num_samples`` (a hard cap, and the count a site reported first). BatchNorm running variances
+(``*.running_var``) must not be negative.
 
 Finiteness checks (:func:`first_nonfinite`, and the sums of
 :class:`cxrfl.surgical.aggregation.RunningSum`) are one cheap pass: small arrays are concatenated
@@ -43,6 +44,8 @@ FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 INT_DTYPES = frozenset({"uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64"})
 MAX_NUM_SAMPLES = 10_000_000
 """Default hard cap on a site's ``num_samples`` (the largest public chest X-ray sets hold < 10**6 images)."""
+RUNNING_VAR = ".running_var"
+"""Suffix of a BatchNorm layer's running-variance buffer in a torch state dict (checked: never negative)."""
 COUNT_TOLERANCE = 0.01
 """Relative change of a site's ``num_samples`` from its first report that is still accepted (splits are fixed)."""
 
@@ -267,6 +270,8 @@ def _params(
         _check_dtype(k, dtype_name(v), dtypes.get(k), k in (wkey, bkey))
         if expected_shapes is not None and v.shape != expected_shapes.get(k, v.shape) and k not in (wkey, bkey):
             raise _Invalid(f"parameter {k!r} has shape {shape_of(v)}, expected {expected_shapes[k]}")
+        if k.endswith(RUNNING_VAR):
+            _check_variance(k, v)
     w_shape, b_shape = shape_of(params[wkey]), shape_of(params[bkey])
     if len(w_shape) != 2 or w_shape[0] != n_classes:
         raise _Invalid(f"head weight {wkey!r} has shape {w_shape}, expected ({n_classes}, N): one row per class")
@@ -276,6 +281,17 @@ def _params(
     if w_shape[1:] != n_in:
         raise _Invalid(f"head weight {wkey!r} has {w_shape[1]} inputs, expected {n_in[0]}")
     return params
+
+
+def _check_variance(key: str, v: Array) -> None:
+    """A BatchNorm running variance must not be negative: one negative entry makes that layer's output NaN
+    in evaluation (its square root), at every site, in every later round. Each honest value is >= 0, so
+    every aggregate of accepted updates (weighted mean, median, clipped deltas between the previous model
+    and an update) is too; a flipped or scaled update usually is not (seen: one sign-flipped site among
+    five made 26 layers' variances negative and every site's validation failed)."""
+    low = float(v.min()) if math.prod(shape_of(v)) else 0.0
+    if low < 0:
+        raise _Invalid(f"BatchNorm running variance {key!r} has negative values (min {low:.4g}); a variance is >= 0")
 
 
 def _check_dtype(key: str, name: str, want: str | None, head: bool) -> None:
