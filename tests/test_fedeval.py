@@ -23,7 +23,7 @@ from cxrfl.nn.models import ModelConfig, build_model, load_checkpoint, save_chec
 from cxrfl.predict import predict_images
 from cxrfl.surgical.inprocess import make_hosts
 from cxrfl.synth import write_profile
-from sklearn.metrics import roc_auc_score
+from pooling_helpers import central_auroc
 
 SITES = ["hospital-a", "hospital-b"]
 EXTRA = "Hernia-of-nobody"  # a model class no site labels
@@ -50,20 +50,6 @@ def checkpoint(sites, tmp_path_factory) -> Path:
 
 def fp32_hosts(sites, root: Path):
     return make_hosts(sites, root, train_overrides={s.site: {"precision": "fp32"} for s in sites})
-
-
-def central_auroc(sites, checkpoint: Path, cls: str) -> float:
-    """sklearn's AUROC of the pooled per-image scores of every site labelling ``cls``."""
-    scores, labels = [], []
-    for site in sites:
-        if cls not in site.classes:
-            continue
-        table = site.split_table("test")
-        known = table[cls].notna()
-        rows = predict_images(checkpoint, table.loc[known, "path"].tolist(), device="cpu", precision="fp32")
-        scores += [r["probabilities"][cls] for r in rows]
-        labels += table.loc[known, cls].tolist()
-    return float(roc_auc_score(labels, scores))
 
 
 def test_pooled_auroc_from_counts_equals_sklearn_on_the_pooled_scores(sites, checkpoint, tmp_path):

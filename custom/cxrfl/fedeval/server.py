@@ -21,13 +21,12 @@ from typing import Any
 import numpy as np
 
 from cxrfl.clinical.calibration import reliability
-from cxrfl.clinical.counts import BinSpec, ScoreCounts, count_request, merge, refine_bins
+from cxrfl.clinical.counts import BinSpec, count_request
 from cxrfl.clinical.fitted import CHECKPOINT_KEY, ClinicalFit
-from cxrfl.clinical.pooled import at_threshold, pooled_auroc
+from cxrfl.clinical.pooling import Counts, count_at_sites, pooled, pooled_report
 from cxrfl.common.io import owner_only
 from cxrfl.common.server import RECORDS_DIR, RunStopped, ServerLoop
 from cxrfl.common.transport import Message, Send
-from cxrfl.errors import UpdateRejected
 from cxrfl.fedeval.config import FedEvalConfig
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, save_checkpoint
 from cxrfl.nn.training import TrainConfig
@@ -36,9 +35,6 @@ from cxrfl.surgical.validation import as_numpy
 
 CALIBRATED_MODEL = "calibrated_model.pt"
 """The model with its calibration maps and operating points, under ``cxrfl/`` (runs that fit them)."""
-
-Counts = dict[str, dict[str, ScoreCounts | None]]
-"""class -> site -> its counts (None: the site had too few cases and sent nothing)."""
 
 
 class FedEvalServer(ServerLoop):
@@ -77,21 +73,13 @@ class FedEvalServer(ServerLoop):
         self.write_run_config({"fedeval": cfg.to_dict(), "model_classes": model_classes})
         announced = self._announce()
         evaluated = {s: [c for c in own if c in model_classes] for s, own in announced.items()}
-        bins = dict.fromkeys(model_classes, cfg.bins)
-        counts = self._count(announced, evaluated, bins)
-        fitted = {
-            c: refine_bins(pooled)
-            for c, per in counts.items()
-            if (pooled := _pooled(per)) is not None and pooled_auroc(pooled).binning_bound > cfg.tolerance
-        }
-        if fitted:
-            self.info(f"{len(fitted)} class(es) counted again in bins fitted to their pooled scores")
-            again = {s: [c for c in ev if c in fitted] for s, ev in evaluated.items()}
-            recount = self._count(announced, {s: v for s, v in again.items() if v}, {**bins, **fitted})
-            for c in fitted:  # the second pass replaces the first only where the same sites answered
-                if set(recount.get(c, {})) == set(counts[c]):
-                    counts[c] = recount[c]
-        report = self._report(model_classes, evaluated, counts)
+
+        def send(wanted: Mapping[str, list[str]], bins: Mapping[str, BinSpec]) -> dict[str, Mapping[str, Any]]:
+            payloads = {s: self._message(announced[s], ev, bins) for s, ev in wanted.items()}
+            return {site: meta for site, (_, meta) in self.exchange(VALIDATE, payloads).items()}
+
+        counts = count_at_sites(send, evaluated, cfg, info=self.info, warning=self.warning)
+        report = {"split": cfg.split, **pooled_report(model_classes, evaluated, counts, cfg, self.info)}
         if cfg.fits:
             report["fitted"] = self._fit(counts, report)
         self.write_evaluation(report)
@@ -100,16 +88,16 @@ class FedEvalServer(ServerLoop):
     def _fit(self, counts: Counts, report: dict[str, Any]) -> dict[str, Any]:
         """Calibration maps and operating points from the pooled counts; ``cxrfl/calibrated_model.pt``."""
         cfg, checkpoint = self.config, self.checkpoint
-        pooled = {c: p for c, per in counts.items() if (p := _pooled(per)) is not None}
+        merged = {c: p for c, per in counts.items() if (p := pooled(per)) is not None}
         on = {
             "split": cfg.split,
             "classes": {
                 c: {"positives": p.n_pos, "negatives": p.n_neg, "sites": len(report["classes"][c]["sites_pooled"])}
-                for c, p in pooled.items()
+                for c, p in merged.items()
             },
         }
         fit = ClinicalFit.fit(
-            pooled, calibration=cfg.calibration, target=cfg.target, value=cfg.target_value, fitted_on=on
+            merged, calibration=cfg.calibration, target=cfg.target, value=cfg.target_value, fitted_on=on
         )
         path = self.path(RECORDS_DIR, CALIBRATED_MODEL)
         save_checkpoint(
@@ -121,7 +109,7 @@ class FedEvalServer(ServerLoop):
         )
         owner_only(path)
         for c, m in fit.calibration.items():
-            report["classes"][c]["ece_calibrated"] = reliability(pooled[c], m).ece
+            report["classes"][c]["ece_calibrated"] = reliability(merged[c], m).ece
         self.info(
             f"calibration of {len(fit.calibration)} and operating points of {len(fit.operating_points)} "
             f"class(es) written with the model to {path}"
@@ -168,87 +156,3 @@ class FedEvalServer(ServerLoop):
             "counts": count_request(evaluated, bins, self.config.min_cell),
         }
         return params, meta
-
-    def _count(
-        self,
-        announced: Mapping[str, list[str]],
-        evaluated: Mapping[str, list[str]],
-        bins: Mapping[str, BinSpec],
-    ) -> Counts:
-        """One counting pass over the sites with classes to evaluate."""
-        payloads = {s: self._message(announced[s], ev, bins) for s, ev in evaluated.items() if ev}
-        out: Counts = {}
-        for site, (_, meta) in self.exchange(VALIDATE, payloads).items():
-            try:
-                got = self._parse(site, meta, evaluated[site], bins)
-            except UpdateRejected as exc:
-                self.warning(f"rejected the counts of site {site}: {exc}")
-                continue
-            for c, value in got.items():
-                out.setdefault(c, {})[site] = value
-        return out
-
-    def _parse(
-        self, site: str, meta: Mapping[str, Any], classes: Sequence[str], bins: Mapping[str, BinSpec]
-    ) -> dict[str, ScoreCounts | None]:
-        """A site's answer checked whole: counts for exactly the classes asked, each valid."""
-        counts = (meta.get("metrics") or {}).get("counts") if isinstance(meta.get("metrics"), Mapping) else None
-        if not isinstance(counts, Mapping) or set(counts) != set(classes):
-            named = sorted(map(str, counts))[:5] if isinstance(counts, Mapping) else type(counts).__name__
-            raise UpdateRejected(f"site {site}: answered counts for {named}, asked for {len(classes)} class(es)")
-        return {
-            c: None
-            if counts[c] is None
-            else ScoreCounts.from_dict(
-                counts[c], bins=bins[c], min_cell=self.config.min_cell, where=f"site {site}, class {c}"
-            )
-            for c in classes
-        }
-
-    def _report(
-        self, model_classes: Sequence[str], evaluated: Mapping[str, list[str]], counts: Counts
-    ) -> dict[str, Any]:
-        """Per class pooled statistics (see the module docstring); one log line per class."""
-        cfg, classes = self.config, {}
-        for c in model_classes:
-            per = counts.get(c, {})
-            sent = {s: v for s, v in per.items() if v is not None}
-            entry: dict[str, Any] = {
-                "sites_labelling": sorted(s for s, ev in evaluated.items() if c in ev),
-                "sites_pooled": sorted(sent),
-                "sites_withheld": sorted(set(per) - set(sent)),
-            }
-            pooled = _pooled(per)
-            if pooled is None:
-                entry["auroc"] = None  # no site sent counts, or the pooled split has one label only
-            else:
-                auroc, diagram = pooled_auroc(pooled, level=cfg.level), reliability(pooled)
-                entry.update(
-                    auroc=auroc.to_dict(),
-                    ece=diagram.ece,
-                    reliability=diagram.to_dict(),
-                    at_threshold=at_threshold(pooled, cfg.threshold, level=cfg.level).to_dict(),
-                    bins=pooled.bins.to_dict(),
-                )
-                self.info(
-                    f"{c}: pooled AUROC {auroc.value:.3f} ({auroc.low:.3f}-{auroc.high:.3f}) over "
-                    f"{len(sent)} site(s), {auroc.n_pos} positives / {auroc.n_neg} negatives, ECE {diagram.ece:.3f}"
-                )
-            classes[c] = entry
-        values = [e["auroc"]["value"] for e in classes.values() if e["auroc"] is not None]
-        return {
-            "split": cfg.split,
-            "min_cell": cfg.min_cell,
-            "level": cfg.level,
-            "threshold": cfg.threshold,
-            "classes": classes,
-            "mean_auroc": float(np.mean(values)) if values else None,
-            "not_labelled": [c for c, e in classes.items() if not e["sites_labelling"]],
-        }
-
-
-def _pooled(per: Mapping[str, ScoreCounts | None]) -> ScoreCounts | None:
-    """The merged counts of the sites that sent some, when they hold positives and negatives (else None)."""
-    sent = [v for v in per.values() if v is not None]
-    pooled = merge(sent) if sent else None
-    return pooled if pooled is not None and pooled.n_pos and pooled.n_neg else None

@@ -39,7 +39,7 @@ class SurgicalAggregation(TaskController):
             of the same name (meaning and default there; ``model_config`` and ``train_config`` as
             dicts of their fields): num_rounds, min_clients, model_config, train_config, batchnorm,
             weighting, robust, clip_norm, max_num_samples, patience, min_delta, min_clients_timeout, resume_from,
-            seed, evaluate_test, external_test, keep_round_checkpoints, head_mode, missing, retry_pause.
+            seed, evaluate_test, external_test, pooled, keep_round_checkpoints, head_mode, missing, retry_pause.
     """
 
     def __init__(
@@ -62,6 +62,7 @@ class SurgicalAggregation(TaskController):
         seed: int = _DEFAULTS.seed,
         evaluate_test: bool = _DEFAULTS.evaluate_test,
         external_test: str | None = _DEFAULTS.external_test,
+        pooled: dict | None = None,
         keep_round_checkpoints: bool = _DEFAULTS.keep_round_checkpoints,
         head_mode: str = _DEFAULTS.head_mode,
         missing: str = _DEFAULTS.missing,
@@ -87,6 +88,7 @@ class SurgicalAggregation(TaskController):
                 "seed": seed,
                 "evaluate_test": evaluate_test,
                 "external_test": external_test,
+                "pooled": pooled or {},
                 "keep_round_checkpoints": keep_round_checkpoints,
                 "head_mode": head_mode,
                 "missing": missing,

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from cxrfl.clinical.pooling import PooledEvaluation
 from cxrfl.common.config import Config
 from cxrfl.errors import ConfigError
 from cxrfl.nn.models import ModelConfig
@@ -68,6 +69,8 @@ class SurgicalConfig(Config):
         seed: seed of the initial weights.
         evaluate_test: evaluate the selected model on every site's test split at the end.
         external_test: server-side site config of a fully annotated external test set (optional).
+        pooled: how the final test evaluation counts at the sites and pools per class
+            (:class:`cxrfl.clinical.pooling.PooledEvaluation`: minimum cell size, bins, interval level ...).
         keep_round_checkpoints: keep every round's global model under ``cxrfl/checkpoints``.
         head_mode: ``surgical`` (own head rows per site), ``union`` (whole head to every site:
             vanilla FL / partial loss) or ``local`` (heads stay at the sites: personalized FL).
@@ -93,6 +96,7 @@ class SurgicalConfig(Config):
     seed: int = 0
     evaluate_test: bool = True
     external_test: str | None = None
+    pooled: PooledEvaluation = field(default_factory=PooledEvaluation)
     keep_round_checkpoints: bool = True
     head_mode: str = field(default="surgical", metadata={"choices": HEAD_MODES})
     missing: str = field(default="negative", metadata={"choices": MISSING_POLICIES})

@@ -64,6 +64,7 @@ from cxrfl.nn.evaluation import evaluate_on_site, shared_classes
 from cxrfl.nn.metrics import summarise_auroc
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, save_checkpoint
 from cxrfl.surgical.config import RESUME_KEYS, SurgicalConfig
+from cxrfl.surgical.final_evaluation import evaluate_test_split
 from cxrfl.surgical.head_modes import drop_head, payload_for
 from cxrfl.surgical.host import TRAIN, VALIDATE
 from cxrfl.surgical.join import add_classes, waiting_sites
@@ -524,7 +525,8 @@ class SurgicalServer(ServerLoop):
 
     # ------------------------------------------------------- evaluation
     def _evaluate(self, state: RunState, best_round: int, best_params: Mapping[str, Any]) -> dict[str, Any]:
-        """The selected model on the sites' test splits and the external set; ``cxrfl/evaluation.json``."""
+        """The selected model on the sites' test splits (their metrics, and per class pooled from their binned
+        counts: :mod:`cxrfl.surgical.final_evaluation`) and the external set; ``cxrfl/evaluation.json``."""
         shared = shared_classes(state.announced)
         report: dict[str, Any] = {
             "classes": state.classes,
@@ -532,11 +534,29 @@ class SurgicalServer(ServerLoop):
             "best_round": best_round,
             "sites": {},
             "external": None,
+            "pooled": None,
         }
         if self.config.evaluate_test:
-            answers = self.exchange(VALIDATE, self.messages(state, best_params, split="test", model_round=best_round))
-            for site, (_, meta) in sorted(answers.items()):
-                m = meta.get("metrics") or {}
+
+            def exchange(requests: Mapping[str, dict[str, Any] | None]) -> dict[str, Mapping[str, Any]]:
+                messages = self.messages(state, best_params, split="test", model_round=best_round)
+                payloads = {
+                    s: (p, m if requests[s] is None else {**m, "counts": requests[s]})
+                    for s, (p, m) in messages.items()
+                    if s in requests
+                }
+                return {s: meta for s, (_, meta) in self.exchange(VALIDATE, payloads).items()}
+
+            metrics, report["pooled"] = evaluate_test_split(
+                exchange,
+                state.announced,
+                state.classes,
+                self.config.pooled,
+                pool=self.config.head_mode != "local",
+                info=self.info,
+                warning=self.warning,
+            )
+            for site, m in sorted(metrics.items()):
                 own = {c: v for c, v in (m.get("auroc") or {}).items() if c in state.announced.get(site, ())}
                 report["sites"][site] = {**m, **summarise_auroc(own, shared=shared)}
         report["external"] = self._external(state, best_params, shared)
