@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from cxrfl.errors import CxrflError, DataError
+from cxrfl.errors import ConfigError, CxrflError, DataError
 
 RENAMED = {"bench-cwt": "bench cwt", "bench-fedfew": "bench fedfew"}
 """Former commands, still accepted (not listed): old name -> the command that runs instead."""
@@ -52,6 +52,14 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    if args.clinical:
+        from cxrfl.clinical.report import write_clinical_report
+
+        if args.external or args.plots:
+            raise ConfigError("--clinical writes the clinical report alone; ask for --plots or --external separately")
+        for path in write_clinical_report(args.workspace, args.clinical):
+            print(f"wrote {path}")
+        return 0
     from cxrfl.report import format_report, load_run, write_plots
 
     run = load_run(args.workspace)
@@ -158,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument(
         "--plots", metavar="DIR", help="write the learning curves and per-class AUROC as PNG files into DIR"
+    )
+    rp.add_argument(
+        "--clinical",
+        metavar="DIR",
+        help="instead, write the per-class clinical report of the run's pooled evaluation into DIR (report.md, "
+        "roc.png, reliability.png); also for an evaluation-only run (job_recipes/fedeval)",
     )
     rp.set_defaults(func=_cmd_report)
 

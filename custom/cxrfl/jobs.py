@@ -45,6 +45,8 @@ class JobSpec:
             (see :class:`cxrfl.fl.recipes.JobSettings`).
         exclude_batchnorm: add NVFlare's ``ExcludeVars`` result filter naming every BatchNorm
             entry of the model, so none leaves a site (FedBN/FedBN+ only; default off).
+        quantize: None (default: off), or an NVFlare quantization format for every message
+            (see :class:`cxrfl.fl.recipes.JobSettings`).
         tracking: experiment trackers: ``tensorboard`` and/or ``mlflow`` (empty: none).
         tracking_uri: MLflow tracking server; None: an SQLite file in the job's server workspace.
         sites: the client sites by name: the server's app then goes to the server alone (empty: one
@@ -63,6 +65,7 @@ class JobSpec:
     description: str = ""
     privacy: dict[str, Any] | None = None
     exclude_batchnorm: bool = False
+    quantize: str | None = None
     tracking: tuple[str, ...] = ("tensorboard",)
     tracking_uri: str | None = None
     sites: tuple[str, ...] = ()
@@ -100,6 +103,7 @@ class JobSpec:
             "resources": self.resources,
             "site_resources": self.site_resources,
             "privacy": self.privacy,
+            "quantize": self.quantize,
             "tracking": self.tracking,
             "tracking_uri": self.tracking_uri,
             "custom": custom,

@@ -34,7 +34,10 @@ def find_server_app(path: str | Path) -> Path:
     for candidate in (path, *sorted(path.glob("**/app_server"))):
         if (candidate / "cxrfl" / "rounds.jsonl").is_file():
             return candidate
-    raise DataError(f"no cxrfl server output (app_server/cxrfl/rounds.jsonl) under {path}; did the job run?")
+    raise DataError(
+        f"no cxrfl server output (app_server/cxrfl/rounds.jsonl) under {path}; did the job run? "
+        f"(an evaluation-only run has no rounds: cxrfl report {path} --clinical DIR)"
+    )
 
 
 def load_run(path: str | Path) -> dict[str, Any]:
@@ -220,6 +223,10 @@ def format_report(
         f"  {command('cxrfl')} predict --model {best_model} {example_image or 'IMAGE.png|.dcm'}",
         f"  {command('cxrfl')} report {ws} --plots {ws / 'plots'}     (learning curves and per-class AUROC as PNG)",
     ]
+    if (evaluation or {}).get("pooled"):
+        lines.append(
+            f"  {command('cxrfl')} report {ws} --clinical {ws / 'clinical'}     (per-class report for clinicians)"
+        )
     tb = app.parent / "tb_events"
     if tb.is_dir():
         lines.append(f"  {command('tensorboard')} --logdir {tb}")

@@ -3,6 +3,7 @@
     python job.py                                    # simulator, sites site-1 and site-2 (the demo hospitals)
     python job.py --clr --lwms --cwl                 # switch on the other optimizations
     python job.py --tracking tensorboard,mlflow      # MLflow too (an SQLite store in the job's server folder)
+    python job.py --quantize blockwise8              # 8-bit messages both ways (BatchNorm statistics exact)
     python job.py --env poc | --env prod --startup_kit KIT
     python job.py --export --export-dir jobs         # write the job folder instead: jobs/cwt
 
@@ -52,6 +53,7 @@ def main() -> None:
         num_threads=args.num_threads,
         tracking=args.tracking,
         tracking_uri=args.tracking_uri,
+        quantize=args.quantize,
     )
     run_recipe(recipe, args)
 

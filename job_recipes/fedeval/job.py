@@ -54,7 +54,7 @@ def define_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target_value", type=float, default=None, help="the sensitivity or specificity --target asks for")
     p.add_argument("--task_timeout", type=int, default=0, help="seconds a site may take (0: no limit)")
-    add_run_arguments(p)
+    add_run_arguments(p, quantize=False)
     return p
 
 

@@ -4,6 +4,7 @@
     python job.py --clients cc-1,cc-2,uc-hernia      # other sites (data: $CXRFL_SITE_CONFIG_DIR/<site>.yaml)
     python job.py --ssl_rounds 5 --rounds 20
     python job.py --tracking tensorboard,mlflow      # MLflow too (an SQLite store in the job's server folder)
+    python job.py --quantize blockwise8              # 8-bit messages both ways (BatchNorm statistics exact)
     python job.py --env poc | --env prod --startup_kit KIT --clients SITE,SITE,...
     python job.py --export --export-dir jobs         # write the job folder instead: jobs/fedfew
 
@@ -56,6 +57,7 @@ def main() -> None:
         num_threads=args.num_threads,
         tracking=args.tracking,
         tracking_uri=args.tracking_uri,
+        quantize=args.quantize,
     )
     run_recipe(recipe, args)
 

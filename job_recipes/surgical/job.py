@@ -3,6 +3,7 @@
     python job.py                                    # simulator, sites site-1 and site-2 (the demo hospitals)
     python job.py --head_mode union --missing ignore --name fl_partial_loss
     python job.py --tracking tensorboard,mlflow      # MLflow too (an SQLite store in the job's server folder)
+    python job.py --quantize blockwise8              # 8-bit messages both ways (BatchNorm statistics exact)
     python job.py --env poc                          # a local POC federation (nvflare poc)
     python job.py --env prod --startup_kit KIT       # a provisioned deployment (KIT: the admin's startup kit)
     python job.py --export --export-dir jobs         # write the job folder instead: jobs/surgical_agg
@@ -60,6 +61,7 @@ def main() -> None:
         num_threads=args.num_threads,
         tracking=args.tracking,
         tracking_uri=args.tracking_uri,
+        quantize=args.quantize,
     )
     run_recipe(recipe, args)
 

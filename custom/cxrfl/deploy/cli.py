@@ -13,7 +13,7 @@ hospital's IT person and a researcher do:
                       (:func:`cxrfl.deploy.provision.declare_gpus`)
 ``site-config``       a hospital's data config into its kit: ``local/cxrfl_site.yaml``
 ``job``               a job folder for deployment: ``preinstalled`` (no ``app/custom``) or
-                      ``byoc`` (the package copied into ``app/custom``), optional privacy filters
+                      ``byoc`` (the package copied into ``app/custom``), optional privacy filters and quantization
                       (:mod:`cxrfl.deploy.jobs`)
 ``start`` / ``stop``  the server and sites of a workspace as background processes (no watchdog
                       loop in production mode; ``nvflare poc start/stop`` in POC mode); ``stop``
@@ -165,6 +165,7 @@ def _cmd_job(args: argparse.Namespace) -> int:
                 overrides=_kv(args.set),
                 privacy=privacy,
                 exclude_batchnorm=args.exclude_batchnorm,
+                quantize=args.quantize,
                 job_name=args.job_name,
                 tracking=tracking,
                 tracking_uri=args.tracking_uri,
@@ -308,6 +309,12 @@ def _add_setup_commands(ds: argparse._SubParsersAction) -> None:
     p.add_argument("--privacy-arg", action="append", metavar="KEY=VALUE", help="its arguments, e.g. gamma=0.05")
     p.add_argument(
         "--exclude-batchnorm", action="store_true", help="ExcludeVars filter of BatchNorm entries (FedBN/FedBN+)"
+    )
+    p.add_argument(
+        "--quantize",
+        metavar="TYPE",
+        help="quantize what the server sends and the sites return: float16, blockwise8, float4 or normfloat4 "
+        "(default: off; BatchNorm statistics stay exact; needs pip install 'cxrfl[quantization]')",
     )
     p.add_argument("--job-name", help="another job (folder) name")
     p.add_argument(

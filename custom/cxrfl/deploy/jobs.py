@@ -20,6 +20,7 @@ def build_job(
     overrides: dict[str, Any] | None = None,
     privacy: dict[str, Any] | None = None,
     exclude_batchnorm: bool = False,
+    quantize: str | None = None,
     job_name: str | None = None,
     tracking: Sequence[str] | None = None,
     tracking_uri: str | None = None,
@@ -36,6 +37,8 @@ def build_job(
             (``{"num_rounds": 2, "train_config.batch_size": 16}``); any argument the job writes.
         privacy: ``{"method": "percentile" | "svt", "args": {...}}`` (see :class:`cxrfl.jobs.JobSpec`).
         exclude_batchnorm: add the ExcludeVars filter of every BatchNorm entry (FedBN/FedBN+).
+        quantize: an NVFlare quantization format for what the server sends and the sites return
+            (``float16``, ``blockwise8``, ``float4``, ``normfloat4``); None: off.
         job_name: another name for the job (folder and meta).
         tracking: experiment trackers (``tensorboard``, ``mlflow``; empty: none); None: the job's.
         tracking_uri: MLflow tracking server; None: an SQLite file in the job's server workspace.
@@ -62,6 +65,7 @@ def build_job(
         controller_args=args,
         privacy=privacy,
         exclude_batchnorm=exclude_batchnorm,
+        quantize=quantize,
         min_clients=meta_min,
         tracking_uri=tracking_uri,
         tracking=spec.tracking if tracking is None else tuple(tracking),
