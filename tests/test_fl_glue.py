@@ -199,3 +199,42 @@ def test_bad_workflow_settings_fail_at_construction_naming_the_key():
         SurgicalAggregation(robust="clip", clip_norm=0)
     with pytest.raises(ValueError, match="task_timeout"):
         SurgicalAggregation(task_timeout=-1)
+
+
+def test_a_site_with_an_empty_split_stops_at_start_with_the_reason_and_refuses_tasks(tmp_path, monkeypatch, caplog):
+    # issue 44 point 3 (RELIABILITY.md, "an empty train or val split stops the site there with the reason"): no test
+    # showed it. A site of test images only (the demo's external site) is started as NVFlare starts it: the start
+    # logs the reason naming its split sizes, and every task is refused without training
+    import pandas as pd
+    from cxrfl.fl.surgical import SiteExecutor
+    from cxrfl.synth import write_profile
+    from nvflare.apis.fl_constant import ReturnCode
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.apis.shareable import Shareable
+
+    (config,) = write_profile("two-hospitals", tmp_path / "data", n_per_site=12, image_size=32, sites=["external"])
+    n_test = len(pd.read_csv(tmp_path / "data" / "external" / "labels.csv"))
+    monkeypatch.setenv("CXRFL_SITE_CONFIG", str(config))
+    ws = tmp_path / "ws"
+    engine = type(
+        "Engine",
+        (),
+        {
+            "get_workspace": lambda self: type(
+                "Workspace", (), {"get_root_dir": lambda s: str(ws), "get_site_config_dir": lambda s: str(ws / "local")}
+            )(),
+            "get_component": lambda self, _: None,
+            "fire_event": lambda self, *_: None,
+        },
+    )()
+    ctx = FLContext()
+    ctx.get_identity_name = lambda default="": "external"
+    ctx.get_engine = lambda: engine
+    executor = SiteExecutor(device="cpu", num_workers=0, num_threads=1, analytic_sender_id="")
+    with caplog.at_level(logging.ERROR):
+        executor.handle_event("_start_run", ctx)
+    reason = f"site external: empty train or val split {{'train': 0, 'val': 0, 'test': {n_test}}}"
+    assert executor.error is not None and executor.error.startswith(reason)
+    assert any(reason in r.getMessage() for r in caplog.records)  # the site log line
+    reply = executor.execute("train", Shareable(), ctx, abort_signal=type("Signal", (), {"triggered": False})())
+    assert reply.get_return_code() == ReturnCode.EXECUTION_EXCEPTION and executor.host is None  # nothing trained

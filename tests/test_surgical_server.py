@@ -268,6 +268,18 @@ def test_a_round_with_too_few_valid_results_is_retried_then_stops_with_the_reaso
         assert words in str(stop.value)
     assert load_checkpoint(out / "FL_global_model.pt")["round"] == 1  # the last completed round
     assert torch.load(out / "cxrfl_resume" / "run" / "state.pt", weights_only=True)["round"] == 1
+    # issue 44 point 3 (RELIABILITY.md, "the previous global model is kept"): the round field alone was checked;
+    # the weights are compared: the file left is round 1's model, and every attempt at round 2 sent round 1's model
+    round1 = load_checkpoint(out / "cxrfl" / "checkpoints" / "round_001.pt")
+    assert_same_model(out / "FL_global_model.pt", out / "cxrfl" / "checkpoints" / "round_001.pt")
+    assert not (out / "cxrfl" / "checkpoints" / "round_002.pt").exists()
+    expected = site_payload(round1["model"], round1["classes"], hosts["hospital-a"].host.data.classes)
+    attempts = [p for t, m, p in hosts["hospital-a"].received if t == "train" and m.get("round") == 2]
+    assert len(attempts) == len(round2)
+    for params in attempts:
+        assert params.keys() == expected.keys()
+        for k, v in expected.items():
+            np.testing.assert_array_equal(params[k], v.numpy(), err_msg=k)
 
 
 def overflow_once():
@@ -353,3 +365,51 @@ def test_local_heads_are_tested_with_the_head_of_the_selected_round(sites, tmp_p
         assert not torch.equal(kept, host.heads[3])  # not the latest head
         tested = [m for t, m, _ in host.received if t == "validate" and m["split"] == "test"]
         assert [m["model_round"] for m in tested] == [1]
+
+
+def test_a_foreign_head_row_never_reaches_the_global_head(sites, tmp_path):
+    # issue 44 point 3 (RELIABILITY.md, "the foreign row never reaches the global head"): only the records were
+    # checked. hospital-a adds a planted row (1e3) for a class only hospital-b holds; the global head's weights
+    # are compared: that class's row is hospital-b's, hospital-a's own rows stay as they were, 1e3 is nowhere
+    hosts = scripted(sites, tmp_path)
+    own_a, own_b = (hosts[s].host.data.classes for s in SITES)
+    foreign = next(c for c in own_b if c not in own_a)
+    sent: dict[str, dict] = {}
+
+    def forging(task, meta, params):
+        if task == "train" and meta.get("phase") == "train":
+            sent["hospital-a"] = dict(params)
+            params[W] = np.vstack([params[W], np.full((1, params[W].shape[1]), 1e3, params[W].dtype)])
+            params[B] = np.append(params[B], params[B].dtype.type(1e3))
+        return params
+
+    def recording(task, meta, params):
+        if task == "train" and meta.get("phase") == "train":
+            sent["hospital-b"] = dict(params)
+        return params
+
+    hosts["hospital-a"].alter, hosts["hospital-b"].alter = forging, recording
+    announce = hosts["hospital-a"].host.handle
+
+    def handle(task, params, meta):  # the answer names the foreign class after its own, matching the rows
+        out, answer = announce(task, params, meta)
+        if task == "train" and meta.get("phase") == "train":
+            answer = {**answer, "classes": [*answer["classes"], foreign]}
+        return out, answer
+
+    hosts["hospital-a"].host.handle = handle
+    out = tmp_path / "run"
+    run_surgical(hosts, settings(num_rounds=1, min_clients=1), out)
+    (record,) = train_records(out)
+    assert record["sites_aggregated"] == ["hospital-b"] and "never announced" in record["rejected"]["hospital-a"]
+    after = load_checkpoint(out / "FL_global_model.pt")
+    head = {c: (after["model"][W][i], after["model"][B][i]) for i, c in enumerate(after["classes"])}
+    assert not any(bool((w == 1e3).any() or b == 1e3) for w, b in head.values())
+    for i, c in enumerate(own_b):  # one site holds each of these rows this round: its row, exactly
+        torch.testing.assert_close(head[c][0], torch.from_numpy(sent["hospital-b"][W][i]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(head[c][1], torch.tensor(sent["hospital-b"][B][i]), rtol=1e-6, atol=0)
+    (received,) = [p for t, m, p in hosts["hospital-a"].received if t == "train" and m.get("phase") == "train"]
+    for i, c in enumerate(own_a):  # rows nobody valid sent: the previous global rows, as hospital-a received them
+        if c not in own_b:
+            assert torch.equal(head[c][0], torch.from_numpy(received[W][i])), c
+            assert torch.equal(head[c][1], torch.tensor(received[B][i])), c

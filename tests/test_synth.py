@@ -134,8 +134,15 @@ def test_chexpert_file_has_the_real_format(demo: Path) -> None:
         rows = list(csv.reader(fh))
     assert rows[0] == REAL_CHEXPERT_HEADER  # issue 44 point 3: was compared with the writer's own constant
     table = pd.DataFrame(rows[1:], columns=rows[0])
-    values = set(table[REAL_CHEXPERT_HEADER[5:]].to_numpy().ravel())
-    assert values <= {"1.0", "0.0", "-1.0", ""} and {"1.0", ""} <= values
+    labels = REAL_CHEXPERT_HEADER[5:]
+    # issue 44 point 3: CheXpert's published coding, every code in use: 1.0 positive, 0.0 negative, -1.0
+    # uncertain, blank not mentioned (a writer that lost the uncertain or the explicit negative code passed)
+    assert set(table[labels].to_numpy().ravel()) == {"1.0", "0.0", "-1.0", ""}
+    # the CheXpert labeler's "No Finding": 1.0 exactly when no pathology (Support Devices aside) is positive
+    # or uncertain, else blank
+    pathology = table[[c for c in labels[1:] if c != "Support Devices"]].isin(["1.0", "-1.0"]).any(axis=1)
+    assert (table["No Finding"] == pathology.map({True: "", False: "1.0"})).all()
+    assert table["Age"].str.fullmatch(r"\d{1,3}").all()
     pattern = r"CheXpert-v1\.0-small/train/patient\d{5}/study\d+/view\d_(frontal|lateral)\.jpg"
     assert table["Path"].str.fullmatch(pattern).all()
     assert all((root / p).is_file() for p in table["Path"])
@@ -143,6 +150,11 @@ def test_chexpert_file_has_the_real_format(demo: Path) -> None:
     assert 0 < lateral.sum() < 0.3 * len(table)
     assert table.loc[lateral, "Path"].str.endswith("_lateral.jpg").all() and (table.loc[lateral, "AP/PA"] == "").all()
     assert set(table.loc[~lateral, "AP/PA"]) <= {"AP", "PA"} and set(table["Sex"]) <= {"Male", "Female"}
+    # labels are per study (one report): every view of a study has the study's cells; views numbered 1, 2, ...
+    study = table["Path"].str.rsplit("/", n=1).str[0]
+    assert (table.groupby(study)[labels].nunique() == 1).all().all() and study.duplicated().any()
+    view = table["Path"].str.extract(r"/view(\d)_", expand=False).astype(int)
+    assert all(sorted(v) == list(range(1, len(v) + 1)) for v in view.groupby(study).agg(list))
 
 
 def test_chexpert_uncertain_labels_are_a_few_percent() -> None:
