@@ -1,5 +1,5 @@
 """The ``cxrfl bench`` subcommands: ``compare``, ``cwt``, ``fedfew``, ``speed``, ``load``, ``pretrain``, ``privacy``,
-``hostile``.
+``hostile``, ``quantize``.
 
 Every benchmark writes its results, a Markdown report and its plots into ``--out``; heavy modules
 load per command. The library functions report progress through a ``log`` callable: here it
@@ -633,6 +633,52 @@ def _add_hostile(bsub: argparse._SubParsersAction) -> None:
     h.set_defaults(func=_cmd_hostile)
 
 
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from cxrfl.bench.quantize import FORMATS, QuantizeBenchSettings, run_quantize
+
+    given = {
+        k: getattr(args, k)
+        for k in ("seeds", "rounds", "image_size", "steps", "patience", "threads")
+        if getattr(args, k) is not None
+    }  # the rest: the settings' defaults (the demo job's)
+    if "steps" in given:
+        given["steps"] = given["steps"] or None
+    settings = QuantizeBenchSettings(**given, formats=tuple(_methods(args.formats) or FORMATS))
+    run_quantize(settings, Path(args.out), log=_stamped, data_dir=args.data_dir)
+    return 0
+
+
+def _add_quantize(bsub: argparse._SubParsersAction) -> None:
+    q = bsub.add_parser(
+        "quantize",
+        help="NVFlare's quantization filters on surgical aggregation (two-hospitals): bytes per site and round "
+        "each way, time added, mean test AUROC paired against the unquantized run, issue 46's targets",
+    )
+    q.add_argument(
+        "--out",
+        default="benchmarks/results/quantize",
+        help="output folder (default benchmarks/results/quantize; an interrupted run resumes there)",
+    )
+    q.add_argument("--seeds", type=int, help="training seeds 0 ... seeds-1 (default 3)")
+    q.add_argument(
+        "--formats",
+        default=None,
+        help="comma-separated subset of none,float16,blockwise8,float4,normfloat4 (default: none,float16,"
+        "blockwise8,normfloat4; none always runs: the reference)",
+    )
+    q.add_argument("--rounds", type=int, help="max rounds after the warm-up, a guard (default: the demo job's, 20)")
+    q.add_argument(
+        "--patience",
+        type=int,
+        help="rounds without a better validation loss before stopping (default: the demo job's, 3)",
+    )
+    q.add_argument("--image-size", type=int, help="model input size (default: the demo job's, 64)")
+    q.add_argument("--steps", type=int, help="max steps per local epoch and site (default 0: the whole split)")
+    q.add_argument("--threads", type=int, help="torch CPU threads (default 1)")
+    q.add_argument("--data-dir", default=None, help="where profile data is written (default OUT/data)")
+    q.set_defaults(func=_cmd_quantize)
+
+
 def _add_load(bsub: argparse._SubParsersAction) -> None:
     lo = bsub.add_parser(
         "load",
@@ -656,7 +702,7 @@ def _add_load(bsub: argparse._SubParsersAction) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Add ``bench compare|cwt|fedfew|speed|load|pretrain|privacy`` to the ``cxrfl`` command.
+    """Add ``bench compare|cwt|fedfew|speed|load|pretrain|privacy|hostile|quantize`` to the ``cxrfl`` command.
 
     Args:
         sub: the top-level subparsers.
@@ -665,5 +711,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bench", help="benchmarks: the methods against the papers' baselines, and framework overhead"
     )
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    for add in (_add_compare, _add_cwt, _add_fedfew, _add_speed, _add_load, _add_pretrain, _add_privacy, _add_hostile):
+    for add in (
+        _add_compare,
+        _add_cwt,
+        _add_fedfew,
+        _add_speed,
+        _add_load,
+        _add_pretrain,
+        _add_privacy,
+        _add_hostile,
+        _add_quantize,
+    ):
         add(bsub)

@@ -22,22 +22,28 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from cxrfl.bench.evaluate import load_test_set, scores_on
-from cxrfl.bench.profiles import prepare
-from cxrfl.bench.protocol import code_label, code_version, command_line, machine
+from cxrfl.bench.inprocess import (
+    finite_mean,
+    load_profile,
+    mean_auroc,
+    num,
+    open_results,
+    provenance,
+    save_results,
+    surgical_config,
+)
+from cxrfl.bench.protocol import code_label
 from cxrfl.bench.warmups import WarmupCache
-from cxrfl.common.io import json_default
 from cxrfl.common.server import RunStopped
 from cxrfl.errors import ConfigError
-from cxrfl.nn.metrics import per_class_auroc
-from cxrfl.nn.models import ModelConfig, model_from_checkpoint
+from cxrfl.nn.models import model_from_checkpoint
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import TRAIN
@@ -115,19 +121,14 @@ class HostileBenchSettings:
             seed=seed,
         )
         mode = None if robust == "none" else robust
-        return SurgicalConfig(
-            num_rounds=self.rounds,
-            min_clients=2,
-            model_config=ModelConfig(image_size=self.image_size),
-            train_config=train,
+        return surgical_config(
+            train,
+            rounds=self.rounds,
             patience=self.patience,
-            min_clients_timeout=0,
-            seed=seed,
+            image_size=self.image_size,
             weighting="uniform" if mode == "median" else "samples",
             robust=mode,
             clip_norm=self.clip_norm if mode else None,
-            evaluate_test=False,
-            keep_round_checkpoints=False,
         )
 
 
@@ -194,32 +195,16 @@ def run_hostile(
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(settings.threads)
     path = out / "results.json"
-    results: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
-    plain = json.loads(json.dumps(asdict(settings)))  # as results.json holds them (lists, not tuples)
-    if results.get("settings", plain) != plain:
-        raise ConfigError(f"{path} holds runs of other settings; use another --out or remove it")
-    data = prepare(
+    results = open_results(path, settings)
+    data, tests = load_profile(
         settings.profile,
-        Path(data_dir) if data_dir else out / "data",
+        out,
         image_size=settings.image_size,
+        data_dir=data_dir,
         n_per_site=settings.pool,
         n_sites=settings.sites,
     )
-    if not data.external:
-        raise ConfigError(f"profile {settings.profile} has no external test set to score the models on")
-    tests = {
-        n: load_test_set(d, kind="external", classes=data.union, image_size=settings.image_size)
-        for n, d in data.external.items()
-    }
-    results.update(
-        settings=asdict(settings),
-        profile=data.profile,
-        hostile=data.sites[0].site,
-        notes=data.notes,
-        code=code_version(),
-        machine=machine(torch.device("cpu")),
-        command_line=command_line(),
-    )
+    results.update(profile=data.profile, hostile=data.sites[0].site, notes=data.notes, **provenance())
     start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="cxrfl-hostile-"))
     try:
@@ -232,10 +217,10 @@ def run_hostile(
                     run = _run_one(settings, data, tests, attack, robust, seed, work, warmups)
                     run["code"] = results["code"]  # a run resumed in a later session may run other code
                     results["runs"][_key(attack, robust, seed)] = run
-                    path.write_text(json.dumps(results, indent=1, default=json_default))
+                    save_results(path, results)
                     log(
                         f"[{time.perf_counter() - start:7.0f}s] seed {seed} attack {attack} robust {robust}: "
-                        f"mean AUROC {_num(run['mean_auroc'])} (best round {run['best_round']}, "
+                        f"mean AUROC {num(run['mean_auroc'])} (best round {run['best_round']}, "
                         f"rejected {run['rejected']})"
                     )
     finally:
@@ -302,28 +287,6 @@ def _kept_model(server: Path) -> tuple[torch.nn.Module | None, list[str]]:
     return None, []
 
 
-def mean_auroc(model: torch.nn.Module | None, classes: list[str], tests: Mapping[str, Any]) -> float | None:
-    """A global model's mean AUROC over every class of the external test sets; a class the model lacks
-    (its only site was rejected) or scores with NaN (the attack broke it), or no model at all, counts 0.5
-    (no skill).
-
-    Args:
-        model: the selected global model (None: the run left none).
-        classes: its classes.
-        tests: the external test sets.
-    """
-    values: list[float | None] = []
-    for test in tests.values():
-        if model is None:
-            values += [0.5] * len(test.classes)
-            continue
-        scores = scores_on(model, classes, test)
-        usable = [j for j in range(len(test.classes)) if np.isfinite(scores[:, j]).all()]
-        aurocs = per_class_auroc(test.labels[:, usable], scores[:, usable], [test.classes[j] for j in usable])
-        values += [aurocs.get(c, 0.5) for c in test.classes]
-    return _mean(values)
-
-
 def summarise(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Per (attack, robust): mean AUROC, its change against the honest run (none/none) of each seed, rejections.
 
@@ -342,8 +305,8 @@ def summarise(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             cell["deltas"].append(r["mean_auroc"] - honest[r["seed"]])
     return {
         k: {
-            "mean_auroc": _mean(v["aurocs"]),
-            "change": _mean(v["deltas"]),
+            "mean_auroc": finite_mean(v["aurocs"]),
+            "change": finite_mean(v["deltas"]),
             "seeds": len(v["aurocs"]),
             "rejected": v["rejected"],
             "stopped": v["stopped"],
@@ -383,7 +346,7 @@ def format_report(results: Mapping[str, Any]) -> str:
             row.append(
                 "-"
                 if c is None
-                else f"{_num(c['mean_auroc'])} ({_signed(c['change'])}; {c['rejected']} rejected{stops})"
+                else f"{num(c['mean_auroc'])} ({_signed(c['change'])}; {c['rejected']} rejected{stops})"
             )
         lines.append(f"| {attack} | " + " | ".join(row) + " |")
     codes = sorted({code_label(r.get("code") or results.get("code") or {}) for r in results["runs"].values()})
@@ -397,17 +360,8 @@ def format_report(results: Mapping[str, Any]) -> str:
     return "\n".join(lines + [""] + [f"- {n}" for n in results.get("notes", [])]) + "\n"
 
 
-def _mean(values: Any) -> float | None:
-    finite = [float(v) for v in values if v is not None and np.isfinite(v)]
-    return float(np.mean(finite)) if finite else None
-
-
 def _clip_text(clip_norm: float | None) -> str:
     return "adaptive (each round: the lower median update norm)" if clip_norm is None else format(clip_norm, "g")
-
-
-def _num(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.3f}"
 
 
 def _signed(v: float | None) -> str:

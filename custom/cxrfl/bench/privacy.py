@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from cxrfl.bench.evaluate import load_test_set, scores_on
-from cxrfl.bench.profiles import prepare
+from cxrfl.bench.evaluate import scores_on
+from cxrfl.bench.inprocess import finite_mean, load_profile, num, surgical_config
 from cxrfl.bench.protocol import code_version, machine
 from cxrfl.bench.warmups import WarmupCache
 from cxrfl.common.io import json_default
@@ -116,17 +116,7 @@ class PrivacyBenchSettings:
             max_steps_per_epoch=self.steps,
             seed=seed,
         )
-        return SurgicalConfig(
-            num_rounds=self.rounds,
-            min_clients=2,
-            model_config=ModelConfig(image_size=self.image_size),
-            train_config=train,
-            patience=self.patience,
-            min_clients_timeout=0,
-            seed=seed,
-            evaluate_test=False,
-            keep_round_checkpoints=False,
-        )
+        return surgical_config(train, rounds=self.rounds, patience=self.patience, image_size=self.image_size)
 
 
 class FilteredHost:
@@ -235,13 +225,7 @@ def run_privacy(
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(settings.threads)
     start = time.perf_counter()
-    data = prepare(settings.profile, Path(data_dir) if data_dir else out / "data", image_size=settings.image_size)
-    if not data.external:
-        raise ConfigError(f"profile {settings.profile} has no external test set to score the models on")
-    tests = {
-        n: load_test_set(d, kind="external", classes=data.union, image_size=settings.image_size)
-        for n, d in data.external.items()
-    }
+    data, tests = load_profile(settings.profile, out, image_size=settings.image_size, data_dir=data_dir)
     rows: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix="cxrfl-privacy-"))
@@ -252,7 +236,7 @@ def run_privacy(
                 runs.append(_run_option(name, seed, settings, data.sites, tests, work, warmups, rows))
                 log(
                     f"[{time.perf_counter() - start:7.0f}s] seed {seed} {name}: mean AUROC "
-                    f"{_num(runs[-1]['mean_auroc'])} (best round {runs[-1]['best_round']})"
+                    f"{num(runs[-1]['mean_auroc'])} (best round {runs[-1]['best_round']})"
                 )
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -356,7 +340,7 @@ def summarise(
         fid = {
             phase: {
                 part: {
-                    k: _mean(
+                    k: finite_mean(
                         r["parts"][part][k]
                         for r in mine
                         if r["phase"] == phase and part in r["parts"] and r["parts"][part]["entries"]
@@ -382,10 +366,10 @@ def summarise(
             "privacy": OPTIONS[name],
             "check": _check(OPTIONS[name]),
             "fidelity": fid,
-            "epsilon_per_round": _mean(r["epsilon"] for r in mine if r["phase"] == "train"),
-            "epsilon_run": _mean(per_site_run.values()),
-            "mean_auroc": _mean(r["mean_auroc"] for r in aurocs),
-            "auroc_change": _mean(deltas),
+            "epsilon_per_round": finite_mean(r["epsilon"] for r in mine if r["phase"] == "train"),
+            "epsilon_run": finite_mean(per_site_run.values()),
+            "mean_auroc": finite_mean(r["mean_auroc"] for r in aurocs),
+            "auroc_change": finite_mean(deltas),
             "auroc_change_sd": float(np.std(deltas, ddof=1)) if len(deltas) > 1 else None,
         }
     return out
@@ -417,15 +401,15 @@ def format_report(results: Mapping[str, Any]) -> str:
         warm, train = o["fidelity"]["warmup"]["head"], o["fidelity"]["train"]
         fe, bn, head = train["feature_extractor"], train["batchnorm_statistics"], train["head"]
         settings = "-" if o["privacy"] is None else ", ".join(f"{k}={v}" for k, v in o["privacy"]["args"].items())
-        change = _num(o["auroc_change"]) + (
-            f" +- {_num(o['auroc_change_sd'])}" if o["auroc_change_sd"] is not None else ""
+        change = num(o["auroc_change"]) + (
+            f" +- {num(o['auroc_change_sd'])}" if o["auroc_change_sd"] is not None else ""
         )
         lines.append(
-            f"| {name} | {settings} | {o['check']} | {_num(warm['cosine'])} / {_num(warm['relative_norm'])} | "
-            f"{_num(fe['cosine'])} / {_num(fe['relative_norm'])} / {_num(fe['kept'])} | {_num(bn['cosine'])} / "
-            f"{_num(bn['relative_norm'])} | {_num(head['cosine'])} / {_num(head['relative_norm'])} / "
-            f"{_num(head['kept'])} | {_eps(o['epsilon_per_round'])} | {_eps(o['epsilon_run'])} | "
-            f"{_num(o['mean_auroc'])} | {change} |"
+            f"| {name} | {settings} | {o['check']} | {num(warm['cosine'])} / {num(warm['relative_norm'])} | "
+            f"{num(fe['cosine'])} / {num(fe['relative_norm'])} / {num(fe['kept'])} | {num(bn['cosine'])} / "
+            f"{num(bn['relative_norm'])} | {num(head['cosine'])} / {num(head['relative_norm'])} / "
+            f"{num(head['kept'])} | {_eps(o['epsilon_per_round'])} | {_eps(o['epsilon_run'])} | "
+            f"{num(o['mean_auroc'])} | {change} |"
         )
     code, where = results.get("code"), results.get("machine")
     if code and where:  # results written before they recorded both have neither
@@ -440,15 +424,6 @@ def format_report(results: Mapping[str, Any]) -> str:
 
 def _steps(steps: int | None) -> str:
     return "one epoch over each site's split" if steps is None else f"at most {steps} steps per site"
-
-
-def _mean(values: Any) -> float | None:
-    finite = [float(v) for v in values if v is not None and np.isfinite(v)]
-    return float(np.mean(finite)) if finite else None
-
-
-def _num(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.3f}"
 
 
 def _eps(v: float | None) -> str:

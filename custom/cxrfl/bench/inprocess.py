@@ -1,0 +1,156 @@
+"""Set-up shared by the benchmarks that run surgical aggregation's server loop in this process
+(``cxrfl bench privacy``, ``hostile``, ``quantize``): the profile's data and test sets, the server
+settings of a run, the results file an interrupted benchmark resumes from, where the numbers came from,
+and the scoring of the selected global model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cxrfl.bench.evaluate import TestSet, load_test_set, scores_on
+from cxrfl.bench.profiles import BenchData, prepare
+from cxrfl.bench.protocol import code_version, command_line, machine
+from cxrfl.common.io import write_json
+from cxrfl.errors import ConfigError
+from cxrfl.nn.metrics import per_class_auroc
+from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.training import TrainConfig
+from cxrfl.surgical.config import SurgicalConfig
+
+
+def load_profile(
+    profile: str,
+    out: Path,
+    *,
+    image_size: int,
+    data_dir: str | Path | None = None,
+    external_only: bool = True,
+    **sizes: Any,
+) -> tuple[BenchData, dict[str, TestSet]]:
+    """Write (or reuse) a profile's data and read the test sets the selected models are scored on.
+
+    Args:
+        profile: a benchmark profile (:func:`cxrfl.bench.profiles.prepare`).
+        out: the benchmark's output folder (data goes to ``out/data`` unless ``data_dir``).
+        image_size: model input size.
+        data_dir: where profile data is written.
+        external_only: refuse a profile without an external test set; False: such a profile is scored
+            on the sites' test splits.
+        sizes: more :func:`cxrfl.bench.profiles.prepare` arguments (``n_per_site``, ``n_sites``).
+    """
+    data = prepare(profile, Path(data_dir) if data_dir else out / "data", image_size=image_size, **sizes)
+    if data.external:
+        return data, {
+            n: load_test_set(d, kind="external", classes=data.union, image_size=image_size)
+            for n, d in data.external.items()
+        }
+    if external_only:
+        raise ConfigError(f"profile {profile} has no external test set to score the models on")
+    return data, {s.site: load_test_set(s, kind="site", classes=data.union, image_size=image_size) for s in data.sites}
+
+
+def surgical_config(train: TrainConfig, *, rounds: int, patience: int, image_size: int, **extra: Any) -> SurgicalConfig:
+    """The server settings of one benchmark run: two sites needed, none waited for, no test evaluation
+    or round checkpoints (the benchmark scores the selected model itself).
+
+    Args:
+        train: the sites' training settings (their ``seed`` is the run's).
+        rounds: most rounds after the warm-up.
+        patience: rounds without a better mean validation loss before stopping.
+        image_size: model input size (trained from scratch).
+        extra: other :class:`cxrfl.surgical.config.SurgicalConfig` settings (``weighting``, ``robust`` ...).
+    """
+    return SurgicalConfig(
+        num_rounds=rounds,
+        min_clients=2,
+        model_config=ModelConfig(image_size=image_size),
+        train_config=train,
+        patience=patience,
+        min_clients_timeout=0,
+        seed=train.seed,
+        evaluate_test=False,
+        keep_round_checkpoints=False,
+        **extra,
+    )
+
+
+def open_results(path: Path, settings: Any) -> dict[str, Any]:
+    """The results a benchmark wrote so far (``{"runs": {}}`` when none), to go on from.
+
+    Args:
+        path: its ``results.json``.
+        settings: the benchmark's settings (a dataclass).
+
+    Raises:
+        ConfigError: the file holds runs of other settings (one line).
+    """
+    results: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
+    plain = json.loads(json.dumps(asdict(settings)))  # as results.json holds them (lists, not tuples)
+    if results.get("settings", plain) != plain:
+        raise ConfigError(f"{path} holds runs of other settings; use another --out or remove it")
+    results["settings"] = plain
+    return results
+
+
+def save_results(path: Path, results: Mapping[str, Any]) -> None:
+    """Write ``results.json`` atomically (an interrupted benchmark never leaves half a file).
+
+    Args:
+        path: the file.
+        results: the results so far.
+    """
+    write_json(path, results)
+
+
+def provenance() -> dict[str, Any]:
+    """Where the numbers come from: ``code`` (commit, modified), ``machine`` (CPU, threads, load) and
+    ``command_line``."""
+    return {"code": code_version(), "machine": machine(torch.device("cpu")), "command_line": command_line()}
+
+
+def mean_auroc(model: torch.nn.Module | None, classes: list[str], tests: Mapping[str, Any]) -> float | None:
+    """A global model's mean AUROC over every class of the test sets; a class the model lacks (its only
+    site was rejected) or scores with NaN (an attack broke it), or no model at all, counts 0.5 (no skill).
+
+    Args:
+        model: the selected global model (None: the run left none).
+        classes: its classes.
+        tests: the test sets.
+    """
+    values: list[float | None] = []
+    for test in tests.values():
+        if model is None:
+            values += [0.5] * len(test.classes)
+            continue
+        scores = scores_on(model, classes, test)
+        usable = [j for j in range(len(test.classes)) if np.isfinite(scores[:, j]).all()]
+        aurocs = per_class_auroc(test.labels[:, usable], scores[:, usable], [test.classes[j] for j in usable])
+        values += [aurocs.get(c, 0.5) for c in test.classes]
+    return finite_mean(values)
+
+
+def finite_mean(values: Any) -> float | None:
+    """The mean of the finite values (None / NaN / inf left out); None when there is none.
+
+    Args:
+        values: numbers or None.
+    """
+    finite = [float(v) for v in values if v is not None and np.isfinite(v)]
+    return float(np.mean(finite)) if finite else None
+
+
+def num(v: float | None) -> str:
+    """A report's number: three decimals, ``n/a`` for None.
+
+    Args:
+        v: the number.
+    """
+    return "n/a" if v is None else f"{v:.3f}"
