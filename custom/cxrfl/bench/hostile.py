@@ -325,7 +325,8 @@ def format_report(results: Mapping[str, Any]) -> str:
     lines = [
         f"# One hostile site among {s['sites']} ({results['profile']})",
         "",
-        f"Site {results['hostile']} alters every update it sends (scale: x{SCALE:g}; sign: x-1; nan: NaN weights; "
+        f"Site {results['hostile']} alters every update it sends, warm-up included (scale: x{SCALE:g}; sign: x-1; "
+        "both leave the BatchNorm running variances as trained, since altered ones are rejected; nan: NaN weights; "
         f"count: claims {CLAIMED:.0e} images). {s['seeds']} seed(s), {s['image_size']} px, rounds until the mean "
         f"validation loss has not improved for {s['patience']} (at most {s['rounds']}); clip_norm "
         f"{_clip_text(s['clip_norm'])}; "
