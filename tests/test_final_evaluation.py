@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cxrfl.clinical.pooling import PooledEvaluation
 from cxrfl.data.site import load_site
 from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
@@ -74,3 +75,9 @@ def test_the_minimum_cell_size_holds_and_local_heads_are_not_pooled(sites, tmp_p
     assert {s for e in high["classes"].values() for s in e["sites_withheld"]} == set(SITES)
     local = run(sites, tmp_path / "local", head_mode="local").outcome.evaluation
     assert local["pooled"] is None and set(local["sites"]) == set(SITES)
+
+
+def test_a_null_pooled_section_reads_as_its_defaults():
+    # NVFlare writes an unset recipe argument as null into the server config
+    assert SurgicalConfig.from_dict({"pooled": None}).pooled == PooledEvaluation()
+    assert SurgicalConfig.from_dict({"pooled": {"min_cell": 3}}).pooled.min_cell == 3

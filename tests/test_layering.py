@@ -42,8 +42,6 @@ units of lower layers only: never one of its own layer or above."""
 NVFLARE: dict[str, str] = {
     "cxrfl.fl": "the NVFlare layer: controllers, executors, filters, recipes, tracking",
     "cxrfl.deploy": "deployment with NVFlare's own tools: the FLARE API session, the default class allow list",
-    "cxrfl.bench.speed": "measures the bytes NVFlare's FOBS serialisation puts on the wire",
-    "cxrfl.bench.server_memory": "carries the messages through NVFlare's FOBS serialisation, as a job does",
     "cxrfl.bench.speed_aggregation": "times NVFlare's own FedAvg aggregator against cxrfl's",
 }
 """The only modules (or packages) that may import ``nvflare``, with the reason."""

@@ -21,13 +21,11 @@ from cxrfl.fl.recipes import (
     SurgicalAggregationRecipe,
     add_run_arguments,
 )
+from cxrfl.fl.wire import dumps, loads, model_message
 from cxrfl.jobs import app_dirs
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, build_model
 from nvflare.apis.fl_context import FLContext
-from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
-from nvflare.app_common.decomposers import common_decomposers
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
-from nvflare.fuel.utils import fobs
 
 BN_STATS = (".running_mean", ".running_var", ".num_batches_tracked")
 
@@ -125,11 +123,10 @@ def densenet_state() -> dict[str, np.ndarray]:
 
 def wire_bytes(params: dict, fmt: str | None) -> int:
     """Bytes of the serialised message (FOBS, as NVFlare sends it), quantized by the site's filter or not."""
-    common_decomposers.register()
-    shareable = FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=dict(params), meta={}))
+    shareable = model_message(dict(params), {})
     if fmt is not None:
         shareable = ExactQuantizer(fmt).process(shareable, FLContext())
-    return len(fobs.dumps(shareable))
+    return len(dumps(shareable))
 
 
 @pytest.mark.parametrize("fmt", ["float16", "blockwise8"])
@@ -152,10 +149,8 @@ def test_densenet121_round_trip_and_8bit_bytes(densenet_state, fmt):
 def test_the_filters_carry_a_surgical_message_and_leave_its_metadata_alone():
     params = {k: v for k, v in small_params().items() if k != "tensor"}  # messages hold numpy arrays
     meta = {"classes": ["Atelectasis", "Edema", "Hernia"], "num_samples": 1234, "site": "hospital-a"}
-    shareable = FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=dict(params), meta=dict(meta)))
-    sent = ExactQuantizer("blockwise8").process(shareable, FLContext())
-    common_decomposers.register()
-    arrived = ExactDequantizer().process(fobs.loads(fobs.dumps(sent)), FLContext())
+    sent = ExactQuantizer("blockwise8").process(model_message(dict(params), dict(meta)), FLContext())
+    arrived = ExactDequantizer().process(loads(dumps(sent)), FLContext())
     model = FLModelUtils.from_shareable(arrived)
     assert {k: v for k, v in model.meta.items() if k != "filter_history"} == meta  # NVFlare's own bookkeeping
     assert list(model.params) == list(params)

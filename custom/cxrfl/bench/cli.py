@@ -1,5 +1,5 @@
-"""The ``cxrfl bench`` subcommands: ``compare``, ``cwt``, ``fedfew``, ``speed``, ``load``, ``pretrain``, ``privacy``,
-``hostile``, ``quantize``.
+"""The ``cxrfl bench`` subcommands: ``compare``, ``cwt``, ``fedfew``, ``speed``, ``load``, ``pretrain`` (and, from
+``cli_inprocess``, ``privacy``, ``hostile``, ``quantize``).
 
 Every benchmark writes its results, a Markdown report and its plots into ``--out``; heavy modules
 load per command. The library functions report progress through a ``log`` callable: here it
@@ -536,149 +536,6 @@ def _add_speed(bsub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=_cmd_speed)
 
 
-def _cmd_privacy(args: argparse.Namespace) -> int:
-    from cxrfl.bench.privacy import OPTIONS, PrivacyBenchSettings, run_privacy
-
-    given = {
-        k: getattr(args, k)
-        for k in ("profile", "seeds", "rounds", "image_size", "steps", "patience", "threads")
-        if getattr(args, k) is not None
-    }  # the rest: the settings' defaults
-    if "steps" in given:
-        given["steps"] = given["steps"] or None
-    settings = PrivacyBenchSettings(**given, options=tuple(_methods(args.options) or OPTIONS))
-    run_privacy(settings, Path(args.out), log=_stamped, data_dir=args.data_dir)
-    return 0
-
-
-def _add_privacy(bsub: argparse._SubParsersAction) -> None:
-    pr = bsub.add_parser(
-        "privacy",
-        help="NVFlare's privacy filters on surgical aggregation: fidelity of the sent "
-        "update, SVT epsilon, mean AUROC against the unfiltered run",
-    )
-    pr.add_argument(
-        "--out", default="benchmarks/results/privacy", help="output folder (default benchmarks/results/privacy)"
-    )
-    pr.add_argument("--profile", help="data profile (default nih1000: the real NIH images)")
-    pr.add_argument("--seeds", type=int, help="training seeds 0 ... seeds-1 (default 3)")
-    pr.add_argument("--rounds", type=int, help="max rounds after the warm-up, a guard (default 15)")
-    pr.add_argument("--patience", type=int, help="rounds without a better validation loss before stopping (default 3)")
-    pr.add_argument("--image-size", type=int, help="model input size (default 64)")
-    pr.add_argument("--steps", type=int, help="max steps per local epoch and site (default 0: the whole split)")
-    pr.add_argument(
-        "--options", default=None, help="comma-separated subset of the options (default: all; none always runs)"
-    )
-    pr.add_argument("--threads", type=int, help="torch CPU threads (default 1)")
-    pr.add_argument("--data-dir", default=None, help="where profile data is written (default OUT/data)")
-    pr.set_defaults(func=_cmd_privacy)
-
-
-def _cmd_hostile(args: argparse.Namespace) -> int:
-    from cxrfl.bench.hostile import ATTACKS, ROBUST, HostileBenchSettings, run_hostile
-
-    given = {
-        k: getattr(args, k)
-        for k in (
-            "profile",
-            "sites",
-            "pool",
-            "seeds",
-            "rounds",
-            "image_size",
-            "steps",
-            "patience",
-            "clip_norm",
-            "threads",
-        )
-        if getattr(args, k) is not None
-    }
-    if "steps" in given:
-        given["steps"] = given["steps"] or None
-    settings = HostileBenchSettings(
-        **given, attacks=tuple(_methods(args.attacks) or ATTACKS), robust=tuple(_methods(args.robust) or ROBUST)
-    )
-    run_hostile(settings, Path(args.out), log=_stamped, data_dir=args.data_dir)
-    return 0
-
-
-def _add_hostile(bsub: argparse._SubParsersAction) -> None:
-    h = bsub.add_parser(
-        "hostile",
-        help="one hostile site (scaled, sign-flipped, NaN update, huge count) against each "
-        "robust aggregation option: mean test AUROC against the honest run",
-    )
-    h.add_argument(
-        "--out",
-        default="benchmarks/results/hostile",
-        help="output folder (default benchmarks/results/hostile; an interrupted run resumes there)",
-    )
-    h.add_argument("--profile", help="pool profile (default synth-nih)")
-    h.add_argument("--sites", type=int, help="sites, one hostile (default 5)")
-    h.add_argument("--pool", type=int, help="images of the synthetic pool (default: the profile's)")
-    h.add_argument("--seeds", type=int, help="training seeds 0 ... seeds-1 (default 3)")
-    h.add_argument("--rounds", type=int, help="max rounds after the warm-up, a guard (default 15)")
-    h.add_argument("--patience", type=int, help="rounds without a better validation loss before stopping (default 3)")
-    h.add_argument("--image-size", type=int, help="model input size (default 64)")
-    h.add_argument("--steps", type=int, help="max steps per local epoch and site (default 0: the whole split)")
-    h.add_argument(
-        "--clip-norm",
-        type=float,
-        help="norm bound of clip (and of median groups of 1-2 sites); default: each round's lower median update norm",
-    )
-    h.add_argument("--attacks", default=None, help="comma-separated subset of none,scale,sign,nan,count (default: all)")
-    h.add_argument("--robust", default=None, help="comma-separated subset of none,median,clip (default: all)")
-    h.add_argument("--threads", type=int, help="torch CPU threads (default 1)")
-    h.add_argument("--data-dir", default=None, help="where profile data is written (default OUT/data)")
-    h.set_defaults(func=_cmd_hostile)
-
-
-def _cmd_quantize(args: argparse.Namespace) -> int:
-    from cxrfl.bench.quantize import FORMATS, QuantizeBenchSettings, run_quantize
-
-    given = {
-        k: getattr(args, k)
-        for k in ("seeds", "rounds", "image_size", "steps", "patience", "threads")
-        if getattr(args, k) is not None
-    }  # the rest: the settings' defaults (the demo job's)
-    if "steps" in given:
-        given["steps"] = given["steps"] or None
-    settings = QuantizeBenchSettings(**given, formats=tuple(_methods(args.formats) or FORMATS))
-    run_quantize(settings, Path(args.out), log=_stamped, data_dir=args.data_dir)
-    return 0
-
-
-def _add_quantize(bsub: argparse._SubParsersAction) -> None:
-    q = bsub.add_parser(
-        "quantize",
-        help="NVFlare's quantization filters on surgical aggregation (two-hospitals): bytes per site and round "
-        "each way, time added, mean test AUROC paired against the unquantized run, issue 46's targets",
-    )
-    q.add_argument(
-        "--out",
-        default="benchmarks/results/quantize",
-        help="output folder (default benchmarks/results/quantize; an interrupted run resumes there)",
-    )
-    q.add_argument("--seeds", type=int, help="training seeds 0 ... seeds-1 (default 3)")
-    q.add_argument(
-        "--formats",
-        default=None,
-        help="comma-separated subset of none,float16,blockwise8,float4,normfloat4 (default: none,float16,"
-        "blockwise8,normfloat4; none always runs: the reference)",
-    )
-    q.add_argument("--rounds", type=int, help="max rounds after the warm-up, a guard (default: the demo job's, 20)")
-    q.add_argument(
-        "--patience",
-        type=int,
-        help="rounds without a better validation loss before stopping (default: the demo job's, 3)",
-    )
-    q.add_argument("--image-size", type=int, help="model input size (default: the demo job's, 64)")
-    q.add_argument("--steps", type=int, help="max steps per local epoch and site (default 0: the whole split)")
-    q.add_argument("--threads", type=int, help="torch CPU threads (default 1)")
-    q.add_argument("--data-dir", default=None, help="where profile data is written (default OUT/data)")
-    q.set_defaults(func=_cmd_quantize)
-
-
 def _add_load(bsub: argparse._SubParsersAction) -> None:
     lo = bsub.add_parser(
         "load",
@@ -707,6 +564,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     Args:
         sub: the top-level subparsers.
     """
+    from cxrfl.bench.cli_inprocess import add_inprocess_parsers  # it imports this module's helpers
+
     bench = sub.add_parser(
         "bench", help="benchmarks: the methods against the papers' baselines, and framework overhead"
     )
@@ -718,8 +577,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         _add_speed,
         _add_load,
         _add_pretrain,
-        _add_privacy,
-        _add_hostile,
-        _add_quantize,
     ):
         add(bsub)
+    add_inprocess_parsers(bsub)

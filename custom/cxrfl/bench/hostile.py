@@ -192,10 +192,7 @@ def run_hostile(
         the results written to ``results.json``.
     """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(settings.threads)
-    path = out / "results.json"
-    results = open_results(path, settings)
+    path, results = open_results(out, settings)
     data, tests = load_profile(
         settings.profile,
         out,

@@ -82,22 +82,28 @@ def surgical_config(train: TrainConfig, *, rounds: int, patience: int, image_siz
     )
 
 
-def open_results(path: Path, settings: Any) -> dict[str, Any]:
-    """The results a benchmark wrote so far (``{"runs": {}}`` when none), to go on from.
+def open_results(out: Path, settings: Any) -> tuple[Path, dict[str, Any]]:
+    """Make the output folder, set torch's threads and read the results written so far, to go on from.
 
     Args:
-        path: its ``results.json``.
-        settings: the benchmark's settings (a dataclass).
+        out: the benchmark's output folder.
+        settings: the benchmark's settings (a dataclass with ``threads``).
+
+    Returns:
+        the ``results.json`` path and its results (``{"runs": {}}`` when none).
 
     Raises:
         ConfigError: the file holds runs of other settings (one line).
     """
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(settings.threads)
+    path = out / "results.json"
     results: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
     plain = json.loads(json.dumps(asdict(settings)))  # as results.json holds them (lists, not tuples)
     if results.get("settings", plain) != plain:
         raise ConfigError(f"{path} holds runs of other settings; use another --out or remove it")
     results["settings"] = plain
-    return results
+    return path, results
 
 
 def save_results(path: Path, results: Mapping[str, Any]) -> None:

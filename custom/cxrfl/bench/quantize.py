@@ -24,8 +24,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from cxrfl.bench.inprocess import (
     finite_mean,
     load_profile,
@@ -196,10 +194,7 @@ def run_quantize(
         the results written to ``results.json``.
     """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(settings.threads)
-    path = out / "results.json"
-    results = open_results(path, settings)
+    path, results = open_results(out, settings)
     data, tests = load_profile(
         settings.profile, out, image_size=settings.image_size, data_dir=data_dir, external_only=False
     )

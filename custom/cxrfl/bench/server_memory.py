@@ -69,17 +69,7 @@ class _Peak(threading.Thread):
 
 def _fobs_transport(hosts: dict[str, Any]) -> Callable[..., dict[str, Any]]:
     """A Send that serialises each payload and each answer with NVFlare's FOBS, as the job does."""
-    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
-    from nvflare.app_common.decomposers import common_decomposers
-    from nvflare.app_common.utils.fl_model_utils import FLModelUtils
-    from nvflare.fuel.utils import fobs
-
-    common_decomposers.register()
-
-    def wire(params: dict[str, Any], meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        data = fobs.dumps(FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=params, meta=meta)))
-        model = FLModelUtils.from_shareable(fobs.loads(data))
-        return dict(model.params or {}), dict(model.meta or {})
+    from cxrfl.fl.wire import carry as wire
 
     def send(task: str, payloads: dict[str, Any], *, on_answer: Callable | None = None) -> dict[str, Any]:
         out = {}

@@ -217,15 +217,10 @@ def simulator_vs_plain(s: SpeedSettings, work: Path, log: Callable[[str], None] 
 # ------------------------------------------------------------------ 3. payload
 def payload_benchmark() -> dict[str, Any]:
     """Part 3: bytes per site per round for each head mode (two-hospitals label sets, full DenseNet121)."""
-    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
-    from nvflare.app_common.decomposers import common_decomposers
-    from nvflare.app_common.utils.fl_model_utils import FLModelUtils
-    from nvflare.fuel.utils import fobs
-
+    from cxrfl.fl.wire import dumps, model_message
     from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model
     from cxrfl.surgical.head_modes import payload_for
 
-    common_decomposers.register()
     state = model_state()
     bn = set(batchnorm_keys(build_model(ModelConfig(image_size=224), 20)))
     union = sorted(set(NIH_CLASSES) | set(CHEXPERT_CLASSES))
@@ -235,9 +230,7 @@ def payload_benchmark() -> dict[str, Any]:
 
     def wire(params: dict[str, Any], classes: list[str] | None) -> int:
         meta = {"classes": classes} if classes else {}
-        return len(
-            fobs.dumps(FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=params, meta=meta)))
-        )
+        return len(dumps(model_message(params, meta)))
 
     sites = {"hospital-a (NIH, 14)": list(NIH_CLASSES), "hospital-b (CheXpert, 13)": list(CHEXPERT_CLASSES)}
     modes = {

@@ -219,8 +219,8 @@ class Config:
         hints = typing.get_type_hints(cls)
         for name, value in values.items():
             section = _section_type(hints.get(name))
-            if section is not None and value is not None and not isinstance(value, Config):
-                values[name] = section.from_dict(value, where)
+            if section is not None and not isinstance(value, Config):
+                values[name] = section.from_dict(value, where)  # null: the section's defaults
         try:
             return cls(**values)
         except ConfigError as exc:

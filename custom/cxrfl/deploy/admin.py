@@ -42,7 +42,7 @@ def wait_ready(dep: Deployment, clients: list[str], *, timeout: float = 180) -> 
         timeout: seconds to wait.
     """
     deadline = time.monotonic() + timeout
-    last = ""
+    last, last_exc = "", None
     while time.monotonic() < deadline:
         try:
             sess = admin_session(dep, timeout=10)
@@ -55,9 +55,10 @@ def wait_ready(dep: Deployment, clients: list[str], *, timeout: float = 180) -> 
                 return {"server": dep.server, "clients": connected}
             last = f"connected sites: {connected}"
         except Exception as exc:  # server not up yet
-            last = f"{type(exc).__name__}: {exc}"
+            last, last_exc = f"{type(exc).__name__}: {exc}", exc
         time.sleep(2)
-    raise DeployError(f"the federation was not ready within {timeout:.0f}s (waiting for {clients}; {last})")
+    message = f"the federation was not ready within {timeout:.0f}s (waiting for {clients}; {last})"
+    raise DeployError(message) from last_exc
 
 
 def submit(

@@ -88,7 +88,7 @@ class SurgicalAggregation(TaskController):
                 "seed": seed,
                 "evaluate_test": evaluate_test,
                 "external_test": external_test,
-                "pooled": pooled or {},
+                "pooled": pooled,
                 "keep_round_checkpoints": keep_round_checkpoints,
                 "head_mode": head_mode,
                 "missing": missing,
