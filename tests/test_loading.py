@@ -16,7 +16,7 @@ import pytest
 import torch
 from cxrfl.data import cache as cache_module
 from cxrfl.data.cache import IMAGE_CACHE, cache_size, disk_cache
-from cxrfl.data.dataset import DeviceLoader, make_loader, resolve_workers
+from cxrfl.data.dataset import DeviceLoader, make_loader, reseed, resolve_workers
 from cxrfl.data.transforms import BatchTransform, build_transforms, preprocess_transforms
 from cxrfl.errors import ConfigError
 from monai.data.utils import set_rnd
@@ -279,11 +279,42 @@ def test_device_augmentation_is_seeded_and_reseedable(table: pd.DataFrame, tmp_p
     assert a[0].shape == (3, 3, 32, 32) and torch.isfinite(torch.cat(a)).all()
     assert first.sampler is first.loader.sampler and first.dataset.batch_transform is not None
     set_rnd(first.dataset, 7)  # how the relay reseeds a visit
-    first.generator.manual_seed(7)
+    first.sampler.generator.manual_seed(7)
     b = epoch(first)
     set_rnd(first.dataset, 7)
-    first.generator.manual_seed(7)
+    first.sampler.generator.manual_seed(7)
     assert same(b, epoch(first))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_reseeded_loader_gives_the_batches_of_a_new_one_and_keeps_its_workers(
+    table: pd.DataFrame, tmp_path: Path, workers: int
+) -> None:
+    def loader(seed: int):
+        return make_loader(
+            table,
+            ["A"],
+            image_size=32,
+            train=True,
+            batch_size=3,
+            seed=seed,
+            num_workers=workers,
+            cache_dir=tmp_path / "c",
+            device=torch.device("cpu"),
+            device_transforms=True,
+        )
+
+    kept = loader(1)
+    first = epoch(kept)
+    iterator = kept.loader._iterator
+    reseed(kept, 2)
+    assert same(epoch(kept), epoch(loader(2))) and not same(first, epoch(loader(2)))
+    reseed(kept, 1)
+    assert same(epoch(kept), first)
+    if workers:
+        assert kept.loader._iterator is iterator  # the same worker processes served every epoch
+    with pytest.raises(ValueError, match="on the device"):
+        reseed(make_loader(table, ["A"], image_size=32, train=True, batch_size=3), 1)
 
 
 def smooth_image(size: int = 64) -> torch.Tensor:

@@ -98,3 +98,34 @@ def test_received_params_of_wrong_shape_are_refused(small_site, tmp_path):
     params["classifier.weight"] = np.zeros((5, 1024), np.float32)
     with pytest.raises(ValueError, match="classifier.weight"):
         site.load_params(params)
+
+
+def test_a_kept_training_loader_gives_each_round_the_batches_of_a_fresh_one(small_site, tmp_path, monkeypatch):
+    # augmenting on the device (CUDA sites) keeps one training loader, so its workers start once; a kept
+    # loader must still give every round the order and augmentations of a loader made for that round
+    import functools
+
+    import cxrfl.surgical.learner as learner_module
+    from cxrfl.data.dataset import DeviceLoader, make_loader
+
+    monkeypatch.setattr(learner_module, "make_loader", functools.partial(make_loader, device_transforms=True))
+    augmenting = TrainConfig(lr=1e-3, batch_size=8, augment=True)
+
+    def site_learner(state_dir):
+        return SiteLearner(small_site, state_dir, model_config=MODEL, train_config=augmenting)
+
+    def batches(loader):
+        return [(x.clone(), y.clone()) for x, y, _ in loader]
+
+    kept = site_learner(tmp_path / "kept")
+    first = kept.train_loader(1)
+    assert isinstance(first, DeviceLoader)
+    round_1 = batches(first)
+    assert kept.train_loader(2) is first
+    round_2 = batches(first)
+    for round_num, seen in ((2, round_2), (1, round_1)):
+        fresh = batches(site_learner(tmp_path / f"fresh{round_num}").train_loader(round_num))
+        assert len(fresh) == len(seen)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(fresh, seen)), round_num
+    assert not torch.equal(round_1[0][0], round_2[0][0])  # rounds differ
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches(kept.train_loader(1)), round_1))  # and repeat

@@ -29,7 +29,7 @@ import torch
 from monai.data import CacheDataset
 from monai.data import DataLoader as MonaiDataLoader
 from monai.transforms import Compose
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
 
 from cxrfl.common.cores import available_cores
 from cxrfl.data.cache import disk_cache
@@ -142,16 +142,15 @@ def _image_source(paths: list[str], image_size: int, cache: bool, cache_dir: str
 
 
 def _transforms(
-    image_size: int, train: bool, in_channels: int, cached: bool, on_device: bool, seed: int
+    image_size: int, train: bool, in_channels: int, cached: bool, on_device: bool
 ) -> tuple[Compose | None, BatchTransform | None]:
-    """The per-image transform after the image source, and the batch transform (on the device, seeded)."""
+    """The per-image transform after the image source, and the batch transform (on the device; seeded by
+    :func:`reseed`)."""
     steps = [] if cached else [preprocess_transforms(image_size)]
     if not on_device:
         steps += ([augment_transforms()] if train else []) + [input_transforms(in_channels)]
         return Compose(steps).flatten(), None
-    finish = BatchTransform(in_channels, augment=train)
-    finish.set_random_state(seed)
-    return (Compose(steps).flatten() if steps else None), finish
+    return (Compose(steps).flatten() if steps else None), BatchTransform(in_channels, augment=train)
 
 
 def make_loader(
@@ -196,8 +195,11 @@ def make_loader(
     device = torch.device(device) if device is not None else torch.device("cpu")
     on_device = device.type == "cuda" if device_transforms is None else device_transforms
     images = _image_source([str(p) for p in table["path"]], image_size, cache, cache_dir)
-    transform, finish = _transforms(image_size, train, in_channels, images is not None, on_device, seed)
+    transform, finish = _transforms(image_size, train, in_channels, images is not None, on_device)
     dataset = CXRDataset(table, classes, transform, images=images, batch_transform=finish)
+    if on_device and train and sampler is None:
+        # its own generator: the loader's also seeds worker processes, once per iterator (kept workers: once)
+        sampler = RandomSampler(dataset, generator=torch.Generator())
     options: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": PREFETCH_FACTOR} if workers else {}
     loader = MonaiDataLoader(
         dataset,
@@ -210,4 +212,30 @@ def make_loader(
         pin_memory=device.type == "cuda",
         **options,
     )
-    return DeviceLoader(loader, device) if on_device else loader
+    if not on_device:
+        return loader
+    on = DeviceLoader(loader, device)
+    reseed(on, seed)  # after MONAI's own seeding (which, without workers, draws from the generator)
+    return on
+
+
+def reseed(loader: DataLoader | DeviceLoader, seed: int) -> None:
+    """Seed a loader's order and augmentations: a kept training loader then gives what a new one
+    made with ``seed`` gives (:func:`make_loader` ends with this call).
+
+    Only for a loader whose workers draw nothing at random (a :class:`DeviceLoader`: augmentation
+    is its batch transform's, on the device): its sampler's generator (a shuffling one has its own)
+    and the batch transform are seeded, persistent workers stay up.
+
+    Args:
+        loader: a training loader from :func:`make_loader` with device transforms.
+        seed: the seed a fresh loader would get.
+    """
+    finish = loader.dataset.batch_transform
+    if finish is None:
+        raise ValueError("only a loader that augments on the device can be reseeded (its workers draw at random)")
+    generator = getattr(loader.sampler, "generator", None)
+    if generator is not None:  # a shuffling sampler
+        generator.manual_seed(seed)
+    finish.set_random_state(seed)
+

@@ -46,7 +46,7 @@ import torch
 from cxrfl.clinical.counts import count_classes
 from cxrfl.common.io import torch_load, torch_save
 from cxrfl.common.transport import copy_params
-from cxrfl.data.dataset import make_loader
+from cxrfl.data.dataset import DeviceLoader, make_loader, reseed
 from cxrfl.data.site import SiteData
 from cxrfl.errors import ConfigError
 from cxrfl.nn.models import (
@@ -68,6 +68,9 @@ LOCAL_ROUNDS = "local_rounds"
 
 OPTIMIZER_ROUNDS = "optimizer_rounds"
 """Sub-folder of ``state_dir`` with the optimizer state after each trained round (the last two kept)."""
+
+TRAINING = "train:augment"
+"""Key of the kept training loader among the site's loaders (the evaluation loaders' keys are splits)."""
 
 
 def _round_file(folder: Path, round_num: int) -> Path:
@@ -167,15 +170,27 @@ class SiteLearner:
         return self._loaders[split]
 
     def train_loader(self, round_num: int) -> torch.utils.data.DataLoader:
-        """A fresh shuffling, augmenting loader over the training split for one round (0: the
-        warm-up): its order and augmentations depend on the seed and the round only, so a round
-        trains alike after a warm-up taken from a cache, after an interruption, or in another process.
+        """A shuffling, augmenting loader over the training split for one round (0: the warm-up):
+        its order and augmentations depend on the seed and the round only, so a round trains alike
+        after a warm-up taken from a cache, after an interruption, or in another process.
+
+        Where augmentation runs on the device (CUDA), one loader is kept across rounds and seeded
+        again, so its worker processes start once (starting them every round cost GPU sites half
+        their throughput, BENCHMARKS.md "On a GPU"); elsewhere the workers augment, and each
+        round gets a fresh loader whose workers are seeded by it.
 
         Args:
             round_num: the round number.
         """
         seed = int(np.random.SeedSequence([self.train_config.seed, round_num]).generate_state(1)[0])
-        return self._make_loader("train", train=True, seed=seed)
+        kept = self._loaders.get(TRAINING)
+        if kept is not None:
+            reseed(kept, seed)
+            return kept
+        loader = self._make_loader("train", train=True, seed=seed)
+        if isinstance(loader, DeviceLoader):
+            self._loaders[TRAINING] = loader
+        return loader
 
     def split_table(self, split: str) -> pd.DataFrame:
         """One split with a column per head class; classes the site does not annotate (a union
