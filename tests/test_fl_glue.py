@@ -238,3 +238,21 @@ def test_a_site_with_an_empty_split_stops_at_start_with_the_reason_and_refuses_t
     assert any(reason in r.getMessage() for r in caplog.records)  # the site log line
     reply = executor.execute("train", Shareable(), ctx, abort_signal=type("Signal", (), {"triggered": False})())
     assert reply.get_return_code() == ReturnCode.EXECUTION_EXCEPTION and executor.host is None  # nothing trained
+
+
+def test_a_late_answer_is_dropped_and_logged_not_handed_on(caplog):
+    # NVFlare's ModelController hands a late "train" result on as the context's TRAINING_RESULT ("sent to
+    # aggregator"); the round it answers was aggregated without it, so cxrfl only logs it
+    from cxrfl.fl.surgical import SurgicalAggregation
+    from nvflare.apis.client import Client
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+    from nvflare.app_common.app_constant import AppConstants
+    from nvflare.app_common.utils.fl_model_utils import FLModelUtils
+
+    late = FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params={"w": np.ones(2)}, meta={}))
+    ctx = FLContext()
+    with caplog.at_level("WARNING"):
+        SurgicalAggregation().process_result_of_unknown_task(Client("hospital-c", "t"), "train", "id-1", late, ctx)
+    assert ctx.get_prop(AppConstants.TRAINING_RESULT) is None
+    assert "late answer from site hospital-c to task train dropped" in caplog.text

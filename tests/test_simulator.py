@@ -123,8 +123,14 @@ def test_aggregation_record_lists_exact_contributors(simulated):
                 s for s, cls in (("hospital-a", NIH_CLASSES), ("hospital-b", CHEXPERT_CLASSES)) if c in cls
             )
             assert contributors[c] == expected, c
-        for m in r["site_metrics"].values():
-            assert m["val_loss"] > 0
+        own = {"hospital-a": NIH_CLASSES, "hospital-b": CHEXPERT_CLASSES}
+        for site, m in r["site_metrics"].items():
+            assert set(m["val_auroc"]) == set(own[site]), site  # a site scores its own classes only
+            defined = [v for v in m["val_auroc"].values() if v is not None]
+            assert m["val_mean_auroc"] == pytest.approx(sum(defined) / len(defined))
+        if r["phase"] == "train":  # model selection reads the sites' mean validation loss
+            losses = [m["val_loss"] for m in r["site_metrics"].values()]
+            assert r["mean_val_loss"] == pytest.approx(sum(losses) / len(losses))
 
 
 def test_evaluation_written_for_both_sites(simulated):
@@ -144,10 +150,19 @@ def test_evaluation_written_for_both_sites(simulated):
 
 
 @pytest.mark.parametrize("site,foreign", [("hospital-b", NIH_ONLY), ("hospital-a", CHEXPERT_ONLY)])
-def test_no_site_file_names_the_other_sites_classes(simulated, site, foreign):
+def test_no_site_file_names_the_other_sites_classes(simulated, site, foreign, tmp_path):
     root = simulated["ws"] / site
     files = [p for p in root.rglob("*") if p.is_file()]
     assert any(p.name == "log.txt" for p in files)
     foreign_names = foreign + [k for k, v in NIH_COLUMN_NAMES.items() if v in foreign]
     leaks = {str(p.relative_to(root)): names_in(p, foreign_names) for p in files}
     assert {p: n for p, n in leaks.items() if n} == {}
+    # positive controls: the same scan finds the site's own classes in its log, and a foreign name
+    # planted in a torch file (the site's state format) and in a copy of its log
+    own = CHEXPERT_ONLY if site == "hospital-b" else NIH_ONLY
+    assert any(names_in(p, own) for p in files if p.name == "log.txt")
+    torch.save({"classes": [foreign[0]], "w": torch.zeros(3)}, tmp_path / "planted.pt")
+    log = next(p for p in files if p.name == "log.txt")
+    (tmp_path / "log.txt").write_bytes(log.read_bytes() + f"... {foreign[-1]} ...".encode())
+    assert foreign[0] in names_in(tmp_path / "planted.pt", foreign_names)
+    assert foreign[-1] in names_in(tmp_path / "log.txt", foreign_names)

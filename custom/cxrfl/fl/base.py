@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from nvflare.apis.client import Client
 from nvflare.apis.event_type import EventType
 from nvflare.apis.executor import Executor
 from nvflare.apis.fl_constant import FLContextKey, ReturnCode
@@ -183,6 +184,27 @@ class TaskController(ModelController):
         self.task_timeout = task_timeout
         self.analytic_sender_id = analytic_sender_id
         self.writer = None
+
+    def process_result_of_unknown_task(
+        self, client: Client, task_name: str, client_task_id: str, result: Shareable, fl_ctx: FLContext
+    ) -> None:
+        """Drop an answer whose task has ended (a site that was silent past ``task_timeout``, then came back).
+
+        NVFlare's ModelController would hand a late ``train`` result on as the context's training
+        result ("sent to aggregator"); a cxrfl round was aggregated without it, so it is only logged.
+
+        Args:
+            client: the site.
+            task_name: the task it answers.
+            client_task_id: NVFlare's id of the ended task.
+            result: the answer (not read).
+            fl_ctx: NVFlare's context.
+        """
+        self.fl_ctx = fl_ctx
+        self.warning(
+            f"late answer from site {client.name} to task {task_name} dropped: the task had ended without it "
+            "(the round was aggregated from the sites that answered in time)"
+        )
 
     @property
     def discloses_class_names(self) -> bool:
