@@ -12,14 +12,14 @@ import torch
 from cxrfl.deploy.cli import add_parser
 from cxrfl.deploy.jobs import build_job
 from cxrfl.errors import ConfigError, CxrflError
+from cxrfl.fl.job_script import add_run_arguments
+from cxrfl.fl.job_settings import QUANTIZE_TYPES
 from cxrfl.fl.quantization import ExactDequantizer, ExactQuantizer, round_trip
 from cxrfl.fl.recipes import (
-    QUANTIZE_TYPES,
     CWTRecipe,
     FedEvalRecipe,
     FedFewRecipe,
     SurgicalAggregationRecipe,
-    add_run_arguments,
 )
 from cxrfl.fl.wire import dumps, loads, model_message
 from cxrfl.jobs import app_dirs

@@ -233,7 +233,7 @@ def test_write_every_arg_refuses_an_attribute_that_would_hide_the_argument():
 def test_job_py_arguments_choose_nvflares_execution_environment(tmp_path, monkeypatch):
     import argparse
 
-    from cxrfl.fl.recipes import add_run_arguments, env_from_args
+    from cxrfl.fl.job_script import add_run_arguments, env_from_args
     from nvflare.recipe import PocEnv, ProdEnv, SimEnv
 
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -38,19 +38,19 @@ class JobSpec:
         executor_args: the sites' executor arguments (device, num_workers, num_threads).
         min_clients: sites needed to start the job.
         resources: what every site must offer before NVFlare gives it the job (NVFlare's ``@default``:
-            ``num_of_gpus``, ``num_of_cpus``, ``memory``; see :class:`cxrfl.fl.recipes.JobSettings`).
+            ``num_of_gpus``, ``num_of_cpus``, ``memory``; see :class:`cxrfl.fl.job_settings.JobSettings`).
         site_resources: one site's own request over ``resources``.
         description: one line for meta.json.
         privacy: None (default: off), or ``{"method": "percentile" | "svt", "args": {...}}``
-            (see :class:`cxrfl.fl.recipes.JobSettings`).
+            (see :class:`cxrfl.fl.job_settings.JobSettings`).
         exclude_batchnorm: add NVFlare's ``ExcludeVars`` result filter naming every BatchNorm
             entry of the model, so none leaves a site (FedBN/FedBN+ only; default off).
         quantize: None (default: off), or an NVFlare quantization format for every message
-            (see :class:`cxrfl.fl.recipes.JobSettings`).
+            (see :class:`cxrfl.fl.job_settings.JobSettings`).
         tracking: experiment trackers: ``tensorboard`` and/or ``mlflow`` (empty: none).
         tracking_uri: MLflow tracking server; None: an SQLite file in the job's server workspace.
         sites: the client sites by name: the server's app then goes to the server alone (empty: one
-            app, the server's config included, to NVFlare's ``@ALL``; see :class:`cxrfl.fl.recipes.JobSettings`).
+            app, the server's config included, to NVFlare's ``@ALL``; see :class:`cxrfl.fl.job_settings.JobSettings`).
     """
 
     name: str

@@ -13,7 +13,8 @@ The defaults are those of the committed ``jobs/cwt`` (CPU demo: the binary task,
 import argparse
 
 # importing the recipes imports nvflare.recipe, which takes --export/--export-dir out of sys.argv
-from cxrfl.fl.recipes import CWTRecipe, add_run_arguments, run_recipe
+from cxrfl.fl.job_script import add_run_arguments, run_recipe
+from cxrfl.fl.recipes import CWTRecipe
 from cxrfl.jobs import job_spec
 
 DEMO = job_spec("cwt")

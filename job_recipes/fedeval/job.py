@@ -16,7 +16,8 @@ import argparse
 
 # importing the recipes imports nvflare.recipe, which takes --export/--export-dir out of sys.argv
 from cxrfl.fedeval.config import SPLITS, FedEvalConfig
-from cxrfl.fl.recipes import FedEvalRecipe, add_run_arguments, run_recipe
+from cxrfl.fl.job_script import add_run_arguments, run_recipe
+from cxrfl.fl.recipes import FedEvalRecipe
 
 DEFAULTS = FedEvalConfig()
 

@@ -16,7 +16,8 @@ the server alone and each site gets a client app.
 import argparse
 
 # importing the recipes imports nvflare.recipe, which takes --export/--export-dir out of sys.argv
-from cxrfl.fl.recipes import FedFewRecipe, add_run_arguments, run_recipe
+from cxrfl.fl.job_script import add_run_arguments, run_recipe
+from cxrfl.fl.recipes import FedFewRecipe
 from cxrfl.jobs import job_spec
 
 DEMO = job_spec("fedfew")

@@ -14,7 +14,8 @@ The defaults are those of the committed ``jobs/surgical_agg`` (CPU demo: 64 px, 
 import argparse
 
 # importing the recipes imports nvflare.recipe, which takes --export/--export-dir out of sys.argv
-from cxrfl.fl.recipes import SurgicalAggregationRecipe, add_run_arguments, run_recipe
+from cxrfl.fl.job_script import add_run_arguments, run_recipe
+from cxrfl.fl.recipes import SurgicalAggregationRecipe
 from cxrfl.jobs import job_spec
 from cxrfl.surgical.head_modes import BATCHNORM_MODES, HEAD_MODES, MISSING_POLICIES
 

@@ -39,8 +39,8 @@ from cxrfl.bench.paired import paired
 from cxrfl.bench.protocol import code_label, load_text
 from cxrfl.data.site import SiteData
 from cxrfl.errors import ConfigError
+from cxrfl.fl.job_settings import QUANTIZE_TYPES
 from cxrfl.fl.quantization import RoundTrip, round_trip
-from cxrfl.fl.recipes import QUANTIZE_TYPES
 from cxrfl.jobs import DEMO_MODEL, DEMO_TRAIN, JOBS
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import TRAIN
@@ -67,7 +67,7 @@ class QuantizeBenchSettings:
     Args:
         profile: benchmark profile (:func:`cxrfl.bench.profiles.prepare`).
         seeds: training seeds 0 ... seeds-1.
-        formats: ``none`` and formats of :data:`cxrfl.fl.recipes.QUANTIZE_TYPES` (``none`` always runs first:
+        formats: ``none`` and formats of :data:`cxrfl.fl.job_settings.QUANTIZE_TYPES` (``none`` always runs first:
             the reference).
         rounds: most federated rounds after the warm-up (a guard).
         patience: rounds without a better mean validation loss before stopping.

@@ -238,4 +238,3 @@ def reseed(loader: DataLoader | DeviceLoader, seed: int) -> None:
     if generator is not None:  # a shuffling sampler
         generator.manual_seed(seed)
     finish.set_random_state(seed)
-

@@ -1,6 +1,6 @@
 """Smaller messages: NVFlare's quantization filters on what the server sends and what the sites return.
 
-A job with ``quantize`` set (:data:`cxrfl.fl.recipes.QUANTIZE_TYPES`) carries four filters on every task:
+A job with ``quantize`` set (:data:`cxrfl.fl.job_settings.QUANTIZE_TYPES`) carries four filters on every task:
 the server quantizes its task data (:class:`ExactQuantizer`) and dequantizes the sites' results
 (:class:`ExactDequantizer`); each site dequantizes what it receives and quantizes what it returns.
 They are NVFlare 2.9's ``ModelQuantizer`` / ``ModelDequantizer`` (``nvflare.app_opt.pt.quantization``,
@@ -40,7 +40,7 @@ from nvflare.app_opt.pt.quantization.constant import DATA_TYPE
 from nvflare.app_opt.pt.quantization.dequantizer import ModelDequantizer
 from nvflare.app_opt.pt.quantization.quantizer import ModelQuantizer
 
-from cxrfl.fl.recipes import QUANTIZE_TYPES
+from cxrfl.fl.job_settings import QUANTIZE_TYPES
 
 EXACT_SUFFIXES = (".running_mean", ".running_var", ".num_batches_tracked")
 """State-dict suffixes of BatchNorm's running statistics: never quantized."""

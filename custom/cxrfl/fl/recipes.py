@@ -12,7 +12,7 @@
 the job folder instead. A recipe puts the method's workflow (a :class:`cxrfl.fl.base.TaskController`)
 on the server and its executor on every site, writes every argument into the job (NVFlare's
 exporter otherwise drops arguments equal to their defaults: :func:`cxrfl.fl.base.write_every_arg`),
-adds experiment tracking (:data:`TRACKERS`: each site's per-round metrics and the server's
+adds experiment tracking (:data:`cxrfl.fl.job_settings.TRACKERS`: each site's per-round metrics and the server's
 aggregated ones travel as NVFlare analytics events to TensorBoard and/or MLflow receivers on the
 server; nothing per image leaves a site) and the optional privacy filters on what the sites send
 back, and optional quantization of every message (:mod:`cxrfl.fl.quantization`). No recipe carries site
@@ -23,11 +23,9 @@ data: each site reads its own config when the job starts
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -41,14 +39,12 @@ from nvflare.job_config.api import FedJob
 from nvflare.job_config.defs import FilterType
 from nvflare.recipe.spec import Recipe
 from nvflare.recipe.utils import set_recipe_meta
-from nvflare.utils.job_launcher_utils import validate_portable_resource_spec
 
 from cxrfl.clinical.pooling import PooledEvaluation
 from cxrfl.common.config import Config
-from cxrfl.common.privacy import check_privacy, privacy_args
+from cxrfl.common.privacy import privacy_args
 from cxrfl.cwt.config import CWTConfig
 from cxrfl.cwt.relay import TASKS as CWT_TASKS
-from cxrfl.data.dataset import resolve_workers
 from cxrfl.errors import ConfigError
 from cxrfl.fedeval.config import FedEvalConfig
 from cxrfl.fedfew.config import FedFewConfig
@@ -57,7 +53,7 @@ from cxrfl.fl.base import TaskController, TaskExecutor, write_every_arg
 from cxrfl.fl.cwt import CWTExecutor, CyclicWeightTransfer
 from cxrfl.fl.fedeval import FederatedEvaluation
 from cxrfl.fl.fedfew import FedFew, FedFewExecutor
-from cxrfl.fl.resources import DEFAULT_KEY, PORTABLE_KEYS
+from cxrfl.fl.job_settings import ANALYTIC_SENDER, JobSettings
 from cxrfl.fl.site_config import DEMO_SITES
 from cxrfl.fl.surgical import SiteExecutor, SurgicalAggregation
 from cxrfl.nn.models import ModelConfig
@@ -66,147 +62,12 @@ from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import EVALUATION_TASKS
 from cxrfl.surgical.host import TASKS as SURGICAL_TASKS
 
-TRACKERS = ("tensorboard", "mlflow")
-"""Experiment trackers a recipe can send metrics to (both at once is fine)."""
-
-QUANTIZE_TYPES = ("float16", "blockwise8", "float4", "normfloat4")
-"""NVFlare's quantization formats a job's ``quantize`` may name (:mod:`cxrfl.fl.quantization`)."""
-
-CUSTOM_MODES = ("readme", "none")
-"""What a recipe's ``app/custom`` holds: ``readme`` (only a README: NVFlare counts the job as
-bring-your-own-code, so a simulator or a site without ``cxrfl.`` in its ``class_allow_list`` runs
-it; the code is the installed package) or ``none`` (no folder: for sites that pre-install cxrfl
-and allow ``cxrfl.``). ``cxrfl deploy job --mode byoc`` copies the package itself in."""
-
 CUSTOM_README = Path(__file__).with_name("job_custom") / "README.md"
-
-ANALYTIC_SENDER = "analytic_sender"
-"""Component id of the analytics writer on the server and on every site."""
 
 FED_EVENT = f"fed.{ANALYTIC_EVENT_TYPE}"
 
 TRAIN_TASK = "train"
 """The task whose results the privacy and BatchNorm filters see."""
-
-
-@dataclass(frozen=True)
-class JobSettings(Config):
-    """What every cxrfl recipe takes beside its method's settings.
-
-    Args:
-        name: job name (and the folder an export writes).
-        min_clients: sites that must be connected for the job to start (``meta.json``).
-        description: one line for ``meta.json``.
-        resources: what every site must offer before NVFlare gives it the job (``resource_spec``'s
-            ``@default``): ``num_of_gpus``, ``num_of_cpus``, ``memory`` (``"32Gi"``); see
-            :mod:`cxrfl.fl.resources`.
-        site_resources: one site's request over ``resources`` (``{"hospital-a": {"num_of_gpus": 2}}``),
-            which may also name keys of that site's resource manager (``mem_per_gpu_in_GiB``).
-        device: the sites' torch device: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:N``.
-        num_workers: data-loader worker processes per site loader, or ``auto`` (one per core the
-            site process is given, less one; :func:`cxrfl.data.dataset.resolve_workers`).
-        num_threads: CPU threads per site (0: every core the site process is given).
-        tracking: experiment trackers (:data:`TRACKERS`); empty: none.
-        tracking_uri: MLflow tracking server (``http://host:5000``, ``sqlite:///path.db``); None: an
-            SQLite store ``mlflow.db`` in the job's server workspace folder (no server needed).
-        privacy: None (off), or ``{"method": "percentile" | "svt", "args": {...}}``: NVFlare's
-            ``PercentilePrivacy`` / ``SVTPrivacy`` on every ``train`` result, applied to the weight
-            difference by :class:`cxrfl.fl.privacy.UpdatePrivacy` (checked, and its missing args
-            written explicitly, by :mod:`cxrfl.common.privacy`).
-        quantize: None (off), or an NVFlare quantization format of :data:`QUANTIZE_TYPES` for what the
-            server sends and the sites return, BatchNorm statistics and integer arrays kept exact
-            (:mod:`cxrfl.fl.quantization`; needs ``pip install 'cxrfl[quantization]'``).
-        custom: what ``app/custom`` holds (:data:`CUSTOM_MODES`).
-        sites: the client sites by name. Named: the server's app (``config_fed_server.json``) goes to
-            the server alone and each named site gets a client app; empty: one app to NVFlare's
-            ``@ALL`` (the server and every site, so every site also receives the server's config).
-    """
-
-    SECTION: ClassVar[str] = "job"
-    name: str
-    min_clients: int = field(default=2, metadata={"ge": 1})
-    description: str = ""
-    resources: dict[str, Any] = field(default_factory=dict)
-    site_resources: dict[str, dict[str, Any]] = field(default_factory=dict)
-    device: str = "auto"
-    num_workers: int | str = 0
-    num_threads: int = field(default=1, metadata={"ge": 0})
-    tracking: tuple[str, ...] = ("tensorboard",)
-    tracking_uri: str | None = None
-    privacy: dict[str, Any] | None = None
-    quantize: str | None = field(default=None, metadata={"choices": QUANTIZE_TYPES})
-    custom: str = field(default="readme", metadata={"choices": CUSTOM_MODES})
-    sites: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if len(set(self.sites)) != len(self.sites) or any(not s or s in ("server", ALL_SITES) for s in self.sites):
-            self.fail(
-                "sites", f"must list distinct client site names (not 'server' or '{ALL_SITES}'), got {list(self.sites)}"
-            )
-        bad = [t for t in self.tracking if t not in TRACKERS]
-        if bad or len(set(self.tracking)) != len(self.tracking):
-            self.fail("tracking", f"must list distinct trackers of {list(TRACKERS)}, got {list(self.tracking)}")
-        if self.tracking_uri is not None and "mlflow" not in self.tracking:
-            self.fail("tracking_uri", "is MLflow's; add 'mlflow' to tracking")
-        if "mlflow" in self.tracking and importlib.util.find_spec("mlflow") is None:
-            self.fail("tracking", "'mlflow' needs MLflow: pip install 'cxrfl[mlflow]' (or leave 'mlflow' out)")
-        if self.quantize is not None and importlib.util.find_spec("bitsandbytes") is None:
-            self.fail("quantize", "needs bitsandbytes: pip install 'cxrfl[quantization]' (or leave quantize unset)")
-        resolve_workers(self.num_workers)  # ConfigError naming num_workers
-        check_privacy(self.privacy, f"job {self.name}")  # refuses update-destroying settings, warns about lossy ones
-        self._check_resources()
-
-    def _check_resources(self) -> None:
-        """``resources`` and ``site_resources`` as NVFlare 2.9 reads them (its own validation), else one line."""
-        bad = [s for s in self.site_resources if s.startswith("@") or s == "server"]
-        if bad:
-            self.fail(
-                "site_resources",
-                f"must be keyed by client site names, got {bad}; a request of every site "
-                f"goes in resources (NVFlare's '{DEFAULT_KEY}')",
-            )
-        unknown = [s for s in self.site_resources if self.sites and s not in self.sites]
-        if unknown:
-            self.fail("site_resources", f"names {unknown}, not among the job's sites {list(self.sites)}")
-        every_site = f" (it holds {list(PORTABLE_KEYS)}; a key of one site's resource manager goes in site_resources)"
-        for key, spec, hint in (
-            ("resources", {DEFAULT_KEY: self.resources}, every_site),
-            ("site_resources", self.resource_spec, ""),
-        ):
-            try:
-                validate_portable_resource_spec(spec)
-            except ValueError as exc:
-                self.fail(key, f"is not what NVFlare 2.9 reads: {exc}{hint}")
-
-    @property
-    def resource_spec(self) -> dict[str, dict[str, Any]]:
-        """``meta.json``'s ``resource_spec``: ``resources`` as ``@default``, then each site's own request."""
-        every = {DEFAULT_KEY: dict(self.resources)} if self.resources else {}
-        return {**every, **{site: dict(spec) for site, spec in self.site_resources.items()}}
-
-    @classmethod
-    def split(cls, settings: Mapping[str, Any]) -> tuple[JobSettings, dict[str, Any]]:
-        """The job settings among a recipe's keyword arguments, and the rest (the method's).
-
-        Args:
-            settings: the recipe's keyword arguments.
-        """
-        own = {f.name for f in fields(cls)}
-        if "resource_spec" in settings:
-            raise ConfigError(
-                f"{cls.qualified('resource_spec')} is replaced by resources (every site: NVFlare's "
-                f"'{DEFAULT_KEY}') and site_resources (one site's own), as NVFlare 2.9 reads them"
-            )
-        return (
-            cls.from_dict({k: v for k, v in settings.items() if k in own}, where="the recipe's arguments"),
-            {k: v for k, v in settings.items() if k not in own},
-        )
-
-    @property
-    def sender_id(self) -> str:
-        """The analytics writer's component id ("" when nothing is tracked)."""
-        return ANALYTIC_SENDER if self.tracking else ""
 
 
 def controller_args(
@@ -582,87 +443,3 @@ class FedEvalRecipe(CxrflRecipe):
         given = {"model": path.name, "fedeval_config": fedeval_config, "analytic_sender_id": job.sender_id, **rest}
         args = controller_args(FederatedEvaluation, given, {"fedeval_config": FedEvalConfig})
         super().__init__(job, FederatedEvaluation, args, server_config_files=(path,) if ship_model else ())
-
-
-def add_run_arguments(parser: Any, quantize: bool = True) -> None:
-    """The arguments every ``job.py`` shares: tracking, quantization, and where to run (NVFlare's environments).
-
-    Args:
-        parser: an ``argparse.ArgumentParser``.
-        quantize: offer ``--quantize`` (training jobs).
-    """
-    parser.add_argument(
-        "--tracking",
-        default=("tensorboard",),
-        type=lambda text: tuple(t for t in text.split(",") if t),
-        help="comma-separated trackers of " + ", ".join(TRACKERS) + " ('' for none)",
-    )
-    parser.add_argument(
-        "--tracking_uri",
-        default=None,
-        help="MLflow tracking server (default: an SQLite file mlflow.db in the job's server folder)",
-    )
-    parser.add_argument("--num_threads", type=int, default=1, help="CPU threads per site (0: all it is given)")
-    if quantize:
-        parser.add_argument(
-            "--quantize",
-            choices=QUANTIZE_TYPES,
-            default=None,
-            help="quantize what the server sends and the sites return (default: off; BatchNorm statistics stay exact)",
-        )
-    env = parser.add_argument_group("where to run")
-    env.add_argument(
-        "--env",
-        choices=("sim", "poc", "prod"),
-        default="sim",
-        help="simulator (default), a local POC federation, or a provisioned deployment",
-    )
-    env.add_argument(
-        "--n_clients",
-        type=int,
-        default=2,
-        help="sites to simulate (site-1, site-2, ...: the embedded demo hospitals) or to start in POC",
-    )
-    env.add_argument(
-        "--clients",
-        default=None,
-        help="comma-separated site names instead (data: $CXRFL_SITE_CONFIG_DIR/<site>.yaml or site_configs/)",
-    )
-    env.add_argument("--threads", type=int, default=None, help="simulator threads (default: one per site)")
-    env.add_argument("--workspace", default="/tmp/nvflare/simulation", help="simulator workspace root")
-    env.add_argument("--startup_kit", default=None, help="prod: the admin's startup kit folder")
-    env.add_argument("--username", default="admin@nvidia.com", help="poc/prod: the submitting admin")
-
-
-def env_from_args(args: Any) -> Any:
-    """The NVFlare execution environment :func:`add_run_arguments` describes.
-
-    Args:
-        args: the parsed arguments.
-    """
-    from nvflare.recipe import PocEnv, ProdEnv, SimEnv
-
-    clients = [c for c in (args.clients or "").split(",") if c] or None
-    if args.env == "sim":
-        return SimEnv(
-            num_clients=0 if clients else args.n_clients,
-            clients=clients,
-            num_threads=args.threads,
-            workspace_root=args.workspace,
-        )
-    if args.env == "poc":
-        return PocEnv(num_clients=len(clients) if clients else args.n_clients, clients=clients, username=args.username)
-    if not args.startup_kit:
-        raise SystemExit("--env prod needs --startup_kit (the admin's startup kit folder)")
-    return ProdEnv(startup_kit_location=args.startup_kit, username=args.username)
-
-
-def run_recipe(recipe: Recipe, args: Any) -> None:
-    """Run (or, with NVFlare's ``--export --export-dir DIR``, export) a recipe and say where the results are.
-
-    Args:
-        recipe: the recipe.
-        args: arguments of :func:`add_run_arguments`.
-    """
-    run = recipe.execute(env_from_args(args))
-    print(f"job {run.get_job_id()}: status {run.get_status()}; results in {run.get_result()}")

@@ -8,7 +8,7 @@ NVFlare dispatches a job it asks each site's ``resource_manager`` (its kit's ``l
 for the resolved request less ``num_of_cpus`` and ``memory`` (those are for the docker, k8s and slurm
 launchers); a site that cannot offer it does not get the job, which waits while fewer than its
 ``min_clients`` sites can. The recipes write ``resource_spec`` from their ``resources`` and
-``site_resources`` (:class:`cxrfl.fl.recipes.JobSettings`).
+``site_resources`` (:class:`cxrfl.fl.job_settings.JobSettings`).
 
 A site declares its GPUs with ``cxrfl deploy site-gpus KIT 0,1``
 (:func:`cxrfl.deploy.provision.declare_gpus`): NVFlare's ``ListResourceManager`` with one unit per GPU
