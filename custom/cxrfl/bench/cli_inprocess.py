@@ -120,7 +120,7 @@ def _add_quantize(bsub: argparse._SubParsersAction) -> None:
         "each way, time added, mean test AUROC paired against the unquantized run, issue 46's targets",
     )
     demo = "the demo job's, "
-    _add_run_args(q, "quantize", rounds=demo + "20", patience=demo + "3", image_size=demo + "64")
+    _add_run_args(q, "quantize", rounds="60", patience=demo + "3", image_size=demo + "64")
     q.add_argument(
         "--formats",
         default=None,
