@@ -204,25 +204,20 @@ def test_quantize_writes_the_filters_into_the_server_and_client_configs(recipe, 
     assert server["task_data_filters"] == server["task_result_filters"] == []
     assert client["task_data_filters"] == client["task_result_filters"] == []
 
-    tasks, others = frozenset(recipe.tasks), frozenset(recipe.tasks) - {"train"}
-    fedfew = "train" not in tasks  # no privacy filters (refused), every task one chain
-    privacy = None if fedfew else {"method": "percentile"}
-    server, client = configs(recipe(name="q", quantize="normfloat4", privacy=privacy), tmp_path)
+    tasks = frozenset(recipe.tasks)
+    updates = frozenset(recipe.update_tasks)  # the privacy filter's tasks: "train"; FedFew's two weight updates
+    server, client = configs(recipe(name="q", quantize="normfloat4", privacy={"method": "percentile"}), tmp_path)
     assert chains(server, "task_data_filters") == {tasks: ["ExactQuantizer"]}
     assert chains(server, "task_result_filters") == {tasks: ["ExactDequantizer"]}
     assert server["task_data_filters"][0]["filters"][0]["args"] == {"quantization_type": "normfloat4"}
-    if fedfew:
-        assert chains(client, "task_data_filters") == {tasks: ["ExactDequantizer"]}
-        assert chains(client, "task_result_filters") == {tasks: ["ExactQuantizer"]}
-        return
     # a site dequantizes what arrives before privacy remembers it, and quantizes what leaves after privacy
     assert chains(client, "task_data_filters") == {
-        frozenset({"train"}): ["ExactDequantizer", "UpdatePrivacy"],
-        others: ["ExactDequantizer"],
+        updates: ["ExactDequantizer", "UpdatePrivacy"],
+        tasks - updates: ["ExactDequantizer"],
     }
     assert chains(client, "task_result_filters") == {
-        frozenset({"train"}): ["UpdatePrivacy", "ExactQuantizer"],
-        others: ["ExactQuantizer"],
+        updates: ["UpdatePrivacy", "ExactQuantizer"],
+        tasks - updates: ["ExactQuantizer"],
     }
 
 
@@ -257,10 +252,12 @@ def test_a_sender_cannot_name_any_torch_attribute_as_the_dtype(fmt):
         ExactDequantizer().process_dxo(sent, Shareable(), FLContext())
 
 
-def test_fedfew_refuses_privacy_filters_that_would_never_run(tmp_path):
-    # found while wiring quantization: the privacy filters are attached to the task named ``train`` only,
-    # and FedFew's tasks are ``fedfew_*``: a FedFew job with privacy set silently sent unfiltered updates
+def test_fedfew_privacy_filters_see_its_weight_updates(tmp_path):
+    # found while wiring quantization: the privacy filters were attached to the task named ``train`` only,
+    # and FedFew's tasks are ``fedfew_*``: a FedFew job with privacy set sent unfiltered updates
+    from cxrfl.fedfew.protocol import SSL, TRAIN
     from cxrfl.fl.recipes import FedFewRecipe
 
-    with pytest.raises(ConfigError, match="privacy filters are not available for FedFew"):
-        FedFewRecipe(privacy={"method": "percentile", "args": {"percentile": 10, "gamma": 1.0}})
+    _, client = configs(FedFewRecipe(name="p", privacy={"method": "percentile"}), tmp_path)
+    assert chains(client, "task_result_filters") == {frozenset({SSL, TRAIN}): ["UpdatePrivacy"]}
+    assert chains(client, "task_data_filters") == {frozenset({SSL, TRAIN}): ["UpdatePrivacy"]}

@@ -48,7 +48,9 @@ from cxrfl.cwt.relay import TASKS as CWT_TASKS
 from cxrfl.errors import ConfigError
 from cxrfl.fedeval.config import FedEvalConfig
 from cxrfl.fedfew.config import FedFewConfig
+from cxrfl.fedfew.protocol import SSL as FEDFEW_SSL
 from cxrfl.fedfew.protocol import TASKS as FEDFEW_TASKS
+from cxrfl.fedfew.protocol import TRAIN as FEDFEW_TRAIN
 from cxrfl.fl.base import TaskController, TaskExecutor, write_every_arg
 from cxrfl.fl.cwt import CWTExecutor, CyclicWeightTransfer
 from cxrfl.fl.fedeval import FederatedEvaluation
@@ -67,7 +69,7 @@ CUSTOM_README = Path(__file__).with_name("job_custom") / "README.md"
 FED_EVENT = f"fed.{ANALYTIC_EVENT_TYPE}"
 
 TRAIN_TASK = "train"
-"""The task whose results the privacy and BatchNorm filters see."""
+"""The training task of surgical aggregation and CWT (a recipe's :attr:`CxrflRecipe.update_tasks`)."""
 
 
 def controller_args(
@@ -133,12 +135,14 @@ class CxrflRecipe(Recipe):
         job: the job settings.
         controller: the workflow class.
         args: its arguments (every one, as JSON values: :func:`controller_args`).
-        result_filters: filters on every site's ``train`` results before the privacy filter.
+        result_filters: filters on every site's update results (:attr:`update_tasks`) before the privacy filter.
         server_config_files: files shipped in the server's app only (its ``config/`` folder).
     """
 
     executor: ClassVar[type[TaskExecutor]]
     tasks: ClassVar[tuple[str, ...]]
+    update_tasks: ClassVar[tuple[str, ...]] = (TRAIN_TASK,)
+    """The tasks whose results are the site's trained weights: the privacy and result filters see these."""
 
     def __init__(
         self,
@@ -198,9 +202,9 @@ class CxrflRecipe(Recipe):
             fed_job.to_server(write_every_arg(receiver), id="mlflow_receiver")
 
     def _add_filters(self, fed_job: FedJob, job: JobSettings, result_filters: tuple[Any, ...]) -> None:
-        """The sites' filter chains (NVFlare runs one chain per task): ``train`` gets the result filters and
-        privacy; with ``quantize`` every task also dequantizes first what arrives and quantizes last what leaves,
-        and the server quantizes what it sends and dequantizes what it receives."""
+        """The sites' filter chains (NVFlare runs one chain per task): the update tasks get the result filters
+        and privacy; with ``quantize`` every task also dequantizes first what arrives and quantizes last what
+        leaves, and the server quantizes what it sends and dequantizes what it receives."""
         from cxrfl.fl.privacy import UpdatePrivacy
 
         data: list[Any] = []
@@ -210,12 +214,13 @@ class CxrflRecipe(Recipe):
             privacy = {"method": job.privacy["method"], "args": privacy_args(job.privacy)}
             data.append(write_every_arg(UpdatePrivacy(**privacy), privacy))
             result.append(write_every_arg(UpdatePrivacy(**privacy), privacy))
-        chains = [([TRAIN_TASK], data, result)] if TRAIN_TASK in self.tasks else []
+        updates = [t for t in self.tasks if t in self.update_tasks]
+        chains = [(updates, data, result)] if updates else []
         if job.quantize is not None:
             from cxrfl.fl.quantization import ExactDequantizer, ExactQuantizer
 
             fmt = {"quantization_type": job.quantize}
-            chains.append(([t for t in self.tasks if t != TRAIN_TASK], [], []))
+            chains.append(([t for t in self.tasks if t not in self.update_tasks], [], []))
             for _, into_site, out_of_site in chains:
                 into_site.insert(0, write_every_arg(ExactDequantizer(), {}))
                 out_of_site.append(write_every_arg(ExactQuantizer(**fmt), fmt))
@@ -358,6 +363,7 @@ class FedFewRecipe(CxrflRecipe):
 
     executor = FedFewExecutor
     tasks = FEDFEW_TASKS
+    update_tasks = (FEDFEW_SSL, FEDFEW_TRAIN)  # the stage-1 and stage-2 weights; statistics and prototypes are not
 
     def __init__(
         self,
@@ -375,11 +381,6 @@ class FedFewRecipe(CxrflRecipe):
             raise ConfigError(
                 f"{name}: name the sites (sites=[...]): FedFew's server config must reach the server "
                 "only, and an unnamed set of sites gets the server's app too (NVFlare's @ALL)"
-            )
-        if job.privacy is not None:  # its filters see the ``train`` task only; FedFew's tasks are named otherwise
-            raise ConfigError(
-                f"{name}: privacy filters are not available for FedFew yet (its update tasks are not wired to "
-                "them, so the setting would silently do nothing); leave privacy unset"
             )
         given = {
             "fedfew_config": fedfew_config,
