@@ -17,8 +17,11 @@ Rewrites two blocks of ``--out``, each between its ``<!-- BEGIN name ... -->`` a
 * ``cwt`` (issue 15): ``RESULTS/cwt/results.json`` (``cxrfl bench cwt``): command, code, machine and time of the
   runs, per dataset the tables, the targets with paired statistics and the plots.
 
-A comparison's ``results.json`` records the commit and machine of every run, and its section
-says so; for the other results files the commit named comes from git: the commit that added the
+A comparison's targets are evaluated again with the current rules (Holm-adjusted p-values,
+detectable differences: :mod:`cxrfl.bench.targets`) and written back into its ``results.json`` and
+``report.md``, so the stored runs, the report and this document agree. A comparison's
+``results.json`` records the commit and machine of every run, and its section says so; for the
+other results files the commit named comes from git: the commit that added the
 file (the run used that commit's working tree) and, when the file changed later, the last commit
 that changed it; a file with uncommitted changes is credited to the commit that adds them.
 """
@@ -36,7 +39,8 @@ from cxrfl.bench.cwt_report import report_markdown as cwt_markdown
 from cxrfl.bench.fedfew import code_text, format_markdown
 from cxrfl.bench.report import format_ablation, format_report, markdown_table
 from cxrfl.bench.speed import format_speed
-from cxrfl.bench.targets import TARGET_PROFILES
+from cxrfl.bench.targets import TARGET_PROFILES, evaluate_targets
+from cxrfl.common.io import write_json
 
 ORDER = ("two-hospitals", "two-hospitals-shared", "nih1000", "ablation-sites", "two-hospitals-gpu")
 SPEED_ROWS = "<!-- speed verdict rows -->"
@@ -124,7 +128,19 @@ def speed_verdict_rows(res: dict[str, Any]) -> list[str]:
 def _p_text(stats: dict[str, Any] | None, over: str) -> str:
     if not stats or (stats.get("n") or 0) < 2 or stats.get("p") is None:
         return ""
-    return f"p {stats['p']:.2g} over {stats['n']} {over}"
+    holm = f" (Holm {stats['p_holm']:.2g})" if stats.get("p_holm") is not None else ""
+    return f"p {stats['p']:.2g}{holm} over {stats['n']} {over}"
+
+
+def retarget(path: Path) -> dict[str, Any]:
+    """A comparison's ``results.json`` with its targets evaluated by the current rules, written back with its
+    ``report.md`` (results of the earlier short-budget protocol are returned as they are)."""
+    res = json.loads(path.read_text())
+    if "machines" in res and "methods" in res:
+        res["targets"] = evaluate_targets(res)
+        write_json(path, res)
+        (path.parent / "report.md").write_text(format_report(res))
+    return res
 
 
 def target_verdict_rows(name: str, res: dict[str, Any]) -> list[str]:
@@ -157,7 +173,7 @@ def verdict_rows(root: Path) -> list[str]:
     rows = []
     for name in ORDER:
         path = root / "compare" / name / "results.json"
-        res = json.loads(path.read_text()) if path.is_file() else {}
+        res = retarget(path) if path.is_file() else {}
         if "machines" in res:
             rows += target_verdict_rows(name, res)
         elif name in TARGET_PROFILES:
@@ -219,7 +235,7 @@ def ablation_settings(res: dict[str, Any], folder: Path) -> list[str]:
 
 def comparison_section(name: str, path: Path) -> list[str]:
     """One comparison's summary (``results.json``) or ablation (``ablation.json``), with its provenance."""
-    res = json.loads(path.read_text())
+    res = json.loads(path.read_text()) if path.name == "ablation.json" else retarget(path)
     if path.name == "ablation.json":
         title, _, rest = demote(format_ablation(res), 2).partition("\n")
         plot = path.parent / f"ablation_{res['ablation']}.png"

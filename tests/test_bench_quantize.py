@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from cxrfl.bench import quantize
-from cxrfl.bench.quantize import QuantizeBenchSettings, QuantizedHost, format_report, holm, run_quantize, summarise
+from cxrfl.bench.intervals import holm
+from cxrfl.bench.quantize import QuantizeBenchSettings, QuantizedHost, format_report, run_quantize, summarise
 from cxrfl.errors import ConfigError
 from cxrfl.fl.quantization import round_trip
 from scipy import stats

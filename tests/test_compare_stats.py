@@ -174,6 +174,13 @@ def test_targets_on_a_hand_made_result():
     # 0.09 >= 0.05, but two unique classes with differences 0.12 and 0.06 give t-test p = 0.2: not met
     assert unique["classes"]["p"] == pytest.approx(stats.ttest_rel([0.82, 0.78], [0.70, 0.72]).pvalue)
     assert unique["met"] is False
+    # Holm over the profile's comparisons: the smallest p times the family's size, and no adjusted p below its raw one
+    compared = [t for t in evaluate_targets(res) if t["classes"] and t["classes"]["p"] is not None]
+    smallest = min(compared, key=lambda t: t["classes"]["p"])["classes"]
+    assert smallest["p_holm"] == pytest.approx(min(1.0, len(compared) * smallest["p"]))
+    assert all(t["classes"]["p_holm"] >= t["classes"]["p"] for t in compared)
+    # two classes cannot show a 0.09 difference: the detectable one is far larger (hence "not met")
+    assert unique["classes"]["detectable"] > 0.5
     assert by[("unique classes:", "surgical-fedavg", "partial-fedavg")]["met"] is False  # below partial loss
     ext = {t["against"]: t for t in evaluate_targets(res) if t["view"] == "ext"}
     assert ext["centralized"]["met"] is True and ext["partial-fedavg"]["met"] is False
@@ -279,3 +286,16 @@ def test_cli_settings_quick_preset_and_given_options():
     assert ablation.seeds == 3 and ablation.split == (0.6, 0.1, 0.3)
     with pytest.raises(ConfigError, match="compare.patience must be >= 1"):
         settings("--patience", "0")
+
+
+@pytest.mark.parametrize("n", [2, 3, 10])
+def test_the_detectable_difference_is_found_with_80_percent_power(n):
+    from cxrfl.bench.intervals import detectable_difference
+
+    d = detectable_difference(n, 0.05)
+    rng = np.random.default_rng(n)
+    x = rng.normal(d, 0.05, size=(40000, n))  # differences of that mean, sd 0.05
+    t = x.mean(axis=1) / (x.std(axis=1, ddof=1) / np.sqrt(n))
+    assert np.mean(np.abs(t) > stats.t.ppf(0.975, n - 1)) == pytest.approx(0.8, abs=0.01)
+    assert detectable_difference(1, 0.05) is None and detectable_difference(n, 0.0) is None
+

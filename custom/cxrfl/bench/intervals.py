@@ -5,7 +5,9 @@ vectorised over resamples), t-intervals (``scipy.stats.t``), paired t-tests
 (``scipy.stats.ttest_rel``, with the interval of the mean difference), Wilcoxon signed-rank tests
 (``scipy.stats.wilcoxon``) and Shapiro-Wilk normality checks (``scipy.stats.shapiro``); effect
 sizes are the mean paired difference with its interval and Cohen's d_z (mean difference over
-the standard deviation of the differences). Per-class AUROC itself is
+the standard deviation of the differences). A family of tests is adjusted by Holm's step-down
+method, and the power of a paired t-test (the noncentral t, ``scipy.stats.nct``) gives the
+smallest difference a comparison could detect at its n. Per-class AUROC itself is
 :func:`cxrfl.nn.metrics.per_class_auroc`.
 """
 
@@ -13,11 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
-from scipy import stats
+from scipy import optimize, stats
 from sklearn.metrics import roc_auc_score
+
+K = TypeVar("K")
 
 
 def bootstrap_auroc_ci(
@@ -272,3 +276,47 @@ def paired_comparison(
     if np.any(np.abs(diff) > _TIE):
         out["wilcoxon_p"] = float(stats.wilcoxon(x, y).pvalue)
     return out
+
+
+def holm(pvalues: Mapping[K, float | None]) -> dict[K, float | None]:
+    """Holm's step-down adjustment of a family of p-values (None: not tested, left out of the family).
+
+    Args:
+        pvalues: name -> p-value.
+    """
+    tested = sorted(((p, k) for k, p in pvalues.items() if p is not None), key=lambda pk: pk[0])
+    out: dict[K, float | None] = dict.fromkeys(pvalues)
+    running = 0.0
+    for i, (p, k) in enumerate(tested):
+        running = max(running, min(1.0, (len(tested) - i) * p))
+        out[k] = running
+    return out
+
+
+def detectable_difference(n: int, sd: float | None, *, alpha: float = 0.05, power: float = 0.8) -> float | None:
+    """The smallest mean paired difference a two-sided paired t-test detects with ``power`` at ``alpha``.
+
+    Solves the noncentral t's power for the effect (in standard deviations of the differences,
+    then scaled by ``sd``), so "no significant difference" can be told from "too few pairs to see one".
+
+    Args:
+        n: pairs.
+        sd: standard deviation of the differences (None or 0: undefined).
+        alpha: the test's level (for a Holm family, the first step's: 0.05 over the family's size).
+        power: the probability of detecting the difference.
+
+    Returns:
+        the difference, or None with fewer than two pairs or no spread.
+    """
+    if n < 2 or not sd:
+        return None
+    df = n - 1
+    critical = stats.t.ppf(1 - alpha / 2, df)
+
+    def shortfall(effect: float) -> float:
+        nc = effect * math.sqrt(n)
+        upper = float(stats.nct.sf(critical, df, nc))
+        lower = float(stats.nct.cdf(-critical, df, nc))  # the wrong-sign rejections: tiny, and NaN at times
+        return (1.0 if math.isnan(upper) else upper) + (0.0 if math.isnan(lower) else lower) - power
+
+    return float(optimize.brentq(shortfall, 1e-9, 100.0)) * float(sd)

@@ -34,7 +34,7 @@ from cxrfl.bench.inprocess import (
     save_results,
     surgical_config,
 )
-from cxrfl.bench.intervals import mean_ci
+from cxrfl.bench.intervals import holm, mean_ci
 from cxrfl.bench.paired import paired
 from cxrfl.bench.protocol import code_label, load_text
 from cxrfl.data.site import SiteData
@@ -255,21 +255,6 @@ def _run_one(
     }
     shutil.rmtree(folder, ignore_errors=True)
     return run
-
-
-def holm(pvalues: Mapping[str, float | None]) -> dict[str, float | None]:
-    """Holm's step-down adjustment of a family of p-values (None: not tested, left out of the family).
-
-    Args:
-        pvalues: name -> p-value.
-    """
-    tested = sorted((p, k) for k, p in pvalues.items() if p is not None)
-    out: dict[str, float | None] = dict.fromkeys(pvalues)
-    running = 0.0
-    for i, (p, k) in enumerate(tested):
-        running = max(running, min(1.0, (len(tested) - i) * p))
-        out[k] = running
-    return out
 
 
 def summarise(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

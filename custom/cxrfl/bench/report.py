@@ -414,7 +414,8 @@ def _stats_text(t: dict[str, Any]) -> str:
     if c.get("n"):
         parts.append(
             f"over {c['n']} classes: 95% CI {_ci(c.get('ci'))}, d_z {_num(c.get('d_z'), 2)}, "
-            f"t-test p {_p(c.get('p'))}, Wilcoxon p {_p(c.get('wilcoxon_p'))}"
+            f"t-test p {_p(c.get('p'))} (Holm-adjusted {_p(c.get('p_holm'))}), Wilcoxon p {_p(c.get('wilcoxon_p'))}, "
+            f"detectable difference (80 % power) {_num(c.get('detectable'))}"
         )
     if (s.get("n") or 0) >= 2:
         parts.append(

@@ -5,8 +5,9 @@ Sites return FULL weights (the server stitches head rows per class), but NVFlare
 would zero or clip the weights themselves (``gamma`` = 0.01 clips every weight to +-0.01).
 :class:`UpdatePrivacy` therefore wraps them: it is listed twice in a job's client config,
 
-- as a task **data** filter on the update tasks (``train``; FedFew's ``fedfew_ssl`` and ``fedfew_train``): it only remembers the parameters the site received
-  (keyed by task id, in this process);
+- as a task **data** filter on the update tasks (``train``; FedFew's ``fedfew_ssl`` and
+  ``fedfew_train``): it only remembers the parameters the site received (keyed by task id, in
+  this process);
 - as a task **result** filter on the same tasks: it turns the site's result into ``result - received``,
   runs NVFlare's filter on that WEIGHT_DIFF, and sends ``received + filtered difference``.
 
