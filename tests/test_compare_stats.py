@@ -298,4 +298,3 @@ def test_the_detectable_difference_is_found_with_80_percent_power(n):
     t = x.mean(axis=1) / (x.std(axis=1, ddof=1) / np.sqrt(n))
     assert np.mean(np.abs(t) > stats.t.ppf(0.975, n - 1)) == pytest.approx(0.8, abs=0.01)
     assert detectable_difference(1, 0.05) is None and detectable_difference(n, 0.0) is None
-
