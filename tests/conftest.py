@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickletools
 import re
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -44,13 +47,35 @@ def repo_root() -> Path:
     return REPO
 
 
-def names_in(path: Path, names: list[str]) -> list[str]:
-    """Class names (or their NIH underscore spellings) a file mentions as whole words."""
+def _texts(path: Path) -> list[bytes]:
+    """The bytes a name could hide in: the file, each member of a zip (torch checkpoints are zips), and every
+    string of a pickle (read with pickletools, never unpickled): in a pickle a string is followed by an opcode
+    that may be a letter (``q``, BINPUT), so a whole-word search of the raw bytes misses it."""
     data = path.read_bytes()
+    parts = [data]
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            parts += [z.read(name) for name in z.namelist()]
+    for part in list(parts):
+        if part[:1] == b"\x80":  # a pickle's PROTO opcode
+            with contextlib.suppress(Exception):  # not a pickle after all: its raw bytes were searched
+                parts += [
+                    arg.encode() if isinstance(arg, str) else bytes(arg)
+                    for _, arg, _ in pickletools.genops(part)
+                    if isinstance(arg, (str, bytes, bytearray))
+                ]
+    return parts
+
+
+def names_in(path: Path, names: list[str]) -> list[str]:
+    """Class names (or their NIH underscore spellings) a file mentions as whole words (a torch checkpoint's
+    and a pickle's strings included)."""
+    texts = _texts(path)
     found = []
     for name in names:
         for spelling in {name, name.replace(" ", "_")}:
-            if re.search(rb"(?<![A-Za-z])" + re.escape(spelling.encode()) + rb"(?![A-Za-z])", data):
+            pattern = re.compile(rb"(?<![A-Za-z])" + re.escape(spelling.encode()) + rb"(?![A-Za-z])")
+            if any(pattern.search(t) for t in texts):
                 found.append(spelling)
     return found
 

@@ -196,7 +196,6 @@ def faults(tmp_path_factory, repo_root):
             out["site_faults_status"] = wait_finished(dep, job_id)
             result = download(dep, job_id, tmp / "site_faults")
             out["site_faults_records"] = read_records(result / "workspace" / "app_server" / "cxrfl" / "rounds.jsonl")
-            out["site_faults_server_log"] = "".join(p.read_text(errors="replace") for p in result.rglob("log*.txt"))
             start(ws, only=["hospital-c"], timeout=240)
             out["timings"]["site_faults"] = time.perf_counter() - t0
 
@@ -254,8 +253,6 @@ def test_a_silent_site_is_left_out_and_rejoins_a_later_round(faults):
     silent, back = train[faults["silent_round"]], train[faults["rejoined_round"]]
     assert silent["sites_aggregated"] == ["hospital-a", "hospital-b"] and silent["sites_failed"] == ["hospital-c"]
     assert back["sites_aggregated"] == SITES  # thawed: back in a later round of the same job
-    # thawed, it finished the silent round's task and answered after its round had been aggregated
-    assert "late answer from site hospital-c to task train dropped" in faults["site_faults_server_log"]
 
 
 def test_a_site_going_down_does_not_stop_the_rounds(faults):
