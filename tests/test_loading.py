@@ -259,19 +259,27 @@ def test_device_batches_equal_the_per_image_pipeline(table: pd.DataFrame, tmp_pa
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+def augmenting_on_device(table: pd.DataFrame, tmp_path: Path, seed: int, workers: int = 0) -> DeviceLoader:
+    """A training loader that augments on the device (the CPU here), as a CUDA site's does."""
+    loader = make_loader(
+        table,
+        ["A"],
+        image_size=32,
+        train=True,
+        batch_size=3,
+        seed=seed,
+        num_workers=workers,
+        cache_dir=tmp_path / "c",
+        device=torch.device("cpu"),
+        device_transforms=True,
+    )
+    assert isinstance(loader, DeviceLoader)
+    return loader
+
+
 def test_device_augmentation_is_seeded_and_reseedable(table: pd.DataFrame, tmp_path: Path) -> None:
     def loader(seed: int):
-        return make_loader(
-            table,
-            ["A"],
-            image_size=32,
-            train=True,
-            batch_size=3,
-            seed=seed,
-            cache_dir=tmp_path / "c",
-            device=torch.device("cpu"),
-            device_transforms=True,
-        )
+        return augmenting_on_device(table, tmp_path, seed)
 
     first = loader(1)
     a = epoch(first)
@@ -291,18 +299,7 @@ def test_a_reseeded_loader_gives_the_batches_of_a_new_one_and_keeps_its_workers(
     table: pd.DataFrame, tmp_path: Path, workers: int
 ) -> None:
     def loader(seed: int):
-        return make_loader(
-            table,
-            ["A"],
-            image_size=32,
-            train=True,
-            batch_size=3,
-            seed=seed,
-            num_workers=workers,
-            cache_dir=tmp_path / "c",
-            device=torch.device("cpu"),
-            device_transforms=True,
-        )
+        return augmenting_on_device(table, tmp_path, seed, workers)
 
     kept = loader(1)
     first = epoch(kept)
