@@ -42,6 +42,7 @@ from cxrfl.fedfew.prototypes import (
     match_prototypes,
     predict_ucs,
 )
+from cxrfl.fedfew.scorer import UCScorer
 from cxrfl.fedfew.ssl import SimSiam, negative_cosine, simsiam_loss
 from cxrfl.nn.models import CXRNet, ModelConfig, build_model, model_from_checkpoint, save_checkpoint
 from PIL import Image
@@ -351,7 +352,7 @@ def test_site_refuses_prototypes_below_the_minimum(tmp_path):
     site = _site(data, FedFewConfig(min_prototype_images=5))
     params = _params()
     params_out, answer = P.handle_task(
-        site, P.PROTOTYPES, params, {"cc_classes": ["Atelectasis"], "uc_classes": ["Hernia"]}
+        site, P.DETECTORS, params, {"cc_classes": ["Atelectasis"], "uc_classes": ["Hernia"]}
     )
     assert params_out == {}
     assert answer["prototypes"] == []  # nothing about the class leaves the site
@@ -361,12 +362,33 @@ def test_site_refuses_prototypes_below_the_minimum(tmp_path):
     assert 'positive"' not in wire and 'negative"' not in wire
     # with a lower minimum the same site sends both means, and only the means
     site = _site(data, FedFewConfig(min_prototype_images=2))
-    _, ok = P.handle_task(site, P.PROTOTYPES, params, {"cc_classes": ["Atelectasis"], "uc_classes": ["Hernia"]})
+    _, ok = P.handle_task(site, P.DETECTORS, params, {"cc_classes": ["Atelectasis"], "uc_classes": ["Hernia"]})
     assert ok["refused"] == {}
     (proto,) = ok["prototypes"]
     assert proto["uc"] == "Hernia" and proto["n_positive"] == n_pos and proto["n_negative"] >= 2
     assert len(proto["positive"]) == len(proto["negative"]) == 1024
     assert set(proto) == {"uc", "positive", "negative", "n_positive", "n_negative", "source"}
+
+
+def test_site_sends_a_scorer_rule_only_and_refuses_below_the_minimum(tmp_path):
+    labels = {"Hernia": [1.0, 0.0, 0.0, 0.0, 0.0] * 16}  # 16 positives, ~13 in the training split
+    data = _csv_site(tmp_path, "uc-scored", labels, 80)
+    n_pos, n_train = data.positives("train")["Hernia"], len(data.split_table("train"))
+    assert 10 <= n_pos < 16
+    meta = {"cc_classes": ["Atelectasis"], "uc_classes": ["Hernia"]}
+    site = _site(data, FedFewConfig(detector="scorer", min_prototype_images=10, scorer_folds=3))
+    _, answer = P.handle_task(site, P.DETECTORS, _params(), meta)
+    (scorer,) = answer["scorers"]
+    assert "prototypes" not in answer and answer["refused"] == {}
+    assert (scorer["n_positive"], scorer["n_negative"]) == (n_pos, n_train - n_pos)
+    assert len(scorer["weights"]) == 1024 and np.isfinite(scorer["weights"]).all()  # one weight per feature
+    # the rule, applied to the site's own features, is what the site would decide
+    feats, _, table = site.embed(_params(), "train")
+    rule = UCScorer.from_payload(scorer)
+    assert rule.margin(feats).shape == (len(table),)
+    site = _site(data, FedFewConfig(detector="scorer", min_prototype_images=n_pos + 1))
+    _, refused = P.handle_task(site, P.DETECTORS, _params(), meta)
+    assert refused["scorers"] == [] and f"only {n_pos} positive" in refused["refused"]["Hernia"]
 
 
 def test_site_without_labelled_images_gets_a_clear_message(tmp_path):
@@ -454,7 +476,8 @@ def fedfew_checkpoint(tmp_path):
         threshold=-100.0,
         temperature=1.0,
         energy_outputs="all",
-        prototypes=protos,
+        detector="paper",
+        detectors=protos,
         min_prototype_images=10,
     )
     path = tmp_path / "fedfew.pt"
@@ -487,7 +510,8 @@ def test_fedfew_checkpoint_is_an_ordinary_checkpoint(fedfew_checkpoint):
         threshold=mid,
         temperature=1.0,
         energy_outputs="all",
-        prototypes={},
+        detector="paper",
+        detectors={},
         min_prototype_images=10,
     )
     save_checkpoint(path.with_name("mid.pt"), net, classes=classes, model_config=cfg, extra=extra)
@@ -510,6 +534,31 @@ def test_predict_prints_the_uc_outputs_of_a_fedfew_model(fedfew_checkpoint, caps
     assert (
         header == "image,Atelectasis,Cardiomegaly,energy,Hernia,error"
     )  # the error column is empty for readable images
+
+
+def test_predict_reports_the_scorers_vote_without_an_energy_gate(tmp_path, fedfew_checkpoint, capsys):
+    old, image = fedfew_checkpoint
+    net, classes, cfg = model_from_checkpoint(old)
+    w = np.zeros(1024, np.float32)
+    scorer = UCScorer("Hernia", w, 1.0, 0.25, 12, 120, 0.8)  # margin 0.75 for every image: present
+    extra = fedfew_extra(
+        cc_classes=["Atelectasis", "Cardiomegaly"],
+        threshold=1e9,  # the energy flags nothing; the scorer does not look at it
+        temperature=1.0,
+        energy_outputs="all",
+        detector="scorer",
+        detectors={"Hernia": [scorer]},
+        min_prototype_images=10,
+    )
+    path = tmp_path / "scorer.pt"
+    save_checkpoint(path, net, classes=classes, model_config=cfg, extra=extra)
+    assert main(["predict", "--model", str(path), str(image), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["detector"] == "scorer"
+    assert row["underrepresented"]["Hernia"] == {"present": True, "votes": 1, "pairs": 1, "margin": 0.75}
+    assert main(["predict", "--model", str(path), str(image)]) == 0
+    text = capsys.readouterr().out
+    assert "Hernia" in text and "1/1 scorer vote(s), margin +0.7500" in text and "energy" not in text
 
 
 def test_plain_checkpoint_still_predicts_every_class(tmp_path, fedfew_checkpoint, capsys):

@@ -98,7 +98,7 @@ class ScriptedSites:
                     }
                 }
             return {}, {"stats": threshold_counts(e_in, e_out, meta["grid"])}
-        if task == P.PROTOTYPES:
+        if task == P.DETECTORS:
             return {}, {"prototypes": [DualPrototype(UC, np.ones(4), np.zeros(4), 12, 120).to_payload()], "refused": {}}
         if meta.get("split") == "val":
             k = self.val_calls[site]
@@ -167,7 +167,7 @@ def test_workflow_averages_by_images_and_keeps_what_it_decides(tmp_path):
     assert outcome.margins["m_in"] == pytest.approx(-4.0) and outcome.margins["m_out"] == pytest.approx(0.5)
     # threshold: in {-5, -4}, out {-1, 0} on the grid over [-5, 0]: every choice between -4 and -1 is perfect
     assert -4.0 < outcome.threshold < -1.0 and outcome.threshold_stats["errors"] == 0
-    (proto,) = outcome.prototypes[UC]
+    (proto,) = outcome.detectors[UC]
     assert proto.n_positive == 12 and proto.positive.tolist() == [1.0] * 4
     # no validation loss reported: the last aggregate is kept, with a warning
     assert any("no round could be scored" in m for m in msgs)
@@ -335,7 +335,7 @@ def test_an_interrupted_run_resumes_from_its_last_finished_stage(tmp_path):
         tmp_path / "app2", sites, resume_root=tmp_path / "resume", run_id="job-2", resume_from="job-1"
     )
     outcome = second.run()
-    assert {t for t, *_ in sites.sent} == {P.INFO, P.ENERGY, P.PROTOTYPES, P.VALIDATE}  # no stage 1 or 2 task
+    assert {t for t, *_ in sites.sent} == {P.INFO, P.ENERGY, P.DETECTORS, P.VALIDATE}  # no stage 1 or 2 task
     assert _equal(sites.first(P.ENERGY), interrupted)  # the resumed run starts from the saved weights
     assert _equal(load_checkpoint(outcome.final_path)["model"], interrupted)
     assert [r["stage"] for r in _records(tmp_path / "app2")] == [3] and outcome.skipped_stages == [1, 2]
@@ -514,14 +514,19 @@ def test_site_host_logs_one_line_per_task_and_tracks_the_losses():
 
     host = P.SiteHost(SimpleNamespace(site="uc-1"))
     assert set(host.tasks) == set(P.TASKS)
-    line = host.describe(P.PROTOTYPES, {}, {"prototypes": [], "refused": {"Hernia": "site uc-1: only 3 positive"}})
+    line = host.describe(P.DETECTORS, {}, {"prototypes": [], "refused": {"Hernia": "site uc-1: only 3 positive"}})
     assert line == "site uc-1: sent the prototypes of no class; refused: site uc-1: only 3 positive"
+    sent = host.describe(P.DETECTORS, {}, {"scorers": [{"uc": "Edema"}], "refused": {}})
+    assert sent == "site uc-1: sent the scorers of ['Edema']"
     answer = {"metrics": {"round": 2, "energy_weight": 0.1, "train_loss": 0.5, "steps": 3, "seconds": 1.25}}
     assert host.describe(P.TRAIN, {}, answer).startswith("site uc-1 stage 2 round 2 (lambda 0.1): train_loss 0.5000")
     assert host.scalars(P.TRAIN, answer) == ({"train_loss": 0.5}, 2)
     assert host.scalars(P.ENERGY, {"stats": {}}) is None
     val = host.describe(P.VALIDATE, {}, {"metrics": {"split": "val", "cc_loss": 0.25, "cc_mean_auroc": 0.6}})
     assert val == "site uc-1 val: CC loss 0.2500; CC mean AUROC 0.6000"
+    uc = {"auroc": 0.9, "balanced_accuracy": 0.8, "f1": 0.75, "f1_flag_all": 0.667}
+    test = host.describe(P.VALIDATE, {}, {"metrics": {"split": "test", "uc": {"Edema": uc}}})
+    assert test.endswith("Edema AUROC 0.9000, balanced accuracy 0.8000, F1 0.7500 (flagging all: 0.6670)")
 
 
 class RecordingHost:

@@ -12,18 +12,24 @@ generated features and energies standing in for the stage-2 network's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pandas as pd
+import pytest
 from cxrfl.common.transport import inprocess_transport
 from cxrfl.data.site import SiteData
 from cxrfl.fedfew import protocol as P
 from cxrfl.fedfew.config import FedFewConfig
+from cxrfl.fedfew.detectors import predict
 from cxrfl.fedfew.learner import FedFewSite
+from cxrfl.fedfew.model import FedFewModel
 from cxrfl.fedfew.prototypes import dual_prototype
+from cxrfl.fedfew.scorer import UCScorer
 from cxrfl.fedfew.server import FedFewServer
 from cxrfl.nn.models import ModelConfig
+from sklearn.metrics import roc_auc_score
 
 D = 1024  # the DenseNet121 feature size the stage-2 head expects
 CC = "Atelectasis"
@@ -151,7 +157,7 @@ def test_features_that_separate_a_uc_give_f1_of_at_least_0_9(tmp_path):
     assert outcome.threshold_stats["n_out"] == 40 and outcome.threshold_stats["n_in"] == 400
     assert outcome.threshold_stats["accuracy"] >= 0.99
     for site, uc in (("uc-hernia", "Hernia"), ("uc-edema", "Edema")):
-        (proto,) = outcome.prototypes[uc]
+        (proto,) = outcome.detectors[uc]
         assert (proto.n_positive, proto.n_negative) == (20, 200)
         m = evaluation["sites"][site]["uc"][uc]
         assert m["n"] == 400 and m["n_positive"] == 200
@@ -172,7 +178,7 @@ class LyingHost(GeneratedHost):
     """Sends a prototype over 3 positives (what an honest site refuses to do below the minimum)."""
 
     def handle(self, task, params, meta):
-        if task != P.PROTOTYPES:
+        if task != P.DETECTORS:
             return super().handle(task, params, meta)
         site = self.site_for(meta)
         site.set_roles(meta["cc_classes"], meta["uc_classes"])
@@ -188,7 +194,7 @@ def test_the_prototype_minimum_is_enforced_at_the_site_and_at_the_server(tmp_pat
     outcome, evaluation, msgs = _run(
         tmp_path, {"uc-pneumonia": few, "uc-hernia": ok}, hosts_extra={"uc-edema": LyingHost(*liar)}
     )
-    assert set(outcome.prototypes) == {"Hernia"}  # only the UC with enough images behind its prototype
+    assert set(outcome.detectors) == {"Hernia"}  # only the UC with enough images behind its prototype
     assert "only 6 positive" in outcome.refused["Pneumonia@uc-pneumonia"]
     assert any("no prototype of Pneumonia from site uc-pneumonia" in m and "at least 10 images" in m for m in msgs)
     assert any("site uc-edema sent a prototype of Edema over fewer than 10 images; left out" in m for m in msgs)
@@ -201,3 +207,55 @@ def test_prototypes_of_features_that_do_not_separate_do_not_help(tmp_path):
     sites = {"uc-hernia": _uc("uc-hernia", "Hernia", 7, feature_shift=0.0, energy_shift=3.0)}
     _, evaluation, _ = _run(tmp_path, sites)
     assert evaluation["sites"]["uc-hernia"]["uc"]["Hernia"]["f1"] < 0.75
+
+
+class RecordingHost(GeneratedHost):
+    """Keeps every task's meta it received (what the server let this site see)."""
+
+    def __init__(self, data, generated):
+        super().__init__(data, generated)
+        self.received = []
+
+    def handle(self, task, params, meta):
+        self.received.append((task, json.dumps(meta, default=str)))
+        return super().handle(task, params, meta)
+
+
+def test_scorers_find_the_ucs_the_energy_gate_misses_and_reach_only_their_own_sites(tmp_path):
+    # issue 42: energies that do not separate a UC, features that do. The paper's recipe flags
+    # (almost) nothing; each UC site's scorer, fitted on its positives and negatives, finds it
+    def sites():
+        return {
+            "uc-hernia": _uc("uc-hernia", "Hernia", 8, feature_shift=0.3, energy_shift=0.0),
+            "uc-edema": _uc("uc-edema", "Edema", 9, feature_shift=0.3, energy_shift=0.0),
+        }
+
+    _, paper, _ = _run(tmp_path / "paper", sites())
+    hosts = {s: RecordingHost(*v) for s, v in sites().items()}
+    scorer_config = dataclasses.replace(CONFIG, detector="scorer")
+    outcome, scorer, _ = _run(tmp_path / "scorer", {}, config=scorer_config, hosts_extra=hosts)
+    assert outcome.detector == "scorer" and scorer["detector"] == "scorer"
+    for site, uc in (("uc-hernia", "Hernia"), ("uc-edema", "Edema")):
+        old, new = paper["sites"][site]["uc"][uc], scorer["sites"][site]["uc"][uc]
+        assert old["balanced_accuracy"] < 0.56 and old["n_predicted"] <= 0.05 * old["n"], old
+        assert new["auroc"] >= 0.95 and new["balanced_accuracy"] >= 0.85 and new["mcc"] >= 0.7, new
+        assert new["auroc_ci"][0] > 0.9 and new["f1"] > new["f1_flag_all"] == pytest.approx(2 / 3)
+        (s,) = outcome.detectors[uc]
+        assert isinstance(s, UCScorer) and (s.n_positive, s.n_negative) == (20, 200)
+        # F1 and precision also at the site's own training prevalence (20 / 220)
+        assert new["at_prevalence"]["prevalence"] == pytest.approx(20 / 220)
+        assert new["at_prevalence"]["precision"] <= new["precision"]
+    # a site receives the scorers of its own UCs only; nothing it reads names the other's UC
+    for site, other in (("uc-hernia", "Edema"), ("uc-edema", "Hernia")):
+        (validate,) = [m for t, m in hosts[site].received if t == P.VALIDATE]
+        assert '"scorers"' in validate
+        assert not any(other in m for _, m in hosts[site].received)
+    # the final model file predicts with the scorers, as the sites evaluated them
+    model = FedFewModel.from_checkpoint(outcome.final_path)
+    assert model.detector == "scorer" and model.uc_classes == ["Edema", "Hernia"]
+    feats, energies = hosts["uc-edema"].generated["test"]
+    pred = predict(model.detector, feats, energies, model.threshold, model.detectors)["Edema"]
+    y = hosts["uc-edema"].data.split_table("test")["Edema"].to_numpy()
+    assert roc_auc_score(y, pred["score"]) == pytest.approx(
+        scorer["sites"]["uc-edema"]["uc"]["Edema"]["auroc"], abs=1e-3
+    )

@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 import pytest
-from cxrfl.bench.intervals import bootstrap_auroc_ci, bootstrap_aurocs, fast_auroc, paired_ttest, percentile_ci
-from cxrfl.nn.metrics import per_class_auroc, summarise_auroc
+from cxrfl.bench.intervals import bootstrap_auroc_ci, bootstrap_aurocs, paired_ttest, percentile_ci
+from cxrfl.nn.metrics import fast_auroc, per_class_auroc, summarise_auroc
 from scipy import stats
 from sklearn.metrics import roc_auc_score
 

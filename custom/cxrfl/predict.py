@@ -92,7 +92,8 @@ def _fedfew_model(checkpoint: dict[str, Any], model: CXRNet, model_path: str | P
 
 def _fedfew_row(fedfew: Any, x: torch.Tensor) -> dict[str, Any]:
     """A FedFew model's outputs for one image: CC probabilities (the "no CC" output dropped),
-    the energy and, per UC, the prototype decision (negative when the energy is not above the threshold)."""
+    the energy and, per UC, the detector's decision (``paper``: negative when the energy is not
+    above the threshold; ``scorer``: the UC sites' scorers' vote)."""
     out = fedfew.predict(x)
     ucs = {}
     for uc in fedfew.uc_classes:
@@ -107,6 +108,7 @@ def _fedfew_row(fedfew: Any, x: torch.Tensor) -> dict[str, Any]:
         "probabilities": dict(zip(fedfew.cc_classes, out["cc_probabilities"][0].tolist(), strict=True)),
         "energy": float(out["energy"][0]),
         "energy_threshold": fedfew.threshold,
+        "detector": fedfew.detector,
         "underrepresented": ucs,
     }
 
@@ -155,16 +157,18 @@ def format_predictions(rows: list[dict[str, Any]], fmt: str = "table") -> str:
         decision = {c: "  positive" if v else "  negative" for c, v in r.get("positive", {}).items()}
         lines = [r["image"]] + [f"  {c:<{width}}  {p:.3f}{decision.get(c, '')}" for c, p in r["probabilities"].items()]
         if "energy" in r:
-            flagged = r["energy"] > r["energy_threshold"]
-            lines.append(
-                f"  energy {r['energy']:.3f} (threshold {r['energy_threshold']:.3f}): "
-                + ("may hold a rare class" if flagged else "no rare class")
-            )
+            gated = r.get("detector", "paper") == "paper"  # the scorers do not look at the energy
+            if gated:
+                flagged = r["energy"] > r["energy_threshold"]
+                lines.append(
+                    f"  energy {r['energy']:.3f} (threshold {r['energy_threshold']:.3f}): "
+                    + ("may hold a rare class" if flagged else "no rare class")
+                )
             for u, d in r["underrepresented"].items():
                 verdict = "present" if d["present"] else "absent"
                 lines.append(
-                    f"  {u:<{width}}  {verdict} (rare class; {d['votes']}/{d['pairs']} prototype vote(s), "
-                    f"margin {d['margin']:+.4f})"
+                    f"  {u:<{width}}  {verdict} (rare class; {d['votes']}/{d['pairs']} "
+                    f"{'prototype' if gated else 'scorer'} vote(s), margin {d['margin']:+.4f})"
                 )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)

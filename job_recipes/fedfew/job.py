@@ -3,6 +3,7 @@
     python job.py                                    # simulator, sites site-1 and site-2 (the demo hospitals)
     python job.py --clients cc-1,cc-2,uc-hernia      # other sites (data: $CXRFL_SITE_CONFIG_DIR/<site>.yaml)
     python job.py --ssl_rounds 5 --rounds 20
+    python job.py --detector scorer                  # each UC site's class-balanced scorer instead of the paper's rule
     python job.py --tracking tensorboard,mlflow      # MLflow too (an SQLite store in the job's server folder)
     python job.py --quantize blockwise8              # 8-bit messages both ways (BatchNorm statistics exact)
     python job.py --env poc | --env prod --startup_kit KIT --clients SITE,SITE,...
@@ -16,6 +17,7 @@ the server alone and each site gets a client app.
 import argparse
 
 # importing the recipes imports nvflare.recipe, which takes --export/--export-dir out of sys.argv
+from cxrfl.fedfew.config import DETECTORS
 from cxrfl.fl.job_script import add_run_arguments, run_recipe
 from cxrfl.fl.recipes import FedFewRecipe
 from cxrfl.jobs import job_spec
@@ -32,6 +34,12 @@ def define_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=FEDFEW["rounds"], help="stage 2: energy rounds after the warm-up")
     p.add_argument("--warmup_rounds", type=int, default=FEDFEW["warmup_rounds"])
     p.add_argument("--image_size", type=int, default=SETTINGS["model_config"]["image_size"])
+    p.add_argument(
+        "--detector",
+        choices=DETECTORS,
+        default=FEDFEW["detector"],
+        help="how stage 3 detects a rare class: paper (energy gate + dual prototypes) or scorer",
+    )
     add_run_arguments(p)
     return p
 
@@ -52,6 +60,7 @@ def main() -> None:
             "ssl_rounds": args.ssl_rounds,
             "rounds": args.rounds,
             "warmup_rounds": args.warmup_rounds,
+            "detector": args.detector,
         },
         model_config={**SETTINGS["model_config"], "image_size": args.image_size},
         task_timeout=SETTINGS["task_timeout"],

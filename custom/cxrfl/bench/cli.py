@@ -449,7 +449,7 @@ def _add_fedfew(bsub: argparse._SubParsersAction) -> None:
         "--methods",
         default=None,
         help="comma-separated subset of mlc,mlc-ssl,nn-ssl,nn-mlc-ssl,fedfew-no-ebm,"
-        "fedfew,fedfew-balanced,fedfew-lambda1,fedfew-neg-in (fedfew always runs; "
+        "fedfew,fedfew-balanced,fedfew-lambda1,fedfew-neg-in,fedfew-scorer (fedfew always runs; "
         "added to a finished benchmark, only the new ones run)",
     )
     f.add_argument(

@@ -5,8 +5,12 @@ Framework-free core (no NVFlare import):
 - :mod:`cxrfl.fedfew.config`: the settings of the three stages;
 - :mod:`cxrfl.fedfew.ssl`: stage 1, SimSiam (projector, predictor, stop-gradient, negative cosine);
 - :mod:`cxrfl.fedfew.energy`: energy scores, hinge terms, margins, threshold choice;
-- :mod:`cxrfl.fedfew.prototypes`: dual prototypes (minimum-count rule), cosine matching, majority
-  vote, the UC metrics;
+- :mod:`cxrfl.fedfew.prototypes`: the paper's dual prototypes (minimum-count rule), cosine
+  matching, majority vote;
+- :mod:`cxrfl.fedfew.scorer`: a UC site's class-balanced linear scorer, its threshold chosen out
+  of fold;
+- :mod:`cxrfl.fedfew.detectors`: both kinds of UC detector under one interface (fit at a site,
+  parse, predict with a detection score, evaluate);
 - :mod:`cxrfl.fedfew.learner`: the site side of every stage over a ``SiteData``;
 - :mod:`cxrfl.fedfew.protocol`: the tasks as messages, the site dispatcher and the site host;
 - :mod:`cxrfl.fedfew.plan`: which classes are CCs and UCs, which sites take part in which stage;
@@ -14,7 +18,7 @@ Framework-free core (no NVFlare import):
   a :class:`cxrfl.common.server.ServerLoop`;
 - :mod:`cxrfl.fedfew.rounds`: the rounds of stages 1-2: FedAvg of the valid results, retries,
   early stopping on the validation loss, the per-round resume state;
-- :mod:`cxrfl.fedfew.stage3`: the threshold from the sites' counts, the prototypes kept;
+- :mod:`cxrfl.fedfew.stage3`: the threshold from the sites' counts, the detectors kept;
 - :mod:`cxrfl.fedfew.stages`: the stage results on disk, read back by a resumed run;
 - :mod:`cxrfl.fedfew.inprocess`: the workflow with the sites called in this process;
 - :mod:`cxrfl.fedfew.model`: the final self-describing model file and inference.

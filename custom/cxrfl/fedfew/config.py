@@ -27,6 +27,12 @@ THRESHOLD_EXAMPLES = ("uc_labelled", "all")
 is known: the UC sites' positives, which should be above it, and negatives, which should be
 below; the default, as a CC site's image may hold a UC nobody labelled there) or ``all`` (also
 every CC-labelled image as one that should be below)."""
+DETECTORS = ("paper", "scorer")
+"""How stage 3 detects a UC: ``paper`` (the paper's recipe: an image whose joint energy is above
+the threshold is matched to the nearer of each UC site's dual prototypes; the default) or
+``scorer`` (each UC site fits a class-balanced linear scorer on its positives and negatives, its
+threshold chosen out of fold; :mod:`cxrfl.fedfew.scorer`). The energy threshold is chosen and
+stored either way (a diagnostic under ``scorer``)."""
 THRESHOLD_WEIGHTINGS = ("count", "balanced")
 """``count``: the threshold classifies the most training examples correctly (the paper);
 ``balanced``: the mean of the in and out accuracies is maximal."""
@@ -86,11 +92,14 @@ class FedFewConfig(Config):
         cc_min_sites: see ``uc_classes``.
         uc_max_positives: see ``uc_classes``.
 
-    Stage 3 (threshold and prototypes):
+    Stage 3 (threshold and the UC detectors):
 
     Args:
-        min_prototype_images: fewest images behind a prototype; a site refuses to send a
-            prototype averaged over fewer (so that no prototype describes one patient).
+        detector: see :data:`DETECTORS`.
+        min_prototype_images: fewest images behind a prototype or scorer; a site refuses to send
+            one over fewer positives or negatives (so that none describes one patient).
+        scorer_folds: cross-validation folds of a scorer (its L2 strength and threshold); a
+            scorer also needs this many positives and negatives.
         threshold_bins: candidate thresholds the sites count errors for.
         threshold_weighting: see :data:`THRESHOLD_WEIGHTINGS`.
         threshold_examples: see :data:`THRESHOLD_EXAMPLES`.
@@ -146,7 +155,9 @@ class FedFewConfig(Config):
     uc_classes: tuple[str, ...] | None = None
     cc_min_sites: int = field(default=2, metadata={"ge": 1})
     uc_max_positives: int = field(default=100, metadata={"ge": 0})
+    detector: str = field(default="paper", metadata={"choices": DETECTORS})
     min_prototype_images: int = field(default=10, metadata={"ge": 1})
+    scorer_folds: int = field(default=5, metadata={"ge": 2})
     threshold_bins: int = field(default=512, metadata={"ge": 2})
     threshold_weighting: str = field(default="count", metadata={"choices": THRESHOLD_WEIGHTINGS})
     threshold_examples: str = field(default="uc_labelled", metadata={"choices": THRESHOLD_EXAMPLES})

@@ -9,18 +9,18 @@ task (NVFlare simulator with ``-t`` < ``-n``) lose nothing.
 What leaves the site: model weights and the number of labelled images (FedAvg), its class
 names with per-class label counts (to tell CCs from UCs), energy sums/ranges, each stage-2
 round's mean energy per role, and per-threshold error counts (never an energy per image), and for
-each of its UCs the two mean features, only when each is averaged over at least
-``min_prototype_images`` images.
+each of its UCs one detector (the two mean features, or a scorer's weights and threshold), only
+when at least ``min_prototype_images`` positives and negatives stand behind it.
 
 Roles of the site's training images (``split == "train"``):
 
 * CC-labelled: any CC label known. BCE over the CCs plus the extra "no CC" output; the hinge
   pushing E below ``m_in`` (unless the image is positive for a UC the site labels);
 * UC positive: positive for a UC the site labels. The hinge pushing E above ``m_out``; an
-  "out" example for the threshold, a positive for the prototypes;
+  "out" example for the threshold, a positive for the detectors;
 * UC negative: negative for the site's UCs. No loss (``uc_negatives="in"``: the ``m_in``
   hinge; ``uc_energy_on="all"``: the ``m_out`` hinge, when it has no CC label); an "in" example
-  for the threshold, a negative for the prototypes;
+  for the threshold, a negative for the detectors;
 * unlabelled: no known label at all. Self-supervised stage only.
 
 A local epoch of stage 2 passes over every labelled training image; a batch without any loss
@@ -43,8 +43,8 @@ from cxrfl.data.dataset import make_loader
 from cxrfl.data.site import SiteData
 from cxrfl.errors import DataError
 from cxrfl.fedfew.config import FedFewConfig
+from cxrfl.fedfew.detectors import Detector, evaluate_ucs, fit_detectors
 from cxrfl.fedfew.energy import hinge_in, hinge_out, joint_energy, no_cc_targets, threshold_counts
-from cxrfl.fedfew.prototypes import DualPrototype, PrototypeRefused, dual_prototype, predict_ucs, uc_metrics
 from cxrfl.fedfew.ssl import SimSiam, TwoViewDataset, simsiam_loss
 from cxrfl.nn.losses import masked_bce
 from cxrfl.nn.metrics import per_class_auroc, summarise_auroc
@@ -534,25 +534,12 @@ class FedFewSite:
         return threshold_counts(e_in, e_out, grid)
 
     # --------------------------------------------------------------- stage 3
-    def prototypes(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """The dual prototypes of the site's UCs, refused below ``min_prototype_images``.
-
-        Returns:
-            ``prototypes``: payload dicts of the UCs that pass the minimum; ``refused``: UC ->
-            the reason (nothing about those classes' features leaves the site).
-        """
+    def detectors(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The detectors of the site's UCs (``config.detector``: dual prototypes or scorers),
+        refused below ``min_prototype_images`` (see :func:`cxrfl.fedfew.detectors.fit_detectors`)."""
         feats, _, table = self.embed(params, "train")
-        sent, refused = [], {}
-        for uc in self.uc_classes:
-            try:
-                proto = dual_prototype(
-                    uc, feats, table[uc].to_numpy(dtype=np.float64), self.config.min_prototype_images
-                )
-            except PrototypeRefused as exc:
-                refused[uc] = f"site {self.site}: {exc}"
-                continue
-            sent.append(proto.to_payload())
-        return {"prototypes": sent, "refused": refused}
+        labels = {uc: table[uc].to_numpy(dtype=np.float64) for uc in self.uc_classes}
+        return fit_detectors(self.config.detector, self.uc_classes, feats, labels, self.config, self.site)
 
     # ------------------------------------------------------------ evaluation
     def evaluate(
@@ -560,17 +547,19 @@ class FedFewSite:
         params: Mapping[str, Any],
         *,
         threshold: float,
-        prototypes: Mapping[str, Sequence[DualPrototype]],
+        detectors: Mapping[str, Sequence[Detector]],
         split: str = "test",
     ) -> dict[str, Any]:
         """A model on one split: the BCE over the CCs and "no CC" (``cc_loss``, mean over the
         ``cc_known`` known labels: stage 2's validation loss), AUROC of the CCs the site labels,
-        and accuracy, precision, recall and F1 of each UC it labels (with the prototypes given).
+        and the detection metrics of each UC it labels with the detectors given
+        (:func:`cxrfl.fedfew.detectors.evaluate_ucs`; F1 and precision also at the UC's
+        prevalence among the site's training images).
 
         Args:
             params: stage-2 weights.
             threshold: the energy threshold.
-            prototypes: UC -> prototype pairs (only the site's own UCs are evaluated).
+            detectors: UC -> its detectors (only the site's own UCs are evaluated).
             split: the split.
         """
         feats, energies, table = self.embed(params, split)
@@ -589,15 +578,28 @@ class FedFewSite:
             aurocs = per_class_auroc(y, scores[:, cols], own_cc)
             result["cc_auroc"] = aurocs
             result["cc_mean_auroc"] = summarise_auroc(aurocs)["mean"]
-        ucs = {u: p for u, p in prototypes.items() if u in self.uc_classes and p}
+        ucs = {u: d for u, d in detectors.items() if u in self.uc_classes and d}
         if ucs and len(table):
-            preds = predict_ucs(feats, energies, threshold, ucs)
-            result["uc"] = {}
-            for uc, pred in preds.items():
-                y = table[uc].to_numpy(dtype=np.float64)
-                known = ~np.isnan(y)
-                result["uc"][uc] = uc_metrics(y[known], pred["positive"][known])
+            result["uc"] = evaluate_ucs(
+                self.config.detector,
+                feats,
+                energies,
+                threshold,
+                ucs,
+                {uc: table[uc].to_numpy(dtype=np.float64) for uc in ucs},
+                self._train_prevalence(ucs),
+            )
         return result
+
+    def _train_prevalence(self, ucs: Sequence[str]) -> dict[str, float | None]:
+        """Share of positives among the known labels of each UC in the site's training split."""
+        train = self.role_table("train")
+        out: dict[str, float | None] = {}
+        for uc in ucs:
+            y = train[uc].dropna().to_numpy(dtype=np.float64)
+            share = float(y.mean()) if len(y) else None
+            out[uc] = share if share is not None and 0 < share < 1 else None
+        return out
 
     def _cc_loss(self, logits: torch.Tensor, table: pd.DataFrame) -> dict[str, float | int | None]:
         """Masked BCE of the CC and "no CC" outputs over the known labels of ``table``."""

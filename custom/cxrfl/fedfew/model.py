@@ -8,12 +8,17 @@ and every tool that reads checkpoints work unchanged. The extra key ``fedfew`` h
     {"version": 1,
      "cc_classes": [...], "no_cc_class": "No common class", "uc_classes": [...],
      "temperature": 1.0, "energy_outputs": "all", "threshold": -2.31,
+     "detector": "paper",
      "prototypes": {uc: [{"positive": Tensor[D], "negative": Tensor[D],
                           "n_positive": 14, "n_negative": 140, "source": 0}, ...]},
      "margins": {"m_in": ..., "m_out": ..., "chosen": "config" | "warm-up"},
      "threshold_stats": {...}, "min_prototype_images": 10}
 
-Prototypes carry an anonymous ``source`` index, not a site name.
+With ``"detector": "scorer"`` the UCs' detectors are under ``scorers`` instead:
+``{uc: [{"weights": Tensor[D], "bias": ..., "threshold": ..., "n_positive": ..., "n_negative": ...,
+"cv_balanced_accuracy": ..., "source": 0}, ...]}`` (:mod:`cxrfl.fedfew.scorer`). A file without
+``detector`` (written before scorers existed) holds prototypes. Detectors carry an anonymous
+``source`` index, not a site name.
 """
 
 from __future__ import annotations
@@ -26,13 +31,23 @@ import numpy as np
 import torch
 
 from cxrfl.errors import ConfigError
+from cxrfl.fedfew.detectors import PAYLOAD_KEYS, Detector, parse_detectors, predict
 from cxrfl.fedfew.energy import joint_energy
 from cxrfl.fedfew.learner import NO_CC
-from cxrfl.fedfew.prototypes import DualPrototype, predict_ucs
 from cxrfl.nn.models import CXRNet, load_checkpoint, model_from_checkpoint
 
 FEDFEW_KEY = "fedfew"
 ARTIFACT_VERSION = 1
+
+
+def _stored(d: Detector) -> dict[str, Any]:
+    """A detector as stored: its vectors as tensors (the checkpoint is read with
+    ``torch.load(weights_only=True)``), without the UC (the key it is stored under)."""
+    out = {
+        k: torch.as_tensor(np.asarray(v, np.float32)) if isinstance(v, list) else v for k, v in d.to_payload().items()
+    }
+    out.pop("uc")
+    return out
 
 
 def fedfew_extra(
@@ -41,7 +56,8 @@ def fedfew_extra(
     threshold: float,
     temperature: float,
     energy_outputs: str,
-    prototypes: Mapping[str, list[DualPrototype]],
+    detector: str,
+    detectors: Mapping[str, list[Detector]],
     margins: Mapping[str, Any] | None = None,
     threshold_stats: Mapping[str, Any] | None = None,
     min_prototype_images: int | None = None,
@@ -53,40 +69,34 @@ def fedfew_extra(
         threshold: the energy threshold.
         temperature: T of the energy.
         energy_outputs: ``all`` or ``cc`` (see :data:`cxrfl.fedfew.config.ENERGY_OUTPUTS`).
-        prototypes: UC -> its prototype pairs (UCs without any pair are left out).
+        detector: ``paper`` or ``scorer`` (:data:`cxrfl.fedfew.config.DETECTORS`).
+        detectors: UC -> its detectors (UCs without any are left out).
         margins: the stage-2 margins and how they were chosen.
         threshold_stats: accuracy etc. of the threshold on the training examples.
-        min_prototype_images: the minimum the prototypes were computed under.
+        min_prototype_images: the minimum the detectors were computed under.
     """
-    protos = {
-        uc: [
-            {
-                "positive": torch.as_tensor(np.asarray(p.positive, np.float32)),
-                "negative": torch.as_tensor(np.asarray(p.negative, np.float32)),
-                "n_positive": int(p.n_positive),
-                "n_negative": int(p.n_negative),
-                "source": int(p.source),
-            }
-            for p in pairs
-        ]
-        for uc, pairs in prototypes.items()
-        if pairs
-    }
+    stored = {uc: [_stored(d) for d in ds] for uc, ds in detectors.items() if ds}
     return {
         FEDFEW_KEY: {
             "version": ARTIFACT_VERSION,
             "cc_classes": list(cc_classes),
             "no_cc_class": NO_CC,
-            "uc_classes": sorted(protos),
+            "uc_classes": sorted(stored),
             "temperature": float(temperature),
             "energy_outputs": energy_outputs,
             "threshold": float(threshold),
-            "prototypes": protos,
+            "detector": detector,
+            PAYLOAD_KEYS[detector]: stored,
             "margins": dict(margins or {}),
             "threshold_stats": dict(threshold_stats or {}),
             "min_prototype_images": min_prototype_images,
         }
     }
+
+
+def _plain(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored detector with its tensors as lists (what ``from_payload`` reads)."""
+    return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in d.items()}
 
 
 class FedFewModel:
@@ -105,11 +115,11 @@ class FedFewModel:
             self.threshold = float(info["threshold"])
             self.temperature = float(info.get("temperature", 1.0))
             self.energy_outputs = str(info.get("energy_outputs", "all"))
-            self.prototypes = {
-                str(uc): [DualPrototype.from_payload({**p, "uc": uc}) for p in pairs]
-                for uc, pairs in dict(info.get("prototypes") or {}).items()
-                if pairs
-            }
+            self.detector = str(info.get("detector", "paper"))
+            stored = dict(info.get(PAYLOAD_KEYS[self.detector]) or {})
+            self.detectors = parse_detectors(
+                self.detector, [{**_plain(d), "uc": uc} for uc, ds in stored.items() for d in ds]
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: malformed FedFew entry ({type(exc).__name__}: {exc})") from exc
         if net.num_classes != len(self.cc_classes) + 1:
@@ -119,7 +129,7 @@ class FedFewModel:
             )
         if self.energy_outputs not in ("all", "cc"):
             raise ConfigError(f"{where}: unknown energy_outputs {self.energy_outputs!r}")
-        self.uc_classes = sorted(self.prototypes)
+        self.uc_classes = sorted(self.detectors)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, map_location: str | torch.device = "cpu") -> FedFewModel | None:
@@ -147,7 +157,8 @@ class FedFewModel:
 
         Returns:
             ``cc_probabilities`` [B, K], ``energy`` [B], ``flagged`` [B] (energy above the
-            threshold), ``uc``: UC -> ``positive`` [B] bool, ``votes`` [B], ``pairs``, ``margin`` [B].
+            threshold), ``uc``: UC -> ``positive`` [B] bool, ``score`` [B] (the detection score),
+            ``votes`` [B], ``pairs``, ``margin`` [B] (:func:`cxrfl.fedfew.detectors.predict`).
         """
         self.net.eval()
         feats = self.net.features(x)
@@ -156,7 +167,7 @@ class FedFewModel:
         outputs = logits if self.energy_outputs == "all" else logits[:, :k]
         energy = joint_energy(outputs, self.temperature).cpu().numpy()
         f = feats.float().cpu().numpy()
-        uc = predict_ucs(f, energy, self.threshold, self.prototypes) if self.prototypes else {}
+        uc = predict(self.detector, f, energy, self.threshold, self.detectors) if self.detectors else {}
         return {
             "cc_probabilities": torch.sigmoid(logits[:, :k]).cpu().numpy(),
             "energy": energy,

@@ -19,10 +19,11 @@ fedfew_train        stage-2 weights, ``round``, ``energy_weight``,  weights, ``n
                     ``m_in``, ``m_out``
 fedfew_energy       stage-2 weights, ``mode``: ``means`` /          ``stats``: energy sums and counts / range /
                     ``range`` / ``counts`` (with ``grid``)          errors per candidate threshold
-fedfew_prototypes   stage-2 weights                                ``prototypes`` (payloads), ``refused``
+fedfew_detectors    stage-2 weights                                ``prototypes`` or ``scorers`` (payloads, per
+                                                                   ``detector``), ``refused``
 fedfew_validate     stage-2 weights, ``split``, ``threshold`` and   ``metrics`` (``cc_loss``, AUROCs, UC metrics)
-                    ``prototypes`` (both left out when stage 2
-                    scores its rounds on ``val``)
+                    ``prototypes`` or ``scorers`` (all left out
+                    when stage 2 scores its rounds on ``val``)
 ==================  =============================================  ==============================================
 """
 
@@ -37,19 +38,19 @@ import torch
 from cxrfl.common.transport import Message
 from cxrfl.data.site import SiteData
 from cxrfl.fedfew.config import FedFewConfig
+from cxrfl.fedfew.detectors import PAYLOAD_KEYS, parse_detectors
 from cxrfl.fedfew.learner import FedFewSite
-from cxrfl.fedfew.prototypes import DualPrototype
 from cxrfl.nn.models import ModelConfig
 
-INFO, SSL, TRAIN, ENERGY, PROTOTYPES, VALIDATE = (
+INFO, SSL, TRAIN, ENERGY, DETECTORS, VALIDATE = (
     "fedfew_info",
     "fedfew_ssl",
     "fedfew_train",
     "fedfew_energy",
-    "fedfew_prototypes",
+    "fedfew_detectors",
     "fedfew_validate",
 )
-TASKS: tuple[str, ...] = (INFO, SSL, TRAIN, ENERGY, PROTOTYPES, VALIDATE)
+TASKS: tuple[str, ...] = (INFO, SSL, TRAIN, ENERGY, DETECTORS, VALIDATE)
 """Every task a FedFew site answers."""
 
 
@@ -98,24 +99,31 @@ def handle_task(site: FedFewSite, task: str, params: Mapping[str, Any], meta: Ma
         if mode == "counts":
             return {}, {"stats": site.threshold_counts(params, list(meta["grid"]))}
         raise ValueError(f"unknown fedfew_energy mode {mode!r}")
-    if task == PROTOTYPES:
-        return {}, site.prototypes(params)
+    if task == DETECTORS:
+        return {}, site.detectors(params)
     if task == VALIDATE:
-        protos: dict[str, list[DualPrototype]] = {}
-        for p in meta.get("prototypes") or []:
-            protos.setdefault(str(p["uc"]), []).append(DualPrototype.from_payload(p))
+        kind = site.config.detector
         metrics = site.evaluate(
             params,
             threshold=float(meta.get("threshold", math.inf)),
-            prototypes=protos,
+            detectors=parse_detectors(kind, meta.get(PAYLOAD_KEYS[kind]) or []),
             split=str(meta.get("split", "test")),
         )
         return {}, {"metrics": metrics}
     raise ValueError(f"unknown FedFew task {task!r}")
 
 
-def _num(value: Any) -> str:
+def number(value: Any) -> str:
+    """A metric for a log line: four decimals, or n/a."""
     return "n/a" if value is None else f"{float(value):.4f}"
+
+
+def describe_uc(uc: str, metrics: Mapping[str, Any]) -> str:
+    """A UC's detection metrics in a log line (see :func:`cxrfl.nn.detection.detection_metrics`)."""
+    return (
+        f"{uc} AUROC {number(metrics.get('auroc'))}, balanced accuracy {number(metrics.get('balanced_accuracy'))}, "
+        f"F1 {number(metrics.get('f1'))} (flagging all: {number(metrics.get('f1_flag_all'))})"
+    )
 
 
 def describe_task(site: str, task: str, meta: Mapping[str, Any], answer: Mapping[str, Any]) -> str | None:
@@ -136,14 +144,14 @@ def describe_task(site: str, task: str, meta: Mapping[str, Any], answer: Mapping
         )
     if task == SSL:
         return (
-            f"site {site} stage 1 round {m.get('round')}: SimSiam loss {_num(m.get('ssl_loss'))}, "
+            f"site {site} stage 1 round {m.get('round')}: SimSiam loss {number(m.get('ssl_loss'))}, "
             f"{m.get('steps')} steps, time {m.get('seconds', 0):.1f}s"
         )
     if task == TRAIN:
         return (
             f"site {site} stage 2 round {m.get('round')} (lambda {m.get('energy_weight')}): "
-            f"train_loss {_num(m.get('train_loss'))} bce {_num(m.get('train_bce'))} "
-            f"hinge_in {_num(m.get('train_hinge_in'))} hinge_out {_num(m.get('train_hinge_out'))}, "
+            f"train_loss {number(m.get('train_loss'))} bce {number(m.get('train_bce'))} "
+            f"hinge_in {number(m.get('train_hinge_in'))} hinge_out {number(m.get('train_hinge_out'))}, "
             f"{m.get('steps')} steps, time {m.get('seconds', 0):.1f}s"
         )
     if task == ENERGY:
@@ -152,13 +160,14 @@ def describe_task(site: str, task: str, meta: Mapping[str, Any], answer: Mapping
             f"site {site}: energy statistics ({meta.get('mode')}) over {s.get('n_in')} image(s) "
             f"without and {s.get('n_out')} with a UC"
         )
-    if task == PROTOTYPES:
-        sent = [p["uc"] for p in answer.get("prototypes") or []]
+    if task == DETECTORS:
+        key = next((k for k in PAYLOAD_KEYS.values() if k in answer), "prototypes")
+        sent = [p["uc"] for p in answer.get(key) or []]
         refused = "".join(f"; refused: {reason}" for reason in (answer.get("refused") or {}).values())
-        return f"site {site}: sent the prototypes of {sent or 'no class'}{refused}"
+        return f"site {site}: sent the {key} of {sent or 'no class'}{refused}"
     if task == VALIDATE:
-        parts = [f"CC loss {_num(m.get('cc_loss'))}", f"CC mean AUROC {_num(m.get('cc_mean_auroc'))}"] + [
-            f"{uc} F1 {u['f1']:.3f}" for uc, u in (m.get("uc") or {}).items()
+        parts = [f"CC loss {number(m.get('cc_loss'))}", f"CC mean AUROC {number(m.get('cc_mean_auroc'))}"] + [
+            describe_uc(uc, u) for uc, u in (m.get("uc") or {}).items()
         ]
         return f"site {site} {m.get('split')}: {'; '.join(parts)}"
     return None

@@ -15,13 +15,11 @@ sum of the distance margins).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score
 
 from cxrfl.errors import CxrflError
 
@@ -161,15 +159,29 @@ def match_prototypes(features: np.ndarray, prototypes: Sequence[DualPrototype]) 
             for p in prototypes
         ]
     )  # [pairs, n]
+    return vote(margins)
+
+
+def vote(margins: np.ndarray) -> dict[str, Any]:
+    """Majority of several detectors' votes on each image, a tie decided by the summed margin.
+
+    Args:
+        margins: [detectors, n] margins (> 0: that detector votes positive).
+
+    Returns:
+        ``positive`` [n] bool, ``votes`` [n] positive votes, ``pairs`` (number of detectors),
+        ``margin`` [n] the mean margin.
+    """
+    margins = np.atleast_2d(margins)
     votes = (margins > 0).sum(axis=0)
-    pairs = len(prototypes)
+    pairs = margins.shape[0]
     total = margins.sum(axis=0)
     positive = np.where(2 * votes == pairs, total > 0, 2 * votes > pairs)
     return {"positive": positive, "votes": votes, "pairs": pairs, "margin": total / pairs}
 
 
 def predict_ucs(
-    features: np.ndarray, energies: np.ndarray, threshold: float, prototypes: dict[str, Sequence[DualPrototype]]
+    features: np.ndarray, energies: np.ndarray, threshold: float, prototypes: Mapping[str, Sequence[DualPrototype]]
 ) -> dict[str, dict[str, np.ndarray]]:
     """FedFew's UC predictions: energy above the threshold, then the nearer prototype.
 
@@ -189,33 +201,3 @@ def predict_ucs(
         m = match_prototypes(features, pairs)
         out[uc] = {**m, "flagged": flagged, "positive": flagged & m["positive"]}
     return out
-
-
-def uc_metrics(y_true: np.ndarray, y_pred: np.ndarray) -> dict[str, float | int]:
-    """Accuracy, precision, recall and F1 of binary predictions (scikit-learn; 0 where undefined).
-
-    Args:
-        y_true: [n] labels in {0, 1}.
-        y_pred: [n] predictions (bool or {0, 1}).
-    """
-    y_true = np.asarray(y_true).astype(int)
-    y_pred = np.asarray(y_pred).astype(int)
-    if len(y_true) == 0:
-        return {
-            "accuracy": math.nan,
-            "precision": math.nan,
-            "recall": math.nan,
-            "f1": math.nan,
-            "n": 0,
-            "n_positive": 0,
-            "n_predicted": 0,
-        }
-    return {
-        "accuracy": float(accuracy_score(y_true, y_pred)),
-        "precision": float(precision_score(y_true, y_pred, zero_division=0)),
-        "recall": float(recall_score(y_true, y_pred, zero_division=0)),
-        "f1": float(f1_score(y_true, y_pred, zero_division=0)),
-        "n": int(len(y_true)),
-        "n_positive": int(y_true.sum()),
-        "n_predicted": int(y_pred.sum()),
-    }

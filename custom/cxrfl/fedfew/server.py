@@ -17,8 +17,9 @@ benchmark and tests (:mod:`cxrfl.fedfew.inprocess`) run this same workflow.
    validation loss (:class:`cxrfl.common.selection.EarlyStopping`).
 3. Energy threshold from the sites' error counts on a common grid (two passes: the sites' energy
    ranges make the grid, then each site counts its errors per candidate; examples: see
-   :data:`cxrfl.fedfew.config.THRESHOLD_EXAMPLES`); dual prototypes from the UC sites (each
-   refused at the site below the minimum number of images). See :mod:`cxrfl.fedfew.stage3`.
+   :data:`cxrfl.fedfew.config.THRESHOLD_EXAMPLES`); one detector per UC from each UC site (dual
+   prototypes or a scorer, per ``detector``; refused at the site below the minimum number of
+   images). See :mod:`cxrfl.fedfew.stage3` and :mod:`cxrfl.fedfew.detectors`.
 
 Faults (:mod:`cxrfl.fedfew.rounds`): malformed results are rejected one line each; a round (or
 the start's ``fedfew_info``) with fewer than ``min_clients`` valid results is run again every
@@ -63,14 +64,14 @@ from cxrfl.common.server import RunStopped
 from cxrfl.common.transport import Send
 from cxrfl.fedfew import protocol as P
 from cxrfl.fedfew.config import FedFewConfig
+from cxrfl.fedfew.detectors import PAYLOAD_KEYS, Detector, parse_detectors
 from cxrfl.fedfew.energy import margins_from_means, threshold_grid
 from cxrfl.fedfew.learner import ssl_model, stage2_classes
 from cxrfl.fedfew.model import fedfew_extra
 from cxrfl.fedfew.plan import ClassPlan, split_classes
-from cxrfl.fedfew.prototypes import DualPrototype
 from cxrfl.fedfew.rounds import FederatedRounds, Phase, Progress, RoundHook
 from cxrfl.fedfew.ssl import load_encoder
-from cxrfl.fedfew.stage3 import collect_prototypes, threshold_from_counts
+from cxrfl.fedfew.stage3 import collect_detectors, threshold_from_counts
 from cxrfl.fedfew.stages import (
     STAGE_DIR,
     STAGE_FILES,
@@ -98,7 +99,8 @@ class FedFewOutcome:
     margins: dict[str, Any]
     threshold: float
     threshold_stats: dict[str, Any]
-    prototypes: dict[str, list[DualPrototype]]
+    detector: str
+    detectors: dict[str, list[Detector]]
     refused: dict[str, str]
     evaluation: dict[str, Any] | None
     final_path: Path
@@ -274,9 +276,16 @@ class FedFewServer(FederatedRounds):
             self._keep(3)
         else:
             stage3 = resumed["stage3"]
-        prototypes = {uc: [DualPrototype.from_payload(p) for p in pairs] for uc, pairs in stage3["prototypes"].items()}
-        final = self._write_final(plan, model_state, margins, stage3, prototypes)
-        evaluation = self._evaluate(plan, model_state, stage3, prototypes) if self.evaluate_test else None
+        kind = str(stage3.get("detector", "paper"))  # stage 3 files of older runs hold prototypes
+        if kind != cfg.detector:
+            raise RunStopped(
+                f"stage 3 of the resumed run used detector {kind!r}, this run's settings say {cfg.detector!r}; "
+                "resume with the same fedfew.detector or start a new run"
+            )
+        stored = stage3.get(PAYLOAD_KEYS[kind]) or {}
+        detectors = parse_detectors(kind, [p for pairs in stored.values() for p in pairs])
+        final = self._write_final(plan, model_state, margins, stage3, detectors)
+        evaluation = self._evaluate(plan, model_state, stage3, detectors) if self.evaluate_test else None
         self.resume.clear()
         return FedFewOutcome(
             plan,
@@ -285,7 +294,8 @@ class FedFewServer(FederatedRounds):
             dict(margins),
             float(stage3["threshold"]),
             dict(stage3["threshold_stats"]),
-            prototypes,
+            kind,
+            detectors,
             dict(stage3.get("refused", {})),
             evaluation,
             final,
@@ -298,7 +308,7 @@ class FedFewServer(FederatedRounds):
         model_state: Mapping[str, np.ndarray],
         margins: Mapping[str, Any],
         stage3: Mapping[str, Any],
-        prototypes: Mapping[str, list[DualPrototype]],
+        detectors: Mapping[str, list[Detector]],
     ) -> Path:
         cfg = self.config
         final = self.path(GLOBAL_MODEL)
@@ -307,7 +317,8 @@ class FedFewServer(FederatedRounds):
             threshold=stage3["threshold"],
             temperature=cfg.temperature,
             energy_outputs=cfg.energy_outputs,
-            prototypes=dict(prototypes),
+            detector=cfg.detector,
+            detectors=dict(detectors),
             margins=dict(margins),
             threshold_stats=stage3["threshold_stats"],
             min_prototype_images=cfg.min_prototype_images,
@@ -319,13 +330,14 @@ class FedFewServer(FederatedRounds):
             model_config=self.model_config,
             extra={**extra, "method": "fedfew", "fedfew_config": cfg.to_dict()},
         )
-        ucs = sorted(uc for uc, p in prototypes.items() if p)
+        ucs = sorted(uc for uc, d in detectors.items() if d)
+        what = PAYLOAD_KEYS[cfg.detector]
         self.info(
-            f"final FedFew model: {final} ({len(plan.cc_classes)} CCs, UCs with prototypes: {ucs or 'none'}, "
+            f"final FedFew model: {final} ({len(plan.cc_classes)} CCs, UCs with {what}: {ucs or 'none'}, "
             f"energy threshold {stage3['threshold']:.4f})"
         )
         if not ucs:
-            self.warning("no UC has a prototype: the final model predicts the CCs only")
+            self.warning(f"no UC has {what}: the final model predicts the CCs only")
         return final
 
     def _infos(self) -> dict[str, Mapping[str, Any]]:
@@ -587,23 +599,23 @@ class FedFewServer(FederatedRounds):
         chosen = self._threshold(plan, state)
         holders = [s for s in plan.stage2_sites if plan.site_ucs.get(s)]
         answers = (
-            self.broadcast(P.PROTOTYPES, holders, state, lambda s: self._meta(**self._roles(plan, s)))
-            if holders
-            else {}
+            self.broadcast(P.DETECTORS, holders, state, lambda s: self._meta(**self._roles(plan, s))) if holders else {}
         )
-        prototypes, refused = collect_prototypes(answers, plan, self.config, self.warning)
+        kept, refused = collect_detectors(answers, plan, self.config, self.warning)
         result = {
             "threshold": chosen["threshold"],
             "threshold_stats": chosen,
-            "prototypes": {uc: p for uc, p in prototypes.items() if p},
+            "detector": self.config.detector,
+            PAYLOAD_KEYS[self.config.detector]: {uc: d for uc, d in kept.items() if d},
             "refused": refused,
-            "prototype_counts": {uc: len(p) for uc, p in prototypes.items()},
+            "detector_counts": {uc: len(d) for uc, d in kept.items()},
         }
         self.record(
             {
                 "stage": 3,
                 "threshold": chosen,
-                "prototype_counts": result["prototype_counts"],
+                "detector": self.config.detector,
+                "detector_counts": result["detector_counts"],
                 "refused": refused,
                 "seconds": time.perf_counter() - start,
             }
@@ -618,17 +630,20 @@ class FedFewServer(FederatedRounds):
         plan: ClassPlan,
         state: Mapping[str, np.ndarray],
         stage3: Mapping[str, Any],
-        prototypes: Mapping[str, list[DualPrototype]],
+        detectors: Mapping[str, list[Detector]],
     ) -> dict[str, Any]:
-        def meta(s: str) -> dict[str, Any]:
-            own = [p.to_payload() for uc in plan.site_ucs.get(s, []) for p in prototypes.get(uc, [])]
-            return self._meta(threshold=stage3["threshold"], prototypes=own, split="test", **self._roles(plan, s))
+        key = PAYLOAD_KEYS[self.config.detector]
+
+        def meta(s: str) -> dict[str, Any]:  # a site receives the detectors of its own UCs only
+            own = [d.to_payload() for uc in plan.site_ucs.get(s, []) for d in detectors.get(uc, [])]
+            return self._meta(threshold=stage3["threshold"], split="test", **{key: own}, **self._roles(plan, s))
 
         results = self.broadcast(P.VALIDATE, plan.stage2_sites, state, meta)
         report: dict[str, Any] = {
             "cc_classes": plan.cc_classes,
             "uc_classes": plan.uc_classes,
             "threshold": stage3["threshold"],
+            "detector": self.config.detector,
             "sites": {},
         }
         for s, (_, m) in sorted(results.items()):
@@ -636,8 +651,7 @@ class FedFewServer(FederatedRounds):
             parts = []
             if ev.get("cc_mean_auroc") is not None:
                 parts.append(f"CC mean AUROC {ev['cc_mean_auroc']:.4f}")
-            for uc, um in (ev.get("uc") or {}).items():
-                parts.append(f"{uc} F1 {um['f1']:.3f} (P {um['precision']:.3f} R {um['recall']:.3f})")
+            parts += [P.describe_uc(uc, um) for uc, um in (ev.get("uc") or {}).items()]
             self.info(f"test split of site {s}: {'; '.join(parts) or 'nothing to evaluate'}")
         self.write_evaluation(report)
         return report

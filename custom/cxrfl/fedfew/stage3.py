@@ -1,6 +1,6 @@
-"""Stage 3 on the server: the energy threshold from the sites' error counts, and the prototypes kept.
+"""Stage 3 on the server: the energy threshold from the sites' error counts, and the detectors kept.
 
-Both work on the sites' answers only (counts per candidate threshold, prototype payloads); what
+Both work on the sites' answers only (counts per candidate threshold, detector payloads); what
 is unusable is left out with one warning line naming the site.
 """
 
@@ -13,9 +13,9 @@ import numpy as np
 
 from cxrfl.common.transport import Message
 from cxrfl.fedfew.config import FedFewConfig
+from cxrfl.fedfew.detectors import PAYLOAD_KEYS, Detector, detector_size, parse_detectors
 from cxrfl.fedfew.energy import choose_threshold
 from cxrfl.fedfew.plan import ClassPlan
-from cxrfl.fedfew.prototypes import DualPrototype
 
 
 def threshold_from_counts(
@@ -65,53 +65,57 @@ def threshold_from_counts(
     return chosen
 
 
-def _usable(proto: DualPrototype, site: str, plan: ClassPlan, config: FedFewConfig, dims: set[int]) -> str | None:
-    """Why a prototype is left out (None: kept)."""
-    if proto.uc not in plan.site_ucs.get(site, []):
-        return f"site {site} sent a prototype of {proto.uc!r}, a class it was not asked for"
-    if min(proto.n_positive, proto.n_negative) < config.min_prototype_images:
-        return f"site {site} sent a prototype of {proto.uc} over fewer than {config.min_prototype_images} images"
-    if dims and len(proto.positive) not in dims:
-        return f"prototype of {proto.uc} from site {site} has {len(proto.positive)} features, others {sorted(dims)}"
+def _usable(d: Detector, site: str, plan: ClassPlan, config: FedFewConfig, dims: set[int], what: str) -> str | None:
+    """Why a detector is left out (None: kept)."""
+    if d.uc not in plan.site_ucs.get(site, []):
+        return f"site {site} sent a {what} of {d.uc!r}, a class it was not asked for"
+    if min(d.n_positive, d.n_negative) < config.min_prototype_images:
+        return f"site {site} sent a {what} of {d.uc} over fewer than {config.min_prototype_images} images"
+    if dims and detector_size(d) not in dims:
+        return f"{what} of {d.uc} from site {site} has {detector_size(d)} features, others {sorted(dims)}"
     return None
 
 
-def collect_prototypes(
+def collect_detectors(
     answers: Mapping[str, Message], plan: ClassPlan, config: FedFewConfig, warning: Callable[[str], None]
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
-    """The prototypes to keep from the UC sites' answers, anonymised (a running ``source`` number, no site).
+    """The detectors (``config.detector``) to keep from the UC sites' answers, anonymised (a
+    running ``source`` number, no site).
 
     Args:
-        answers: site -> its ``fedfew_prototypes`` answer.
+        answers: site -> its ``fedfew_detectors`` answer.
         plan: the class plan (which site may send which UC).
-        config: the settings (``min_prototype_images``).
+        config: the settings (``detector``, ``min_prototype_images``).
         warning: problem logger.
 
     Returns:
-        UC -> its prototype payloads (every UC of the plan, possibly empty), and
+        UC -> its detector payloads (every UC of the plan, possibly empty), and
         ``"<uc>@<site>"`` -> why the site refused it.
     """
-    prototypes: dict[str, list[dict[str, Any]]] = {uc: [] for uc in plan.uc_classes}
+    key = PAYLOAD_KEYS[config.detector]
+    what = "prototype" if config.detector == "paper" else "scorer"
+    kept: dict[str, list[dict[str, Any]]] = {uc: [] for uc in plan.uc_classes}
+    dims: set[int] = set()
     refused: dict[str, str] = {}
     for site, (_, meta) in sorted(answers.items()):
         for uc, reason in dict(meta.get("refused") or {}).items():
             refused[f"{uc}@{site}"] = reason
-            warning(f"stage 3: no prototype of {uc} from site {site}: {reason}")
-        for payload in meta.get("prototypes") or []:
+            warning(f"stage 3: no {what} of {uc} from site {site}: {reason}")
+        for payload in meta.get(key) or []:
             try:
-                proto = DualPrototype.from_payload(payload)
-            except (KeyError, TypeError, ValueError) as exc:
-                warning(f"stage 3: unusable prototype from site {site} ({exc}); left out")
+                (d,) = next(iter(parse_detectors(config.detector, [payload]).values()))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                warning(f"stage 3: unusable {what} from site {site} ({exc}); left out")
                 continue
-            dims = {len(q["positive"]) for q in sum(prototypes.values(), [])}
-            why = _usable(proto, site, plan, config, dims)
+            why = _usable(d, site, plan, config, dims, what)
             if why:
                 warning(f"stage 3: {why}; left out")
                 continue
-            kept = proto.to_payload()
-            kept["source"] = len(prototypes[proto.uc])
-            prototypes[proto.uc].append(kept)
+            dims.add(detector_size(d))
+            out = d.to_payload()
+            out["source"] = len(kept[d.uc])
+            kept[d.uc].append(out)
     for uc in plan.uc_classes:
-        if not prototypes[uc]:
-            warning(f"stage 3: UC {uc} has no prototype; the final model does not predict it")
-    return prototypes, refused
+        if not kept[uc]:
+            warning(f"stage 3: UC {uc} has no {what}; the final model does not predict it")
+    return kept, refused

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from scipy import stats
 from sklearn.metrics import roc_auc_score
 
 
@@ -106,3 +107,25 @@ def summarise_auroc(
             group = [c for c in aurocs if (c in shared_set) == inside]
             summary[name] = _mean_sd([defined[c] for c in group if c in defined], unknown_in(group))
     return summary
+
+
+def fast_auroc(y_true: np.ndarray, y_score: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    """AUROC along ``axis`` by the Mann-Whitney rank sum (ties get average ranks): the same value
+    as ``sklearn.metrics.roc_auc_score``, vectorised over the other axes (bootstrap resamples).
+
+    Args:
+        y_true: labels in {0, 1}.
+        y_score: scores, same shape.
+        axis: the sample axis.
+
+    Returns:
+        the AUROCs; NaN where a slice holds one label value only.
+    """
+    y_true = np.moveaxis(np.asarray(y_true, dtype=float), axis, -1)
+    y_score = np.moveaxis(np.asarray(y_score, dtype=float), axis, -1)
+    ranks = stats.rankdata(y_score, axis=-1)
+    n_pos = y_true.sum(-1)
+    n_neg = y_true.shape[-1] - n_pos
+    with np.errstate(divide="ignore", invalid="ignore"):
+        auc = ((ranks * y_true).sum(-1) - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+    return np.where((n_pos > 0) & (n_neg > 0), auc, np.nan)

@@ -10,13 +10,17 @@ weights and the augmentation):
   and site code; stage 2 until the CC validation loss stops improving), stage 1's encoder probed
   along the way, then the final model file read back as ``cxrfl predict`` does; ``fedfew-no-ebm``
   (optional): the same with lambda = 0; ``fedfew-balanced``: stage 3 again with the balanced
-  threshold rule (:mod:`~cxrfl.bench.fedfew.seed`);
+  threshold rule; ``fedfew-scorer``: stage 3 again with the UC sites' scorers
+  (:mod:`cxrfl.fedfew.scorer`) in place of the energy gate and prototypes
+  (:mod:`~cxrfl.bench.fedfew.seed`);
 * ``mlc`` / ``mlc-ssl``: the plain federated multi-label baseline (until its validation loss stops
   improving); ``nn-ssl`` / ``nn-mlc-ssl``: the paper's local nearest-neighbour classifier
   (:mod:`~cxrfl.bench.fedfew.methods`).
 
 Output (:mod:`~cxrfl.bench.fedfew.run`): ``OUT/results.json`` (settings, machine, every (method,
-seed) run with its ``mean_cc_auroc``, ``mean_uc_f1``, per-UC metrics and FedFew's stage
+seed) run with its ``mean_cc_auroc``, ``mean_uc_f1``, per-UC detection metrics
+(:func:`cxrfl.nn.detection.detection_metrics`: AUROC with its interval, balanced accuracy, MCC,
+F1 beside flagging everything, also at 9 % prevalence) and FedFew's stage
 diagnostics, the summary over seeds and the target verdicts with paired statistics),
 ``OUT/report.md`` (:mod:`~cxrfl.bench.fedfew.report`) and the plots
 (:mod:`~cxrfl.bench.fedfew.plots`). Each (method, seed) is kept as it finishes, so an interrupted

@@ -33,14 +33,18 @@ from cxrfl.common.io import to_numpy
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.data.dataset import make_loader
 from cxrfl.fedfew.model import FedFewModel
-from cxrfl.fedfew.prototypes import cosine_distance, uc_metrics
+from cxrfl.fedfew.prototypes import cosine_distance
 from cxrfl.fedfew.ssl import load_encoder
+from cxrfl.nn.detection import detection_metrics
 from cxrfl.nn.metrics import per_class_auroc
 from cxrfl.nn.models import CXRNet, ModelConfig, build_model
 from cxrfl.nn.training import adam, evaluate, train_epochs
 from cxrfl.surgical.aggregation import surgical_aggregate
 from cxrfl.synth.fedfew_profile import FEDFEW_CCS, FEDFEW_UCS
 
+REPORTED_PREVALENCE = 0.09
+"""The UC prevalence F1 and precision are also reported at: about the UC sites' share of
+positives (the UC test sets are balanced, which flatters precision)."""
 MLC_CLASSES = sorted([*FEDFEW_CCS, *FEDFEW_UCS])
 """The MLC baselines' outputs: every CC and UC."""
 
@@ -236,7 +240,7 @@ def eval_mlc(model: CXRNet, data: SeedData, settings: BenchSettings) -> dict[str
     for uc, t in data.uc_test.items():
         _, lg = _features_logits(model, t, settings.image_size, bs)
         prob = 1 / (1 + np.exp(-lg[:, classes.index(uc)]))
-        ucs[uc] = uc_metrics(t[uc].to_numpy(), prob >= 0.5)
+        ucs[uc] = detection_metrics(t[uc].to_numpy(), prob, prob >= 0.5, prevalence=REPORTED_PREVALENCE)
     return {"mean_cc_auroc": mean, "cc_auroc": aurocs, "uc": ucs}
 
 
@@ -256,8 +260,10 @@ def eval_nn(model: CXRNet, data: SeedData, settings: BenchSettings) -> dict[str,
         f_train, _ = _features_logits(model, train, settings.image_size, bs)
         f_test, _ = _features_logits(model, t, settings.image_size, bs)
         d = cosine_distance(f_test[:, None, :], f_train[None, :, :])
-        pred = train[uc].to_numpy()[d.argmin(axis=1)] == 1.0
-        ucs[uc] = uc_metrics(t[uc].to_numpy(), pred)
+        pos = train[uc].to_numpy() == 1.0
+        pred = pos[d.argmin(axis=1)]
+        score = d[:, ~pos].min(axis=1) - d[:, pos].min(axis=1)  # > 0: the nearest image is a positive
+        ucs[uc] = detection_metrics(t[uc].to_numpy(), score, pred, prevalence=REPORTED_PREVALENCE)
     return {"mean_cc_auroc": None, "uc": ucs}
 
 
@@ -279,8 +285,8 @@ def eval_fedfew(final: Path, data: SeedData, settings: BenchSettings) -> dict[st
             "cc": np.concatenate([o["cc_probabilities"] for o in outs]),
             "energy": np.concatenate([o["energy"] for o in outs]),
         }
-        res["uc"] = {uc: np.concatenate([o["uc"][uc]["positive"] for o in outs]) for uc in model.uc_classes}
-        res["margin"] = {uc: np.concatenate([o["uc"][uc]["margin"] for o in outs]) for uc in model.uc_classes}
+        for key in ("positive", "score", "margin"):
+            res[key] = {uc: np.concatenate([o["uc"][uc][key] for o in outs]) for uc in model.uc_classes}
         return res
 
     cc = run(data.cc_test)
@@ -289,8 +295,9 @@ def eval_fedfew(final: Path, data: SeedData, settings: BenchSettings) -> dict[st
     for uc, t in data.uc_test.items():
         r = run(t)
         y = t[uc].to_numpy()
-        pred = r["uc"].get(uc, np.zeros(len(t), bool))
-        ucs[uc] = uc_metrics(y, pred)
+        pred = r["positive"].get(uc, np.zeros(len(t), bool))
+        score = r["score"].get(uc, np.zeros(len(t)))  # a UC without detectors is never flagged
+        ucs[uc] = detection_metrics(y, score, pred, prevalence=REPORTED_PREVALENCE)
         ucs[uc]["flagged_positives"] = float((r["energy"][y == 1] > model.threshold).mean())
         ucs[uc]["flagged_negatives"] = float((r["energy"][y == 0] > model.threshold).mean())
         energy[uc] = {
@@ -305,7 +312,8 @@ def eval_fedfew(final: Path, data: SeedData, settings: BenchSettings) -> dict[st
         "uc": ucs,
         "threshold": model.threshold,
         "test_energy": energy,
-        "uc_with_prototypes": model.uc_classes,
+        "detector": model.detector,
+        "uc_with_detectors": model.uc_classes,
     }
 
 

@@ -46,10 +46,12 @@ RUN_ORDER = (
     "nn-mlc-ssl",
     "fedfew-lambda1",
     "fedfew-neg-in",
+    "fedfew-scorer",
 )
 """The order a seed's methods run in (each after what it reuses)."""
 VARIANTS = {
     "fedfew-balanced": ((1, 2), {"threshold_weighting": "balanced"}),
+    "fedfew-scorer": ((1, 2), {"detector": "scorer"}),
     "fedfew-no-ebm": ((1,), {"energy_weight": 0.0}),
     "fedfew-lambda1": ((1,), {"energy_weight": 1.0}),
     "fedfew-neg-in": ((1,), {"uc_negatives": "in"}),
@@ -156,7 +158,8 @@ class SeedRun:
             threshold_stats=outcome.threshold_stats,
             ssl_probe=probes,
             stage2=stage2_summary(out),
-            prototypes={uc: [(p.n_positive, p.n_negative) for p in ps] for uc, ps in outcome.prototypes.items()},
+            detector=outcome.detector,
+            detectors={uc: [(d.n_positive, d.n_negative) for d in ds] for uc, ds in outcome.detectors.items()},
         )
         return result
 

@@ -18,6 +18,7 @@ METHODS = (
     "fedfew-balanced",
     "fedfew-lambda1",
     "fedfew-neg-in",
+    "fedfew-scorer",
 )
 """Every method, in report order."""
 LABELS = {
@@ -30,6 +31,7 @@ LABELS = {
     "fedfew-balanced": "FedFew w/ EBM, balanced threshold*",
     "fedfew-lambda1": "FedFew w/ EBM, lambda = 1*",
     "fedfew-neg-in": "FedFew w/ EBM, UC negatives pushed in*",
+    "fedfew-scorer": "FedFew, UC scorers*",
 }
 """The paper's names of the methods (``*``: a labelled variant, not the paper's recipe)."""
 ENERGY_VARIANTS = ("fedfew-lambda1", "fedfew-neg-in")
