@@ -115,6 +115,37 @@ def test_union_head_labels_missing_classes_as_told(sites, tmp_path):
         pd.testing.assert_series_equal(table[a.classes[0]], a.split_table("train")[a.classes[0]])
 
 
+def test_a_vanilla_site_is_selected_on_its_own_classes_unless_told_otherwise(sites, tmp_path):
+    # issue 41 point 4: vanilla FL trains on other sites' classes as negatives; its validation
+    # loss, which selects the global model, counts them only under the old rule (selection="head")
+    a = sites[0]
+    union = sorted(set(sites[0].classes) | set(sites[1].classes))
+    foreign = [c for c in union if c not in a.classes]
+    losses = {}
+    for selection in ("annotated", "head"):
+        learner = SiteLearner(
+            a, tmp_path / selection, model_config=MODEL, train_config=TRAIN, head_mode="union", selection=selection
+        )
+        learner.set_head_classes(union)
+        assert all((learner.split_table("train")[c] == 0.0).all() for c in foreign)  # trained as negatives
+        val = learner.split_table("val")
+        assert all(val[c].isna().all() if selection == "annotated" else (val[c] == 0.0).all() for c in foreign)
+        torch.manual_seed(0)
+        learner.model.load_state_dict(build_model(MODEL, len(union)).state_dict())
+        losses[selection] = learner.validate("val")
+    # by hand: BCE over the site's own labels only, from the probabilities the model gave
+    res = losses["head"]
+    own = [union.index(c) for c in a.classes]
+    y, p = res.y_true[:, own], np.clip(res.scores[:, own].astype(np.float64), 1e-7, 1 - 1e-7)
+    m = res.mask[:, own]
+    by_hand = float(-(m * (y * np.log(p) + (1 - y) * np.log(1 - p))).sum() / m.sum())
+    assert losses["annotated"].loss == pytest.approx(by_hand, rel=1e-4)
+    assert losses["annotated"].mask[:, [union.index(c) for c in foreign]].sum() == 0
+    assert losses["head"].loss != pytest.approx(by_hand, rel=1e-3)  # the old rule counts the foreign zeros
+    with pytest.raises(ValueError, match="selection must be one of"):
+        SiteLearner(a, tmp_path / "bad", model_config=MODEL, train_config=TRAIN, selection="all")
+
+
 def test_union_site_trains_and_sends_every_row(sites, tmp_path):
     a = sites[0]
     union = sorted(set(sites[0].classes) | set(sites[1].classes))

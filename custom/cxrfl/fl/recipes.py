@@ -264,7 +264,7 @@ class SurgicalAggregationRecipe(CxrflRecipe):
             entry, so none leaves a site (FedBN/FedBN+ only).
         settings: :class:`JobSettings` fields (device, tracking, privacy ...) and every other
             argument of :class:`cxrfl.fl.surgical.SurgicalAggregation` (patience, min_delta,
-            weighting, robust, resume_from, task_timeout ...).
+            weighting, robust, selection, resume_from, task_timeout ...).
     """
 
     executor = SiteExecutor

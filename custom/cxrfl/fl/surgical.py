@@ -39,7 +39,8 @@ class SurgicalAggregation(TaskController):
             of the same name (meaning and default there; ``model_config`` and ``train_config`` as
             dicts of their fields): num_rounds, min_clients, model_config, train_config, batchnorm,
             weighting, robust, clip_norm, max_num_samples, patience, min_delta, min_clients_timeout, resume_from,
-            seed, evaluate_test, external_test, pooled, keep_round_checkpoints, head_mode, missing, retry_pause.
+            seed, evaluate_test, external_test, pooled, keep_round_checkpoints, head_mode, missing, selection,
+            retry_pause.
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class SurgicalAggregation(TaskController):
         keep_round_checkpoints: bool = _DEFAULTS.keep_round_checkpoints,
         head_mode: str = _DEFAULTS.head_mode,
         missing: str = _DEFAULTS.missing,
+        selection: str = _DEFAULTS.selection,
         retry_pause: float = _DEFAULTS.retry_pause,
         analytic_sender_id: str = "analytic_sender",
     ) -> None:
@@ -92,6 +94,7 @@ class SurgicalAggregation(TaskController):
                 "keep_round_checkpoints": keep_round_checkpoints,
                 "head_mode": head_mode,
                 "missing": missing,
+                "selection": selection,
                 "retry_pause": retry_pause,
             },
             where="the SurgicalAggregation arguments of the job's server config",

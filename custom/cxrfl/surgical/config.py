@@ -29,7 +29,7 @@ from cxrfl.errors import ConfigError
 from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.aggregation import WEIGHTINGS, check_options
-from cxrfl.surgical.head_modes import BATCHNORM_MODES, HEAD_MODES, MISSING_POLICIES
+from cxrfl.surgical.head_modes import BATCHNORM_MODES, HEAD_MODES, MISSING_POLICIES, SELECTION_RULES
 from cxrfl.surgical.validation import MAX_NUM_SAMPLES
 
 RESUME_KEYS = ("model_config", "batchnorm", "head_mode", "missing", "seed")
@@ -76,6 +76,9 @@ class SurgicalConfig(Config):
             vanilla FL / partial loss) or ``local`` (heads stay at the sites: personalized FL).
         missing: for ``union`` heads, classes a site does not annotate are ``negative`` (vanilla
             FL) or ``ignore``-d in its loss (FL with partial loss).
+        selection: what a site's validation loss, which selects the model, counts:
+            ``annotated`` (its own classes, for every head mode) or ``head`` (the rule before
+            issue 41; see :data:`cxrfl.surgical.head_modes.SELECTION_RULES`).
     """
 
     SECTION: ClassVar[str] = "surgical"
@@ -100,6 +103,7 @@ class SurgicalConfig(Config):
     keep_round_checkpoints: bool = True
     head_mode: str = field(default="surgical", metadata={"choices": HEAD_MODES})
     missing: str = field(default="negative", metadata={"choices": MISSING_POLICIES})
+    selection: str = field(default="annotated", metadata={"choices": SELECTION_RULES})
 
     def __post_init__(self) -> None:
         for name, kind in (("model_config", ModelConfig), ("train_config", TrainConfig)):  # None: the defaults

@@ -31,6 +31,13 @@ HEAD_MODES = ("surgical", "union", "local")
 MISSING_POLICIES = ("negative", "ignore")
 """What a ``union`` head does with classes the site does not annotate: label them 0, or mask them out."""
 
+SELECTION_RULES = ("annotated", "head")
+"""What a site's validation (and test) loss counts, which selects the global model: ``annotated``
+(the classes the site labels only, whatever the head; every method is selected by the same rule)
+or ``head`` (every head class, those a ``union`` head fills per ``missing`` included: with
+``missing="negative"`` another site's classes count as negatives here, which favours early rounds;
+the rule before issue 41)."""
+
 BATCHNORM_MODES = ("fedavg", "fedbn", "fedbn+")
 """``fedavg``: BatchNorm averaged like the rest; ``fedbn``: kept at each site; ``fedbn+``: frozen at
 the initial (pretrained) statistics everywhere."""
@@ -40,18 +47,20 @@ PLACEHOLDER_CLASS = "__no_head__"
 extractor alone (``local`` mode); it never leaves the server."""
 
 
-def check_modes(head_mode: str, missing: str, batchnorm: str = "fedavg") -> None:
-    """Raise ValueError for an unknown head mode, missing-label policy or BatchNorm strategy.
+def check_modes(head_mode: str, missing: str, batchnorm: str = "fedavg", selection: str = "annotated") -> None:
+    """Raise ValueError for an unknown head mode, missing-label policy, BatchNorm strategy or selection rule.
 
     Args:
         head_mode: one of :data:`HEAD_MODES`.
         missing: one of :data:`MISSING_POLICIES`.
         batchnorm: one of :data:`BATCHNORM_MODES`.
+        selection: one of :data:`SELECTION_RULES`.
     """
     for name, value, allowed in (
         ("head_mode", head_mode, HEAD_MODES),
         ("missing", missing, MISSING_POLICIES),
         ("batchnorm", batchnorm, BATCHNORM_MODES),
+        ("selection", selection, SELECTION_RULES),
     ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")

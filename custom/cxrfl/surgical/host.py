@@ -59,6 +59,7 @@ class LearnerSettings:
         batchnorm: BatchNorm strategy.
         head_mode: head mode.
         missing: missing-label policy of union heads.
+        selection: what a site's validation loss counts (:data:`cxrfl.surgical.head_modes.SELECTION_RULES`).
         run_key: names the run's state folder (the first job of a resumed chain).
     """
 
@@ -67,6 +68,7 @@ class LearnerSettings:
     batchnorm: str
     head_mode: str
     missing: str
+    selection: str
     run_key: str
 
     @classmethod
@@ -86,6 +88,7 @@ class LearnerSettings:
             batchnorm=str(meta.get("batchnorm", "fedavg")),
             head_mode=str(meta.get("head_mode", "surgical")),
             missing=str(meta.get("missing", "negative")),
+            selection=str(meta.get("selection", "head")),  # a server from before issue 41 selects on the head
             run_key=plain_name(
                 meta.get("run_key") or "run",
                 "run_key",
@@ -178,6 +181,7 @@ class SurgicalSiteHost:
                 num_workers=self.num_workers,
                 head_mode=settings.head_mode,
                 missing=settings.missing,
+                selection=settings.selection,
             )
             self.settings = settings
         return self.learner

@@ -121,6 +121,7 @@ class SiteLearner:
         head_mode: one of :data:`cxrfl.surgical.head_modes.HEAD_MODES` (see the module docstring).
         missing: ``negative`` (default) or ``ignore``: labels of classes the site does not
             annotate, for a ``union`` head (ignored in the other modes).
+        selection: what its validation loss counts (:data:`cxrfl.surgical.head_modes.SELECTION_RULES`).
     """
 
     def __init__(
@@ -135,10 +136,12 @@ class SiteLearner:
         num_workers: int = 0,
         head_mode: str = "surgical",
         missing: str = "negative",
+        selection: str = "annotated",
     ) -> None:
-        check_modes(head_mode, missing, batchnorm)
+        check_modes(head_mode, missing, batchnorm, selection)
         self.head_mode = head_mode
         self.missing = missing
+        self.selection = selection
         self.data = data
         self.own_classes = list(data.classes)
         self.classes = list(data.classes)  # the head's row order (a union head: set_head_classes)
@@ -194,7 +197,9 @@ class SiteLearner:
 
     def split_table(self, split: str) -> pd.DataFrame:
         """One split with a column per head class; classes the site does not annotate (a union
-        head) are 0.0 (``missing="negative"``) or NaN (``missing="ignore"``: masked out).
+        head) are 0.0 (``missing="negative"``) or NaN (``missing="ignore"``: masked out) in the
+        training split, and in the others only with ``selection="head"`` (NaN otherwise: the
+        validation loss that selects the model counts the site's own classes).
 
         Args:
             split: ``train``, ``val`` or ``test``.
@@ -202,7 +207,8 @@ class SiteLearner:
         table = self.data.split_table(split)
         extra = [c for c in self.classes if c not in table.columns]
         if extra:
-            fill = 0.0 if self.missing == "negative" else np.nan
+            negative = self.missing == "negative" and (split == "train" or self.selection == "head")
+            fill = 0.0 if negative else np.nan
             table = table.assign(**{c: fill for c in extra})
         return table
 

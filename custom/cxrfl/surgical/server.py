@@ -198,6 +198,7 @@ class SurgicalServer(ServerLoop):
             "batchnorm": cfg.batchnorm,
             "head_mode": cfg.head_mode,
             "missing": cfg.missing,
+            "selection": cfg.selection,
             "run_key": run_key,
             **extra,
         }
