@@ -189,12 +189,17 @@ def test_pooled_site_marks_missing_labels_negative():
     b = SiteData(
         "b", ["y", "z"], pd.DataFrame({"path": ["3"], "patient": ["p"], "split": ["train"], "y": [1.0], "z": [1.0]})
     )
-    pooled = pooled_site([a, b])
+    pooled = pooled_site([a, b], selection="head")
     assert pooled.classes == ["x", "y", "z"]
     t = pooled.table
     assert t["z"].tolist()[:2] == [0.0, 0.0] and t["x"].tolist()[2] == 0.0  # missing = negative
     assert np.isnan(t["x"].tolist()[1])  # a label the site itself left unknown stays unknown
     assert t["patient"].nunique() == 3  # the same id at two sites is two patients
+    # issue 41 point 4 (the default): trained as negatives, but a validation image counts only its own site's
+    # classes in the loss that selects the model
+    fair = pooled_site([a, b]).table
+    assert fair["z"].tolist()[0] == 0.0 and np.isnan(fair["z"].tolist()[1]) and fair["x"].tolist()[2] == 0.0
+    assert fair["y"].tolist() == [0.0, 1.0, 1.0]  # labels a site has are never touched
 
 
 def markdown_table_after(text: str, heading: str) -> list[list[str]]:

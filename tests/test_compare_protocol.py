@@ -148,6 +148,41 @@ def test_restart_sets_runs_of_other_settings_aside(tmp_path):
     assert json.loads((tmp_path / "runs" / "protocol.json").read_text())["data"] == {"sites": 3}
 
 
+def test_runs_selected_by_the_other_rule_are_set_aside_where_the_rule_matters(tmp_path):
+    """Issue 41 point 4: the selection rule decides vanilla FL and centralized only; their stored
+    runs of the other rule (a record without ``selection`` is the old whole-head rule) move to
+    ``superseded-selection-<rule>/`` and are trained again; every other run is kept."""
+    from cxrfl.bench.methods import BY_NAME
+
+    store = runs.RunStore(tmp_path)
+    entries = [
+        runs.Entry(n, n, BY_NAME[n]) for n in ("vanilla-fedavg", "centralized", "partial-fedavg", "surgical-fedavg")
+    ]
+    assert [e.method.selection_matters for e in entries] == [True, True, False, False]
+    for e in entries:
+        for seed, record in ((0, {}), (1, {"selection": "annotated"})):
+            path = store.record_path(e.name, seed)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(record))
+            path.with_suffix(".npz").write_bytes(b"scores")
+    lines: list[str] = []
+    store.set_aside_selection(entries, 2, "annotated", lines.append)
+    kept = {(e.name, s) for e in entries for s in (0, 1) if store.done(e.name, s)}
+    assert kept == {("vanilla-fedavg", 1), ("centralized", 1)} | {
+        (n, s) for n in ("partial-fedavg", "surgical-fedavg") for s in (0, 1)
+    }
+    aside = tmp_path / "runs" / "superseded-selection-head"
+    assert {p.relative_to(aside).as_posix() for p in aside.rglob("*.*")} == {
+        "vanilla-fedavg/seed-0.json",
+        "vanilla-fedavg/seed-0.npz",
+        "centralized/seed-0.json",
+        "centralized/seed-0.npz",
+    }
+    assert len(lines) == 2 and "vanilla-fedavg seed 0: selected by the 'head' rule" in lines[0]
+    store.set_aside_selection(entries, 2, "head", lines.append)  # and back: the annotated runs move aside
+    assert not store.done("vanilla-fedavg", 1) and (tmp_path / "runs" / "superseded-selection-annotated").is_dir()
+
+
 @pytest.mark.slow
 def test_jobs_train_the_same_runs_in_worker_processes(tmp_path):
     """``--jobs 2``: the (method, seed) runs trained side by side in spawned workers (each repeating its

@@ -69,6 +69,7 @@ def _compare_settings(args: argparse.Namespace) -> CompareSettings:
         "pretrained": args.pretrained,
         "site_configs": args.site_config,
         "external_configs": args.external_config,
+        "selection": args.selection,
     }
     values = {"profile": args.profile or "two-hospitals", **(QUICK if args.quick else {})}
     if args.ablation and not args.quick:
@@ -360,6 +361,14 @@ def _add_compare(bsub: argparse._SubParsersAction) -> None:
         "one job per core)",
     )
     c.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help="default auto: CUDA when available")
+    c.add_argument(
+        "--selection",
+        choices=("annotated", "head"),
+        default=None,
+        help="what the validation loss that selects a model counts: each site's own classes (default) or the "
+        "whole head (the rule before issue 41; vanilla FL and centralized then count other sites' classes as "
+        "negatives). Stored runs of vanilla FL and centralized under the other rule are set aside and trained again",
+    )
     c.add_argument(
         "--site-config",
         action="append",

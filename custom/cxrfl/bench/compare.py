@@ -156,6 +156,8 @@ def run_compare(
     entries = entries_for(methods, data)
     store = RunStore(out)
     store.check(settings.protocol(), data_shape(data, tests), restart=restart and not report_only, log=clock)
+    if not report_only:
+        store.set_aside_selection(entries, settings.seeds, settings.selection, clock)
     clock(
         f"{data.profile}: {len(data.sites)} sites, test sets {', '.join(f'{k} ({t.n})' for k, t in tests.items())}; "
         f"methods {', '.join(m.name for m in methods)}; {settings.seeds} seed(s); up to {settings.max_rounds} rounds, "

@@ -46,6 +46,14 @@ class Method:
         return self.kind == "federated" and (self.head_mode == "local" or self.batchnorm == "fedbn")
 
     @property
+    def selection_matters(self) -> bool:
+        """Its validation loss differs between the selection rules: vanilla FL (other sites'
+        classes are negatives) and centralized training (pooled data, the same)."""
+        return self.kind == "central" or (
+            self.kind == "federated" and self.head_mode == "union" and self.missing == "negative"
+        )
+
+    @property
     def single_global_model(self) -> bool:
         """One model that predicts every class of the federation."""
         return self.kind == "central" or (self.kind == "federated" and not self.per_site_models)

@@ -373,13 +373,16 @@ def from_site_configs(
     return BenchData(name, sites, external, notes, configs)
 
 
-def pooled_site(sites: list[SiteData], name: str = "pooled") -> SiteData:
+def pooled_site(sites: list[SiteData], name: str = "pooled", selection: str = "annotated") -> SiteData:
     """All sites' images in one site with the union of their classes; a class a site does not
-    annotate is 0.0 for its images (the centralized baseline: missing labels are negatives).
+    annotate is 0.0 for its training images (the centralized baseline: missing labels are
+    negatives) and, in the other splits, NaN (``selection="annotated"``: the validation loss that
+    selects the model counts each image's own site's classes) or 0.0 (``"head"``).
 
     Args:
         sites: the training sites.
         name: the pooled site's name.
+        selection: :data:`cxrfl.surgical.head_modes.SELECTION_RULES`.
     """
     union = sorted(set().union(*(s.classes for s in sites)))
     parts = []
@@ -388,6 +391,6 @@ def pooled_site(sites: list[SiteData], name: str = "pooled") -> SiteData:
         t["patient"] = s.site + "/" + t["patient"].astype(str)
         for c in union:
             if c not in s.classes:
-                t[c] = 0.0
+                t[c] = np.where((t["split"] == "train") | (selection == "head"), 0.0, np.nan)
         parts.append(t[["path", "patient", "split", *union]])
     return SiteData(site=name, classes=union, table=pd.concat(parts, ignore_index=True))

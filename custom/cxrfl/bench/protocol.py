@@ -31,6 +31,7 @@ from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.precision import cpu_has_native_bf16
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
+from cxrfl.surgical.head_modes import SELECTION_RULES
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -73,6 +74,9 @@ class CompareSettings(Config):
             papers start from; needed by the FedBN+ methods); None: from scratch.
         site_configs: your own training sites' config files instead of a built-in profile.
         external_configs: your own fully annotated external test sets (with ``site_configs``).
+        selection: what the validation loss that selects each model counts
+            (:data:`cxrfl.surgical.head_modes.SELECTION_RULES`; ``annotated``: each site's own
+            classes, the same rule for every method; ``head``: the rule before issue 41).
     """
 
     SECTION: ClassVar[str] = "compare"
@@ -102,6 +106,7 @@ class CompareSettings(Config):
     pretrained: str | None = None
     site_configs: tuple[str, ...] | None = None
     external_configs: tuple[str, ...] | None = None
+    selection: str = field(default="annotated", metadata={"choices": SELECTION_RULES})
 
     def model_config(self) -> ModelConfig:
         """The network settings."""
@@ -141,9 +146,7 @@ class CompareSettings(Config):
             batchnorm=method.batchnorm if federated else "fedavg",
             head_mode=method.head_mode if federated else "surgical",
             missing=method.missing if federated else "negative",
-            # the committed comparisons were selected on the whole head; the rerun under the
-            # "annotated" rule (issue 41, point 4) is still to come, so stored runs stay comparable
-            selection="head",
+            selection=self.selection,
             patience=self.patience,
             min_delta=self.min_delta,
             min_clients_timeout=0,
@@ -161,14 +164,17 @@ class CompareSettings(Config):
     def protocol(self) -> dict[str, Any]:
         """The settings that decide the models (a stored run is reused only when they are equal):
         everything but :data:`RUN_ONLY`, plus the pretrained file's digest."""
-        out = {k: v for k, v in self.to_dict().items() if k not in RUN_ONLY}
+        out = {k: v for k, v in self.to_dict().items() if k not in (*RUN_ONLY, "selection")}
         out["pretrained_sha256"] = file_digest(self.pretrained) if self.pretrained else None
         return out
 
 
 RUN_ONLY = ("seeds", "methods", "n_boot", "threads", "jobs", "device")
 """Settings that do not decide any one run's model: how many seeds and which methods run, the
-statistics, and where and how fast it computes (recorded per run)."""
+statistics, and where and how fast it computes (recorded per run). ``selection`` is left out of
+the protocol too: it decides only the methods whose validation counts other sites' classes
+(:attr:`cxrfl.bench.methods.Method.selection_matters`), so it is recorded in each run and a run of
+the other rule is set aside and trained again (:meth:`cxrfl.bench.runs.RunStore.set_aside_selection`)."""
 
 QUICK: dict[str, Any] = {
     "seeds": 2,

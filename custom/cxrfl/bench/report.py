@@ -92,7 +92,14 @@ def _header(results: dict[str, Any]) -> list[str]:
         f"(feature extractor frozen, shared by the methods of a seed); then rounds of one local epoch {steps} "
         "until the "
         f"mean validation BCE of the sites has not improved by {s['min_delta']:g} for {s['patience']} rounds (at most "
-        f"{s['max_rounds']} rounds, a guard); the model of the lowest mean validation loss is selected. The one-site "
+        f"{s['max_rounds']} rounds, a guard); the model of the lowest mean validation loss is selected "
+        + (
+            "(each site's loss over the classes it labels)"
+            if s.get("selection") == "annotated"
+            else "(each site's loss over the whole head: vanilla FL and centralized count other sites' classes "
+            "as negatives, the rule before issue 41)"
+        )
+        + ". The one-site "
         f"baselines run the same loop: epochs until their validation loss stops improving. {s['n_boot']} bootstrap "
         "resamples per seed.",
         "",

@@ -27,7 +27,7 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,6 +175,32 @@ class RunStore:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
+    def set_aside_selection(self, entries: Sequence[Entry], seeds: int, selection: str, log: Log) -> None:
+        """Move the stored runs selected by another rule, of the methods where the rule matters, to
+        ``superseded-selection-<rule>/`` (kept for the report of how far the gaps moved); they are
+        trained again. A record without ``selection`` was selected on the whole head.
+
+        Args:
+            entries: the table rows.
+            seeds: seeds 0 ... seeds-1.
+            selection: the rule of this comparison.
+            log: progress callback.
+        """
+        for e in entries:
+            for seed in range(seeds):
+                path = self.record_path(e.name, seed)
+                if not e.method.selection_matters or not path.is_file():
+                    continue
+                old = json.loads(path.read_text()).get("selection", "head")
+                if old == selection:
+                    continue
+                dest = self.root / f"superseded-selection-{old}" / _safe(e.name)
+                dest.mkdir(parents=True, exist_ok=True)
+                for p in (path, path.with_suffix(".npz")):
+                    if p.is_file():
+                        p.replace(dest / p.name)
+                log(f"{e.name} seed {seed}: selected by the {old!r} rule, set aside in {dest}; trained again")
+
     def done(self, entry: str, seed: int) -> bool:
         """Whether the run is stored."""
         return self.record_path(entry, seed).is_file()
@@ -229,7 +255,7 @@ def sites_of(
     if kind == "individual":
         return [next(s for s in data.sites if s.site == entry.site)], None
     if kind == "central":  # every image pooled; with a step cap, as many steps per epoch as all sites together
-        pooled = pooled_site(data.sites)
+        pooled = pooled_site(data.sites, selection=settings.selection)
         cap = None if settings.steps is None else settings.steps * len(data.sites)
         return [pooled], ({pooled.site: {"max_steps_per_epoch": cap}} if cap else None)
     return list(data.sites), None
@@ -325,6 +351,7 @@ def train_run(
     record = {
         "entry": entry.name,
         "method": entry.method.name,
+        "selection": settings.selection,
         "site": entry.site,
         "seed": seed,
         "models": {
