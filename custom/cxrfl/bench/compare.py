@@ -27,6 +27,7 @@ from cxrfl.bench.evaluate import TestSet, load_test_set
 from cxrfl.bench.methods import ABLATION_METHODS, REFERENCE, select
 from cxrfl.bench.profiles import ABLATION_SHARED, ABLATION_SITES, BenchData, from_site_configs, prepare
 from cxrfl.bench.protocol import CompareSettings, code_version, command_line, machine
+from cxrfl.bench.reselection import selection_deltas
 from cxrfl.bench.runs import Entry, RunStore, entries_for, outcome_line, run_all, train_and_store
 from cxrfl.bench.statistics import Bootstrap, View, ablation_summary, make_views, versus, view_cell
 from cxrfl.bench.targets import evaluate_targets
@@ -300,6 +301,7 @@ def build_results(
             )
     runs = [r for rs in records.values() for r in rs]
     results: dict[str, Any] = {
+        "selection_deltas": selection_deltas(store, entries, seeds),
         "profile": data.profile,
         "command": command_line(),
         "settings": settings.to_dict(),

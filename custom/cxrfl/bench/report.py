@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from cxrfl.bench.protocol import code_label
+from cxrfl.bench.reselection import format_deltas
 
 
 def stars(p: float | None) -> str:
@@ -392,6 +393,7 @@ def format_report(results: dict[str, Any], *, summary: bool = False, heading: st
     if not summary:
         out += _intervals(results) + _per_class(results)
     out += _targets_section(results)
+    out += format_deltas(results.get("selection_deltas") or {}, results["settings"].get("selection", "head"))
     if results.get("plots") and not summary:
         out += ["## Plots", ""] + [f"![{p}]({p})" for p in results["plots"]] + [""]
     if not summary:

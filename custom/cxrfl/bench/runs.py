@@ -93,7 +93,7 @@ def entries_for(methods: list[Method], data: BenchData) -> list[Entry]:
     return out
 
 
-def _safe(name: str) -> str:
+def safe_name(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_.+" else "_" for ch in name)
 
 
@@ -147,11 +147,11 @@ class RunStore:
 
     def record_path(self, entry: str, seed: int) -> Path:
         """The JSON record of a run."""
-        return self.root / _safe(entry) / f"seed-{seed}.json"
+        return self.root / safe_name(entry) / f"seed-{seed}.json"
 
     def work(self, entry: str, seed: int) -> Path:
         """The folder of a run in progress."""
-        return self.root / WORK_DIR / _safe(entry) / f"seed-{seed}"
+        return self.root / WORK_DIR / safe_name(entry) / f"seed-{seed}"
 
     @contextmanager
     def claim(self, entry: str, seed: int) -> Iterator[bool]:
@@ -162,7 +162,7 @@ class RunStore:
             entry: the entry name.
             seed: the seed.
         """
-        path = self.root / CLAIMS_DIR / _safe(entry) / f"seed-{seed}"
+        path = self.root / CLAIMS_DIR / safe_name(entry) / f"seed-{seed}"
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as handle:
             try:
@@ -194,7 +194,7 @@ class RunStore:
                 old = json.loads(path.read_text()).get("selection", "head")
                 if old == selection:
                     continue
-                dest = self.root / f"superseded-selection-{old}" / _safe(e.name)
+                dest = self.root / f"superseded-selection-{old}" / safe_name(e.name)
                 dest.mkdir(parents=True, exist_ok=True)
                 for p in (path, path.with_suffix(".npz")):
                     if p.is_file():

@@ -1,0 +1,106 @@
+"""How far each model moved when the selection rule changed (issue 41, point 4).
+
+A comparison run under one selection rule sets the stored runs of the other rule aside
+(:meth:`cxrfl.bench.runs.RunStore.set_aside_selection`) before training them again. This module
+pairs the two runs of each affected method and seed and reports, per test set, the mean AUROC
+(over the classes the model predicts there, then over the seeds both rules ran) under each rule
+and the change, and the selected round under each rule. The other methods are not affected by the
+rule (their validation counts their own classes either way), so a gap between an affected method
+and any other moves by exactly that method's change.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from cxrfl.bench.runs import GLOBAL, Entry, RunStore, safe_name
+
+
+def _mean_auroc(record: dict[str, Any], test: str) -> float | None:
+    values = [v for v in ((record.get("auroc") or {}).get(test) or {}).get(GLOBAL, {}).values() if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return float(np.mean(kept)) if kept else None
+
+
+def selection_deltas(store: RunStore, entries: Sequence[Entry], seeds: Sequence[int]) -> dict[str, Any]:
+    """Per affected entry: the rule its set-aside runs were selected by, the seeds both rules ran,
+    the mean selected round under each, and per test set the mean AUROC under each and the change.
+
+    Args:
+        store: the comparison's runs.
+        entries: the table rows.
+        seeds: the seeds reported.
+    """
+    out: dict[str, Any] = {}
+    for e in entries:
+        if not e.method.selection_matters:
+            continue
+        for folder in sorted(store.root.glob("superseded-selection-*")):
+            rule = folder.name.removeprefix("superseded-selection-")
+            pairs = [
+                (json.loads(p.read_text()), store.load(e.name, s))
+                for s in seeds
+                if (p := folder / safe_name(e.name) / f"seed-{s}.json").is_file() and store.done(e.name, s)
+            ]
+            if not pairs:
+                continue
+            tests = sorted({t for old, new in pairs for t in (new.get("auroc") or {})})
+            per_test = {}
+            for t in tests:
+                before = _mean([_mean_auroc(old, t) for old, _ in pairs])
+                after = _mean([_mean_auroc(new, t) for _, new in pairs])
+                change = None if before is None or after is None else after - before
+                per_test[t] = {"before": before, "after": after, "change": change}
+            out[e.name] = {
+                "label": e.label,
+                "before_rule": rule,
+                "seeds": [s for s in seeds if (folder / safe_name(e.name) / f"seed-{s}.json").is_file()],
+                "best_round": {
+                    "before": _mean([old.get("best_round") for old, _ in pairs]),
+                    "after": _mean([new.get("best_round") for _, new in pairs]),
+                },
+                "mean_auroc": per_test,
+            }
+    return out
+
+
+def format_deltas(deltas: dict[str, Any], rule: str) -> list[str]:
+    """The report section (empty when no run was set aside).
+
+    Args:
+        deltas: :func:`selection_deltas`.
+        rule: the comparison's selection rule.
+    """
+    if not deltas:
+        return []
+    out = [
+        "## Selection rule",
+        "",
+        f"Runs selected by the `{rule}` rule against the same seeds' runs set aside from the other rule (mean AUROC "
+        "over the classes each model predicts on a test set, then over the seeds both ran). Only these methods' "
+        "validation depends on the rule, so each of their gaps to any other method moved by the change shown.",
+        "",
+        "| method | test set | mean AUROC before | after | change | selected round before → after |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def f(v: float | None, sign: bool = False) -> str:
+        return "-" if v is None else (f"{v:+.4f}" if sign else f"{v:.4f}")
+
+    for d in deltas.values():
+        br = d["best_round"]
+        rounds = " → ".join("-" if v is None else f"{v:.1f}" for v in (br["before"], br["after"]))
+        for t, v in d["mean_auroc"].items():
+            out.append(
+                f"| {d['label']} (before: `{d['before_rule']}`) | {t} | {f(v['before'])} | {f(v['after'])} | "
+                f"{f(v['change'], sign=True)} | {rounds} |"
+            )
+    return [*out, ""]
