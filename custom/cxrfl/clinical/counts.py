@@ -49,6 +49,18 @@ from cxrfl.common.config import Config
 from cxrfl.errors import ConfigError, UpdateRejected
 
 _KEYS = ("bins", "positives", "negatives")
+SEPARATOR = "|"
+"""Between a class and one of its subgroups in a counting target (:mod:`cxrfl.clinical.subgroups`)."""
+
+
+def split_name(name: str) -> tuple[str, str | None]:
+    """A counting target -> (class, ``"<field>=<group>"``); a plain class -> (class, None).
+
+    Args:
+        name: a class, or ``"<class>|<field>=<group>"``.
+    """
+    cls, sep, group = name.rpartition(SEPARATOR)
+    return (cls, group) if sep and "=" in group else (name, None)
 
 
 @dataclass(frozen=True)
@@ -273,6 +285,7 @@ def count_classes(
     classes: Sequence[str],
     request: Mapping[str, Any],
     *,
+    groups: Mapping[str, np.ndarray] | None = None,
     site_min_cell: int = 1,
 ) -> dict[str, dict[str, Any] | None]:
     """Site side: answer a server's count request (:func:`count_request`) for the evaluated classes.
@@ -281,12 +294,15 @@ def count_classes(
         scores: [n, K] probabilities, columns in ``classes`` order.
         labels: [n, K] 1, 0 or NaN (not annotated).
         classes: the column names.
-        request: ``{"min_cell": int, "bins": {class: BinSpec dict}}`` from the task.
+        request: ``{"min_cell": int, "bins": {target: BinSpec dict}}`` from the task; a target is a
+            class or one of its subgroups (``"<class>|<field>=<group>"``, :mod:`cxrfl.clinical.subgroups`).
+        groups: ``"<field>=<group>"`` -> [n] bool, which rows belong to it (a group not given: the
+            site sends nothing for it).
         site_min_cell: the site's own floor: a request asking for less is raised to it.
 
     Returns:
-        class -> :meth:`ScoreCounts.to_dict`, or None (too few cases: nothing sent), for every
-        class of ``classes`` the request names.
+        target -> :meth:`ScoreCounts.to_dict`, or None (too few cases: nothing sent), for every
+        target of a class of ``classes`` the request names.
 
     Raises:
         ConfigError: a malformed request (one line; the site answers nothing).
@@ -300,13 +316,21 @@ def count_classes(
             f"{type(wanted).__name__} (a mapping class -> bins)"
         )
     out: dict[str, dict[str, Any] | None] = {}
-    for j, c in enumerate(classes):
-        if c in wanted:
-            got = count_scores(
-                scores[:, j],
-                labels[:, j],
-                bins=BinSpec.from_dict(wanted[c], where=f"bins of {c}"),
+    for name in wanted:
+        c, group = split_name(str(name))
+        if c not in classes:
+            continue
+        j = list(classes).index(c)
+        rows = np.ones(len(scores), bool) if group is None else (groups or {}).get(group)
+        got = (
+            None
+            if rows is None
+            else count_scores(
+                scores[rows, j],
+                labels[rows, j],
+                bins=BinSpec.from_dict(wanted[name], where=f"bins of {name}"),
                 min_cell=max(min_cell, site_min_cell),
             )
-            out[c] = None if got is None else got.to_dict()
+        )
+        out[name] = None if got is None else got.to_dict()
     return out

@@ -21,6 +21,7 @@ import numpy as np
 from cxrfl.clinical.calibration import reliability
 from cxrfl.clinical.counts import BinSpec, ScoreCounts, merge, refine_bins
 from cxrfl.clinical.pooled import at_threshold, pooled_auroc, roc_curve
+from cxrfl.clinical.subgroups import subgroup_names, subgroup_report
 from cxrfl.common.config import Config
 from cxrfl.errors import UpdateRejected
 
@@ -42,6 +43,8 @@ class PooledEvaluation(Config):
             counted again in bins fitted to its pooled scores (one second pass).
         level: confidence level of the intervals.
         threshold: the probability whose sensitivity and specificity are reported.
+        subgroups: also count and pool every class by sex, age band and view
+            (:mod:`cxrfl.clinical.subgroups`; about ten times the counts per site).
     """
 
     SECTION: ClassVar[str] = "pooled"
@@ -50,6 +53,7 @@ class PooledEvaluation(Config):
     tolerance: float = field(default=0.002, metadata={"gt": 0})
     level: float = field(default=0.95, metadata={"gt": 0, "lt": 1})
     threshold: float = field(default=0.5, metadata={"gt": 0, "lt": 1})
+    subgroups: bool = False
 
 
 def pooled(per: Mapping[str, ScoreCounts | None]) -> ScoreCounts | None:
@@ -153,6 +157,8 @@ def count_at_sites(
                 out.setdefault(c, {})[site] = value
         return out
 
+    if settings.subgroups:
+        evaluated = {s: [*ev, *subgroup_names(ev)] for s, ev in evaluated.items()}
     bins = {c: settings.bins for ev in evaluated.values() for c in ev}
     counts = one_pass(evaluated, bins)
     fitted = {
@@ -215,7 +221,13 @@ def pooled_report(
             )
         rows[c] = entry
     values = [e["auroc"]["value"] for e in rows.values() if e["auroc"] is not None]
+    audit = {}
+    if settings.subgroups:
+        targets = subgroup_names(classes)
+        by_target = {t: pooled(counts.get(t, {})) for t in targets}
+        audit = {"subgroups": subgroup_report(classes, by_target, level=settings.level)}
     return {
+        **audit,
         "min_cell": settings.min_cell,
         "level": settings.level,
         "threshold": settings.threshold,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cxrfl.clinical.subgroups import GROUPS
 from cxrfl.errors import DataError
 
 EVALUATION = "evaluation.json"
@@ -221,6 +222,47 @@ def _fit_lines(run: PooledRun) -> list[str]:
     return lines
 
 
+def subgroup_table(run: PooledRun) -> list[str]:
+    """Per class and field (sex, age band, view): each group's pooled AUROC with its interval and
+    ECE, and the largest gap between two groups with its interval."""
+    audit = run.pooled.get("subgroups")
+    if not audit:
+        return [
+            "No subgroup audit in this run (`subgroups: true` in the evaluation settings; the sites' data "
+            "must have sex, age or view)."
+        ]
+    lines = [
+        "| Class | Field | Groups: AUROC (interval), ECE | Largest gap (interval) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for c, entry in audit.items():
+        for field, names in GROUPS.items():
+            have = {g: e for g, e in entry["groups"].items() if g.startswith(f"{field}=") and e is not None}
+            if not have:
+                continue
+            cells = "; ".join(
+                f"{g.split('=', 1)[1]} {_ci(e['auroc'])}, n {e['auroc']['n_pos']}/{e['auroc']['n_neg']}, "
+                f"ECE {e['ece']:.3f}"
+                for g, e in sorted(have.items(), key=lambda ge: names.index(ge[0].split("=", 1)[1]))
+            )
+            gap = entry["largest_gap"].get(field)
+            gap_text = (
+                f"{gap['higher'].split('=', 1)[1]} - {gap['lower'].split('=', 1)[1]}: {gap['value']:+.3f} "
+                f"({gap['low']:+.3f} to {gap['high']:+.3f})"
+                if gap
+                else "-"
+            )
+            lines.append(f"| {_cell(c)} | {field} | {cells} | {gap_text} |")
+    return [
+        *lines,
+        "",
+        "A group is pooled over the sites that label the class and sent counts for it (each with at least the "
+        "minimum cell size of positives and of negatives in the group; n: positives/negatives). Age bands in "
+        "years. The gap interval is that of the difference of two independent AUROCs (DeLong variances added): "
+        "one that excludes 0 marks a group the model serves worse.",
+    ]
+
+
 def format_clinical_report(run: PooledRun, figures: Sequence[str]) -> str:
     """The Markdown report.
 
@@ -257,7 +299,7 @@ def format_clinical_report(run: PooledRun, figures: Sequence[str]) -> str:
         "",
         "## Subgroups",
         "",
-        "Subgroup results (by sex, age band, view) are not computed yet (issue 45 point 4).",
+        *subgroup_table(run),
     ]
     names = {ROC_PNG: "ROC curves", RELIABILITY_PNG: "Reliability diagrams (before calibration)"}
     for name in figures:

@@ -14,7 +14,8 @@ SPLITS = ("test", "val")
 @dataclass(frozen=True)
 class FedEvalConfig(PooledEvaluation):
     """Settings of one evaluation-only run: how sites count and the server pools (``min_cell``, ``bins``,
-    ``tolerance``, ``level``, ``threshold``: :class:`cxrfl.clinical.pooling.PooledEvaluation`), and:
+    ``tolerance``, ``level``, ``threshold``, ``subgroups``, here on by default:
+    :class:`cxrfl.clinical.pooling.PooledEvaluation`), and:
 
     Args:
         split: the sites' split the model is scored on (``test``; ``val`` for calibration and thresholds).
@@ -30,6 +31,7 @@ class FedEvalConfig(PooledEvaluation):
     """
 
     SECTION: ClassVar[str] = "fedeval"
+    subgroups: bool = True  # an evaluation run audits by sex, age band and view (training jobs: off)
     split: str = field(default="test", metadata={"choices": SPLITS})
     min_sites: int = field(default=1, metadata={"ge": 1})
     calibration: str | None = field(default=None, metadata={"choices": ("platt", "temperature")})

@@ -44,6 +44,7 @@ import pandas as pd
 import torch
 
 from cxrfl.clinical.counts import count_classes
+from cxrfl.clinical.subgroups import memberships
 from cxrfl.common.io import torch_load, torch_save
 from cxrfl.common.transport import copy_params
 from cxrfl.data.dataset import DeviceLoader, make_loader, reseed
@@ -574,5 +575,6 @@ class SiteLearner:
         }
         if counts is not None:
             labels = np.where(res.mask > 0, res.y_true, np.nan)
-            out["counts"] = count_classes(res.scores, labels, res.classes or list(self.classes), counts)
+            groups = memberships(self.split_table(split))  # the loader keeps the split's row order
+            out["counts"] = count_classes(res.scores, labels, res.classes or list(self.classes), counts, groups=groups)
         return out
