@@ -17,8 +17,10 @@ from cxrfl.common.io import params_digest, read_records
 from cxrfl.common.server import RunAborted, RunStopped
 from cxrfl.cwt.config import BINARY_CLASS, OPTIMIZER_PREFIX, CWTConfig, RelayConfig
 from cxrfl.cwt.inprocess import run_cwt
+from cxrfl.cwt.server import BEST_MODEL
 from cxrfl.cwt.site import make_sites
 from cxrfl.nn.models import ModelConfig, load_checkpoint, model_from_checkpoint
+from pooling_helpers import central_auroc
 
 MODEL = ModelConfig(image_size=32)
 
@@ -157,6 +159,20 @@ def test_shuffled_multilabel_relay_with_evaluation(datas, tmp_path):
     assert ev["classes"] == result.classes and ev["best_cycle"] == result.best_cycle
     assert set(ev["sites"]) == {"site-a", "site-b"} and math.isfinite(ev["pooled_loss"])
     assert set(ev["sites"]["site-a"]["auroc"]) == set(result.classes)
+
+
+def test_the_final_test_evaluation_is_pooled_per_class_over_the_sites_that_label_it(datas, tmp_path):
+    # issue 45: a training job's final evaluation uses the evaluation-only federation's code; CWT's too
+    out = tmp_path / "out"
+    cfg = config(task="multilabel", precision="fp32")
+    relay = RelayConfig.from_dict({"evaluate_test": True, "min_sites_timeout": 0, "pooled": {"min_cell": 1}})
+    run(datas, cfg, out, relay=relay)
+    pooled = json.loads((out / "cxrfl" / "evaluation.json").read_text())["pooled"]["classes"]
+    assert pooled["Mass"]["sites_pooled"] == ["site-a", "site-b"]
+    assert pooled["Effusion"]["sites_labelling"] == ["site-a"] and pooled["Nodule"]["sites_labelling"] == ["site-b"]
+    best = out / BEST_MODEL
+    for c in ("Mass", "Effusion", "Nodule"):
+        assert abs(pooled[c]["auroc"]["value"] - central_auroc(datas, best, c)) <= 0.002, c
 
 
 # --------------------------------------------------------------- early stopping, best cycle

@@ -24,6 +24,7 @@ from cxrfl.predict import predict_images
 from cxrfl.surgical.inprocess import make_hosts
 from cxrfl.synth import write_profile
 from pooling_helpers import central_auroc
+from sklearn.metrics import roc_auc_score
 
 SITES = ["hospital-a", "hospital-b"]
 EXTRA = "Hernia-of-nobody"  # a model class no site labels
@@ -67,6 +68,36 @@ def test_pooled_auroc_from_counts_equals_sklearn_on_the_pooled_scores(sites, che
     written = json.loads((tmp_path / "cxrfl" / "evaluation.json").read_text())
     assert written["classes"].keys() == report["classes"].keys()
     assert (tmp_path / "cxrfl" / "evaluation.json").stat().st_mode & 0o077 == 0  # names sites per class
+
+
+def test_subgroups_pooled_from_counts_equal_sklearn_on_each_groups_pooled_scores(sites, checkpoint, tmp_path):
+    # issue 45 point 4: by sex, age band and view, from the sites' own metadata, nothing per image sent
+    report = run_fedeval(fp32_hosts(sites, tmp_path / "sites"), checkpoint, FedEvalConfig(min_cell=1), tmp_path)
+    audit = report["subgroups"]
+    checked = 0
+    for c, entry in audit.items():
+        for group, member in (
+            ("sex=F", lambda t: t["sex"] == "F"),
+            ("sex=M", lambda t: t["sex"] == "M"),
+            ("view=PA", lambda t: t["view"] == "PA"),
+            ("age=40-59", lambda t: (t["age"] >= 40) & (t["age"] < 60)),
+        ):
+            got = entry["groups"][group]
+            if got is None:
+                continue
+            scores, labels = [], []
+            for site in sites:
+                if c not in site.classes:
+                    continue
+                table = site.split_table("test")
+                rows = table[member(table) & table[c].notna()]  # the group read from the site's own table
+                found = predict_images(checkpoint, rows["path"].tolist(), device="cpu", precision="fp32")
+                scores += [r["probabilities"][c] for r in found]
+                labels += rows[c].tolist()
+            assert abs(got["auroc"]["value"] - roc_auc_score(labels, scores)) <= 0.002, (c, group)
+            checked += 1
+    assert checked >= 8, audit.keys()
+    assert any(e["largest_gap"].get("sex") for e in audit.values())
 
 
 def test_a_class_below_the_minimum_cell_size_is_not_sent(sites, checkpoint, tmp_path):

@@ -162,7 +162,7 @@ def test_chexpert_uncertain_policies_blank_is_negative(
 def test_chexpert_frontal_only_patients_classes_and_archive_folder(chexpert: Path) -> None:
     for images in (chexpert, chexpert.parent):  # the archive folder itself, or its parent
         table = read_labels(config({"format": "chexpert", "labels": chexpert / "train.csv", "images": images}))
-        assert list(table.columns) == ["path", "patient", *CHEXPERT_CLASSES]
+        assert list(table.columns) == ["path", "patient", *CHEXPERT_CLASSES, "sex", "age", "view"]
         assert table["patient"].tolist() == ["patient00001", "patient00002", "patient00003"]
         expected = [str(chexpert / "train" / r[0]) for r in CHEXPERT_ROWS if r[1] == "Frontal"]
         assert table["path"].tolist() == expected
@@ -179,7 +179,7 @@ def test_chexpert_views_and_class_subset(chexpert: Path) -> None:
     )
     table = read_labels(cfg)
     assert table["patient"].tolist() == ["patient00002"]
-    assert list(table.columns) == ["path", "patient", "Edema", "Cardiomegaly"]
+    assert list(table.columns) == ["path", "patient", "Edema", "Cardiomegaly", "sex", "age", "view"]
 
 
 def test_chexpert_bad_value_names_file_line_and_column(chexpert: Path) -> None:
@@ -261,7 +261,7 @@ def mimic_config(root: Path, **dataset: Any) -> SiteConfig:
 
 def test_mimic_joins_study_labels_to_frontal_images(mimic: Path) -> None:
     table = read_labels(mimic_config(mimic, uncertain="ignore"))
-    assert sorted(CHEXPERT_CLASSES) == sorted(table.columns[2:])
+    assert sorted(CHEXPERT_CLASSES) == sorted(table.columns[2:-1]) and table.columns[-1] == "view"
     by_name = table.set_index(table["path"].map(lambda p: Path(p).stem))
     assert sorted(by_name.index) == ["d1-pa", "d2-ap", "d4-pa", "d5-ap"]  # both frontal images of one study
     assert by_name.loc["d1-pa", "Cardiomegaly"] == 1.0 and by_name.loc["d2-ap", "Cardiomegaly"] == 1.0
@@ -319,7 +319,7 @@ def test_nih_rows_wider_than_the_header(tmp_path: Path) -> None:
         ],
     )
     table = read_labels(config({"format": "nih", "labels": labels, "images": tmp_path / "images"}))
-    assert list(table.columns) == ["path", "patient", *NIH_CLASSES]
+    assert list(table.columns) == ["path", "patient", *NIH_CLASSES, "sex", "age", "view"]
     assert table["patient"].tolist() == ["1", "1", "2"]
     assert table["path"].tolist() == [
         str(tmp_path / "images" / f) for f in ("00000001_000.png", "00000001_001.png", "00000002_000.png")
@@ -346,9 +346,9 @@ def test_nih_unknown_finding_names_file_line_and_fix(tmp_path: Path) -> None:
     mapped = read_labels(
         config({"format": "nih", "labels": labels, "images": tmp_path}, label_map={"Lung Cyst": "Cyst"})
     )
-    assert mapped["Cyst"].tolist() == [0.0, 1.0] and len(mapped.columns) == 2 + 15
+    assert mapped["Cyst"].tolist() == [0.0, 1.0] and len(mapped.columns) == 2 + 15 + 3
     dropped = read_labels(config({"format": "nih", "labels": labels, "images": tmp_path}, drop=["Lung Cyst"]))
-    assert list(dropped.columns[2:]) == list(NIH_CLASSES)
+    assert list(dropped.columns[2:-3]) == list(NIH_CLASSES)
 
 
 # ---------------------------------------------------------------- generic CSV
@@ -486,7 +486,7 @@ def test_nih_variants_of_a_known_finding_are_read_as_it_with_one_warning(tmp_pat
         ],
     )
     table = read_labels(config({"format": "nih", "labels": labels, "images": tmp_path}))
-    assert list(table.columns[2:]) == list(NIH_CLASSES)  # no extra class, no conflict
+    assert list(table.columns[2:-3]) == list(NIH_CLASSES)  # no extra class, no conflict
     expected = {
         "Pleural Effusion": [1, 1, 1, 0, 0, 1],
         "Mass": [0, 1, 0, 0, 0, 0],

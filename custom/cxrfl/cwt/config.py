@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from cxrfl.clinical.pooling import PooledEvaluation
 from cxrfl.common.config import Config
 from cxrfl.nn.precision import LEGACY_AMP, channels_last_field, precision_field
 
@@ -104,6 +105,8 @@ class RelayConfig(Config):
             with the reason.
         retry_pause: seconds between two attempts.
         evaluate_test: evaluate the best model on every site's test split at the end.
+        pooled: how that evaluation counts at the sites and pools per class over the sites that
+            label it (:class:`cxrfl.clinical.pooling.PooledEvaluation`, as surgical aggregation's).
     """
 
     SECTION: ClassVar[str] = "cwt_relay"
@@ -112,6 +115,7 @@ class RelayConfig(Config):
     min_sites_timeout: float = field(default=600.0, metadata={"ge": 0})
     retry_pause: float = field(default=10.0, metadata={"ge": 0})
     evaluate_test: bool = True
+    pooled: PooledEvaluation = field(default_factory=PooledEvaluation)
 
     def __post_init__(self) -> None:
         super().__post_init__()

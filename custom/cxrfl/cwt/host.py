@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from cxrfl.clinical.counts import count_classes
+from cxrfl.clinical.subgroups import memberships
 from cxrfl.common.io import params_digest, to_numpy
 from cxrfl.common.transport import Message
 from cxrfl.cwt.config import CWTConfig
@@ -142,9 +144,13 @@ class CWTSiteHost:
         if task == VALIDATE_TASK:
             split = str(meta.get("split", "val"))
             model = self._load(site, split_params(params)[0])
-            return {}, {
-                "metrics": {**eval_summary(site.evaluate(model, split)), "split": split, "cycle": meta.get("cycle")}
-            }
+            result = site.evaluate(model, split)
+            metrics = {**eval_summary(result), "split": split, "cycle": meta.get("cycle")}
+            if meta.get("counts") is not None:  # the final test evaluation, pooled per class at the server
+                labels = np.where(result.mask > 0, result.y_true, np.nan)
+                groups = memberships(site.tables[split])  # the evaluation loader keeps the table's order
+                metrics["counts"] = count_classes(result.scores, labels, site.classes, meta["counts"], groups=groups)
+            return {}, {"metrics": metrics}
         raise ValueError(f"site {self.name}: unknown task {task!r}")
 
     def _train(self, site: CWTSite, params: Mapping[str, Any], meta: Mapping[str, Any]) -> Message:

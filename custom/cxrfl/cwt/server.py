@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cxrfl.clinical.final_evaluation import evaluate_test_split
 from cxrfl.common.io import params_digest, to_numpy, write_json
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.common.server import RECORDS_DIR, RetryClock, RunStopped, ServerLoop
@@ -584,6 +585,23 @@ class CWTServer(ServerLoop):
         )
         return es.best_step, es.best, state.best_weights
 
+    def _test_split(
+        self, plan: RelayPlan, weights: Mapping[str, np.ndarray], cycle: int
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
+        """Every site's test metrics and the per-class report pooled from their binned counts
+        (:func:`cxrfl.clinical.final_evaluation.evaluate_test_split`)."""
+
+        def exchange(requests: Mapping[str, dict[str, Any] | None]) -> dict[str, Mapping[str, Any]]:
+            meta = {s: self._meta(plan.classes, split="test", cycle=cycle, counts=r) for s, r in requests.items()}
+            answers = self._ask(VALIDATE_TASK, {s: (dict(weights), m) for s, m in meta.items()})
+            return {s: a[1] for s, a in answers.items()}
+
+        # a site labels its own classes (multi-label task), or the one task class
+        announced = {s: list(plan.counts.get(s, {}).get("classes") or plan.classes) for s in plan.relay}
+        return evaluate_test_split(
+            exchange, announced, plan.classes, self.relay.pooled, pool=True, info=self.info, warning=self.warning
+        )
+
     def _evaluate(self, plan: RelayPlan, weights: Mapping[str, np.ndarray], best_cycle: int) -> dict[str, Any]:
         report: dict[str, Any] = {
             "classes": plan.classes,
@@ -592,10 +610,12 @@ class CWTServer(ServerLoop):
             "sites": {},
         }
         if self.relay.evaluate_test:
-            for s, m in sorted(self._validate(weights, plan, "test").items()):
+            metrics, pooled = self._test_split(plan, weights, best_cycle)
+            for s, m in sorted(metrics.items()):
                 report["sites"][s] = {**m, "auroc_summary": summarise_auroc(m.get("auroc") or {})}
             report["pooled_loss"] = pooled_loss(
                 [(m.get("loss", math.nan), m.get("n_known", 0)) for m in report["sites"].values()]
             )
+            report["pooled"] = pooled
         self.write_evaluation(report)
         return report

@@ -29,6 +29,7 @@ import pandas as pd
 from cxrfl.data.label_columns import label_columns
 from cxrfl.data.readers import _KEY, _absolute, _finish, _first_line, _read_csv, csv_images, csv_special_columns
 from cxrfl.data.site_config import SiteConfig
+from cxrfl.data.subgroups import subgroup_frame
 from cxrfl.errors import DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".dcm", ".dicom")
@@ -215,7 +216,8 @@ def read_categorical(config: SiteConfig) -> pd.DataFrame:
     found = key.map(values)
     labels = pd.DataFrame({k: (found == c).astype(np.float64) for c, k in mapping.items()}, index=raw.index)
     labels[unlabelled.to_numpy()] = np.nan
-    return _finish(csv_images(raw, config).join(labels), list(mapping.values()), ds.path_column, config, problems)
+    frame = csv_images(raw, config).join(labels).join(subgroup_frame(raw, config, ds.labels, problems))
+    return _finish(frame, list(mapping.values()), ds.path_column, config, problems)
 
 
 def read_registry(config: SiteConfig) -> pd.DataFrame:
@@ -233,7 +235,8 @@ def read_registry(config: SiteConfig) -> pd.DataFrame:
         columns[name] = (~raw[column].str.strip().str.lower().isin(_BLANK)).astype(np.float64)
     mapping = _classes(list(columns), config, ds.labels, problems)
     labels = pd.DataFrame({k: columns[c] for c, k in mapping.items()}, index=raw.index)
-    return _finish(csv_images(raw, config).join(labels), list(mapping.values()), ds.path_column, config, problems)
+    frame = csv_images(raw, config).join(labels).join(subgroup_frame(raw, config, ds.labels, problems))
+    return _finish(frame, list(mapping.values()), ds.path_column, config, problems)
 
 
 LAYOUT_READERS: dict[str, Callable[[SiteConfig], pd.DataFrame]] = {

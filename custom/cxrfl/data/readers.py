@@ -3,7 +3,8 @@ the native layouts of smaller public sets (folders, categorical, registry) are i
 
 Every reader returns the same table: one row per image with ``path`` (absolute), ``patient``
 (string), optionally ``split`` (``train``/``val``/``test``, when the data provides one), then one
-float column per canonical class: 1.0 positive, 0.0 negative, NaN unknown.
+float column per canonical class: 1.0 positive, 0.0 negative, NaN unknown, then the subgroup
+columns the data has (``sex``, ``age``, ``view``: :mod:`cxrfl.data.subgroups`).
 
 Label values:
 
@@ -30,6 +31,7 @@ import pandas as pd
 from cxrfl.data.label_columns import declared_classes, label_columns
 from cxrfl.data.labels import NIH_COLUMN_NAMES, NO_FINDING, UnknownLabelError, canonical_name, normalise_key
 from cxrfl.data.site_config import SiteConfig
+from cxrfl.data.subgroups import DEFAULT_COLUMNS, SUBGROUP_FIELDS, subgroup_frame
 from cxrfl.errors import ConfigError, DataError
 
 _SPLIT_NAMES = {
@@ -52,14 +54,17 @@ def _first_line(mask: pd.Series) -> int:
     return int(mask[mask].index[0]) + 2
 
 
-def _read_csv(path: Path, what: str, required: Sequence[str], usecols: Sequence[str] | None = None) -> pd.DataFrame:
+def _read_csv(
+    path: Path, what: str, required: Sequence[str], usecols: Sequence[str] | Callable[[str], bool] | None = None
+) -> pd.DataFrame:
     """Read a CSV (optionally gzip-compressed) as strings, blanks kept as ``""``.
 
     Args:
         path: the file.
         what: what the file is, for messages (``dataset.labels`` ...).
         required: columns that must be present.
-        usecols: read only these columns (tolerates rows with more fields than header names).
+        usecols: read only these columns, or those a callable keeps (tolerates rows with more fields
+            than header names).
     """
     if not path.is_file():
         raise DataError(f"{what} file {path} does not exist; check the path in the site config")
@@ -207,7 +212,8 @@ def _finish(frame: pd.DataFrame, classes: list[str], key: str, config: SiteConfi
     frame = _confine(frame, config, problems)
     if config.dataset.split_file is not None:
         frame = _apply_split_file(frame, key, config, problems)
-    cols = ["path", "patient"] + (["split"] if "split" in frame else []) + classes
+    subgroups = [f for f in SUBGROUP_FIELDS if f in frame]
+    cols = ["path", "patient"] + (["split"] if "split" in frame else []) + classes + subgroups
     out = frame[cols].reset_index(drop=True)
     out[classes] = out[classes].astype(np.float64)
     twice = out["path"].duplicated()
@@ -283,7 +289,9 @@ def read_nih(config: SiteConfig) -> pd.DataFrame:
     assert ds.labels is not None  # required for this format (DatasetConfig)
     key = "Image Index"
     need = (key, "Finding Labels", "Patient ID", "View Position")
-    raw = _read_csv(ds.labels, "dataset.labels", need, usecols=need).apply(lambda s: s.str.strip())
+    wanted = {*need, *DEFAULT_COLUMNS["nih"].values()}
+    raw = _read_csv(ds.labels, "dataset.labels", need, usecols=lambda c: c.strip() in wanted)
+    raw = raw.apply(lambda s: s.str.strip())
     views = _views(config)
     if views:
         raw = raw[raw["View Position"].str.upper().isin(views)]
@@ -309,6 +317,7 @@ def read_nih(config: SiteConfig) -> pd.DataFrame:
         {"path": _absolute(ds.images, raw[key]), "patient": raw["Patient ID"], _KEY: raw[key]}, index=raw.index
     )
     frame = frame.join(pd.DataFrame(matrix, index=raw.index, columns=list(mapping.values())))
+    frame = frame.join(subgroup_frame(raw, config, ds.labels, problems))
     return _finish(frame, list(mapping.values()), key, config, problems)
 
 
@@ -374,6 +383,7 @@ def read_chexpert(config: SiteConfig) -> pd.DataFrame:
     image = _absolute(ds.images, rel.map(_chexpert_root(ds.images, rel.iloc[0])))
     frame = pd.DataFrame({"path": image, "patient": patient, _KEY: rel}, index=raw.index)
     frame = frame.join(_label_frame(raw, mapping, config, blank=0.0))
+    frame = frame.join(subgroup_frame(raw, config, ds.labels, problems))
     return _finish(frame, list(mapping.values()), key, config, problems)
 
 
@@ -420,14 +430,15 @@ def read_mimic(config: SiteConfig) -> pd.DataFrame:
     subject = frame["subject_id"]
     rel = files + "p" + subject.str[:2] + "/p" + subject + "/s" + frame["study_id"] + "/" + frame["dicom_id"] + ".jpg"
     frame = frame.assign(path=_absolute(ds.images, rel), patient=subject, **{_KEY: frame["dicom_id"]})
+    frame = frame.join(subgroup_frame(frame, config, ds.metadata, problems))
     return _finish(frame, list(mapping.values()), "dicom_id", config, problems)
 
 
 def read_csv(config: SiteConfig) -> pd.DataFrame:
     """A generic CSV: an image path column, optional patient and split columns, label columns.
 
-    Every other column is a label column (``1``/``0``/``-1``/blank = unknown); image paths and
-    patients as :func:`csv_images` reads them.
+    Every other column but ``dataset.subgroups`` is a label column (``1``/``0``/``-1``/blank =
+    unknown); image paths and patients as :func:`csv_images` reads them.
 
     Args:
         config: the site config (``dataset.format == "csv"``).
@@ -437,8 +448,10 @@ def read_csv(config: SiteConfig) -> pd.DataFrame:
     special = csv_special_columns(config)
     raw = _read_csv(ds.labels, "dataset.labels", special)
     problems: list[str] = []
-    mapping = label_columns([c for c in raw.columns if c not in special], config, ds.labels, problems)
+    other = [c for c in raw.columns if c not in special and c not in ds.subgroups.values()]
+    mapping = label_columns(other, config, ds.labels, problems)
     frame = csv_images(raw, config).join(_label_frame(raw, mapping, config, blank=np.nan))
+    frame = frame.join(subgroup_frame(raw, config, ds.labels, problems))
     return _finish(frame, list(mapping.values()), ds.path_column, config, problems)
 
 

@@ -13,6 +13,7 @@ from cxrfl.data.images import ImageError, read_image
 from cxrfl.data.readers import read_labels
 from cxrfl.data.site_config import SiteConfig, load_site_config
 from cxrfl.data.splits import SPLITS, patient_split, resolve_overlap, val_from_train
+from cxrfl.data.subgroups import SUBGROUP_FIELDS
 from cxrfl.errors import DataError
 
 
@@ -22,10 +23,12 @@ class SiteData:
 
     Args:
         site: the site name.
-        classes: canonical class names the site contributes, in label column order.
+        classes: canonical class names the site contributes, in label column order (never a
+            subgroup field).
         table: one row per usable image: ``path`` (absolute), ``patient``, ``split``
             (``train``/``val``/``test``), then one float column per class: 1.0, 0.0 or NaN
-            (NaN = not annotated, masked out of loss and metrics).
+            (NaN = not annotated, masked out of loss and metrics), then the subgroup fields the
+            data has (``sex``, ``age``, ``view``; NaN = unknown: :mod:`cxrfl.data.subgroups`).
         skipped: ``(image path, reason)`` of images left out as missing or unreadable.
         problems: warnings that do not stop the site (a class without positives in a split ...).
         cache_dir: the site's preprocessing cache on disk, a folder of its own workspace
@@ -190,7 +193,7 @@ def load_site(config: SiteConfig | str | Path, *, check_images: bool = True) -> 
         config = load_site_config(config)
     table = read_labels(config)
     problems = list(table.attrs.get("problems", []))
-    classes = [c for c in table.columns if c not in ("path", "patient", "split")]
+    classes = [c for c in table.columns if c not in ("path", "patient", "split", *SUBGROUP_FIELDS)]
     skipped = _check_images(table, config, decode=check_images)
     if skipped:
         table = table[~table["path"].isin({p for p, _ in skipped})].reset_index(drop=True)

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import yaml
 
 from cxrfl.common.config import Config
+from cxrfl.data.subgroups import SUBGROUP_FIELDS
 from cxrfl.errors import ConfigError
 
 FORMATS = ("nih", "chexpert", "mimic", "csv", "folders", "categorical", "registry")
@@ -47,6 +48,7 @@ _FORMAT_KEYS = {  # settings read by some formats only: set for another format, 
     "unlabelled_values": ("categorical",),
     "site_label": ("registry",),
     "derived": ("registry",),
+    "subgroups": _CSV_FORMATS,
 }
 
 
@@ -85,6 +87,8 @@ class DatasetConfig(Config):
         unlabelled_values: categorical: values meaning "not labelled" (all classes masked).
         site_label: registry: the class every image of the site has.
         derived: registry: class -> column; positive where the column is filled.
+        subgroups: csv, categorical, registry: subgroup field (``sex``, ``age``, ``view``) -> column
+            (:mod:`cxrfl.data.subgroups`; nih, chexpert and mimic read their own columns).
     """
 
     SECTION: ClassVar[str] = "dataset"
@@ -110,6 +114,7 @@ class DatasetConfig(Config):
     unlabelled_values: tuple[str, ...] = ()
     site_label: str | None = None
     derived: dict[str, str] = field(default_factory=dict)
+    subgroups: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.labels, (str, Path, type(None))):  # null only means "not given" (folders)
@@ -128,6 +133,9 @@ class DatasetConfig(Config):
         for key in required:
             if getattr(self, key) in (None, {}):
                 self.fail(key, f"is missing (format {self.format} needs it)")
+        unknown = [k for k in self.subgroups if k not in SUBGROUP_FIELDS]
+        if unknown:
+            self.fail("subgroups", f"has key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(SUBGROUP_FIELDS)}")
         if self.format == "registry" and not self.site_label and not self.derived:
             self.fail("site_label", "or dataset.derived is required for format registry")
         self._check_folders()

@@ -8,6 +8,7 @@ from typing import Any
 from cxrfl.data.site import load_site, training_refusal
 from cxrfl.data.site_config import SiteConfig, load_site_config
 from cxrfl.data.splits import SPLITS
+from cxrfl.data.subgroups import describe_subgroups, subgroups_line
 
 EXAMPLES = 5  # skipped images shown by name
 
@@ -25,7 +26,8 @@ def summarise(config: SiteConfig | str | Path, *, check_images: bool = True) -> 
         label), ``one_sided`` (class -> its only label value: :meth:`cxrfl.data.site.SiteData.one_sided_classes`),
         ``splits`` (split -> images), ``split_patients``, ``split_positives``
         (split -> class -> count), ``skipped`` (count), ``skipped_examples`` (first
-        ``[path, reason]`` pairs), ``problems`` and ``refused`` (why a federated job refuses the site
+        ``[path, reason]`` pairs), ``subgroups`` (:func:`cxrfl.data.subgroups.describe_subgroups`),
+        ``problems`` and ``refused`` (why a federated job refuses the site
         at start-up: :func:`cxrfl.data.site.training_refusal`; None when it takes part).
     """
     if not isinstance(config, SiteConfig):
@@ -48,6 +50,7 @@ def summarise(config: SiteConfig | str | Path, *, check_images: bool = True) -> 
         "split_positives": {s: data.positives(s) for s in SPLITS},
         "skipped": len(data.skipped),
         "skipped_examples": [[p, r] for p, r in data.skipped[:EXAMPLES]],
+        "subgroups": describe_subgroups(table),
         "problems": list(data.problems),
         "refused": training_refusal(data),
     }
@@ -83,6 +86,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         "",
     ]
     lines.append(f"{'images (patients)':<{width}}  " + "  ".join(f"{v:>14}" for v in counts))
+    subgroups = subgroups_line(summary["subgroups"])
+    if subgroups:
+        lines += ["", subgroups]
     if summary["skipped_examples"]:
         lines += ["", "skipped images:"]
         lines += [f"  {p}: {r}" for p, r in summary["skipped_examples"]]

@@ -49,6 +49,8 @@ class CyclicWeightTransfer(TaskController):
         task_timeout: seconds a site may take per task (0: no limit). A site that is down when
             its turn comes is skipped after this long, so set it in deployments.
         evaluate_test: evaluate the best model on every site's test split at the end.
+        pooled: how that evaluation counts at the sites and pools
+            (:class:`cxrfl.clinical.pooling.PooledEvaluation` fields; None: defaults).
         resume_from: continue an interrupted run of this job: its job id on this server.
         analytic_sender_id: the server's analytics writer for the pooled validation loss per
             cycle (:meth:`record_scalars`; "": none).
@@ -65,6 +67,7 @@ class CyclicWeightTransfer(TaskController):
         retry_pause: float = _RELAY.retry_pause,
         task_timeout: int = 0,
         evaluate_test: bool = _RELAY.evaluate_test,
+        pooled: dict | None = None,
         resume_from: str | None = None,
         analytic_sender_id: str = "analytic_sender",
     ) -> None:
@@ -78,6 +81,7 @@ class CyclicWeightTransfer(TaskController):
                 "min_sites_timeout": min_sites_timeout,
                 "retry_pause": retry_pause,
                 "evaluate_test": evaluate_test,
+                "pooled": pooled,
             },
             where="the CWT controller's arguments",
         )

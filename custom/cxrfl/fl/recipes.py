@@ -340,7 +340,8 @@ class CWTRecipe(CxrflRecipe):
     ) -> None:
         job, rest = JobSettings.split({"name": name, "min_clients": min_clients, **settings})
         given = {"cwt_config": cwt_config, "model_config": model_config, "analytic_sender_id": job.sender_id, **rest}
-        args = controller_args(CyclicWeightTransfer, given, {"cwt_config": CWTConfig, "model_config": ModelConfig})
+        sections = {"cwt_config": CWTConfig, "model_config": ModelConfig, "pooled": PooledEvaluation}
+        args = controller_args(CyclicWeightTransfer, given, sections)
         super().__init__(job, CyclicWeightTransfer, args)
 
 

@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cxrfl.clinical.final_evaluation import evaluate_test_split
 from cxrfl.common.io import to_numpy
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.common.server import RECORDS_DIR, RetryClock, RunStopped, ServerLoop
@@ -64,7 +65,6 @@ from cxrfl.nn.evaluation import evaluate_on_site, shared_classes
 from cxrfl.nn.metrics import summarise_auroc
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, save_checkpoint
 from cxrfl.surgical.config import RESUME_KEYS, SurgicalConfig
-from cxrfl.surgical.final_evaluation import evaluate_test_split
 from cxrfl.surgical.head_modes import drop_head, payload_for
 from cxrfl.surgical.host import TRAIN, VALIDATE
 from cxrfl.surgical.join import add_classes, waiting_sites
@@ -527,7 +527,7 @@ class SurgicalServer(ServerLoop):
     # ------------------------------------------------------- evaluation
     def _evaluate(self, state: RunState, best_round: int, best_params: Mapping[str, Any]) -> dict[str, Any]:
         """The selected model on the sites' test splits (their metrics, and per class pooled from their binned
-        counts: :mod:`cxrfl.surgical.final_evaluation`) and the external set; ``cxrfl/evaluation.json``."""
+        counts: :mod:`cxrfl.clinical.final_evaluation`) and the external set; ``cxrfl/evaluation.json``."""
         shared = shared_classes(state.announced)
         report: dict[str, Any] = {
             "classes": state.classes,
