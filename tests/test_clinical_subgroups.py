@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +11,9 @@ import pytest
 from cxrfl.clinical.counts import BinSpec, count_classes, count_request, count_scores, merge, split_name
 from cxrfl.clinical.pooled import pooled_auroc
 from cxrfl.clinical.pooling import PooledEvaluation, count_at_sites, pooled_report
-from cxrfl.clinical.report import PooledRun, subgroup_table
+from cxrfl.clinical.report import PooledRun, subgroup_table, write_clinical_report
 from cxrfl.clinical.subgroups import GROUPS, memberships, subgroup_names, subgroup_report
+from cxrfl.common.io import json_default
 from cxrfl.errors import UpdateRejected
 from sklearn.metrics import roc_auc_score
 
@@ -82,7 +84,7 @@ def _site_counts(rng, n, shift_f, shift_m):
     return table, y, s
 
 
-def test_pooled_subgroups_equal_sklearn_on_the_pooled_scores_and_the_gap_shows_who_is_served_worse():
+def test_pooled_subgroups_equal_sklearn_on_the_pooled_scores_and_the_gap_shows_who_is_served_worse(tmp_path):
     rng = np.random.default_rng(1)
     sites = {name: _site_counts(rng, 600, 2.0, 0.5) for name in ("a", "b")}  # the model separates women better
 
@@ -122,6 +124,15 @@ def test_pooled_subgroups_equal_sklearn_on_the_pooled_scores_and_the_gap_shows_w
     f_entry = audit["groups"]["sex=F"]["auroc"]
     assert f"F {f_entry['value']:.3f} ({f_entry['low']:.3f}-{f_entry['high']:.3f}), n {f_entry['n_pos']}/" in row
     assert row.endswith(f"| F - M: {gap['value']:+.3f} ({gap['low']:+.3f} to {gap['high']:+.3f}) |")
+    # the clinician's files: the report and its forest plot of the gaps
+    evaluation = tmp_path / "run" / "cxrfl" / "evaluation.json"
+    evaluation.parent.mkdir(parents=True)
+    evaluation.write_text(json.dumps({"split": "test", **report}, default=json_default))
+    files = write_clinical_report(tmp_path / "run", tmp_path / "clinical")
+    assert [f.name for f in files] == ["report.md", "roc.png", "reliability.png", "subgroup_gaps.png"]
+    assert (
+        files[-1].read_bytes().startswith(b"\x89PNG") and "![Subgroup gaps](subgroup_gaps.png)" in files[0].read_text()
+    )
 
 
 def test_a_site_answering_other_targets_than_asked_is_rejected_whole():

@@ -22,7 +22,7 @@ from cxrfl.clinical.subgroups import GROUPS
 from cxrfl.errors import DataError
 
 EVALUATION = "evaluation.json"
-REPORT, ROC_PNG, RELIABILITY_PNG = "report.md", "roc.png", "reliability.png"
+REPORT, ROC_PNG, RELIABILITY_PNG, GAPS_PNG = "report.md", "roc.png", "reliability.png", "subgroup_gaps.png"
 _ENTRY_KEYS = ("sites_labelling", "sites_pooled", "sites_withheld", "auroc")
 _POOLED_KEYS = ("at_threshold", "ece", "reliability")
 _SETTINGS = ("min_cell", "level", "threshold")
@@ -301,7 +301,11 @@ def format_clinical_report(run: PooledRun, figures: Sequence[str]) -> str:
         "",
         *subgroup_table(run),
     ]
-    names = {ROC_PNG: "ROC curves", RELIABILITY_PNG: "Reliability diagrams (before calibration)"}
+    names = {
+        ROC_PNG: "ROC curves",
+        RELIABILITY_PNG: "Reliability diagrams (before calibration)",
+        GAPS_PNG: "Subgroup gaps",
+    }
     for name in figures:
         lines += ["", f"## {names[name]}", "", f"![{names[name]}]({name})"]
     return "\n".join(lines) + "\n"
@@ -380,6 +384,42 @@ def write_reliability(run: PooledRun, path: Path) -> Path:
     return _save(fig, path)
 
 
+def _gaps(run: PooledRun) -> list[tuple[str, dict[str, Any]]]:
+    audit = run.pooled.get("subgroups") or {}
+    return [(f"{c}: {f}", g) for c, e in audit.items() for f, g in e["largest_gap"].items()]
+
+
+def write_subgroup_gaps(run: PooledRun, path: Path) -> Path:
+    """Per class and field, the largest AUROC gap between two groups with its interval (a forest plot).
+
+    Args:
+        run: :func:`load_pooled`'s result (with a subgroup audit).
+        path: the PNG.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _gaps(run)
+    fig, ax = plt.subplots(figsize=(7, 0.9 + 0.32 * len(rows)))
+    for i, (_, g) in enumerate(rows):
+        color = "tab:red" if g["low"] > 0 or g["high"] < 0 else "tab:blue"
+        ax.errorbar(g["value"], i, xerr=[[g["value"] - g["low"]], [g["high"] - g["value"]]], fmt="o", color=color)
+        ax.text(
+            g["high"] + 0.005,
+            i,
+            f"{g['higher'].split('=', 1)[1]} - {g['lower'].split('=', 1)[1]}",
+            va="center",
+            fontsize=7,
+        )
+    ax.axvline(0, color="grey", lw=0.8, ls="--")
+    ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("largest AUROC gap between two groups (red: the interval excludes 0)")
+    return _save(fig, path)
+
+
 def write_clinical_report(path: str | Path, out: str | Path) -> list[Path]:
     """``OUT/report.md`` and its figures (none when no class was pooled).
 
@@ -394,6 +434,8 @@ def write_clinical_report(path: str | Path, out: str | Path) -> list[Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     figures = [write_roc(run, out / ROC_PNG), write_reliability(run, out / RELIABILITY_PNG)] if run.classes else []
+    if _gaps(run):
+        figures.append(write_subgroup_gaps(run, out / GAPS_PNG))
     report = out / REPORT
     report.write_text(format_clinical_report(run, [f.name for f in figures]))
     return [report, *figures]
