@@ -162,6 +162,12 @@ def test_features_that_separate_a_uc_give_f1_of_at_least_0_9(tmp_path):
         m = evaluation["sites"][site]["uc"][uc]
         assert m["n"] == 400 and m["n_positive"] == 200
         assert m["f1"] >= 0.9, m
+    # issue 45: the CCs pooled per class over the sites that label them, from binned counts (here one site:
+    # the pooled AUROC is that site's own, computed by scikit-learn on its scores)
+    pooled = evaluation["pooled"]["classes"][CC]
+    assert pooled["sites_pooled"] == ["cc-1"] and pooled["sites_labelling"] == ["cc-1"]
+    assert abs(pooled["auroc"]["value"] - evaluation["sites"]["cc-1"]["cc_auroc"][CC]) <= 0.002
+    assert "counts" not in evaluation["sites"]["cc-1"]  # the counts are pooled, not stored per site
 
 
 def test_energies_that_do_not_separate_flag_almost_nothing_under_the_papers_rule(tmp_path):

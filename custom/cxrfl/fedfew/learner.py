@@ -38,6 +38,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from cxrfl.clinical.counts import count_classes
+from cxrfl.clinical.subgroups import memberships
 from cxrfl.common.io import params_digest, to_numpy
 from cxrfl.data.dataset import make_loader
 from cxrfl.data.site import SiteData
@@ -549,6 +551,7 @@ class FedFewSite:
         threshold: float,
         detectors: Mapping[str, Sequence[Detector]],
         split: str = "test",
+        counts: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """A model on one split: the BCE over the CCs and "no CC" (``cc_loss``, mean over the
         ``cc_known`` known labels: stage 2's validation loss), AUROC of the CCs the site labels,
@@ -561,6 +564,9 @@ class FedFewSite:
             threshold: the energy threshold.
             detectors: UC -> its detectors (only the site's own UCs are evaluated).
             split: the split.
+            counts: a server's request for binned counts of the CC scores
+                (:func:`cxrfl.clinical.counts.count_request`): the answer's ``counts`` then holds
+                them per CC the site labels (the final test evaluation, pooled at the server).
         """
         feats, energies, table = self.embed(params, split)
         model = self.network(params)
@@ -578,6 +584,9 @@ class FedFewSite:
             aurocs = per_class_auroc(y, scores[:, cols], own_cc)
             result["cc_auroc"] = aurocs
             result["cc_mean_auroc"] = summarise_auroc(aurocs)["mean"]
+            if counts is not None:
+                groups = memberships(self.data.split_table(split))  # role_table keeps the split's row order
+                result["counts"] = count_classes(scores[:, cols], y, own_cc, counts, groups=groups)
         ucs = {u: d for u, d in detectors.items() if u in self.uc_classes and d}
         if ucs and len(table):
             result["uc"] = evaluate_ucs(

@@ -107,6 +107,7 @@ def handle_task(site: FedFewSite, task: str, params: Mapping[str, Any], meta: Ma
             params,
             threshold=float(meta.get("threshold", math.inf)),
             detectors=parse_detectors(kind, meta.get(PAYLOAD_KEYS[kind]) or []),
+            counts=meta.get("counts"),
             split=str(meta.get("split", "test")),
         )
         return {}, {"metrics": metrics}

@@ -59,6 +59,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from cxrfl.clinical.final_evaluation import evaluate_test_split
+from cxrfl.clinical.pooling import PooledEvaluation
 from cxrfl.common.io import to_numpy, write_json
 from cxrfl.common.server import RunStopped
 from cxrfl.common.transport import Send
@@ -141,6 +143,7 @@ class FedFewServer(FederatedRounds):
         min_clients_timeout: float = 600,
         retry_pause: float = 10,
         evaluate_test: bool = True,
+        pooled: PooledEvaluation | None = None,
         run_id: str = "run",
         resume_root: str | Path | None = None,
         resume_from: str | None = None,
@@ -170,6 +173,8 @@ class FedFewServer(FederatedRounds):
         self.config = config
         self.model_config = model_config
         self.evaluate_test = evaluate_test
+        self.pooled = pooled or PooledEvaluation()
+        self._site_ccs: dict[str, list[str]] = {}  # site -> the CCs it labels (from its info), for the pooling
         self._site_config = ModelConfig.from_dict({**model_config.to_dict(), "pretrained": None})
         # the federation's UC list stays here: a site learns its own UCs from its tasks' uc_classes (_roles)
         self._site_fedfew = dataclasses.replace(config, uc_classes=None)
@@ -366,6 +371,7 @@ class FedFewServer(FederatedRounds):
     def _plan(self) -> ClassPlan:
         infos = self._infos()
         plan = split_classes(infos, self.config)
+        self._site_ccs = {s: [c for c in plan.cc_classes if c in (i.get("classes") or [])] for s, i in infos.items()}
         for note in plan.notes:
             self.warning(note)
         if not plan.cc_classes:
@@ -632,22 +638,35 @@ class FedFewServer(FederatedRounds):
         stage3: Mapping[str, Any],
         detectors: Mapping[str, list[Detector]],
     ) -> dict[str, Any]:
+        """Every stage-2 site's test metrics (its CCs, its UCs' detection), and the CCs pooled per
+        class over the sites that label them from binned counts (:mod:`cxrfl.clinical.final_evaluation`)."""
         key = PAYLOAD_KEYS[self.config.detector]
 
-        def meta(s: str) -> dict[str, Any]:  # a site receives the detectors of its own UCs only
+        def meta(s: str, counts: Mapping[str, Any] | None = None) -> dict[str, Any]:
             own = [d.to_payload() for uc in plan.site_ucs.get(s, []) for d in detectors.get(uc, [])]
-            return self._meta(threshold=stage3["threshold"], split="test", **{key: own}, **self._roles(plan, s))
+            extra = {key: own, "counts": counts} if counts is not None else {key: own}  # own UCs' detectors only
+            return self._meta(threshold=stage3["threshold"], split="test", **extra, **self._roles(plan, s))
 
-        results = self.broadcast(P.VALIDATE, plan.stage2_sites, state, meta)
+        def exchange(requests: Mapping[str, dict[str, Any] | None]) -> dict[str, Mapping[str, Any]]:
+            answers = self.broadcast(P.VALIDATE, list(requests), state, lambda s: meta(s, requests[s]))
+            return {s: m for s, (_, m) in answers.items()}
+
+        announced = {s: self._site_ccs.get(s, []) for s in plan.stage2_sites if self._site_ccs.get(s)}
+        metrics, pooled = evaluate_test_split(
+            exchange, announced, plan.cc_classes, self.pooled, pool=True, info=self.info, warning=self.warning
+        )
+        uc_only = [s for s in plan.stage2_sites if s not in announced]
+        metrics.update({s: dict(m.get("metrics") or {}) for s, m in exchange(dict.fromkeys(uc_only)).items()})
         report: dict[str, Any] = {
             "cc_classes": plan.cc_classes,
             "uc_classes": plan.uc_classes,
             "threshold": stage3["threshold"],
             "detector": self.config.detector,
             "sites": {},
+            "pooled": pooled,
         }
-        for s, (_, m) in sorted(results.items()):
-            report["sites"][s] = ev = m.get("metrics", {})
+        for s, ev in sorted(metrics.items()):
+            report["sites"][s] = ev
             parts = []
             if ev.get("cc_mean_auroc") is not None:
                 parts.append(f"CC mean AUROC {ev['cc_mean_auroc']:.4f}")

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from cxrfl.clinical.pooling import PooledEvaluation
 from cxrfl.data.site import SiteData
 from cxrfl.errors import ConfigError
 from cxrfl.fedfew.config import FedFewConfig
@@ -50,6 +51,8 @@ class FedFew(TaskController):
         resume_from: go on from an interrupted run: its job id on this server; None: run every stage.
         resume: removed (it named a folder); given, the job is refused with what to set instead.
         evaluate_test: evaluate the final model on every site's test split.
+        pooled: how that evaluation counts the CC scores at the sites and pools them per class
+            (:class:`cxrfl.clinical.pooling.PooledEvaluation` fields; None: defaults).
         analytic_sender_id: the server's analytics writer for the sites' mean losses per round
             (:meth:`record_scalars`; "": none).
     """
@@ -66,6 +69,7 @@ class FedFew(TaskController):
         resume_from: str | None = None,
         resume: str | None = None,
         evaluate_test: bool = True,
+        pooled: dict | None = None,
         analytic_sender_id: str = "analytic_sender",
     ) -> None:
         super().__init__(task_timeout=task_timeout, analytic_sender_id=analytic_sender_id)
@@ -85,6 +89,7 @@ class FedFew(TaskController):
         self.retry_pause = retry_pause
         self.resume_from = resume_from
         self.evaluate_test = evaluate_test
+        self._pooled = PooledEvaluation.from_dict(pooled, where="the FedFew controller's pooled argument")
 
     def make_server(self, **common: Any) -> FedFewServer:
         return FedFewServer(
@@ -95,6 +100,7 @@ class FedFew(TaskController):
             retry_pause=self.retry_pause,
             resume_from=self.resume_from,
             evaluate_test=self.evaluate_test,
+            pooled=self._pooled,
             **common,
         )
 

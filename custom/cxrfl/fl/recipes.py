@@ -391,7 +391,10 @@ class FedFewRecipe(CxrflRecipe):
             **rest,
         }
         args = controller_args(
-            FedFew, given, {"fedfew_config": FedFewConfig, "model_config": ModelConfig}, skip=("resume",)
+            FedFew,
+            given,
+            {"fedfew_config": FedFewConfig, "model_config": ModelConfig, "pooled": PooledEvaluation},
+            skip=("resume",),
         )
         super().__init__(job, FedFew, args)
 
