@@ -31,10 +31,11 @@ import numpy as np
 import torch
 
 from cxrfl.errors import ConfigError
+from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.detectors import PAYLOAD_KEYS, Detector, parse_detectors, predict
 from cxrfl.fedfew.energy import joint_energy
-from cxrfl.fedfew.learner import NO_CC
-from cxrfl.nn.models import CXRNet, load_checkpoint, model_from_checkpoint
+from cxrfl.fedfew.learner import NO_CC, stage2_classes
+from cxrfl.nn.models import CXRNet, ModelConfig, load_checkpoint, model_from_checkpoint, save_checkpoint
 
 FEDFEW_KEY = "fedfew"
 ARTIFACT_VERSION = 1
@@ -92,6 +93,50 @@ def fedfew_extra(
             "min_prototype_images": min_prototype_images,
         }
     }
+
+
+def save_fedfew_model(
+    path: Path,
+    model_state: Mapping[str, np.ndarray],
+    cc_classes: list[str],
+    stage3: Mapping[str, Any],
+    detectors: Mapping[str, list[Detector]],
+    *,
+    margins: Mapping[str, Any],
+    config: FedFewConfig,
+    model_config: ModelConfig,
+) -> Path:
+    """Write the final FedFew model file (an ordinary cxrfl checkpoint with its ``fedfew`` entry).
+
+    Args:
+        path: the file.
+        model_state: the stage-2 network's weights.
+        cc_classes: the CCs in output order.
+        stage3: stage 3's result (``threshold``, ``threshold_stats``).
+        detectors: UC -> its detectors.
+        margins: the stage-2 margins and how they were chosen.
+        config: the run's settings.
+        model_config: the network settings.
+    """
+    extra = fedfew_extra(
+        cc_classes=cc_classes,
+        threshold=stage3["threshold"],
+        temperature=config.temperature,
+        energy_outputs=config.energy_outputs,
+        detector=config.detector,
+        detectors=dict(detectors),
+        margins=dict(margins),
+        threshold_stats=stage3["threshold_stats"],
+        min_prototype_images=config.min_prototype_images,
+    )
+    save_checkpoint(
+        path,
+        {k: torch.as_tensor(np.asarray(v)) for k, v in model_state.items()},
+        classes=stage2_classes(cc_classes),
+        model_config=model_config,
+        extra={**extra, "method": "fedfew", "fedfew_config": config.to_dict()},
+    )
+    return path
 
 
 def _plain(d: Mapping[str, Any]) -> dict[str, Any]:

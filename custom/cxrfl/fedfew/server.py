@@ -63,17 +63,17 @@ from cxrfl.clinical.final_evaluation import evaluate_test_split
 from cxrfl.clinical.pooling import PooledEvaluation
 from cxrfl.common.io import to_numpy, write_json
 from cxrfl.common.server import RunStopped
-from cxrfl.common.transport import Send
+from cxrfl.common.transport import Message, Send
 from cxrfl.fedfew import protocol as P
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.detectors import PAYLOAD_KEYS, Detector, parse_detectors
-from cxrfl.fedfew.energy import margins_from_means, threshold_grid
+from cxrfl.fedfew.energy import margins_from_means
 from cxrfl.fedfew.learner import ssl_model, stage2_classes
-from cxrfl.fedfew.model import fedfew_extra
+from cxrfl.fedfew.model import save_fedfew_model
 from cxrfl.fedfew.plan import ClassPlan, split_classes
 from cxrfl.fedfew.rounds import FederatedRounds, Phase, Progress, RoundHook
 from cxrfl.fedfew.ssl import load_encoder
-from cxrfl.fedfew.stage3 import collect_detectors, threshold_from_counts
+from cxrfl.fedfew.stage3 import collect_detectors, energy_threshold, flags_nothing
 from cxrfl.fedfew.stages import (
     STAGE_DIR,
     STAGE_FILES,
@@ -84,7 +84,7 @@ from cxrfl.fedfew.stages import (
     write_stage2,
     write_stage3,
 )
-from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
+from cxrfl.nn.models import ModelConfig, build_model
 
 log = logging.getLogger(__name__)
 
@@ -317,23 +317,15 @@ class FedFewServer(FederatedRounds):
     ) -> Path:
         cfg = self.config
         final = self.path(GLOBAL_MODEL)
-        extra = fedfew_extra(
-            cc_classes=plan.cc_classes,
-            threshold=stage3["threshold"],
-            temperature=cfg.temperature,
-            energy_outputs=cfg.energy_outputs,
-            detector=cfg.detector,
-            detectors=dict(detectors),
-            margins=dict(margins),
-            threshold_stats=stage3["threshold_stats"],
-            min_prototype_images=cfg.min_prototype_images,
-        )
-        save_checkpoint(
+        save_fedfew_model(
             final,
-            {k: torch.as_tensor(np.asarray(v)) for k, v in model_state.items()},
-            classes=stage2_classes(plan.cc_classes),
+            model_state,
+            plan.cc_classes,
+            stage3,
+            detectors,
+            margins=margins,
+            config=cfg,
             model_config=self.model_config,
-            extra={**extra, "method": "fedfew", "fedfew_config": cfg.to_dict()},
         )
         ucs = sorted(uc for uc, d in detectors.items() if d)
         what = PAYLOAD_KEYS[cfg.detector]
@@ -557,42 +549,18 @@ class FedFewServer(FederatedRounds):
     def _threshold(self, plan: ClassPlan, state: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """The energy threshold from the sites' ranges, then their error counts on a common grid."""
         cfg = self.config
-        sites = plan.stage2_sites
-        ranges = self.broadcast(P.ENERGY, sites, state, lambda s: self._meta(mode="range", **self._roles(plan, s)))
-        rs = {
-            s: m["stats"]
-            for s, (_, m) in ranges.items()
-            if isinstance(m.get("stats"), Mapping) and m["stats"].get("min") is not None
-        }
-        chosen: dict[str, Any] | None = None
-        if rs:
-            grid = threshold_grid(
-                min(float(r["min"]) for r in rs.values()), max(float(r["max"]) for r in rs.values()), cfg.threshold_bins
-            )
-            counts = self.broadcast(
-                P.ENERGY,
-                sorted(rs),
-                state,
-                lambda s: self._meta(mode="counts", grid=grid.tolist(), **self._roles(plan, s)),
-            )
-            chosen = threshold_from_counts(grid, counts, cfg, self.warning)
+
+        def ask(sites: Sequence[str], extra: dict[str, Any]) -> Mapping[str, Message]:
+            return self.broadcast(P.ENERGY, sites, state, lambda s: self._meta(**extra, **self._roles(plan, s)))
+
+        chosen = energy_threshold(ask, plan.stage2_sites, cfg, self.warning)
         if chosen is None:
             self.warning(
                 "stage 3: no usable threshold statistics (no site has UC positives or negatives"
                 f"{' or CC-labelled images' if cfg.threshold_examples == 'all' else ''}); the threshold is set to 0, "
                 "above every joint energy, so no image is flagged and the final model predicts the CCs only"
             )
-            return {
-                "threshold": 0.0,
-                "errors": None,
-                "accuracy": None,
-                "balanced_accuracy": None,
-                "n_in": 0,
-                "n_out": 0,
-                "sites": [],
-                "weighting": cfg.threshold_weighting,
-                "note": "no statistics: flags nothing",
-            }
+            return flags_nothing(cfg)
         self.info(
             f"stage 3 threshold: {chosen['threshold']:.4f} classifies {chosen['accuracy']:.1%} of "
             f"{chosen['n_in'] + chosen['n_out']} training examples correctly ({chosen['n_in']} without UC, "

@@ -6,7 +6,7 @@ is unusable is left out with one warning line naming the site.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,7 +14,7 @@ import numpy as np
 from cxrfl.common.transport import Message
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.detectors import PAYLOAD_KEYS, Detector, detector_size, parse_detectors
-from cxrfl.fedfew.energy import choose_threshold
+from cxrfl.fedfew.energy import choose_threshold, threshold_grid
 from cxrfl.fedfew.plan import ClassPlan
 
 
@@ -63,6 +63,54 @@ def threshold_from_counts(
         n_in=n_in, n_out=n_out, sites=used, weighting=config.threshold_weighting, examples=config.threshold_examples
     )
     return chosen
+
+
+Ask = Callable[[Sequence[str], dict[str, Any]], Mapping[str, Message]]
+"""Sends ``fedfew_energy`` to the sites named with extra meta (``mode`` ...): site -> answer."""
+
+
+def energy_threshold(
+    ask: Ask, sites: Sequence[str], config: FedFewConfig, warning: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """The two passes of the threshold: the sites' energy ranges make a common grid, then each site
+    counts its errors per candidate (:func:`threshold_from_counts`).
+
+    Args:
+        ask: sends the energy task.
+        sites: the stage-2 sites.
+        config: the settings (``threshold_bins`` ...).
+        warning: problem logger.
+
+    Returns:
+        The choice, or None when no site has the statistics.
+    """
+    ranges = ask(sites, {"mode": "range"})
+    rs = {
+        s: m["stats"]
+        for s, (_, m) in ranges.items()
+        if isinstance(m.get("stats"), Mapping) and m["stats"].get("min") is not None
+    }
+    if not rs:
+        return None
+    low, high = min(float(r["min"]) for r in rs.values()), max(float(r["max"]) for r in rs.values())
+    grid = threshold_grid(low, high, config.threshold_bins)
+    counts = ask(sorted(rs), {"mode": "counts", "grid": grid.tolist()})
+    return threshold_from_counts(grid, counts, config, warning)
+
+
+def flags_nothing(config: FedFewConfig) -> dict[str, Any]:
+    """The threshold without statistics: 0, above every joint energy (no image is flagged)."""
+    return {
+        "threshold": 0.0,
+        "errors": None,
+        "accuracy": None,
+        "balanced_accuracy": None,
+        "n_in": 0,
+        "n_out": 0,
+        "sites": [],
+        "weighting": config.threshold_weighting,
+        "note": "no statistics: flags nothing",
+    }
 
 
 def _usable(d: Detector, site: str, plan: ClassPlan, config: FedFewConfig, dims: set[int], what: str) -> str | None:
