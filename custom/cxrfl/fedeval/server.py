@@ -88,7 +88,8 @@ class FedEvalServer(ServerLoop):
     def _fit(self, counts: Counts, report: dict[str, Any]) -> dict[str, Any]:
         """Calibration maps and operating points from the pooled counts; ``cxrfl/calibrated_model.pt``."""
         cfg, checkpoint = self.config, self.checkpoint
-        merged = {c: p for c, per in counts.items() if (p := pooled(per)) is not None}
+        # whole classes only: the subgroup targets (``"<class>|<field>=<group>"``) are audited, never fitted
+        merged = {c: p for c, per in counts.items() if c in report["classes"] and (p := pooled(per)) is not None}
         on = {
             "split": cfg.split,
             "classes": {
