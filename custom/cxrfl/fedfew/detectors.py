@@ -29,20 +29,29 @@ _TYPES: dict[str, type[DualPrototype] | type[UCScorer]] = {"paper": DualPrototyp
 _GATE_OFFSET = 4.0
 
 
-def parse_detectors(kind: str, payloads: Sequence[Mapping[str, Any]]) -> dict[str, list[Detector]]:
-    """Payloads of one kind, validated whole, grouped by UC.
+def parse_detector(kind: str, payload: Mapping[str, Any]) -> Detector:
+    """One payload of one kind, validated whole.
 
     Args:
         kind: ``paper`` or ``scorer``.
-        payloads: the payload dicts (each names its ``uc``).
+        payload: the payload dict (it names its ``uc``).
 
     Raises:
         KeyError, TypeError, ValueError: a malformed payload.
     """
-    parse = _TYPES[kind].from_payload
+    return _TYPES[kind].from_payload(dict(payload))
+
+
+def parse_detectors(kind: str, payloads: Sequence[Mapping[str, Any]]) -> dict[str, list[Detector]]:
+    """Payloads of one kind, each validated whole (:func:`parse_detector`), grouped by UC.
+
+    Args:
+        kind: ``paper`` or ``scorer``.
+        payloads: the payload dicts.
+    """
     out: dict[str, list[Detector]] = {}
     for p in payloads:
-        d = parse(dict(p))
+        d = parse_detector(kind, p)
         out.setdefault(d.uc, []).append(d)
     return out
 

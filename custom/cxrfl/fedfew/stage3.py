@@ -13,7 +13,7 @@ import numpy as np
 
 from cxrfl.common.transport import Message
 from cxrfl.fedfew.config import FedFewConfig
-from cxrfl.fedfew.detectors import PAYLOAD_KEYS, Detector, detector_size, parse_detectors
+from cxrfl.fedfew.detectors import PAYLOAD_KEYS, Detector, detector_size, parse_detector
 from cxrfl.fedfew.energy import choose_threshold, threshold_grid
 from cxrfl.fedfew.plan import ClassPlan
 
@@ -151,7 +151,7 @@ def collect_detectors(
             warning(f"stage 3: no {what} of {uc} from site {site}: {reason}")
         for payload in meta.get(key) or []:
             try:
-                (d,) = next(iter(parse_detectors(config.detector, [payload]).values()))
+                d = parse_detector(config.detector, payload)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 warning(f"stage 3: unusable {what} from site {site} ({exc}); left out")
                 continue
