@@ -139,6 +139,23 @@ def test_report_paired_statistics_holm_and_targets(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
+def test_curves_are_compared_over_the_rounds_both_runs_ran(tmp_path):
+    """A run stopped early is compared only over its own rounds; the per-seed means are averaged over seeds."""
+    settings = QuantizeBenchSettings(formats=("none", "blockwise8"), seeds=2)
+    results = hand_made(settings)
+    # seed 0: two rounds fewer, each 0.02 lower in AUROC and 0.01 higher in loss; seed 1: 0.04 lower, same loss
+    short = results["runs"]["blockwise8/0"]
+    short.update(rounds=2, best_round=1, val_auroc=[0.48, 0.58, 0.68], val_loss=[0.71, 0.61, 0.51])
+    results["runs"]["blockwise8/1"]["val_auroc"] = [0.46, 0.56, 0.66, 0.65, 0.64]
+    row = quantize.matched_rounds(results)["blockwise8"]
+    assert row["val_auroc"]["mean"] == pytest.approx(-0.03)
+    assert row["val_auroc"]["ci"] == pytest.approx(stats.t.interval(0.95, 1, loc=-0.03, scale=0.01))
+    assert row["val_loss"]["mean"] == pytest.approx(0.005)
+    assert (row["rounds"], row["best_round"]) == (3.0, 1.5)
+    assert quantize.matched_rounds(results)["none"] == {"rounds": 4.0, "best_round": 2.0}
+    assert "| blockwise8 | 3.0 | 1.5 | -0.0300 [" in format_report(results)
+
+
 def test_holm_leaves_untested_formats_out_of_the_family():
     assert holm({"a": 0.01, "b": None, "c": 0.04, "d": 0.03}) == pytest.approx(
         {"a": 0.03, "b": None, "c": 0.06, "d": 0.06}

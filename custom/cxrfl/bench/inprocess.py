@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from cxrfl.bench.evaluate import TestSet, load_test_set, scores_on
+from cxrfl.bench.intervals import finite_mean
 from cxrfl.bench.profiles import BenchData, prepare
 from cxrfl.bench.protocol import code_version, command_line, machine
 from cxrfl.common.io import write_json
@@ -141,16 +142,6 @@ def mean_auroc(model: torch.nn.Module | None, classes: list[str], tests: Mapping
         aurocs = per_class_auroc(test.labels[:, usable], scores[:, usable], [test.classes[j] for j in usable])
         values += [aurocs.get(c, 0.5) for c in test.classes]
     return finite_mean(values)
-
-
-def finite_mean(values: Any) -> float | None:
-    """The mean of the finite values (None / NaN / inf left out); None when there is none.
-
-    Args:
-        values: numbers or None.
-    """
-    finite = [float(v) for v in values if v is not None and np.isfinite(v)]
-    return float(np.mean(finite)) if finite else None
 
 
 def num(v: float | None) -> str:

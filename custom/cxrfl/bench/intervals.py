@@ -177,6 +177,16 @@ def _defined(v: float | None) -> bool:
     return v is not None and not math.isnan(v)
 
 
+def finite_mean(values: Any) -> float | None:
+    """The mean of the finite values (None / NaN / inf left out); None when there is none.
+
+    Args:
+        values: numbers or None.
+    """
+    finite = [float(v) for v in values if v is not None and np.isfinite(v)]
+    return float(np.mean(finite)) if finite else None
+
+
 def mean_ci(values: Iterable[float | None], alpha: float = 0.05) -> dict[str, Any]:
     """Mean, sample SD and Student-t confidence interval of the mean (``scipy.stats.t.interval``).
 

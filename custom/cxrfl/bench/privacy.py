@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from cxrfl.bench.evaluate import scores_on
-from cxrfl.bench.inprocess import finite_mean, load_profile, num, surgical_config
+from cxrfl.bench.inprocess import load_profile, num, surgical_config
+from cxrfl.bench.intervals import finite_mean
 from cxrfl.bench.protocol import code_version, machine
 from cxrfl.bench.warmups import WarmupCache
 from cxrfl.common.io import json_default

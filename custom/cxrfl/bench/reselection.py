@@ -17,17 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from cxrfl.bench.intervals import finite_mean
 from cxrfl.bench.runs import GLOBAL, Entry, RunStore, safe_name
 
 
 def _mean_auroc(record: dict[str, Any], test: str) -> float | None:
     values = [v for v in ((record.get("auroc") or {}).get(test) or {}).get(GLOBAL, {}).values() if v is not None]
     return float(np.mean(values)) if values else None
-
-
-def _mean(values: Sequence[float | None]) -> float | None:
-    kept = [v for v in values if v is not None]
-    return float(np.mean(kept)) if kept else None
 
 
 def selection_deltas(store: RunStore, entries: Sequence[Entry], seeds: Sequence[int]) -> dict[str, Any]:
@@ -55,8 +51,8 @@ def selection_deltas(store: RunStore, entries: Sequence[Entry], seeds: Sequence[
             tests = sorted({t for old, new in pairs for t in (new.get("auroc") or {})})
             per_test = {}
             for t in tests:
-                before = _mean([_mean_auroc(old, t) for old, _ in pairs])
-                after = _mean([_mean_auroc(new, t) for _, new in pairs])
+                before = finite_mean([_mean_auroc(old, t) for old, _ in pairs])
+                after = finite_mean([_mean_auroc(new, t) for _, new in pairs])
                 change = None if before is None or after is None else after - before
                 per_test[t] = {"before": before, "after": after, "change": change}
             out[e.name] = {
@@ -64,8 +60,8 @@ def selection_deltas(store: RunStore, entries: Sequence[Entry], seeds: Sequence[
                 "before_rule": rule,
                 "seeds": [s for s in seeds if (folder / safe_name(e.name) / f"seed-{s}.json").is_file()],
                 "best_round": {
-                    "before": _mean([old.get("best_round") for old, _ in pairs]),
-                    "after": _mean([new.get("best_round") for _, new in pairs]),
+                    "before": finite_mean([old.get("best_round") for old, _ in pairs]),
+                    "after": finite_mean([new.get("best_round") for _, new in pairs]),
                 },
                 "mean_auroc": per_test,
             }

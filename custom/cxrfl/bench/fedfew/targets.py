@@ -20,10 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from cxrfl.bench.fedfew.settings import BASELINES
-from cxrfl.bench.intervals import holm
+from cxrfl.bench.intervals import finite_mean, holm
 from cxrfl.bench.paired import against, paired
 from cxrfl.synth.fedfew_profile import FEDFEW_UCS
 
@@ -60,14 +58,9 @@ def uc_values(runs: Runs, method: str, uc: str, key: str) -> dict[str, float | N
     return out
 
 
-def _mean(values: dict[str, float | None]) -> float | None:
-    kept = [v for v in values.values() if v is not None and np.isfinite(v)]
-    return float(np.mean(kept)) if kept else None
-
-
 def _at_least(runs: Runs, uc: str, key: str, bound: float) -> dict[str, Any]:
     values = uc_values(runs, CANDIDATE, uc, key)
-    mean = _mean(values)
+    mean = finite_mean(values.values())
     return {"value": mean, "bound": bound, "met": mean is not None and mean >= bound, "stats": against(values, bound)}
 
 
@@ -105,7 +98,7 @@ def targets(runs: Runs) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if PAPER in runs:
         cc = {s: r.get("mean_cc_auroc") for s, r in runs[PAPER].items()}
-        mean = _mean(cc)
+        mean = finite_mean(cc.values())
         out["paper_cc_auroc_at_least_0.7"] = {
             "value": mean,
             "bound": LEARNED,
