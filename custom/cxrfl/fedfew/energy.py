@@ -58,6 +58,18 @@ def joint_energy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor
     return -temperature * F.softplus(logits / temperature).sum(dim=-1)
 
 
+def output_energy(logits: torch.Tensor, n_cc: int, outputs: str, temperature: float) -> torch.Tensor:
+    """Joint energy of a stage-2 network's logits, over every output or the CCs only.
+
+    Args:
+        logits: [n, K+1] logits (the CCs, then "no CC").
+        n_cc: K, the number of CCs.
+        outputs: ``energy_outputs``: ``all`` or ``cc``.
+        temperature: T > 0.
+    """
+    return joint_energy(logits if outputs == "all" else logits[:, :n_cc], temperature)
+
+
 def hinge_in(energy: torch.Tensor, m_in: float) -> torch.Tensor:
     """Mean of ``relu(E - m_in)^2``: pushes the energy of in-distribution (CC) images below ``m_in``.
 

@@ -12,19 +12,9 @@ round's mean energy per role, and per-threshold error counts (never an energy pe
 each of its UCs one detector (the two mean features, or a scorer's weights and threshold), only
 when at least ``min_prototype_images`` positives and negatives stand behind it.
 
-Roles of the site's training images (``split == "train"``):
-
-* CC-labelled: any CC label known. BCE over the CCs plus the extra "no CC" output; the hinge
-  pushing E below ``m_in`` (unless the image is positive for a UC the site labels);
-* UC positive: positive for a UC the site labels. The hinge pushing E above ``m_out``; an
-  "out" example for the threshold, a positive for the detectors;
-* UC negative: negative for the site's UCs. No loss (``uc_negatives="in"``: the ``m_in``
-  hinge; ``uc_energy_on="all"``: the ``m_out`` hinge, when it has no CC label); an "in" example
-  for the threshold, a negative for the detectors;
-* unlabelled: no known label at all. Self-supervised stage only.
-
-A local epoch of stage 2 passes over every labelled training image; a batch without any loss
-term is skipped (no optimiser step).
+The roles of the site's images (CC-labelled, UC positive, UC negative, unlabelled) are
+:mod:`cxrfl.fedfew.roles`'s. A local epoch of stage 2 passes over every labelled training image; a
+batch without any loss term is skipped (no optimiser step; :mod:`cxrfl.fedfew.energy_training`).
 """
 
 from __future__ import annotations
@@ -38,7 +28,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-from cxrfl.clinical.counts import count_classes
 from cxrfl.clinical.subgroups import memberships
 from cxrfl.common.io import params_digest, to_numpy
 from cxrfl.data.dataset import make_loader
@@ -46,18 +35,16 @@ from cxrfl.data.site import SiteData
 from cxrfl.errors import DataError
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.detectors import Detector, evaluate_ucs, fit_detectors
-from cxrfl.fedfew.energy import hinge_in, hinge_out, joint_energy, no_cc_targets, threshold_counts
-from cxrfl.fedfew.ssl import SimSiam, TwoViewDataset, simsiam_loss
-from cxrfl.nn.losses import masked_bce
-from cxrfl.nn.metrics import per_class_auroc, summarise_auroc
+from cxrfl.fedfew.energy import output_energy, threshold_counts
+from cxrfl.fedfew.energy_training import energy_epochs
+from cxrfl.fedfew.roles import ENERGY_GROUPS, hinge_energy_sums, role_table, threshold_examples
+from cxrfl.fedfew.site_evaluation import cc_metrics, train_prevalence
+from cxrfl.fedfew.ssl import TwoViewDataset, simsiam_epochs, ssl_model
 from cxrfl.nn.models import CXRNet, ModelConfig, build_model
-from cxrfl.nn.precision import backward_step, compute_for
+from cxrfl.nn.precision import compute_for
 
 NO_CC = "No common class"
 """Name of the extra output (1 when the image holds none of the CCs)."""
-_IN, _OUT, _UC_NEG = "__fedfew_in__", "__fedfew_out__", "_uc_neg"
-_GROUPS = {"in": _IN, "out": _OUT, "uc_neg": _UC_NEG}
-"""The training images whose mean energy a stage-2 round reports, by metric suffix."""
 
 
 def load_state(module: torch.nn.Module, params: Mapping[str, Any], what: str) -> None:
@@ -87,11 +74,6 @@ def load_state(module: torch.nn.Module, params: Mapping[str, Any], what: str) ->
 def stage2_classes(cc_classes: Sequence[str]) -> list[str]:
     """Output order of the stage-2 network: the CCs, then the extra "no CC" output."""
     return [*cc_classes, NO_CC]
-
-
-def ssl_model(model_config: ModelConfig, config: FedFewConfig) -> SimSiam:
-    """The SimSiam network of stage 1 (its encoder is a CXRNet feature extractor)."""
-    return SimSiam(CXRNet(model_config, 1), config.ssl_proj_dim, config.ssl_pred_dim)
 
 
 @dataclass
@@ -182,30 +164,12 @@ class FedFewSite:
     # --------------------------------------------------------------- tables
     def role_table(self, split: str) -> pd.DataFrame:
         """One split with the CC columns (NaN where the site does not label a CC), the site's
-        UC columns and two role flags: ``in`` and ``out`` (see the module docstring).
+        UC columns and the role flags (:func:`cxrfl.fedfew.roles.role_table`).
 
         Args:
             split: ``train``, ``val`` or ``test``.
         """
-        table = self.data.split_table(split)
-        out = pd.DataFrame({"path": table["path"]})
-        for c in self.cc_classes:
-            out[c] = table[c] if c in table.columns else np.nan
-        cc_known = out[self.cc_classes].notna().any(axis=1) if self.cc_classes else pd.Series(False, index=out.index)
-        if self.uc_classes:
-            ucs = table[self.uc_classes]
-            uc_pos = (ucs == 1.0).any(axis=1)
-            uc_neg = (ucs == 0.0).all(axis=1) & ~uc_pos
-        else:
-            uc_pos = uc_neg = pd.Series(False, index=out.index)
-        for c in self.uc_classes:
-            out[c] = table[c]
-        in_flag = cc_known & ~uc_pos
-        out[_IN] = (in_flag | uc_neg if self.config.uc_negatives == "in" else in_flag).astype(np.float32)
-        out_flag = uc_pos | (uc_neg & ~cc_known) if self.config.uc_energy_on == "all" else uc_pos
-        out[_OUT] = out_flag.astype(np.float32)
-        out[_UC_NEG] = uc_neg.astype(np.float32)
-        return out
+        return role_table(self.data.split_table(split), self.cc_classes, self.uc_classes, self.config)
 
     def stage2_table(self) -> pd.DataFrame:
         """The labelled training rows (any CC or own-UC label known): a local epoch of stage 2
@@ -251,38 +215,19 @@ class FedFewSite:
             seed=cfg.seed + 7919 * round_num,
             images=self._ssl_images[1],
         )
-        loader = torch.utils.data.DataLoader(
+        loss, steps = simsiam_epochs(
+            model,
             dataset,
-            batch_size=cfg.ssl_batch_size,
-            shuffle=True,
-            drop_last=len(dataset) > cfg.ssl_batch_size,
+            config=cfg,
+            compute=self.compute,
             num_workers=self.num_workers,
-            generator=torch.Generator().manual_seed(cfg.seed + round_num),
+            round_num=round_num,
+            site=self.site,
         )
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.ssl_lr)
-        scaler = self.compute.scaler()
-        model.train()
-        total, steps = 0.0, 0
-        for _ in range(cfg.ssl_local_epochs):
-            for i, (x1, x2) in enumerate(loader):
-                if cfg.ssl_max_steps is not None and i >= cfg.ssl_max_steps:
-                    break
-                if x1.shape[0] < 2:  # BatchNorm needs two samples
-                    continue
-                x1, x2 = self.compute.inputs(x1), self.compute.inputs(x2)
-                opt.zero_grad(set_to_none=True)
-                with self.compute.autocast():
-                    p1, p2, z1, z2 = model(x1, x2)
-                loss = simsiam_loss(p1.float(), p2.float(), z1.float(), z2.float())
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"site {self.site}: SimSiam loss became {loss.item()} at step {steps}")
-                backward_step(loss, opt, scaler)
-                total += float(loss.detach())
-                steps += 1
         metrics = {
             "stage": 1,
             "round": round_num,
-            "ssl_loss": total / steps if steps else None,
+            "ssl_loss": loss,
             "steps": steps,
             "images": len(dataset),
             "seconds": time.perf_counter() - start,
@@ -299,11 +244,6 @@ class FedFewSite:
         if params is not None:
             load_state(self._net, params, f"site {self.site} stage 2")
         return self._net
-
-    def _energy(self, logits: torch.Tensor) -> torch.Tensor:
-        k = len(self.cc_classes)
-        outputs = logits if self.config.energy_outputs == "all" else logits[:, :k]
-        return joint_energy(outputs, self.config.temperature)
 
     def train_round(
         self,
@@ -343,7 +283,7 @@ class FedFewSite:
         k = len(self.cc_classes)
         loader = make_loader(
             table,
-            [*self.cc_classes, *_GROUPS.values()],
+            [*self.cc_classes, *ENERGY_GROUPS.values()],
             image_size=self.model_config.image_size,
             train=cfg.augment,
             batch_size=cfg.batch_size,
@@ -353,50 +293,17 @@ class FedFewSite:
             cache_dir=self.data.cache_dir,
             device=self.device,
         )
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-        scaler = self.compute.scaler()
-        model.train()
-        sums = {"loss": 0.0, "bce": 0.0, "hinge_in": 0.0, "hinge_out": 0.0}
-        energy_sums, energy_counts = dict.fromkeys(_GROUPS, 0.0), dict.fromkeys(_GROUPS, 0)
-        steps = skipped = 0
-        for _ in range(cfg.local_epochs):
-            for i, (x, y, m) in enumerate(loader):
-                if cfg.max_steps_per_epoch is not None and i >= cfg.max_steps_per_epoch:
-                    break
-                y_cc, m_cc = y[:, :k], m[:, :k]
-                is_in, is_out = y[:, k] == 1, y[:, k + 1] == 1
-                target, mask = no_cc_targets(y_cc, m_cc)
-                has_bce = bool(mask.sum() > 0)
-                has_energy = energy_weight > 0 and bool(is_in.any() or is_out.any())
-                if not (has_bce or has_energy) or x.shape[0] < 2:
-                    skipped += 1
-                    continue
-                x, target, mask = self.compute.inputs(x), target.to(self.device), mask.to(self.device)
-                opt.zero_grad(set_to_none=True)
-                with self.compute.autocast():
-                    logits = model(x)
-                parts, energy = self._stage2_loss(
-                    logits.float(),
-                    target,
-                    mask,
-                    is_in.to(self.device),
-                    is_out.to(self.device),
-                    energy_weight,
-                    m_in,
-                    m_out,
-                )
-                if not torch.isfinite(parts["loss"]):
-                    raise FloatingPointError(
-                        f"site {self.site}: stage-2 loss became {parts['loss'].item()} at step {steps}"
-                    )
-                backward_step(parts["loss"], opt, scaler)
-                for name, v in parts.items():
-                    sums[name] += float(v.detach())
-                for j, g in enumerate(_GROUPS):
-                    rows = (y[:, k + j] == 1).to(self.device)
-                    energy_sums[g] += float(energy.detach()[rows].sum())
-                    energy_counts[g] += int(rows.sum())
-                steps += 1
+        steps, skipped, means = energy_epochs(
+            model,
+            loader,
+            n_cc=k,
+            config=cfg,
+            compute=self.compute,
+            energy_weight=energy_weight,
+            m_in=m_in,
+            m_out=m_out,
+            site=self.site,
+        )
         metrics = {
             "stage": 2,
             "round": round_num,
@@ -405,43 +312,9 @@ class FedFewSite:
             "skipped_batches": skipped,
             "images": len(table),
             "seconds": time.perf_counter() - start,
-            **{f"train_{name}": (v / steps if steps else None) for name, v in sums.items()},
-            **{f"train_energy_{g}": (energy_sums[g] / energy_counts[g] if energy_counts[g] else None) for g in _GROUPS},
+            **means,
         }
         return StageUpdate(to_numpy(model.state_dict()), n, metrics)
-
-    def _stage2_loss(
-        self,
-        logits: torch.Tensor,
-        target: torch.Tensor,
-        mask: torch.Tensor,
-        is_in: torch.Tensor,
-        is_out: torch.Tensor,
-        energy_weight: float,
-        m_in: float | None,
-        m_out: float | None,
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """One batch's loss (Eq. 6, or Eq. 7 where no CC label is known) and its parts, with its energies.
-
-        Args:
-            logits: [n, K+1] float logits.
-            target: "no CC" targets (:func:`cxrfl.fedfew.energy.no_cc_targets`).
-            mask: their known entries.
-            is_in: [n] the images pushed below ``m_in``.
-            is_out: [n] the images pushed above ``m_out``.
-            energy_weight: lambda (0: BCE only).
-            m_in: the in margin.
-            m_out: the out margin.
-
-        Returns:
-            ``loss``, ``bce``, ``hinge_in``, ``hinge_out`` and the [n] joint energies.
-        """
-        bce = masked_bce(logits, target, mask)
-        energy = self._energy(logits)
-        h_in = h_out = torch.zeros((), device=logits.device)
-        if energy_weight > 0:
-            h_in, h_out = hinge_in(energy[is_in], m_in), hinge_out(energy[is_out], m_out)
-        return {"loss": bce + energy_weight * (h_in + h_out), "bce": bce, "hinge_in": h_in, "hinge_out": h_out}, energy
 
     # ---------------------------------------------------- energies, features
     @torch.no_grad()
@@ -458,6 +331,7 @@ class FedFewSite:
         key = (params_digest(params), split)
         if key in self._embed_cache:
             return self._embed_cache[key]
+        cfg = self.config
         model = self.network(params)
         model.eval()
         table = self.role_table(split)
@@ -468,7 +342,7 @@ class FedFewSite:
                 [*self.cc_classes],
                 image_size=self.model_config.image_size,
                 train=False,
-                batch_size=self.config.eval_batch_size,
+                batch_size=cfg.eval_batch_size,
                 num_workers=self.num_workers,
                 in_channels=self.model_config.in_channels,
                 cache_dir=self.data.cache_dir,
@@ -480,7 +354,8 @@ class FedFewSite:
                     f = model.features(x)
                     logits = model.classifier(model.dropout(model.hidden(f)))
                 feats.append(f.float().cpu().numpy())
-                energies.append(self._energy(logits.float()).cpu().numpy())
+                e = output_energy(logits.float(), len(self.cc_classes), cfg.energy_outputs, cfg.temperature)
+                energies.append(e.cpu().numpy())
         d = model.backbone.norm5.num_features
         out = (
             np.concatenate(feats) if feats else np.zeros((0, d), np.float32),
@@ -494,13 +369,7 @@ class FedFewSite:
         """Energies of the threshold's training examples: without a UC (the UC negatives, and
         with ``threshold_examples="all"`` the CC-labelled images) and with one (UC positives)."""
         _, energies, table = self.embed(params, "train")
-        uc_pos = (
-            table[self.uc_classes].eq(1.0).any(axis=1).to_numpy() if self.uc_classes else np.zeros(len(table), bool)
-        )
-        is_in = table[_UC_NEG].to_numpy() == 1.0
-        if self.config.threshold_examples == "all":
-            is_in = is_in | (table[_IN].to_numpy() == 1.0)
-        return energies[is_in], energies[uc_pos]
+        return threshold_examples(energies, table, self.uc_classes, self.config.threshold_examples)
 
     def energy_means(self, params: Mapping[str, Any]) -> dict[str, float | int]:
         """Sums and counts of the warm-up model's energies over the two hinge populations
@@ -510,14 +379,7 @@ class FedFewSite:
             ``sum_in``/``n_in``: CC-labelled images without a UC; ``sum_out``/``n_out``: UC positives.
         """
         _, energies, table = self.embed(params, "train")
-        e_in = energies[table[_IN].to_numpy() == 1.0]
-        e_out = energies[table[_OUT].to_numpy() == 1.0]
-        return {
-            "sum_in": float(e_in.sum()),
-            "n_in": int(len(e_in)),
-            "sum_out": float(e_out.sum()),
-            "n_out": int(len(e_out)),
-        }
+        return hinge_energy_sums(energies, table)
 
     def energy_range(self, params: Mapping[str, Any]) -> dict[str, float | int | None]:
         """Lowest and highest energy over the site's in and out training images (for the grid)."""
@@ -570,23 +432,15 @@ class FedFewSite:
         """
         feats, energies, table = self.embed(params, split)
         model = self.network(params)
-        k = len(self.cc_classes)
         result: dict[str, Any] = {"split": split, "n": int(len(table))}
         own_cc = [c for c in self.cc_classes if c in self.data.classes]
         if own_cc and len(table):
             pooled = torch.as_tensor(feats).to(self.device)
             with torch.no_grad():
                 logits = model.classifier(model.hidden(pooled)).float()
-            result.update(self._cc_loss(logits.cpu(), table))
-            scores = torch.sigmoid(logits).cpu().numpy()[:, :k]
-            cols = [self.cc_classes.index(c) for c in own_cc]
-            y = table[own_cc].to_numpy(dtype=np.float64)
-            aurocs = per_class_auroc(y, scores[:, cols], own_cc)
-            result["cc_auroc"] = aurocs
-            result["cc_mean_auroc"] = summarise_auroc(aurocs)["mean"]
-            if counts is not None:
-                groups = memberships(self.data.split_table(split))  # role_table keeps the split's row order
-                result["counts"] = count_classes(scores[:, cols], y, own_cc, counts, groups=groups)
+            # role_table keeps the split's row order
+            groups = memberships(self.data.split_table(split)) if counts is not None else None
+            result.update(cc_metrics(logits, table, self.cc_classes, own_cc, counts, groups))
         ucs = {u: d for u, d in detectors.items() if u in self.uc_classes and d}
         if ucs and len(table):
             result["uc"] = evaluate_ucs(
@@ -596,24 +450,6 @@ class FedFewSite:
                 threshold,
                 ucs,
                 {uc: table[uc].to_numpy(dtype=np.float64) for uc in ucs},
-                self._train_prevalence(ucs),
+                train_prevalence(self.role_table("train"), ucs),
             )
         return result
-
-    def _train_prevalence(self, ucs: Sequence[str]) -> dict[str, float | None]:
-        """Share of positives among the known labels of each UC in the site's training split."""
-        train = self.role_table("train")
-        out: dict[str, float | None] = {}
-        for uc in ucs:
-            y = train[uc].dropna().to_numpy(dtype=np.float64)
-            share = float(y.mean()) if len(y) else None
-            out[uc] = share if share is not None and 0 < share < 1 else None
-        return out
-
-    def _cc_loss(self, logits: torch.Tensor, table: pd.DataFrame) -> dict[str, float | int | None]:
-        """Masked BCE of the CC and "no CC" outputs over the known labels of ``table``."""
-        y = torch.tensor(table[self.cc_classes].to_numpy(dtype=np.float32))
-        target, mask = no_cc_targets(torch.nan_to_num(y), (~torch.isnan(y)).float())
-        known = int(mask.sum())
-        loss = float(masked_bce(logits, target, mask)) if known else None
-        return {"cc_loss": loss, "cc_known": known}

@@ -30,7 +30,7 @@ fedfew_validate     stage-2 weights, ``split``, ``threshold`` and   ``metrics`` 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -52,6 +52,9 @@ INFO, SSL, TRAIN, ENERGY, DETECTORS, VALIDATE = (
 )
 TASKS: tuple[str, ...] = (INFO, SSL, TRAIN, ENERGY, DETECTORS, VALIDATE)
 """Every task a FedFew site answers."""
+SiteMeta = Callable[..., dict[str, Any]]
+"""``meta(site, **extra)``: the meta of a stage-2/3 task for one site (the settings, ``extra``, the
+site's roles: the CCs and its own UCs)."""
 
 
 def site_settings(meta: Mapping[str, Any]) -> tuple[ModelConfig, FedFewConfig]:

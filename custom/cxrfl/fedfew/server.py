@@ -7,14 +7,15 @@ benchmark and tests (:mod:`cxrfl.fedfew.inprocess`) run this same workflow.
 
 0. ``fedfew_info``: every site's class names and label counts. CCs and UCs are told apart
    (:func:`cxrfl.fedfew.plan.split_classes`); sites without labelled images take part in stage 1 only.
-1. Federated SimSiam: FedAvg (weighted by images) of encoder, projector and predictor.
+1. Federated SimSiam: FedAvg (weighted by images) of encoder, projector and predictor
+   (:mod:`cxrfl.fedfew.stage1`).
 2. Energy-based multi-label training over the CCs + "no CC": FedAvg weighted by labelled
    images. Unless both margins are configured, warm-up rounds without the energy term come
    first (CC sites only: the UC sites have no other loss) and the margins are chosen from the
    warm-up model's mean energies (:func:`cxrfl.fedfew.energy.margins_from_means`). With
    ``patience`` set, the CC sites score every new model on their validation split
    (``fedfew_validate``, ``split: val``): each phase stops early and keeps its model of lowest
-   validation loss (:class:`cxrfl.common.selection.EarlyStopping`).
+   validation loss (:class:`cxrfl.common.selection.EarlyStopping`). See :mod:`cxrfl.fedfew.stage2`.
 3. Energy threshold from the sites' error counts on a common grid (two passes: the sites' energy
    ranges make the grid, then each site counts its errors per candidate; examples: see
    :data:`cxrfl.fedfew.config.THRESHOLD_EXAMPLES`); one detector per UC from each UC site (dual
@@ -32,7 +33,7 @@ Written under ``out_dir`` (the server's app folder in a job):
 - ``FL_global_model.pt``: the final self-describing model (:mod:`cxrfl.fedfew.model`);
 - ``cxrfl/rounds.jsonl``: one record per round attempt of stages 1-2 and one for stage 3;
   ``cxrfl/plan.json``: the classes and roles; ``cxrfl/evaluation.json``: the final model on every
-  site's test split; ``cxrfl/run_config.json``: the settings.
+  site's test split (:mod:`cxrfl.fedfew.evaluation`); ``cxrfl/run_config.json``: the settings.
 
 Resuming: every finished stage's file is kept in the run's resume folder
 (``cxrfl_resume/<run id>/`` under ``resume_root``; removed when the run finishes), and so is the
@@ -48,43 +49,31 @@ stops and says why.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from cxrfl.clinical.final_evaluation import evaluate_test_split
 from cxrfl.clinical.pooling import PooledEvaluation
-from cxrfl.common.io import to_numpy, write_json
+from cxrfl.common.io import write_json
 from cxrfl.common.server import RunStopped
-from cxrfl.common.transport import Message, Send
+from cxrfl.common.transport import Send
 from cxrfl.fedfew import protocol as P
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.detectors import PAYLOAD_KEYS, Detector, parse_detectors
-from cxrfl.fedfew.energy import margins_from_means
-from cxrfl.fedfew.learner import ssl_model, stage2_classes
+from cxrfl.fedfew.evaluation import evaluate_final
 from cxrfl.fedfew.model import save_fedfew_model
 from cxrfl.fedfew.plan import ClassPlan, split_classes
-from cxrfl.fedfew.rounds import FederatedRounds, Phase, Progress, RoundHook
-from cxrfl.fedfew.ssl import load_encoder
-from cxrfl.fedfew.stage3 import collect_detectors, energy_threshold, flags_nothing
-from cxrfl.fedfew.stages import (
-    STAGE_DIR,
-    STAGE_FILES,
-    copy_stage,
-    finished_stages,
-    load_stages,
-    write_stage1,
-    write_stage2,
-    write_stage3,
-)
-from cxrfl.nn.models import ModelConfig, build_model
+from cxrfl.fedfew.rounds import FederatedRounds, Progress, RoundHook
+from cxrfl.fedfew.stage1 import run_stage1
+from cxrfl.fedfew.stage2 import run_stage2
+from cxrfl.fedfew.stage3 import run_stage3
+from cxrfl.fedfew.stages import STAGE_DIR, STAGE_FILES, copy_stage, finished_stages, load_stages
+from cxrfl.nn.models import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -176,15 +165,17 @@ class FedFewServer(FederatedRounds):
         self.pooled = pooled or PooledEvaluation()
         self._site_ccs: dict[str, list[str]] = {}  # site -> the CCs it labels (from its info), for the pooling
         self._site_config = ModelConfig.from_dict({**model_config.to_dict(), "pretrained": None})
-        # the federation's UC list stays here: a site learns its own UCs from its tasks' uc_classes (_roles)
+        # the federation's UC list stays here: a site learns its own UCs from its tasks' uc_classes (_site_meta)
         self._site_fedfew = dataclasses.replace(config, uc_classes=None)
 
     # -------------------------------------------------------------- helpers
     def _meta(self, **extra: Any) -> dict[str, Any]:
         return {"fedfew_config": self._site_fedfew.to_dict(), "model_config": self._site_config.to_dict(), **extra}
 
-    def _roles(self, plan: ClassPlan, site: str) -> dict[str, Any]:
-        return {"cc_classes": plan.cc_classes, "uc_classes": plan.site_ucs.get(site, [])}
+    def _site_meta(self, plan: ClassPlan, site: str, **extra: Any) -> dict[str, Any]:
+        """A stage-2/3 task's meta for ``site`` (:data:`cxrfl.fedfew.protocol.SiteMeta`): its roles, its own UCs
+        only."""
+        return self._meta(**extra, cc_classes=plan.cc_classes, uc_classes=plan.site_ucs.get(site, []))
 
     # ---------------------------------------------------------- stage files
     def _stage_path(self, stage: int) -> Path:
@@ -265,22 +256,7 @@ class FedFewServer(FederatedRounds):
             "cc_classes": plan.cc_classes,
             "uc_classes": plan.uc_classes,
         }
-        done, resumed, progress = self._load_resume(plan)
-        ssl_state = resumed.get("ssl_state")
-        if done < 1:
-            ssl_state = self._stage1(plan, progress)
-            self._keep(1)
-            progress = None
-        if done < 2:
-            model_state, margins = self._stage2(plan, ssl_state, progress)
-            self._keep(2)
-        else:
-            model_state, margins = resumed["model_state"], resumed["margins"]
-        if done < 3:
-            stage3 = self._stage3(plan, model_state)
-            self._keep(3)
-        else:
-            stage3 = resumed["stage3"]
+        done, ssl_state, model_state, margins, stage3 = self._run_stages(plan)
         kind = str(stage3.get("detector", "paper"))  # stage 3 files of older runs hold prototypes
         if kind != cfg.detector:
             raise RunStopped(
@@ -306,6 +282,52 @@ class FedFewServer(FederatedRounds):
             final,
             list(range(1, done + 1)),
         )
+
+    def _run_stages(
+        self, plan: ClassPlan
+    ) -> tuple[int, dict[str, np.ndarray] | None, dict[str, np.ndarray], dict[str, Any], dict[str, Any]]:
+        """Load what ``resume_from`` finished, run the other stages and keep each one's file.
+
+        Returns:
+            the number of stages loaded, the SimSiam weights, the stage-2 weights, the margins, stage 3's result.
+        """
+        cfg = self.config
+        done, resumed, progress = self._load_resume(plan)
+        meta = functools.partial(self._site_meta, plan)
+        ssl_state = resumed.get("ssl_state")
+        if done < 1:
+            ssl_state = run_stage1(
+                self,
+                plan,
+                progress,
+                config=cfg,
+                model_config=self.model_config,
+                site_config=self._site_config,
+                meta_for=lambda s, r: self._meta(round=r),
+                path=self._stage_path(1),
+            )
+            self._keep(1)
+            progress = None
+        if done < 2:
+            model_state, margins = run_stage2(
+                self,
+                plan,
+                ssl_state,
+                progress,
+                config=cfg,
+                model_config=self.model_config,
+                meta=meta,
+                path=self._stage_path(2),
+            )
+            self._keep(2)
+        else:
+            model_state, margins = resumed["model_state"], resumed["margins"]
+        if done < 3:
+            stage3 = run_stage3(self, plan, model_state, config=cfg, meta=meta, path=self._stage_path(3))
+            self._keep(3)
+        else:
+            stage3 = resumed["stage3"]
+        return done, ssl_state, model_state, margins, stage3
 
     def _write_final(
         self,
@@ -380,225 +402,6 @@ class FedFewServer(FederatedRounds):
         )
         return plan
 
-    # ------------------------------------------------------------ stage 1
-    def _stage1_start(self) -> dict[str, np.ndarray]:
-        """Stage 1's first weights: seeded, the encoder from ``model_config.pretrained`` when given."""
-        torch.manual_seed(self.config.seed)
-        init = build_model(self.model_config, 1)  # reads model_config.pretrained, if any
-        model = ssl_model(self._site_config, self.config)
-        model.backbone.load_state_dict(init.backbone.state_dict())
-        return to_numpy(model.state_dict())
-
-    def _stage1(self, plan: ClassPlan, progress: Progress | None) -> dict[str, np.ndarray] | None:
-        cfg = self.config
-        progress = progress or Progress(1, self._stage1_start())
-        expected = {k: tuple(v.shape) for k, v in progress.params.items()}
-        if cfg.ssl_rounds == 0:
-            self.info("stage 1 (self-supervised): ssl_rounds = 0, skipped")
-        elif not plan.ssl_sites:
-            self.warning(
-                "stage 1 (self-supervised): no site has images for it; stage 2 starts from the initial weights"
-            )
-        else:
-            if progress.round == 0 and self.on_round is not None:
-                self.on_round(1, 0, progress.params)
-            phase = Phase(1, "ssl", P.SSL, cfg.ssl_rounds, tuple(plan.ssl_sites))
-            self.run_phase(phase, progress, lambda s, r: self._meta(round=r), expected, None)
-        path = write_stage1(self._stage_path(1), progress.params, self._site_config, cfg, progress.contributed)
-        self.info(f"stage 1 done: {path}")
-        return progress.params
-
-    # ------------------------------------------------------------ stage 2
-    def _stage2_start(self, plan: ClassPlan, ssl_state: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
-        """The stage-2 network's first weights: seeded, with stage 1's encoder when there is one."""
-        torch.manual_seed(self.config.seed + 1)
-        net = build_model(self.model_config, len(stage2_classes(plan.cc_classes)))
-        if ssl_state is not None:
-            load_encoder(net, ssl_state)
-        return to_numpy(net.state_dict())
-
-    def _stage2_phases(self, plan: ClassPlan) -> list[Phase]:
-        """Warm-up (when the margins must be chosen), then the energy rounds; or BCE rounds without lambda."""
-        cfg = self.config
-        score = self._validation_loss(plan) if cfg.patience is not None else None
-        common = {"score": score, "patience": cfg.patience or 1, "min_delta": cfg.min_delta}
-        if cfg.energy_weight <= 0:
-            return [Phase(2, "bce", P.TRAIN, cfg.rounds, tuple(plan.cc_sites), **common)]
-        phases = []
-        if not cfg.margins_given and cfg.warmup_rounds:
-            phases.append(Phase(2, "warm-up", P.TRAIN, cfg.warmup_rounds, tuple(plan.cc_sites), **common))
-        if cfg.rounds:
-            phases.append(
-                Phase(2, "energy", P.TRAIN, cfg.rounds, tuple(plan.stage2_sites), cfg.energy_weight, **common)
-            )
-        return phases
-
-    def _stage2(
-        self, plan: ClassPlan, ssl_state: Mapping[str, np.ndarray] | None, progress: Progress | None
-    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        cfg = self.config
-        if not plan.stage2_sites:
-            raise RunStopped("stage 2: no site has labelled training images; nothing to train")
-        classes = stage2_classes(plan.cc_classes)
-        if progress is None:
-            chosen = "config" if cfg.margins_given else None if cfg.energy_weight > 0 else "unused (energy_weight = 0)"
-            progress = Progress(
-                2, self._stage2_start(plan, ssl_state), margins={"m_in": cfg.m_in, "m_out": cfg.m_out, "chosen": chosen}
-            )
-        expected = {k: tuple(v.shape) for k, v in progress.params.items()}
-        phases = self._stage2_phases(plan)
-        result = progress.params
-        for i, phase in enumerate(phases):
-            if i < progress.phase:
-                continue
-            if phase.name == "energy" and progress.margins.get("chosen") is None:
-                progress.margins = self._choose_margins(plan, progress.params)
-
-            def meta(site: str, rnd: int, w: float = phase.energy_weight) -> dict[str, Any]:
-                return self._meta(
-                    round=rnd,
-                    energy_weight=w,
-                    m_in=progress.margins["m_in"],
-                    m_out=progress.margins["m_out"],
-                    **self._roles(plan, site),
-                )
-
-            result = self.run_phase(phase, progress, meta, expected, classes)
-            if i + 1 < len(phases):
-                progress.next_phase(result)
-        margins = dict(progress.margins)
-        if margins.get("chosen") is None:  # rounds == 0: margins never needed
-            margins["chosen"] = "unused (no energy round)"
-        path = write_stage2(
-            self._stage_path(2),
-            result,
-            classes=classes,
-            model_config=self.model_config,
-            cc_classes=plan.cc_classes,
-            margins=margins,
-            rounds=progress.round,
-            config=cfg,
-        )
-        self.info(f"stage 2 done: {path}")
-        return dict(result), margins
-
-    def _validation_loss(
-        self, plan: ClassPlan
-    ) -> Callable[[Mapping[str, np.ndarray]], tuple[float | None, dict[str, Any]]]:
-        """A new stage-2 model's CC validation loss: the CC sites' BCE on their validation splits, pooled over the
-        known labels."""
-
-        def score(params: Mapping[str, np.ndarray]) -> tuple[float | None, dict[str, Any]]:
-            answers = self.broadcast(
-                P.VALIDATE, plan.cc_sites, params, lambda s: self._meta(split="val", **self._roles(plan, s))
-            )
-            detail, total, weighted = {}, 0, 0.0
-            for site, (_, meta) in sorted(answers.items()):
-                m = meta.get("metrics") or {}
-                try:
-                    loss, known = m.get("cc_loss"), int(m.get("cc_known") or 0)
-                    loss = None if loss is None else float(loss)
-                except (TypeError, ValueError):
-                    self.warning(
-                        f"stage 2: validation answer of site {site} is unusable ({m.get('cc_loss')!r}); left out"
-                    )
-                    continue
-                detail[site] = {"cc_loss": loss, "cc_known": known, "cc_mean_auroc": m.get("cc_mean_auroc")}
-                if loss is not None and known > 0 and math.isfinite(loss):
-                    total, weighted = total + known, weighted + loss * known
-            return (weighted / total if total else None), detail
-
-        return score
-
-    def _choose_margins(self, plan: ClassPlan, state: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        cfg = self.config
-        results = self.broadcast(
-            P.ENERGY, plan.stage2_sites, state, lambda s: self._meta(mode="means", **self._roles(plan, s))
-        )
-        stats = [m["stats"] for _, m in results.values() if isinstance(m.get("stats"), Mapping)]
-        n_in = sum(int(s["n_in"]) for s in stats)
-        n_out = sum(int(s["n_out"]) for s in stats)
-        if n_in == 0:
-            raise RunStopped("stage 2: no site reported energies of CC-labelled images; the margins cannot be chosen")
-        mean_in = sum(float(s["sum_in"]) for s in stats) / n_in
-        if n_out == 0:
-            self.warning("stage 2: no site reported UC-positive images; m_out is chosen from the CC energies alone")
-            mean_out = mean_in
-        else:
-            mean_out = sum(float(s["sum_out"]) for s in stats) / n_out
-        m_in, m_out = margins_from_means(mean_in, mean_out, cfg.margin_widen)
-        if cfg.m_in is not None:
-            m_in = float(cfg.m_in)
-        if cfg.m_out is not None:
-            m_out = float(cfg.m_out)
-        self.info(
-            f"stage 2 margins from the warm-up model: mean energy of CC images {mean_in:.4f} (n={n_in}), of UC "
-            f"images {mean_out:.4f} (n={n_out}) -> m_in {m_in:.4f}, m_out {m_out:.4f}"
-        )
-        return {
-            "m_in": m_in,
-            "m_out": m_out,
-            "chosen": "warm-up",
-            "mean_in": mean_in,
-            "mean_out": mean_out,
-            "n_in": n_in,
-            "n_out": n_out,
-        }
-
-    # ------------------------------------------------------------ stage 3
-    def _threshold(self, plan: ClassPlan, state: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        """The energy threshold from the sites' ranges, then their error counts on a common grid."""
-        cfg = self.config
-
-        def ask(sites: Sequence[str], extra: dict[str, Any]) -> Mapping[str, Message]:
-            return self.broadcast(P.ENERGY, sites, state, lambda s: self._meta(**extra, **self._roles(plan, s)))
-
-        chosen = energy_threshold(ask, plan.stage2_sites, cfg, self.warning)
-        if chosen is None:
-            self.warning(
-                "stage 3: no usable threshold statistics (no site has UC positives or negatives"
-                f"{' or CC-labelled images' if cfg.threshold_examples == 'all' else ''}); the threshold is set to 0, "
-                "above every joint energy, so no image is flagged and the final model predicts the CCs only"
-            )
-            return flags_nothing(cfg)
-        self.info(
-            f"stage 3 threshold: {chosen['threshold']:.4f} classifies {chosen['accuracy']:.1%} of "
-            f"{chosen['n_in'] + chosen['n_out']} training examples correctly ({chosen['n_in']} without UC, "
-            f"{chosen['n_out']} with one)"
-        )
-        return chosen
-
-    def _stage3(self, plan: ClassPlan, state: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        start = time.perf_counter()
-        chosen = self._threshold(plan, state)
-        holders = [s for s in plan.stage2_sites if plan.site_ucs.get(s)]
-        answers = (
-            self.broadcast(P.DETECTORS, holders, state, lambda s: self._meta(**self._roles(plan, s))) if holders else {}
-        )
-        kept, refused = collect_detectors(answers, plan, self.config, self.warning)
-        result = {
-            "threshold": chosen["threshold"],
-            "threshold_stats": chosen,
-            "detector": self.config.detector,
-            PAYLOAD_KEYS[self.config.detector]: {uc: d for uc, d in kept.items() if d},
-            "refused": refused,
-            "detector_counts": {uc: len(d) for uc, d in kept.items()},
-        }
-        self.record(
-            {
-                "stage": 3,
-                "threshold": chosen,
-                "detector": self.config.detector,
-                "detector_counts": result["detector_counts"],
-                "refused": refused,
-                "seconds": time.perf_counter() - start,
-            }
-        )
-        path = write_stage3(self._stage_path(3), result)
-        self.info(f"stage 3 done: {path}")
-        return result
-
-    # ----------------------------------------------------------- evaluation
     def _evaluate(
         self,
         plan: ClassPlan,
@@ -606,39 +409,15 @@ class FedFewServer(FederatedRounds):
         stage3: Mapping[str, Any],
         detectors: Mapping[str, list[Detector]],
     ) -> dict[str, Any]:
-        """Every stage-2 site's test metrics (its CCs, its UCs' detection), and the CCs pooled per
-        class over the sites that label them from binned counts (:mod:`cxrfl.clinical.final_evaluation`)."""
-        key = PAYLOAD_KEYS[self.config.detector]
-
-        def meta(s: str, counts: Mapping[str, Any] | None = None) -> dict[str, Any]:
-            own = [d.to_payload() for uc in plan.site_ucs.get(s, []) for d in detectors.get(uc, [])]
-            extra = {key: own, "counts": counts} if counts is not None else {key: own}  # own UCs' detectors only
-            return self._meta(threshold=stage3["threshold"], split="test", **extra, **self._roles(plan, s))
-
-        def exchange(requests: Mapping[str, dict[str, Any] | None]) -> dict[str, Mapping[str, Any]]:
-            answers = self.broadcast(P.VALIDATE, list(requests), state, lambda s: meta(s, requests[s]))
-            return {s: m for s, (_, m) in answers.items()}
-
-        announced = {s: self._site_ccs.get(s, []) for s in plan.stage2_sites if self._site_ccs.get(s)}
-        metrics, pooled = evaluate_test_split(
-            exchange, announced, plan.cc_classes, self.pooled, pool=True, info=self.info, warning=self.warning
+        """The final model on every stage-2 site's test split (:func:`cxrfl.fedfew.evaluation.evaluate_final`)."""
+        return evaluate_final(
+            self,
+            plan,
+            state,
+            stage3,
+            detectors,
+            detector=self.config.detector,
+            site_ccs=self._site_ccs,
+            pooled=self.pooled,
+            meta=functools.partial(self._site_meta, plan),
         )
-        uc_only = [s for s in plan.stage2_sites if s not in announced]
-        metrics.update({s: dict(m.get("metrics") or {}) for s, m in exchange(dict.fromkeys(uc_only)).items()})
-        report: dict[str, Any] = {
-            "cc_classes": plan.cc_classes,
-            "uc_classes": plan.uc_classes,
-            "threshold": stage3["threshold"],
-            "detector": self.config.detector,
-            "sites": {},
-            "pooled": pooled,
-        }
-        for s, ev in sorted(metrics.items()):
-            report["sites"][s] = ev
-            parts = []
-            if ev.get("cc_mean_auroc") is not None:
-                parts.append(f"CC mean AUROC {ev['cc_mean_auroc']:.4f}")
-            parts += [P.describe_uc(uc, um) for uc, um in (ev.get("uc") or {}).items()]
-            self.info(f"test split of site {s}: {'; '.join(parts) or 'nothing to evaluate'}")
-        self.write_evaluation(report)
-        return report

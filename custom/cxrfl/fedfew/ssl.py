@@ -9,7 +9,8 @@ of one view and the projection of the other, with a stop-gradient on the project
 The module's state-dict keys for the encoder are the network's own (``backbone.*``), so the
 pretrained encoder loads straight into a :class:`CXRNet`. The views are MONAI random transforms
 (crop and resize, flip, rotation, contrast, intensity, blur, noise) after the same load and
-normalisation as :func:`cxrfl.data.transforms.build_transforms`.
+normalisation as :func:`cxrfl.data.transforms.build_transforms`. A site's local round is
+:func:`simsiam_epochs` (Adam, fixed learning rate, as the paper).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from cxrfl.data.transforms import GRAY_MEAN, GRAY_STD, IMAGENET_MEAN, IMAGENET_STD, LoadGrayscale
-from cxrfl.nn.models import CXRNet
+from cxrfl.fedfew.config import FedFewConfig
+from cxrfl.nn.models import CXRNet, ModelConfig
+from cxrfl.nn.precision import Compute, backward_step
 
 ENCODER_PREFIX = "backbone."
 """State-dict prefix of the encoder (the DenseNet121 feature extractor) in both SimSiam and CXRNet."""
@@ -110,6 +113,11 @@ class SimSiam(nn.Module):
         z1 = self.projector(self.encode(x1))
         z2 = self.projector(self.encode(x2))
         return self.predictor(z1), self.predictor(z2), z1, z2
+
+
+def ssl_model(model_config: ModelConfig, config: FedFewConfig) -> SimSiam:
+    """The SimSiam network of stage 1 (its encoder is a CXRNet feature extractor)."""
+    return SimSiam(CXRNet(model_config, 1), config.ssl_proj_dim, config.ssl_pred_dim)
 
 
 def negative_cosine(p: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -201,3 +209,58 @@ class TwoViewDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         image = self.images[index]
         return self.view(image), self.view(image)
+
+
+def simsiam_epochs(
+    model: nn.Module,
+    dataset: TwoViewDataset,
+    *,
+    config: FedFewConfig,
+    compute: Compute,
+    num_workers: int,
+    round_num: int,
+    site: str,
+) -> tuple[float | None, int]:
+    """A round's local SimSiam training (``ssl_local_epochs``, at most ``ssl_max_steps`` steps each).
+
+    Args:
+        model: the SimSiam network, prepared for ``compute`` and loaded with the received weights.
+        dataset: the site's two-view images.
+        config: FedFew settings (``ssl_*``, ``seed``).
+        compute: device and precision.
+        num_workers: data-loader workers.
+        round_num: the round (seeds the shuffling).
+        site: the site's name, for the message of a non-finite loss.
+
+    Returns:
+        The mean SimSiam loss (None: no step) and the number of optimiser steps.
+    """
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=config.ssl_batch_size,
+        shuffle=True,
+        drop_last=len(dataset) > config.ssl_batch_size,
+        num_workers=num_workers,
+        generator=torch.Generator().manual_seed(config.seed + round_num),
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=config.ssl_lr)
+    scaler = compute.scaler()
+    model.train()
+    total, steps = 0.0, 0
+    for _ in range(config.ssl_local_epochs):
+        for i, (x1, x2) in enumerate(loader):
+            if config.ssl_max_steps is not None and i >= config.ssl_max_steps:
+                break
+            if x1.shape[0] < 2:  # BatchNorm needs two samples
+                continue
+            x1, x2 = compute.inputs(x1), compute.inputs(x2)
+            opt.zero_grad(set_to_none=True)
+            with compute.autocast():
+                p1, p2, z1, z2 = model(x1, x2)
+            loss = simsiam_loss(p1.float(), p2.float(), z1.float(), z2.float())
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"site {site}: SimSiam loss became {loss.item()} at step {steps}")
+            backward_step(loss, opt, scaler)
+            total += float(loss.detach())
+            steps += 1
+    return (total / steps if steps else None), steps

@@ -1,21 +1,27 @@
 """Stage 3 on the server: the energy threshold from the sites' error counts, and the detectors kept.
 
 Both work on the sites' answers only (counts per candidate threshold, detector payloads); what
-is unusable is left out with one warning line naming the site.
+is unusable is left out with one warning line naming the site. :func:`run_stage3` asks the sites
+and writes ``stage3.json`` (:func:`cxrfl.fedfew.stages.write_stage3`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from cxrfl.common.server import ServerLoop
 from cxrfl.common.transport import Message
+from cxrfl.fedfew import protocol as P
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.detectors import PAYLOAD_KEYS, Detector, detector_size, parse_detector
 from cxrfl.fedfew.energy import choose_threshold, threshold_grid
 from cxrfl.fedfew.plan import ClassPlan
+from cxrfl.fedfew.stages import write_stage3
 
 
 def threshold_from_counts(
@@ -167,3 +173,78 @@ def collect_detectors(
         if not kept[uc]:
             warning(f"stage 3: UC {uc} has no {what}; the final model does not predict it")
     return kept, refused
+
+
+def _threshold(
+    loop: ServerLoop, plan: ClassPlan, state: Mapping[str, np.ndarray], config: FedFewConfig, meta: P.SiteMeta
+) -> dict[str, Any]:
+    """The energy threshold from the sites' ranges, then their error counts on a common grid."""
+
+    def ask(sites: Sequence[str], extra: dict[str, Any]) -> Mapping[str, Message]:
+        return loop.broadcast(P.ENERGY, sites, state, lambda s: meta(s, **extra))
+
+    chosen = energy_threshold(ask, plan.stage2_sites, config, loop.warning)
+    if chosen is None:
+        loop.warning(
+            "stage 3: no usable threshold statistics (no site has UC positives or negatives"
+            f"{' or CC-labelled images' if config.threshold_examples == 'all' else ''}); the threshold is set to 0, "
+            "above every joint energy, so no image is flagged and the final model predicts the CCs only"
+        )
+        return flags_nothing(config)
+    loop.info(
+        f"stage 3 threshold: {chosen['threshold']:.4f} classifies {chosen['accuracy']:.1%} of "
+        f"{chosen['n_in'] + chosen['n_out']} training examples correctly ({chosen['n_in']} without UC, "
+        f"{chosen['n_out']} with one)"
+    )
+    return chosen
+
+
+def run_stage3(
+    loop: ServerLoop,
+    plan: ClassPlan,
+    state: Mapping[str, np.ndarray],
+    *,
+    config: FedFewConfig,
+    meta: P.SiteMeta,
+    path: Path,
+) -> dict[str, Any]:
+    """Stage 3: the threshold, the UC sites' detectors; recorded and written to its file.
+
+    Args:
+        loop: the server loop that asks the sites and records the stage.
+        plan: the class plan.
+        state: the stage-2 weights.
+        config: FedFew settings.
+        meta: a site's task meta.
+        path: stage 3's file.
+
+    Returns:
+        ``threshold``, ``threshold_stats``, ``detector``, the detector payloads per UC (under
+        :data:`cxrfl.fedfew.detectors.PAYLOAD_KEYS`), ``refused`` and ``detector_counts``.
+    """
+    start = time.perf_counter()
+    chosen = _threshold(loop, plan, state, config, meta)
+    holders = [s for s in plan.stage2_sites if plan.site_ucs.get(s)]
+    answers = loop.broadcast(P.DETECTORS, holders, state, meta) if holders else {}
+    kept, refused = collect_detectors(answers, plan, config, loop.warning)
+    result = {
+        "threshold": chosen["threshold"],
+        "threshold_stats": chosen,
+        "detector": config.detector,
+        PAYLOAD_KEYS[config.detector]: {uc: d for uc, d in kept.items() if d},
+        "refused": refused,
+        "detector_counts": {uc: len(d) for uc, d in kept.items()},
+    }
+    loop.record(
+        {
+            "stage": 3,
+            "threshold": chosen,
+            "detector": config.detector,
+            "detector_counts": result["detector_counts"],
+            "refused": refused,
+            "seconds": time.perf_counter() - start,
+        }
+    )
+    written = write_stage3(path, result)
+    loop.info(f"stage 3 done: {written}")
+    return result
