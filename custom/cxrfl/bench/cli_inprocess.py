@@ -1,4 +1,5 @@
-"""The ``cxrfl bench`` subcommands that run NVFlare's filters in process: ``privacy``, ``hostile``, ``quantize``.
+"""The ``cxrfl bench`` subcommands that run in process: NVFlare's filters (``privacy``, ``hostile``, ``quantize``) and
+the evaluation-only federation (``clinical``).
 
 Each takes the settings a user gives and leaves the rest to the benchmark's settings class.
 """
@@ -130,11 +131,45 @@ def _add_quantize(bsub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=_cmd_quantize)
 
 
+def _cmd_clinical(args: argparse.Namespace) -> int:
+    from cxrfl.bench.clinical import ClinicalBenchSettings, run_clinical
+
+    keys = ("seeds", "rounds", "image_size", "steps", "patience", "threads", "target_sensitivity", "calibration")
+    given = _given(args, (*keys, "min_cell", "bins", "external"))
+    if args.profiles:
+        given["profiles"] = tuple(_methods(args.profiles) or ())
+    run_clinical(ClinicalBenchSettings(**given), Path(args.out), log=_stamped, data_dir=args.data_dir)
+    return 0
+
+
+def _add_clinical(bsub: argparse._SubParsersAction) -> None:
+    c = bsub.add_parser(
+        "clinical",
+        help="the evaluation-only federation (issue 45): federated pooled AUROC against the central AUROC of the "
+        "same images, ECE before and after calibration, test sensitivity at the operating point chosen on validation",
+    )
+    demo = "the demo job's, "
+    _add_run_args(c, "clinical", rounds="60", patience=demo + "3", image_size=demo + "64")
+    c.add_argument("--profiles", default=None, help="comma-separated profiles (default two-hospitals,nih1000)")
+    c.add_argument("--target-sensitivity", type=float, help="sensitivity of the operating point (default 0.9)")
+    c.add_argument("--calibration", choices=("platt", "temperature"), help="calibration map (default platt)")
+    c.add_argument("--min-cell", type=int, help="least positives and negatives a site sends counts for (default 10)")
+    c.add_argument("--bins", type=int, help="logit bins of the first counting pass (default 4000)")
+    c.add_argument(
+        "--no-external",
+        dest="external",
+        action="store_false",
+        default=None,
+        help="evaluate the training sites' test splits only (default: the external test sets join as test-only sites)",
+    )
+    c.set_defaults(func=_cmd_clinical)
+
+
 def add_inprocess_parsers(bsub: argparse._SubParsersAction) -> None:
-    """Add ``bench privacy|hostile|quantize``.
+    """Add ``bench privacy|hostile|quantize|clinical``.
 
     Args:
         bsub: the ``bench`` subparsers.
     """
-    for add in (_add_privacy, _add_hostile, _add_quantize):
+    for add in (_add_privacy, _add_hostile, _add_quantize, _add_clinical):
         add(bsub)

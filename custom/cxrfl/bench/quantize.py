@@ -36,7 +36,7 @@ from cxrfl.bench.inprocess import (
 )
 from cxrfl.bench.intervals import finite_mean, holm, mean_ci
 from cxrfl.bench.paired import paired
-from cxrfl.bench.protocol import code_label, load_text
+from cxrfl.bench.report_text import local_steps, provenance_line, verdict
 from cxrfl.data.site import SiteData
 from cxrfl.errors import ConfigError
 from cxrfl.fl.job_settings import QUANTIZE_TYPES
@@ -359,12 +359,12 @@ def format_report(results: Mapping[str, Any]) -> str:
         f"# Quantized updates on surgical aggregation ({results['profile']})",
         "",
         f"{s['seeds']} seed(s), {s['image_size']} px from scratch with the demo job's training settings, "
-        f"{_steps(s['steps'])}, rounds until the mean validation loss has not improved for {s['patience']} (at most "
-        f"{s['rounds']}). Every task's payload and every site's answer went through the job's quantization filters "
-        "(quantize, dequantize). Bytes: the arrays of one message (values and quantization state; no framing) per "
-        "site and training round, mean over sites, rounds and seeds; x fewer: unquantized (float32) over quantized. "
-        "Seconds: quantizing and dequantizing per training round, every site both ways, one after the other on this "
-        "CPU. AUROC: the selected model's mean over the classes of the test set "
+        f"{local_steps(s['steps'])}, rounds until the mean validation loss has not improved for {s['patience']} "
+        f"(at most {s['rounds']}). Every task's payload and every site's answer went through the job's quantization "
+        "filters (quantize, dequantize). Bytes: the arrays of one message (values and quantization state; no framing) "
+        "per site and training round, mean over sites, rounds and seeds; x fewer: unquantized (float32) over "
+        "quantized. Seconds: quantizing and dequantizing per training round, every site both ways, one after the other "
+        "on this CPU. AUROC: the selected model's mean over the classes of the test set "
         f"({', '.join(f'{n}: {k} images' for n, k in results.get('tests', {}).items())}), with its 95 % t-interval "
         "over seeds; change: paired against the unquantized run of the same seed, with its 95 % CI and the paired "
         "t and Wilcoxon p-values, Holm-adjusted over the formats compared.",
@@ -384,14 +384,14 @@ def format_report(results: Mapping[str, Any]) -> str:
             f"| {o['seeds']} |"
         )
     lines += ["", "## Targets (issue 46)", "", "| target | measured | verdict |", "| --- | --- | --- |"]
-    lines += [f"| {t['target']} | {t['measured']} | {_verdict(t['met'])} |" for t in targets(summary)]
+    lines += [f"| {t['target']} | {t['measured']} | {verdict(t['met'])} |" for t in targets(summary)]
     lines += [
         "",
         f"The AUROC target is met when the mean paired difference lies within +-{TARGET_AUROC:g}; its 95 % CI "
         "says whether the seeds run are enough to show it.",
     ]
     lines += _matched_table(results)
-    lines += ["", "![learning curves](learning_curves.png)", "", _provenance(results)]
+    lines += ["", "![learning curves](learning_curves.png)", "", provenance_line(results)]
     return "\n".join(lines + [""] + [f"- {n}" for n in results.get("notes", [])]) + "\n"
 
 
@@ -420,17 +420,6 @@ def _matched_table(results: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _provenance(results: Mapping[str, Any]) -> str:
-    """The report's line on code, machine and command."""
-    codes = sorted({code_label(r.get("code") or results.get("code") or {}) for r in results["runs"].values()})
-    where = results.get("machine") or {}
-    return (
-        f"Code {', '.join(codes) or '-'}; {where.get('cpu', '?')} ({where.get('usable_cores', '?')} usable cores, "
-        f"{where.get('torch_threads', '?')} torch thread(s), load {load_text(where)})."
-        + (f" Command: `{results['command_line']}`." if results.get("command_line") else "")
-    )
-
-
 def plot_curves(results: Mapping[str, Any], path: Path) -> None:
     """Every run's learning curve (the sites' mean validation loss and AUROC per round), one colour per format.
 
@@ -450,10 +439,6 @@ def plot_curves(results: Mapping[str, Any], path: Path) -> None:
         },
         path,
     )
-
-
-def _steps(steps: int | None) -> str:
-    return "one local epoch per round" if steps is None else f"at most {steps} steps per local epoch"
 
 
 def _interval(mean: float | None, ci: Sequence[float] | None, signed: bool = False) -> str:
@@ -481,7 +466,3 @@ def _mb(v: float | None) -> str:
 
 def _p(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
-
-
-def _verdict(met: bool | None) -> str:
-    return "not measured" if met is None else "MET" if met else "NOT MET"

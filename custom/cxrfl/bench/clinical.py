@@ -1,0 +1,499 @@
+"""``cxrfl bench clinical``: the evaluation-only federation's three targets (issue 45).
+
+Per profile and seed, surgical aggregation's own server loop (:func:`cxrfl.surgical.inprocess.run_surgical`)
+trains one model with the committed demo job's settings (:data:`cxrfl.jobs.DEMO_TRAIN`, from scratch) until
+the mean validation loss stops improving (``patience``; ``rounds`` is a guard). The evaluation-only server
+(:func:`cxrfl.fedeval.inprocess.run_fedeval`, sites in float32) then scores it twice: on the sites' test
+splits (pooled AUROCs from binned counts), and on their validation splits, fitting calibration maps and an
+operating point per class (``cxrfl/calibrated_model.pt``). Independently, ``cxrfl predict``'s code path
+(:func:`cxrfl.predict.predict_images`, float32) scores every test image centrally. Measured:
+
+1. per class, the federated pooled AUROC against scikit-learn's AUROC of the pooled raw scores of the same
+   images (the sites pooled): met when every ``|difference|`` is at most :data:`AUROC_TOLERANCE`;
+2. per site and class it labels, the expected calibration error of its test split before and after the
+   map (the product's :func:`cxrfl.clinical.calibration.reliability` on its counts): met when every pair
+   above :data:`ECE_LIMIT` comes to at most it and none gets worse;
+3. per class, the test sensitivity at the threshold chosen on validation (``cxrfl predict``'s decision,
+   :meth:`cxrfl.clinical.fitted.ClinicalFit.decide`), pooled over the sites labelling it, with its Wilson
+   interval: met when the interval holds the target.
+
+Each (profile, seed) is written to ``results.json`` as it finishes (an interrupted benchmark resumes);
+``report.md`` and ``learning_curves.png`` at the end.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy.stats import binomtest
+from sklearn.metrics import roc_auc_score
+
+from cxrfl.bench.inprocess import open_results, provenance, save_results, surgical_config
+from cxrfl.bench.intervals import finite_mean
+from cxrfl.bench.profiles import PROFILE_NAMES, BenchData, prepare
+from cxrfl.bench.report_text import local_steps, provenance_line, verdict
+from cxrfl.clinical.calibration import reliability
+from cxrfl.clinical.counts import BinSpec, count_scores
+from cxrfl.clinical.fitted import ClinicalFit
+from cxrfl.clinical.pooled import wilson
+from cxrfl.data.site import SiteData
+from cxrfl.errors import ConfigError
+from cxrfl.fedeval.config import FedEvalConfig
+from cxrfl.fedeval.inprocess import run_fedeval
+from cxrfl.jobs import DEMO_MODEL, DEMO_TRAIN, JOBS
+from cxrfl.nn.models import load_checkpoint, save_checkpoint
+from cxrfl.predict import predict_images
+from cxrfl.surgical.config import SurgicalConfig
+from cxrfl.surgical.inprocess import global_model, make_hosts, run_surgical
+
+Log = Callable[[str], None]
+Central = dict[str, tuple[list[str], np.ndarray, np.ndarray]]
+"""site -> (its classes, [n, K] raw test probabilities, [n, K] labels: 1, 0 or NaN)."""
+
+PROFILES = ("two-hospitals", "nih1000")
+AUROC_TOLERANCE = 0.002
+"""Issue 45: federated pooled AUROC within this of the AUROC of the pooled scores, every class."""
+ECE_LIMIT = 0.05
+"""Issue 45: after calibration, ECE at most this where it was above, and never worse."""
+LEVEL = 0.95
+"""Confidence level of the sensitivity intervals."""
+_DEMO = next(j for j in JOBS if j.name == "surgical_agg").controller_args
+
+
+@dataclass
+class ClinicalBenchSettings:
+    """Settings of the clinical benchmark (training as the committed demo job; evaluation as ``job_recipes/fedeval``).
+
+    Args:
+        profiles: benchmark profiles (:func:`cxrfl.bench.profiles.prepare`).
+        seeds: training seeds 0 ... seeds-1.
+        image_size: model input size.
+        rounds: most federated rounds after the warm-up, a guard the runs should not reach.
+        patience: rounds without a better mean validation loss before stopping.
+        target_sensitivity: the sensitivity the operating point is chosen for on validation data.
+        calibration: ``platt`` or ``temperature``.
+        min_cell: least positives and negatives of a class a site sends counts for (also the least a
+            site's test split needs for its ECE to be measured).
+        bins: logit bins of the first counting pass (:class:`cxrfl.clinical.counts.BinSpec`'s ``n``).
+        external: the profile's fully annotated external test set(s) join the test evaluation as sites
+            that only test (never fitted on).
+        steps: cap on optimiser steps per local epoch and site (None: the whole split).
+        threads: torch CPU threads.
+    """
+
+    profiles: tuple[str, ...] = PROFILES
+    seeds: int = 3
+    image_size: int = DEMO_MODEL.image_size
+    rounds: int = 60
+    patience: int = _DEMO["patience"]
+    target_sensitivity: float = 0.9
+    calibration: str = "platt"
+    min_cell: int = FedEvalConfig.min_cell
+    bins: int = BinSpec.n
+    external: bool = True
+    steps: int | None = None
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.profiles if p not in PROFILE_NAMES]
+        if unknown or not self.profiles:
+            raise ConfigError(f"unknown or no profile(s) {unknown}; known: {list(PROFILE_NAMES)}")
+        if min(self.seeds, self.rounds, self.patience, self.min_cell, self.bins, self.image_size) < 1:
+            raise ConfigError("--seeds, --rounds, --patience, --min-cell, --bins and --image-size must be at least 1")
+        if not 0 < self.target_sensitivity < 1:
+            raise ConfigError(f"--target-sensitivity must be in (0, 1), got {self.target_sensitivity}")
+        if self.calibration not in ("platt", "temperature"):
+            raise ConfigError(f"--calibration must be platt or temperature, got {self.calibration!r}")
+        self.profiles = tuple(dict.fromkeys(self.profiles))
+
+    def server_config(self, seed: int) -> SurgicalConfig:
+        """The training run's server settings (the demo job's training settings, this run's seed).
+
+        Args:
+            seed: the training seed.
+        """
+        train = replace(DEMO_TRAIN, max_steps_per_epoch=self.steps, seed=seed)
+        return surgical_config(train, rounds=self.rounds, patience=self.patience, image_size=self.image_size)
+
+    def fedeval_config(self, split: str) -> FedEvalConfig:
+        """The evaluation's settings: ``test`` scores; ``val`` also fits the maps and operating points.
+
+        Args:
+            split: ``test`` or ``val``.
+        """
+        test = FedEvalConfig(split="test", min_cell=self.min_cell, bins=BinSpec(n=self.bins), subgroups=False)
+        if split == "test":
+            return test
+        return replace(
+            test, split=split, calibration=self.calibration, target="sensitivity", target_value=self.target_sensitivity
+        )
+
+
+def _key(profile: str, seed: int) -> str:
+    return f"{profile}/{seed}"
+
+
+def run_clinical(
+    settings: ClinicalBenchSettings, out: str | Path, *, log: Log = print, data_dir: str | Path | None = None
+) -> dict[str, Any]:
+    """Run every (profile, seed) not in ``out/results.json`` yet; write ``report.md`` and ``learning_curves.png``.
+
+    Args:
+        settings: the benchmark's settings.
+        out: output folder (an interrupted benchmark resumes there).
+        log: progress callback.
+        data_dir: where profile data is written (default ``out/data``).
+
+    Returns:
+        the results written to ``results.json``.
+    """
+    out = Path(out)
+    path, results = open_results(out, settings)
+    results.update(provenance())
+    results.setdefault("profiles", {})
+    start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="cxrfl-clinical-"))
+    try:
+        datas = {
+            p: prepare(p, Path(data_dir) if data_dir else out / "data", image_size=settings.image_size)
+            for p in settings.profiles
+        }
+        results["profiles"] = {p: {"notes": d.notes} for p, d in datas.items()}
+        for seed in range(settings.seeds):  # seed by seed: every profile has a result early
+            for profile, data in datas.items():
+                if _key(profile, seed) in results["runs"]:
+                    continue
+                run = {"profile": profile, **_run_one(settings, data, seed, work / f"{profile}-{seed}", log)}
+                run["code"] = results["code"]  # a run resumed in a later session may run other code
+                results["runs"][_key(profile, seed)] = run
+                save_results(path, results)
+                log(
+                    f"[{time.perf_counter() - start:7.0f}s] {profile} seed {seed}: best round {run['best_round']} of "
+                    f"{run['rounds']}, {len(run['auroc'])} classes pooled, {len(run['ece'])} ECE pairs"
+                )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    (out / "report.md").write_text(format_report(results))
+    plot_curves(results, out / "learning_curves.png")
+    log(f"wrote {path}, {out / 'report.md'} and {out / 'learning_curves.png'}")
+    return results
+
+
+def _test_sites(data: BenchData, settings: ClinicalBenchSettings) -> list[SiteData]:
+    """The sites whose test splits are evaluated: the training sites, then the external test sets."""
+    return [*data.sites, *(data.external.values() if settings.external else ())]
+
+
+def _fedeval(
+    settings: ClinicalBenchSettings, sites: Sequence[SiteData], model: Path, split: str, folder: Path, log: Log
+) -> dict[str, Any]:
+    """One evaluation-only run over sites that score in float32 (as ``cxrfl predict --precision fp32`` centrally)."""
+    hosts = make_hosts(sites, folder / "sites", train_overrides={s.site: {"precision": "fp32"} for s in sites})
+    return run_fedeval(hosts, model, settings.fedeval_config(split), folder, info=lambda _: None, warning=log)
+
+
+def _run_one(settings: ClinicalBenchSettings, data: BenchData, seed: int, folder: Path, log: Log) -> dict[str, Any]:
+    """Train one model, evaluate it federatedly (test; val with fitting) and centrally, measure the targets."""
+    config = settings.server_config(seed)
+    started = time.perf_counter()
+    result = run_surgical(data.sites, config, folder / "train", info=lambda _: None, warning=log)
+    model = folder / "model.pt"
+    save_checkpoint(
+        model, global_model(result, config.model_config), classes=result.classes, model_config=config.model_config
+    )
+    tests = _test_sites(data, settings)
+    test = _fedeval(settings, tests, model, "test", folder / "test", log)
+    fitted = folder / "val" / _fedeval(settings, data.sites, model, "val", folder / "val", log)["fitted"]["model"]
+    fit = ClinicalFit.from_checkpoint(load_checkpoint(fitted), str(fitted))
+    if fit is None:
+        raise RuntimeError(f"the evaluation-only run left no calibration in {fitted}")
+    central = central_scores(model, tests)
+    run = {
+        "seed": seed,
+        "best_round": result.best_round,
+        "rounds": result.rounds,
+        "val_loss": result.curve("mean_val_loss"),
+        "val_auroc": result.curve("mean_val_auroc"),
+        "auroc": auroc_rows(test, central),
+        "ece": ece_rows(central, fit, BinSpec(n=settings.bins), settings.min_cell),
+        "sensitivity": sensitivity_rows(central, fit),
+        "seconds": time.perf_counter() - started,
+    }
+    shutil.rmtree(folder, ignore_errors=True)
+    return run
+
+
+def central_scores(model: Path, sites: Sequence[SiteData]) -> Central:
+    """Every site's test images scored centrally by ``cxrfl predict``'s code path (float32, raw).
+
+    Args:
+        model: the checkpoint.
+        sites: the sites.
+    """
+    out: Central = {}
+    for site in sites:
+        table = site.split_table("test")
+        rows = predict_images(model, table["path"].tolist(), device="cpu", precision="fp32", raw=True)
+        unread = [r for r in rows if "error" in r]
+        if unread:
+            raise RuntimeError(f"site {site.site}: cannot read test image {unread[0]['image']}: {unread[0]['error']}")
+        scores = np.array([[r["probabilities"][c] for c in site.classes] for r in rows], dtype=float)
+        out[site.site] = (list(site.classes), scores.reshape(len(rows), -1), table[site.classes].to_numpy(float))
+    return out
+
+
+def _pooled(central: Central, cls: str, sites: Sequence[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The raw scores and labels of ``cls`` pooled over ``sites`` (None: every site labelling it), known labels only."""
+    scores, labels = [], []
+    for site, (classes, s, y) in central.items():
+        if cls in classes and (sites is None or site in sites):
+            j = classes.index(cls)
+            known = ~np.isnan(y[:, j])
+            scores.append(s[known, j])
+            labels.append(y[known, j])
+    return np.concatenate(scores), np.concatenate(labels)
+
+
+def auroc_rows(report: Mapping[str, Any], central: Central) -> dict[str, dict[str, Any]]:
+    """Per class the evaluation pooled: its federated AUROC and sklearn's of the same images' pooled raw scores.
+
+    Args:
+        report: :func:`run_fedeval`'s report of the test split.
+        central: :func:`central_scores`.
+    """
+    out = {}
+    for c, entry in report["classes"].items():
+        if entry["auroc"] is None:
+            continue
+        scores, labels = _pooled(central, c, entry["sites_pooled"])
+        central_auroc = float(roc_auc_score(labels, scores))
+        federated = float(entry["auroc"]["value"])
+        out[c] = {
+            "federated": federated,
+            "central": central_auroc,
+            "diff": abs(federated - central_auroc),
+            "sites": len(entry["sites_pooled"]),
+            "withheld": len(entry["sites_withheld"]),
+            "positives": int(labels.sum()),
+            "negatives": int((labels == 0).sum()),
+        }
+    return out
+
+
+def ece_rows(central: Central, fit: ClinicalFit, bins: BinSpec, min_cell: int) -> list[dict[str, Any]]:
+    """Per site and class with at least ``min_cell`` positives and negatives in its test split: the ECE before and
+    after the class's map (none fitted: the raw scores, as ``cxrfl predict`` shows them).
+
+    Args:
+        central: :func:`central_scores`.
+        fit: the maps fitted on validation.
+        bins: the bins counted in.
+        min_cell: least positives and negatives (as a site sends counts).
+    """
+    out = []
+    for site, (classes, scores, labels) in central.items():
+        for j, c in enumerate(classes):
+            counts = count_scores(scores[:, j], labels[:, j], bins=bins, min_cell=min_cell)
+            if counts is None or not counts.n_pos or not counts.n_neg:
+                continue
+            before, after = reliability(counts).ece, reliability(counts, fit.calibration.get(c)).ece
+            row = {"site": site, "class": c, "before": before, "after": after, "mapped": c in fit.calibration}
+            out.append({**row, "positives": counts.n_pos, "negatives": counts.n_neg})
+    return out
+
+
+def sensitivity_rows(central: Central, fit: ClinicalFit) -> dict[str, dict[str, Any]]:
+    """Per class with an operating point and test positives: the test sensitivity of ``cxrfl predict``'s decision,
+    pooled over the sites labelling it, with its Wilson interval.
+
+    Args:
+        central: :func:`central_scores`.
+        fit: the operating points chosen on validation.
+    """
+    out = {}
+    for c, point in fit.operating_points.items():
+        scores, labels = _pooled(central, c)
+        positives = scores[labels == 1]
+        if not len(positives):
+            continue
+        decided = fit.decide(positives[:, None], [c])
+        rate = wilson(sum(d[c] for d in decided), len(positives), level=LEVEL)
+        out[c] = {"threshold": point["threshold"], "val_sensitivity": point["sensitivity"], **asdict(rate)}
+    return out
+
+
+def targets(runs: Sequence[Mapping[str, Any]], target: float) -> list[dict[str, Any]]:
+    """One profile's three targets over its seeds: ``target``, ``measured`` and ``met`` (None: nothing measured).
+
+    Args:
+        runs: the profile's runs.
+        target: the sensitivity the operating points were chosen for.
+    """
+    diffs = [r["diff"] for run in runs for r in run["auroc"].values()]
+    pairs = [p for run in runs for p in run["ece"]]
+    above = [p for p in pairs if p["before"] > ECE_LIMIT]
+    fixed = [p for p in above if p["after"] <= ECE_LIMIT]
+    worse = [p for p in pairs if p["after"] > p["before"]]
+    rates = [r for run in runs for r in run["sensitivity"].values()]
+    hits = sum(r["low"] <= target <= r["high"] for r in rates)
+    misses = len(rates) - hits
+    chance = binomtest(misses, len(rates), 1 - LEVEL, alternative="greater").pvalue if rates else None
+    return [
+        {
+            "target": f"federated pooled AUROC within {AUROC_TOLERANCE:g} of the central AUROC of the pooled scores, "
+            "every class",
+            "measured": f"largest absolute difference {max(diffs):.4f} over {len(diffs)} (class, seed)"
+            if diffs
+            else "-",
+            "met": max(diffs) <= AUROC_TOLERANCE if diffs else None,
+        },
+        {
+            "target": f"per site and class, ECE after calibration <= {ECE_LIMIT:g} where above, never worse",
+            "measured": f"{len(above)} of {len(pairs)} (site, class, seed) above {ECE_LIMIT:g} before, {len(fixed)} "
+            f"brought to <= {ECE_LIMIT:g}; {len(worse)} made worse"
+            if pairs
+            else "-",
+            "met": len(fixed) == len(above) and not worse if pairs else None,
+        },
+        {
+            "target": f"test sensitivity of the operating point chosen for {target:g} on validation: {target:g} within "
+            f"its {LEVEL:.0%} Wilson interval, every class",
+            "measured": f"{hits} of {len(rates)} (class, seed) hold {target:g}; {misses} misses, P(>= {misses} by "
+            f"chance at {1 - LEVEL:.0%} each) = {chance:.3g}"
+            if rates
+            else "-",
+            "met": misses == 0 if rates else None,
+        },
+    ]
+
+
+def format_report(results: Mapping[str, Any]) -> str:
+    """The Markdown report: per profile the three targets, then their per-class tables; the curves, provenance.
+
+    Args:
+        results: what :func:`run_clinical` writes.
+    """
+    s = results["settings"]
+    lines = [
+        "# Evaluation-only federation: pooled AUROC, calibration, operating points (issue 45)",
+        "",
+        f"{s['seeds']} seed(s) per profile; one model per seed trained by surgical aggregation, {s['image_size']} px "
+        f"from scratch with the demo job's training settings, {local_steps(s['steps'])}, rounds until the mean "
+        f"validation loss has not improved for {s['patience']} (at most {s['rounds']}). Evaluated by the "
+        f"evaluation-only server (sites in float32, minimum cell {s['min_cell']}, {s['bins']} logit bins): "
+        f"on the test splits{' (and the external test sets, as sites that only test)' if s['external'] else ''}; "
+        f"on the training sites' validation splits with {s['calibration']} calibration and an operating point "
+        f"for sensitivity {s['target_sensitivity']:g}. Central: `cxrfl predict`'s code path "
+        "(float32) on the same test images.",
+    ]
+    for profile in s["profiles"]:
+        runs = [r for r in results["runs"].values() if r["profile"] == profile]
+        lines += ["", f"## {profile}", "", "| target | measured | verdict |", "| --- | --- | --- |"]
+        lines += [
+            f"| {t['target']} | {t['measured']} | {verdict(t['met'])} |" for t in targets(runs, s["target_sensitivity"])
+        ]
+        lines += _auroc_table(runs) + _ece_table(runs) + _sensitivity_table(runs, s["target_sensitivity"])
+        lines += [""] + [f"- {n}" for n in results.get("profiles", {}).get(profile, {}).get("notes", [])]
+    lines += ["", "![learning curves](learning_curves.png)", "", provenance_line(results)]
+    return "\n".join(lines) + "\n"
+
+
+def _auroc_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Target 1 per class: federated and central AUROC (mean over seeds), the largest difference."""
+    lines = [
+        "",
+        "### Pooled AUROC, federated vs central",
+        "",
+        "Same images both sides: the test splits of the sites that sent counts for the class (sites withheld below the "
+        "minimum cell are left out of both).",
+        "",
+        "| class | sites pooled | positives / negatives | federated AUROC | central AUROC | max abs difference "
+        "| seeds |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in sorted({c for run in runs for c in run["auroc"]}):
+        rows = [run["auroc"][c] for run in runs if c in run["auroc"]]
+        first = rows[0]
+        lines.append(
+            f"| {c} | {first['sites']} (withheld {first['withheld']}) | {first['positives']} / {first['negatives']} | "
+            f"{_mean(r['federated'] for r in rows)} | {_mean(r['central'] for r in rows)} | "
+            f"{max(r['diff'] for r in rows):.5f} | {len(rows)} |"
+        )
+    return lines
+
+
+def _ece_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Target 2 per class: its (site, seed) pairs, mean ECE before and after, how many above, fixed, worse."""
+    pairs = [p for run in runs for p in run["ece"]]
+    lines = [
+        "",
+        "### Calibration: ECE per site's test split",
+        "",
+        "Per (site, seed) with at least the minimum cell of positives and negatives; the product's ECE (15 "
+        "equal-width bins over the counts) of the raw scores and after the class's map fitted on validation (no map: "
+        "the raw scores, as `cxrfl predict` shows them).",
+        "",
+        f"| class | pairs | without a map | mean ECE before | mean ECE after | above {ECE_LIMIT:g} before | fixed | "
+        "made worse |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in sorted({p["class"] for p in pairs}):
+        mine = [p for p in pairs if p["class"] == c]
+        above = [p for p in mine if p["before"] > ECE_LIMIT]
+        lines.append(
+            f"| {c} | {len(mine)} | {sum(not p['mapped'] for p in mine)} | {_mean(p['before'] for p in mine)} | "
+            f"{_mean(p['after'] for p in mine)} | {len(above)} | {sum(p['after'] <= ECE_LIMIT for p in above)} | "
+            f"{sum(p['after'] > p['before'] for p in mine)} |"
+        )
+    return lines
+
+
+def _sensitivity_table(runs: Sequence[Mapping[str, Any]], target: float) -> list[str]:
+    """Target 3 per class: each seed's test sensitivity with its Wilson interval, and how many hold the target."""
+    lines = [
+        "",
+        f"### Operating point for sensitivity {target:g}",
+        "",
+        "Threshold chosen on the pooled validation counts; test sensitivity pooled over the sites labelling the "
+        f"class, one entry per seed: value [{LEVEL:.0%} Wilson interval] (positives found / positives). At "
+        f"{LEVEL:.0%}, about {1 - LEVEL:.0%} of the intervals miss the target by chance alone, and more where the "
+        "validation split is small: the threshold's own sampling error is not in the test interval.",
+        "",
+        "| class | validation sensitivity (per seed) | test sensitivity (per seed) | seeds holding the target |",
+        "| --- | --- | --- | --- |",
+    ]
+    for c in sorted({c for run in runs for c in run["sensitivity"]}):
+        rows = [run["sensitivity"][c] for run in runs if c in run["sensitivity"]]
+        tests = "; ".join(f"{r['value']:.3f} [{r['low']:.3f}, {r['high']:.3f}] ({r['k']}/{r['n']})" for r in rows)
+        hits = sum(r["low"] <= target <= r["high"] for r in rows)
+        val = ", ".join(f"{r['val_sensitivity']:.3f}" for r in rows)
+        lines.append(f"| {c} | {val} | {tests} | {hits} of {len(rows)} |")
+    return lines
+
+
+def _mean(values: Any) -> str:
+    m = finite_mean(values)
+    return "n/a" if m is None else f"{m:.4f}"
+
+
+def plot_curves(results: Mapping[str, Any], path: Path) -> None:
+    """Every run's learning curve (the sites' mean validation loss and AUROC per round), one colour per profile.
+
+    Args:
+        results: what :func:`run_clinical` writes.
+        path: PNG file.
+    """
+    from cxrfl.bench.plots import learning_curves
+
+    runs = list(results["runs"].values())
+    methods = {p: {"label": p, "runs": [r for r in runs if r["profile"] == p]} for p in results["settings"]["profiles"]}
+    learning_curves(
+        {"profile": "clinical benchmark", "seeds": list(range(results["settings"]["seeds"])), "methods": methods}, path
+    )

@@ -1,0 +1,41 @@
+"""Phrases the in-process benchmarks' reports share: the provenance line, local steps, a target's verdict."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from cxrfl.bench.protocol import code_label, load_text
+
+
+def provenance_line(results: Mapping[str, Any]) -> str:
+    """The report's line on code, machine and command (every run's code: a resumed benchmark may mix them).
+
+    Args:
+        results: a benchmark's ``results.json`` (``runs``, ``code``, ``machine``, ``command_line``).
+    """
+    codes = sorted({code_label(r.get("code") or results.get("code") or {}) for r in results["runs"].values()})
+    where = results.get("machine") or {}
+    return (
+        f"Code {', '.join(codes) or '-'}; {where.get('cpu', '?')} ({where.get('usable_cores', '?')} usable cores, "
+        f"{where.get('torch_threads', '?')} torch thread(s), load {load_text(where)})."
+        + (f" Command: `{results['command_line']}`." if results.get("command_line") else "")
+    )
+
+
+def local_steps(steps: int | None) -> str:
+    """How much a site trains per round.
+
+    Args:
+        steps: cap on optimiser steps per local epoch (None: the whole split).
+    """
+    return "one local epoch per round" if steps is None else f"at most {steps} steps per local epoch"
+
+
+def verdict(met: bool | None) -> str:
+    """A target's verdict cell.
+
+    Args:
+        met: whether the target is met (None: not measured).
+    """
+    return "not measured" if met is None else "MET" if met else "NOT MET"
