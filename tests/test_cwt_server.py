@@ -1,6 +1,6 @@
 """The CWT relay server (cxrfl.cwt.server.CWTServer) in one process: the loop the NVFlare job runs.
 
-Sites are tiny (32x32 noise images, one optimiser step per visit); faults and validation losses
+Sites are tiny (densenet-tiny, 32x32 noise images, one optimiser step per visit); faults and validation losses
 are scripted by host wrappers (tests/cwt_helpers.py).
 """
 
@@ -22,7 +22,7 @@ from cxrfl.cwt.site import make_sites
 from cxrfl.nn.models import ModelConfig, load_checkpoint, model_from_checkpoint
 from pooling_helpers import central_auroc
 
-MODEL = ModelConfig(image_size=32)
+MODEL = ModelConfig(arch="densenet-tiny", image_size=32)  # the network is not the subject here
 
 
 class Crash(BaseException):

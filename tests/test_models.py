@@ -276,7 +276,7 @@ def test_pretrained_torchvision_state_dict(tv_state, tmp_path):
         build_model(ModelConfig(pretrained=str(tmp_path / "nowhere.pth")), 2)
     wrong = tmp_path / "resnet.pth"
     torch.save(torchvision.models.resnet18(weights=None).state_dict(), wrong)
-    with pytest.raises(ConfigError, match="does not hold a DenseNet121 feature extractor"):
+    with pytest.raises(ConfigError, match="does not hold a densenet121 feature extractor"):
         build_model(ModelConfig(pretrained=str(wrong)), 2)
 
 

@@ -1,7 +1,7 @@
 """The surgical-aggregation server loop (the one the NVFlare job runs), in process, on tiny synthetic
 sites: model selection, early stopping, retries, aggregation errors, abort, resume, local heads.
 
-The sites really train (32x32 images, one step per epoch); where a test needs a pattern of
+The sites really train (densenet-tiny, 32x32 images, one step per epoch); where a test needs a pattern of
 validation losses, a host wrapper reports scripted ones, so the expected rounds are known
 beforehand.
 """
@@ -29,7 +29,7 @@ from cxrfl.surgical.inprocess import make_hosts, run_surgical
 from cxrfl.surgical.learner import SiteLearner
 from cxrfl.synth import write_profile
 
-MODEL = ModelConfig(image_size=32)
+MODEL = ModelConfig(arch="densenet-tiny", image_size=32)  # the network is not the subject here
 TRAIN = TrainConfig(lr=1e-3, warmup_lr=5e-3, warmup_epochs=1, batch_size=8, max_steps_per_epoch=1, augment=False)
 W, B = HEAD_PREFIX + "weight", HEAD_PREFIX + "bias"
 SITES = ["hospital-a", "hospital-b"]

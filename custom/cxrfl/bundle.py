@@ -150,8 +150,8 @@ def metadata(classes: list[str], config: ModelConfig, name: str, run: Mapping[st
         "required_packages_version": {"cxrfl": cxrfl.__version__},
         "name": name,
         "task": "Multi-label classification of chest X-ray findings",
-        "description": f"DenseNet121 trained by federated learning (cxrfl) across sites whose label sets differ; "
-        f"one sigmoid probability for each of {len(classes)} findings",
+        "description": f"{config.arch} (torchvision DenseNet) trained by federated learning (cxrfl) across sites "
+        f"whose label sets differ; one sigmoid probability for each of {len(classes)} findings",
         "authors": "cxrfl",
         "copyright": "see the training sites' data licences",
         "intended_use": "research only; not for clinical decisions",

@@ -1,4 +1,4 @@
-"""Stage 1: SimSiam (Chen & He 2021) on the DenseNet121 feature extractor of :class:`cxrfl.nn.models.CXRNet`.
+"""Stage 1: SimSiam (Chen & He 2021) on the DenseNet feature extractor of :class:`cxrfl.nn.models.CXRNet`.
 
 Two randomly augmented views of an image go through the encoder ``f`` (the pooled DenseNet
 features), a projector ``g`` (three linear layers with BatchNorm) and a predictor ``h`` (a
@@ -47,7 +47,7 @@ from cxrfl.nn.models import CXRNet, ModelConfig
 from cxrfl.nn.precision import Compute, backward_step
 
 ENCODER_PREFIX = "backbone."
-"""State-dict prefix of the encoder (the DenseNet121 feature extractor) in both SimSiam and CXRNet."""
+"""State-dict prefix of the encoder (the DenseNet feature extractor) in both SimSiam and CXRNet."""
 
 
 def load_encoder(net: CXRNet, ssl_state: Mapping[str, Any]) -> None:
@@ -98,7 +98,7 @@ class SimSiam(nn.Module):
         )
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Pooled encoder features [B, 1024] (as :meth:`CXRNet.features`)."""
+        """Pooled encoder features [B, D] (as :meth:`CXRNet.features`)."""
         return torch.flatten(F.adaptive_avg_pool2d(F.relu(self.backbone(x)), 1), 1)
 
     def forward(

@@ -1,6 +1,7 @@
-"""The network (DenseNet121 feature extractor + linear head), BatchNorm handling and checkpoints.
+"""The network (DenseNet feature extractor + linear head), BatchNorm handling and checkpoints.
 
-The model is ``F`` (torchvision DenseNet121 ``features``, then ReLU and global average pooling)
+The model is ``F`` (the ``features`` of torchvision's DenseNet121, the product's network, or of
+its small test variant ``densenet-tiny``; then ReLU and global average pooling)
 followed by an optional hidden layer (``Dense(hidden, relu)``, the authors' variant) and dropout,
 and the head ``G = classifier`` (``nn.Linear``). Row ``i`` of ``classifier.weight`` plus
 ``classifier.bias[i]`` is the classifier of class ``i``: the unit that surgical aggregation
@@ -29,7 +30,13 @@ from cxrfl.common.config import Config
 from cxrfl.common.io import torch_load, torch_save
 from cxrfl.errors import ConfigError
 
-ARCHS: tuple[str, ...] = ("densenet121",)
+_DENSENETS: dict[str, dict[str, Any]] = {
+    "densenet121": {"growth_rate": 32, "block_config": (6, 12, 24, 16), "num_init_features": 64},
+    "densenet-tiny": {"growth_rate": 8, "block_config": (2, 2, 2, 2), "num_init_features": 16, "bn_size": 2},
+}
+"""``torchvision.models.DenseNet`` settings of each arch (``densenet121`` is torchvision's own)."""
+
+ARCHS: tuple[str, ...] = tuple(_DENSENETS)
 """Supported feature extractors."""
 
 HEAD_PREFIX = "classifier."
@@ -53,13 +60,16 @@ class ModelConfig(Config):
     """Architecture settings, stored in every checkpoint.
 
     Args:
-        arch: feature extractor; only ``densenet121`` (torchvision, built without weights).
+        arch: feature extractor, a torchvision ``DenseNet`` built without weights: ``densenet121``
+            (the default and the product's network, 7 M parameters, 1024 features) or
+            ``densenet-tiny`` (the same module names and roles, about 17 k parameters, 32 features;
+            for tests and quick experiments, not for clinical use; no ImageNet weights exist for it).
         in_channels: image channels (3, or 1 for grey-scale input: ``conv0`` is rebuilt).
         image_size: square input side in pixels (the data pipeline resizes to it; >= 32).
         hidden: 0 for a linear head on the pooled features; > 0 adds ``Dense(hidden, relu)``.
         dropout: dropout probability before the classifier (0 <= p < 1).
         pretrained: path of a local checkpoint for the feature extractor: a torchvision
-            ``densenet121`` state_dict (old ``norm.1`` key names accepted) or a cxrfl checkpoint.
+            DenseNet state_dict of the same arch (old ``norm.1`` key names accepted) or a cxrfl checkpoint.
     """
 
     SECTION: ClassVar[str] = "model"
@@ -84,7 +94,7 @@ class ModelConfig(Config):
 
 
 class CXRNet(nn.Module):
-    """DenseNet121 features -> ReLU -> global average pool -> [hidden] -> dropout -> classifier.
+    """DenseNet features (``config.arch``) -> ReLU -> global average pool -> [hidden] -> dropout -> classifier.
 
     Args:
         config: architecture settings (``pretrained`` is not loaded here; see :func:`build_model`).
@@ -97,7 +107,7 @@ class CXRNet(nn.Module):
             raise ConfigError(f"num_classes must be an integer >= 1, got {num_classes!r}")
         self.config = config
         self.num_classes = int(num_classes)
-        self.backbone: nn.Sequential = torchvision.models.densenet121(weights=None).features
+        self.backbone: nn.Sequential = torchvision.models.DenseNet(**_DENSENETS[config.arch]).features
         if config.in_channels != 3:
             old = self.backbone.conv0
             self.backbone.conv0 = nn.Conv2d(
@@ -114,7 +124,7 @@ class CXRNet(nn.Module):
         nn.init.zeros_(self.classifier.bias)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        """Pooled feature vectors of F, shape [B, 1024].
+        """Pooled feature vectors of F, shape [B, D] (D = ``backbone.norm5.num_features``, 1024 for densenet121).
 
         Args:
             x: images [B, in_channels, H, W].
@@ -150,7 +160,7 @@ def _load_pretrained_backbone(model: CXRNet, path: Path) -> None:
     obj = torch_load(
         path,
         "pretrained checkpoint (model.pretrained)",
-        "give a DenseNet121 state_dict or a cxrfl checkpoint saved with torch.save",
+        "give a DenseNet state_dict or a cxrfl checkpoint saved with torch.save",
     )
     if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):
         obj = obj["model"]  # cxrfl checkpoint or NVFlare persistor layout
@@ -167,6 +177,12 @@ def _load_pretrained_backbone(model: CXRNet, path: Path) -> None:
         for prefix in ("features.", "backbone."):
             if key.startswith(prefix):
                 state[key.removeprefix(prefix)] = value
+    arch = model.config.arch
+    found = _arch_of(state, "")
+    if found not in (None, arch):
+        raise ConfigError(
+            f"{path} holds a {found} feature extractor but model.arch is {arch!r}: give weights of that arch"
+        )
     own = model.backbone.state_dict()
     for k in own:  # checkpoints older than torch 0.4.1 (e.g. the ImageNet file) lack these counters
         if k.endswith("num_batches_tracked"):
@@ -174,8 +190,8 @@ def _load_pretrained_backbone(model: CXRNet, path: Path) -> None:
     missing = [k for k in own if k not in state]
     if missing:
         raise ConfigError(
-            f"{path} does not hold a DenseNet121 feature extractor: {len(missing)} of {len(own)} "
-            f"weights missing (e.g. features.{missing[0]}); expected a torchvision densenet121 "
+            f"{path} does not hold a {arch} feature extractor: {len(missing)} of {len(own)} "
+            f"weights missing (e.g. features.{missing[0]}); expected a torchvision {arch} "
             "state_dict or a cxrfl checkpoint"
         )
     conv = state["conv0.weight"]
@@ -360,10 +376,18 @@ def save_checkpoint(
     torch_save(path, payload)
 
 
+def _arch_of(state: Mapping[str, torch.Tensor], prefix: str) -> str | None:
+    """The arch whose ``conv0`` has as many filters as ``state[prefix + 'conv0.weight']`` (None: unknown)."""
+    conv = state.get(prefix + "conv0.weight")
+    widths = {s["num_init_features"]: arch for arch, s in _DENSENETS.items()}
+    return widths.get(int(conv.shape[0])) if conv is not None and conv.ndim == 4 else None
+
+
 def _infer_model_config(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     conv = state.get("backbone.conv0.weight")
     hidden = state.get(HIDDEN_PREFIX + "0.weight")
     return ModelConfig(
+        arch=_arch_of(state, "backbone.") or ModelConfig.arch,
         in_channels=int(conv.shape[1]) if conv is not None else 3,
         hidden=int(hidden.shape[0]) if hidden is not None else 0,
     ).to_dict()
@@ -384,7 +408,7 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
 
     Also accepts NVFlare's persisted ``FL_global_model.pt`` layout ``{'model': state_dict, ...}``
     when it carries ``classes`` (top level or in ``meta_props``); a missing ``model_config`` is
-    then inferred from the state_dict (input channels, hidden size).
+    then inferred from the state_dict (arch, input channels, hidden size).
 
     Args:
         path: the file.
