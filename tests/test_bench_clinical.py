@@ -13,15 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 from cxrfl.bench import clinical
-from cxrfl.bench.clinical import (
-    ClinicalBenchSettings,
-    auroc_rows,
-    ece_rows,
-    format_report,
-    run_clinical,
-    sensitivity_rows,
-    targets,
-)
+from cxrfl.bench.clinical import ClinicalBenchSettings, auroc_rows, ece_rows, run_clinical, sensitivity_rows
+from cxrfl.bench.clinical_report import format_report, targets
 from cxrfl.clinical.calibration import CalibrationMap
 from cxrfl.clinical.counts import BinSpec
 from cxrfl.clinical.fitted import ClinicalFit
@@ -125,6 +118,26 @@ def hand_made(settings: ClinicalBenchSettings, **values) -> dict:
     runs = {f"{p}/{s}": run(p, s, **values) for p in settings.profiles for s in range(settings.seeds)}
     notes = {p: {"notes": [f"{p}: tiny"]} for p in settings.profiles}
     return {"settings": json.loads(json.dumps(asdict(settings))), "profiles": notes, "runs": runs}
+
+
+def test_external_sites_are_reported_apart_from_the_targets():
+    """The maps and thresholds are fitted on the training sites' validation splits: targets 2 and 3 are judged on
+    those sites' test splits; an external test set (another population) is reported beside them, not judged."""
+    settings = ClinicalBenchSettings(seeds=1, profiles=("two-hospitals",))
+    results = hand_made(settings, diff=0.0, before=0.02, after=0.02)
+    one = results["runs"]["two-hospitals/0"]
+    one["training_sites"] = ["a"]
+    one["ece"].append({"site": "external", "class": "Mass", "before": 0.2, "after": 0.3, "mapped": True})
+    miss = {"threshold": 0.3, "val_sensitivity": 0.91, "k": 30, "n": 50, "value": 0.6, "low": 0.46, "high": 0.72}
+    one["sensitivity_external"] = {"Mass": miss}
+    report = format_report(results)
+    assert "1 of 2 (site, class, seed) above 0.05 before, 1 brought to <= 0.05; 0 made worse | MET |" in report
+    assert report.count("| MET |") == 3
+    assert (
+        "On the external test set(s), which fitted nothing (reported, not a target: another population): ECE above "
+        "0.05 before in 1 of 1 (class, seed), brought to <= 0.05 in 0, made worse in 1; test sensitivity holds 0.9 "
+        "in 0 of 1 (class, seed): Mass 0.600." in report
+    )
 
 
 def test_report_verdicts_on_hand_made_results(tmp_path):

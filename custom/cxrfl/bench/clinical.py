@@ -32,13 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.stats import binomtest
 from sklearn.metrics import roc_auc_score
 
+from cxrfl.bench.clinical_report import LEVEL, format_report, plot_curves
 from cxrfl.bench.inprocess import open_results, provenance, save_results, surgical_config
-from cxrfl.bench.intervals import finite_mean
 from cxrfl.bench.profiles import PROFILE_NAMES, BenchData, prepare
-from cxrfl.bench.report_text import local_steps, provenance_line, verdict
 from cxrfl.clinical.calibration import reliability
 from cxrfl.clinical.counts import BinSpec, count_scores
 from cxrfl.clinical.fitted import ClinicalFit
@@ -58,12 +56,6 @@ Central = dict[str, tuple[list[str], np.ndarray, np.ndarray]]
 """site -> (its classes, [n, K] raw test probabilities, [n, K] labels: 1, 0 or NaN)."""
 
 PROFILES = ("two-hospitals", "nih1000")
-AUROC_TOLERANCE = 0.002
-"""Issue 45: federated pooled AUROC within this of the AUROC of the pooled scores, every class."""
-ECE_LIMIT = 0.05
-"""Issue 45: after calibration, ECE at most this where it was above, and never worse."""
-LEVEL = 0.95
-"""Confidence level of the sensitivity intervals."""
 _DEMO = next(j for j in JOBS if j.name == "surgical_agg").controller_args
 
 
@@ -215,6 +207,8 @@ def _run_one(settings: ClinicalBenchSettings, data: BenchData, seed: int, folder
     if fit is None:
         raise RuntimeError(f"the evaluation-only run left no calibration in {fitted}")
     central = central_scores(model, tests)
+    training = [site.site for site in data.sites]
+    external = {site: v for site, v in central.items() if site not in training}
     run = {
         "seed": seed,
         "best_round": result.best_round,
@@ -223,7 +217,9 @@ def _run_one(settings: ClinicalBenchSettings, data: BenchData, seed: int, folder
         "val_auroc": result.curve("mean_val_auroc"),
         "auroc": auroc_rows(test, central),
         "ece": ece_rows(central, fit, BinSpec(n=settings.bins), settings.min_cell),
-        "sensitivity": sensitivity_rows(central, fit),
+        "training_sites": training,
+        "sensitivity": sensitivity_rows({site: central[site] for site in training}, fit),
+        "sensitivity_external": sensitivity_rows(external, fit) if external else {},
         "seconds": time.perf_counter() - started,
     }
     shutil.rmtree(folder, ignore_errors=True)
@@ -327,173 +323,3 @@ def sensitivity_rows(central: Central, fit: ClinicalFit) -> dict[str, dict[str, 
         rate = wilson(sum(d[c] for d in decided), len(positives), level=LEVEL)
         out[c] = {"threshold": point["threshold"], "val_sensitivity": point["sensitivity"], **asdict(rate)}
     return out
-
-
-def targets(runs: Sequence[Mapping[str, Any]], target: float) -> list[dict[str, Any]]:
-    """One profile's three targets over its seeds: ``target``, ``measured`` and ``met`` (None: nothing measured).
-
-    Args:
-        runs: the profile's runs.
-        target: the sensitivity the operating points were chosen for.
-    """
-    diffs = [r["diff"] for run in runs for r in run["auroc"].values()]
-    pairs = [p for run in runs for p in run["ece"]]
-    above = [p for p in pairs if p["before"] > ECE_LIMIT]
-    fixed = [p for p in above if p["after"] <= ECE_LIMIT]
-    worse = [p for p in pairs if p["after"] > p["before"]]
-    rates = [r for run in runs for r in run["sensitivity"].values()]
-    hits = sum(r["low"] <= target <= r["high"] for r in rates)
-    misses = len(rates) - hits
-    chance = binomtest(misses, len(rates), 1 - LEVEL, alternative="greater").pvalue if rates else None
-    return [
-        {
-            "target": f"federated pooled AUROC within {AUROC_TOLERANCE:g} of the central AUROC of the pooled scores, "
-            "every class",
-            "measured": f"largest absolute difference {max(diffs):.4f} over {len(diffs)} (class, seed)"
-            if diffs
-            else "-",
-            "met": max(diffs) <= AUROC_TOLERANCE if diffs else None,
-        },
-        {
-            "target": f"per site and class, ECE after calibration <= {ECE_LIMIT:g} where above, never worse",
-            "measured": f"{len(above)} of {len(pairs)} (site, class, seed) above {ECE_LIMIT:g} before, {len(fixed)} "
-            f"brought to <= {ECE_LIMIT:g}; {len(worse)} made worse"
-            if pairs
-            else "-",
-            "met": len(fixed) == len(above) and not worse if pairs else None,
-        },
-        {
-            "target": f"test sensitivity of the operating point chosen for {target:g} on validation: {target:g} within "
-            f"its {LEVEL:.0%} Wilson interval, every class",
-            "measured": f"{hits} of {len(rates)} (class, seed) hold {target:g}; {misses} misses, P(>= {misses} by "
-            f"chance at {1 - LEVEL:.0%} each) = {chance:.3g}"
-            if rates
-            else "-",
-            "met": misses == 0 if rates else None,
-        },
-    ]
-
-
-def format_report(results: Mapping[str, Any]) -> str:
-    """The Markdown report: per profile the three targets, then their per-class tables; the curves, provenance.
-
-    Args:
-        results: what :func:`run_clinical` writes.
-    """
-    s = results["settings"]
-    lines = [
-        "# Evaluation-only federation: pooled AUROC, calibration, operating points (issue 45)",
-        "",
-        f"{s['seeds']} seed(s) per profile; one model per seed trained by surgical aggregation, {s['image_size']} px "
-        f"from scratch with the demo job's training settings, {local_steps(s['steps'])}, rounds until the mean "
-        f"validation loss has not improved for {s['patience']} (at most {s['rounds']}). Evaluated by the "
-        f"evaluation-only server (sites in float32, minimum cell {s['min_cell']}, {s['bins']} logit bins): "
-        f"on the test splits{' (and the external test sets, as sites that only test)' if s['external'] else ''}; "
-        f"on the training sites' validation splits with {s['calibration']} calibration and an operating point "
-        f"for sensitivity {s['target_sensitivity']:g}. Central: `cxrfl predict`'s code path "
-        "(float32) on the same test images.",
-    ]
-    for profile in s["profiles"]:
-        runs = [r for r in results["runs"].values() if r["profile"] == profile]
-        lines += ["", f"## {profile}", "", "| target | measured | verdict |", "| --- | --- | --- |"]
-        lines += [
-            f"| {t['target']} | {t['measured']} | {verdict(t['met'])} |" for t in targets(runs, s["target_sensitivity"])
-        ]
-        lines += _auroc_table(runs) + _ece_table(runs) + _sensitivity_table(runs, s["target_sensitivity"])
-        lines += [""] + [f"- {n}" for n in results.get("profiles", {}).get(profile, {}).get("notes", [])]
-    lines += ["", "![learning curves](learning_curves.png)", "", provenance_line(results)]
-    return "\n".join(lines) + "\n"
-
-
-def _auroc_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Target 1 per class: federated and central AUROC (mean over seeds), the largest difference."""
-    lines = [
-        "",
-        "### Pooled AUROC, federated vs central",
-        "",
-        "Same images both sides: the test splits of the sites that sent counts for the class (sites withheld below the "
-        "minimum cell are left out of both).",
-        "",
-        "| class | sites pooled | positives / negatives | federated AUROC | central AUROC | max abs difference "
-        "| seeds |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for c in sorted({c for run in runs for c in run["auroc"]}):
-        rows = [run["auroc"][c] for run in runs if c in run["auroc"]]
-        first = rows[0]
-        lines.append(
-            f"| {c} | {first['sites']} (withheld {first['withheld']}) | {first['positives']} / {first['negatives']} | "
-            f"{_mean(r['federated'] for r in rows)} | {_mean(r['central'] for r in rows)} | "
-            f"{max(r['diff'] for r in rows):.5f} | {len(rows)} |"
-        )
-    return lines
-
-
-def _ece_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Target 2 per class: its (site, seed) pairs, mean ECE before and after, how many above, fixed, worse."""
-    pairs = [p for run in runs for p in run["ece"]]
-    lines = [
-        "",
-        "### Calibration: ECE per site's test split",
-        "",
-        "Per (site, seed) with at least the minimum cell of positives and negatives; the product's ECE (15 "
-        "equal-width bins over the counts) of the raw scores and after the class's map fitted on validation (no map: "
-        "the raw scores, as `cxrfl predict` shows them).",
-        "",
-        f"| class | pairs | without a map | mean ECE before | mean ECE after | above {ECE_LIMIT:g} before | fixed | "
-        "made worse |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for c in sorted({p["class"] for p in pairs}):
-        mine = [p for p in pairs if p["class"] == c]
-        above = [p for p in mine if p["before"] > ECE_LIMIT]
-        lines.append(
-            f"| {c} | {len(mine)} | {sum(not p['mapped'] for p in mine)} | {_mean(p['before'] for p in mine)} | "
-            f"{_mean(p['after'] for p in mine)} | {len(above)} | {sum(p['after'] <= ECE_LIMIT for p in above)} | "
-            f"{sum(p['after'] > p['before'] for p in mine)} |"
-        )
-    return lines
-
-
-def _sensitivity_table(runs: Sequence[Mapping[str, Any]], target: float) -> list[str]:
-    """Target 3 per class: each seed's test sensitivity with its Wilson interval, and how many hold the target."""
-    lines = [
-        "",
-        f"### Operating point for sensitivity {target:g}",
-        "",
-        "Threshold chosen on the pooled validation counts; test sensitivity pooled over the sites labelling the "
-        f"class, one entry per seed: value [{LEVEL:.0%} Wilson interval] (positives found / positives). At "
-        f"{LEVEL:.0%}, about {1 - LEVEL:.0%} of the intervals miss the target by chance alone, and more where the "
-        "validation split is small: the threshold's own sampling error is not in the test interval.",
-        "",
-        "| class | validation sensitivity (per seed) | test sensitivity (per seed) | seeds holding the target |",
-        "| --- | --- | --- | --- |",
-    ]
-    for c in sorted({c for run in runs for c in run["sensitivity"]}):
-        rows = [run["sensitivity"][c] for run in runs if c in run["sensitivity"]]
-        tests = "; ".join(f"{r['value']:.3f} [{r['low']:.3f}, {r['high']:.3f}] ({r['k']}/{r['n']})" for r in rows)
-        hits = sum(r["low"] <= target <= r["high"] for r in rows)
-        val = ", ".join(f"{r['val_sensitivity']:.3f}" for r in rows)
-        lines.append(f"| {c} | {val} | {tests} | {hits} of {len(rows)} |")
-    return lines
-
-
-def _mean(values: Any) -> str:
-    m = finite_mean(values)
-    return "n/a" if m is None else f"{m:.4f}"
-
-
-def plot_curves(results: Mapping[str, Any], path: Path) -> None:
-    """Every run's learning curve (the sites' mean validation loss and AUROC per round), one colour per profile.
-
-    Args:
-        results: what :func:`run_clinical` writes.
-        path: PNG file.
-    """
-    from cxrfl.bench.plots import learning_curves
-
-    runs = list(results["runs"].values())
-    methods = {p: {"label": p, "runs": [r for r in runs if r["profile"] == p]} for p in results["settings"]["profiles"]}
-    learning_curves(
-        {"profile": "clinical benchmark", "seeds": list(range(results["settings"]["seeds"])), "methods": methods}, path
-    )
