@@ -23,10 +23,11 @@ from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import SurgicalSiteHost
 from cxrfl.surgical.inprocess import make_hosts, run_surgical
-from cxrfl.surgical.learner import OPTIMIZER_ROUNDS, SiteLearner
+from cxrfl.surgical.learner import SiteLearner
+from cxrfl.surgical.site_state import OPTIMIZER_ROUNDS
 from cxrfl.synth import write_profile
 
-MODEL = ModelConfig(image_size=32)
+MODEL = ModelConfig(arch="densenet-tiny", image_size=32)  # the network is not the subject here
 TRAIN = TrainConfig(lr=1e-3, warmup_lr=5e-3, warmup_epochs=1, batch_size=8, max_steps_per_epoch=1, augment=False)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,9 +9,10 @@ from cxrfl.common.io import to_numpy
 from cxrfl.data.site import SiteData, load_site
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model
 from cxrfl.nn.training import TrainConfig
-from cxrfl.surgical.learner import OPTIMIZER_ROUNDS, SiteLearner
+from cxrfl.surgical.learner import SiteLearner
+from cxrfl.surgical.site_state import OPTIMIZER_ROUNDS
 
-MODEL = ModelConfig(image_size=32)
+MODEL = ModelConfig(arch="densenet-tiny", image_size=32)  # the network is not the subject here
 TRAIN = TrainConfig(lr=1e-3, warmup_lr=5e-3, warmup_epochs=1, batch_size=8, max_steps_per_epoch=2, augment=False)
 
 
@@ -36,9 +37,10 @@ def learner(site: SiteData, state_dir, batchnorm: str = "fedavg") -> SiteLearner
 
 def test_warmup_trains_only_the_head_and_returns_own_rows(small_site, tmp_path):
     init = backbone()
-    update = learner(small_site, tmp_path).warmup(init)
+    site = learner(small_site, tmp_path)
+    update = site.warmup(init)
     assert update.classes == small_site.classes
-    assert update.params["classifier.weight"].shape == (3, 1024)
+    assert update.params["classifier.weight"].shape == (3, site.model.num_features)
     assert update.num_samples == 24
     for k, v in init.items():  # frozen feature extractor, BatchNorm statistics included
         np.testing.assert_array_equal(update.params[k], v, err_msg=k)
@@ -95,7 +97,7 @@ def test_fedbn_keeps_batchnorm_local(small_site, tmp_path):
 def test_received_params_of_wrong_shape_are_refused(small_site, tmp_path):
     site = learner(small_site, tmp_path)
     params = site.outgoing_params()
-    params["classifier.weight"] = np.zeros((5, 1024), np.float32)
+    params["classifier.weight"] = np.zeros((5, site.model.num_features), np.float32)
     with pytest.raises(ValueError, match="classifier.weight"):
         site.load_params(params)
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +62,13 @@ from cxrfl.cwt.relay import (
     COUNTS_TASK,
     TRAIN_TASK,
     VALIDATE_TASK,
-    Visit,
     relay_order,
     relay_plan,
     relay_sites,
     split_params,
 )
 from cxrfl.cwt.site import global_classes, pooled_loss
+from cxrfl.cwt.state import CycleRun, RelayPlan, RelayState
 from cxrfl.errors import ConfigError, UpdateRejected
 from cxrfl.nn.metrics import summarise_auroc
 from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
@@ -78,85 +78,6 @@ GLOBAL_MODEL = "FL_global_model.pt"
 BEST_MODEL = "best_FL_global_model.pt"
 RESUME_KEYS = ("cwt_config", "model_config", "site_order")
 """Settings a resumed run must share with the interrupted one."""
-
-
-@dataclass
-class RelayPlan:
-    """Who takes part and what each site does on its turn (fixed when the relay starts).
-
-    Args:
-        relay: the sites in their fixed order.
-        classes: the model's outputs.
-        visits: site -> its steps and learning rate.
-        counts: site -> its answer to the counts task.
-    """
-
-    relay: list[str]
-    classes: list[str]
-    visits: dict[str, Visit]
-    counts: dict[str, dict[str, Any]]
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict (kept with the resume state)."""
-        return {
-            "relay": self.relay,
-            "classes": self.classes,
-            "counts": self.counts,
-            "visits": {s: asdict(v) for s, v in self.visits.items()},
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RelayPlan:
-        """Rebuild from :meth:`to_dict`.
-
-        Args:
-            data: the saved dict.
-        """
-        return cls(
-            list(data["relay"]),
-            list(data["classes"]),
-            {s: Visit(**v) for s, v in data["visits"].items()},
-            {s: dict(c) for s, c in data["counts"].items()},
-        )
-
-
-@dataclass
-class RelayState:
-    """What the relay carries from one completed cycle to the next (and a resumed run restores).
-
-    Args:
-        cycle: the last completed cycle (0: none yet).
-        weights: the model.
-        optimizer: Adam's travelling state ({} with ``optimizer_state: reset``).
-        iteration: optimiser steps taken so far over every visit (the learning-rate schedule's position).
-        stopping: early stopping and the best cycle.
-        best_weights: the best cycle's model (None: no cycle had a finite loss yet).
-        history: one record per completed cycle (with its visits).
-    """
-
-    cycle: int
-    weights: dict[str, np.ndarray]
-    optimizer: dict[str, np.ndarray]
-    iteration: int
-    stopping: EarlyStopping
-    best_weights: dict[str, np.ndarray] | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
-class CycleRun:
-    """One attempt at a cycle: the model as it goes from site to site."""
-
-    cycle: int
-    attempt: int
-    order: list[str]
-    weights: dict[str, np.ndarray]
-    optimizer: dict[str, np.ndarray]
-    iteration: int
-    trained: list[str] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)
-    visits: list[dict[str, Any]] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 @dataclass

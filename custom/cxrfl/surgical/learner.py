@@ -20,11 +20,8 @@ only here and in the label policy for classes a site does not annotate):
   between rounds) and is never sent; only the feature extractor travels.
 
 What never travels (the head in ``local`` mode, BatchNorm under FedBN) is kept per evaluated
-model round (``local_rounds/round_NNN.pt``), so evaluating the model of round r later (the
-selected model, on the test split) uses the site's own parts as they were in round r. The
-optimizer state is kept per trained round (``optimizer_rounds/round_NNN.pt``): round r starts
-from the state after the latest earlier round, so a round redone after an interruption (or a
-retried task) trains exactly as the first time.
+model round, and the optimizer state per trained round, in the site's state folder
+(:class:`cxrfl.surgical.site_state.SiteState`).
 
 The head warm-up is the same in every mode (own classes, feature extractor frozen): it is the
 starting point that all methods share.
@@ -45,11 +42,9 @@ import torch
 
 from cxrfl.clinical.counts import count_classes
 from cxrfl.clinical.subgroups import memberships
-from cxrfl.common.io import torch_load, torch_save
 from cxrfl.common.transport import copy_params
 from cxrfl.data.dataset import DeviceLoader, make_loader, reseed
 from cxrfl.data.site import SiteData
-from cxrfl.errors import ConfigError
 from cxrfl.nn.models import (
     HEAD_PREFIX,
     ModelConfig,
@@ -61,34 +56,12 @@ from cxrfl.nn.models import (
 from cxrfl.nn.precision import compute_for
 from cxrfl.nn.training import EvalResult, TrainConfig, adam, evaluate, train_epochs
 from cxrfl.surgical.head_modes import check_modes
+from cxrfl.surgical.site_state import SiteState
 
 log = logging.getLogger(__name__)
 
-LOCAL_ROUNDS = "local_rounds"
-"""Sub-folder of ``state_dir`` with the site's own parts per evaluated model round."""
-
-OPTIMIZER_ROUNDS = "optimizer_rounds"
-"""Sub-folder of ``state_dir`` with the optimizer state after each trained round (the last two kept)."""
-
 TRAINING = "train:augment"
 """Key of the kept training loader among the site's loaders (the evaluation loaders' keys are splits)."""
-
-
-def _round_file(folder: Path, round_num: int) -> Path:
-    """The file of one round's state in ``folder``."""
-    return folder / f"round_{int(round_num):03d}.pt"
-
-
-def _stored_rounds(folder: Path) -> dict[int, Path]:
-    """The rounds stored in ``folder`` (none if it does not exist), by round number."""
-    return {int(p.stem.split("_")[1]): p for p in folder.glob("round_*.pt")}
-
-
-def _prune_rounds(folder: Path, keep: set[int]) -> None:
-    """Delete every round file in ``folder`` whose round is not in ``keep``."""
-    for r, path in _stored_rounds(folder).items():
-        if r not in keep:
-            path.unlink(missing_ok=True)
 
 
 @dataclass
@@ -147,12 +120,12 @@ class SiteLearner:
         self.own_classes = list(data.classes)
         self.classes = list(data.classes)  # the head's row order (a union head: set_head_classes)
         self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
         self.model_config = model_config
         self.train_config = train_config
         self.batchnorm = batchnorm
         self.device = device or torch.device("cpu")
         self.compute = compute_for(train_config, self.device)
+        self.site_state = SiteState(self.state_dir, data.site, self.device)
         self.num_workers = num_workers
         torch.manual_seed(train_config.seed)
         self.model = self.compute.prepare(build_model(model_config, len(self.classes)))
@@ -285,11 +258,11 @@ class SiteLearner:
                 raise ValueError(f"received {k!r} with shape {tuple(t.shape)}, expected {tuple(state[k].shape)}")
             state[k] = t.to(state[k].dtype)
         if self.batchnorm == "fedbn":
-            local_bn = self._load("local_bn.pt")
+            local_bn = self.site_state.load("local_bn.pt")
             if local_bn is not None:
                 state.update(local_bn)
         if self.head_mode == "local" and restore_local and not any(self._is_head(k) for k in params):
-            local_head = self._load("local_head.pt")
+            local_head = self.site_state.load("local_head.pt")
             if local_head is not None:
                 state.update(local_head)
         self.model.load_state_dict(state)
@@ -300,36 +273,16 @@ class SiteLearner:
         later training does not change an update already returned."""
         state = self.model.state_dict()
         if self.batchnorm == "fedbn":
-            self._save("local_bn.pt", {k: v.clone() for k, v in state.items() if k in self.bn_keys})
+            self.site_state.save("local_bn.pt", {k: v.clone() for k, v in state.items() if k in self.bn_keys})
         local_head = self.head_mode == "local"
         if local_head:
-            self._save("local_head.pt", {k: v.clone() for k, v in state.items() if self._is_head(k)})
+            self.site_state.save("local_head.pt", {k: v.clone() for k, v in state.items() if self._is_head(k)})
         keep = {
             k: v
             for k, v in state.items()
             if (self.batchnorm == "fedavg" or k not in self.bn_keys) and not (local_head and self._is_head(k))
         }
         return copy_params(keep)
-
-    def _save(self, name: str, obj: Any) -> None:
-        torch_save(self.state_dir / name, obj)
-
-    def _load(self, name: str) -> Any:
-        path = self.state_dir / name
-        return self._read(path) if path.is_file() else None
-
-    def _read(self, path: Path, remedy: str | None = None) -> Any:
-        """A file of ``state_dir`` (tensors and plain values only: nothing in it is run).
-
-        Args:
-            path: the file.
-            remedy: what to do when it cannot be read (default: start this site's state afresh).
-
-        Raises:
-            ConfigError: damaged, or holding other objects (one line naming it).
-        """
-        remedy = remedy or f"delete {self.state_dir} (this site's state of the run) and run the job again"
-        return torch_load(path, f"site {self.data.site} state", remedy, self.device)
 
     # ---------------------------------------------------------------- tasks
     def validate(self, split: str = "val") -> EvalResult:
@@ -426,7 +379,7 @@ class SiteLearner:
         self.receive(params, classes, model_round=round_num - 1, keep_rounds=keep_rounds)
         received = self.validate("val")
         opt = adam(self.model, tc.lr, tc.weight_decay)
-        self._restore_optimizer(opt, round_num)
+        self.site_state.restore_optimizer(opt, round_num)
         stats = train_epochs(
             self.model,
             self.train_loader(round_num),
@@ -436,7 +389,7 @@ class SiteLearner:
             max_steps=tc.max_steps_per_epoch,
             desc=f"{self.data.site} round {round_num}",
         )
-        self._store_optimizer(opt, round_num)
+        self.site_state.store_optimizer(opt, round_num)
         metrics = {
             "phase": "train",
             "round": round_num,
@@ -448,40 +401,6 @@ class SiteLearner:
             "seconds": time.perf_counter() - start,
         }
         return SiteUpdate(self.outgoing_params(), self.classes, self.num_train, metrics)
-
-    def _restore_optimizer(self, opt: torch.optim.Optimizer, round_num: int) -> None:
-        """Load the optimizer state stored after the latest round before ``round_num`` (if any; a
-        file that cannot be read or does not fit: a warning, and the round starts with ``opt`` afresh).
-
-        Args:
-            opt: a fresh optimizer over this model.
-            round_num: the round about to be trained.
-        """
-        stored = _stored_rounds(self.state_dir / OPTIMIZER_ROUNDS)
-        earlier = [r for r in stored if r < round_num]
-        if not earlier:
-            return
-        path = stored[max(earlier)]
-        try:
-            opt.load_state_dict(self._read(path, "this round trains with a fresh optimizer"))
-        except ConfigError as exc:
-            log.warning("%s", exc)
-        except (ValueError, KeyError):
-            log.warning(
-                "site %s: stored optimizer state %s does not fit the model; starting afresh", self.data.site, path
-            )
-
-    def _store_optimizer(self, opt: torch.optim.Optimizer, round_num: int) -> None:
-        """Save the optimizer state after ``round_num``; keep it and the latest earlier one only.
-
-        Args:
-            opt: the optimizer after the round's training.
-            round_num: the round just trained.
-        """
-        folder = self.state_dir / OPTIMIZER_ROUNDS
-        torch_save(_round_file(folder, round_num), opt.state_dict())
-        earlier = [r for r in _stored_rounds(folder) if r < round_num]
-        _prune_rounds(folder, {round_num, max(earlier, default=round_num)})
 
     def _prepare_head(self, params: dict[str, Any], classes: list[str] | None) -> None:
         if self.head_mode == "union":
@@ -522,15 +441,11 @@ class SiteLearner:
         local = self.local_keys()
         if model_round is None or not local:
             return
-        folder = self.state_dir / LOCAL_ROUNDS
-        path = _round_file(folder, model_round)
-        if path.is_file():
-            state = self.model.state_dict()
-            state.update(self._read(path))
+        state = self.model.state_dict()
+        stored = self.site_state.local_parts(model_round, {k: v for k, v in state.items() if k in local}, keep_rounds)
+        if stored is not None:
+            state.update(stored)
             self.model.load_state_dict(state)
-        else:
-            torch_save(path, {k: v.detach().clone() for k, v in self.model.state_dict().items() if k in local})
-        _prune_rounds(folder, {int(model_round), *(int(r) for r in keep_rounds)})
 
     def local_keys(self) -> set[str]:
         """The state entries that never travel: the head in ``local`` mode, BatchNorm under FedBN."""

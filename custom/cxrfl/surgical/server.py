@@ -59,15 +59,15 @@ from cxrfl.common.io import to_numpy
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.common.server import RECORDS_DIR, RetryClock, RunStopped, ServerLoop
 from cxrfl.common.transport import Message, Send
-from cxrfl.data.site import load_site
 from cxrfl.errors import ConfigError, CxrflError
-from cxrfl.nn.evaluation import evaluate_on_site, shared_classes
+from cxrfl.nn.evaluation import shared_classes
 from cxrfl.nn.metrics import summarise_auroc
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, save_checkpoint
 from cxrfl.surgical.config import RESUME_KEYS, SurgicalConfig
 from cxrfl.surgical.head_modes import drop_head, payload_for
 from cxrfl.surgical.host import TRAIN, VALIDATE
 from cxrfl.surgical.join import add_classes, waiting_sites
+from cxrfl.surgical.records import curve_point, external_evaluation, fmt, round_record
 from cxrfl.surgical.round_aggregator import RoundAggregator, RoundResult
 from cxrfl.surgical.state import RunState
 
@@ -234,7 +234,7 @@ class SurgicalServer(ServerLoop):
         self.check_abort()
         result, rejected = self._finish()
         record = {
-            **self._round_record(0, "warmup", self.sites, answers, result, rejected),
+            **round_record(0, "warmup", self.sites, answers, result, rejected),
             "seconds": time.perf_counter() - start,
         }
         self.record(record)
@@ -368,9 +368,9 @@ class SurgicalServer(ServerLoop):
         answers = {s: a for s, a in answers.items() if s not in waiting}
         self.check_abort()  # aborted mid-round: the round is not recorded, nothing is written
         result, rejected = self._finish()
-        point = self.curve_point(rnd - 1, answers, "val_loss", "val_mean_auroc")
+        point = curve_point(rnd - 1, answers, "val_loss", "val_mean_auroc")
         record = {
-            **self._round_record(rnd, "train", list(state.announced), answers, result, rejected),
+            **round_record(rnd, "train", list(state.announced), answers, result, rejected),
             "evaluated_round": rnd - 1,
             "mean_val_loss": point["mean_val_loss"],
             "mean_val_auroc": point["mean_val_auroc"],
@@ -387,8 +387,8 @@ class SurgicalServer(ServerLoop):
             self.resume.save({**state.to_dict(), "settings": self.config.to_dict()})
             self.info(
                 f"round {rnd}: {len(result.sites)} of {len(state.announced)} site(s) aggregated; model of round "
-                f"{rnd - 1}: mean val loss {_fmt(point['mean_val_loss'])}, mean val AUROC "
-                f"{_fmt(point['mean_val_auroc'])}; selected round {state.stopper.best_step} "
+                f"{rnd - 1}: mean val loss {fmt(point['mean_val_loss'])}, mean val AUROC "
+                f"{fmt(point['mean_val_auroc'])}; selected round {state.stopper.best_step} "
                 f"({time.perf_counter() - start:.1f}s)"
             )
         record["seconds"] = time.perf_counter() - start
@@ -457,27 +457,6 @@ class SurgicalServer(ServerLoop):
             return None, {**rejected, "aggregation": str(exc)}
 
     # -------------------------------------------------------- selection
-    @staticmethod
-    def curve_point(model_round: int, answers: Mapping[str, Message], loss_key: str, auroc_key: str) -> dict[str, Any]:
-        """The scores of one model: the sites' validation loss and mean AUROC, and their means.
-
-        Args:
-            model_round: the round the scored model comes from.
-            answers: the sites' answers.
-            loss_key: the metric holding the validation loss.
-            auroc_key: the metric holding the mean validation AUROC.
-        """
-        metrics = {s: m.get("metrics") or {} for s, (_, m) in sorted(answers.items())}
-        losses = {s: m.get(loss_key) for s, m in metrics.items()}
-        aurocs = {s: m.get(auroc_key) for s, m in metrics.items()}
-        return {
-            "round": model_round,
-            "mean_val_loss": _mean(losses.values()),
-            "mean_val_auroc": _mean(aurocs.values()),
-            "site_val_loss": losses,
-            "site_val_auroc": aurocs,
-        }
-
     def _consider(self, state: RunState, point: dict[str, Any], params: Mapping[str, Any]) -> None:
         """Score a model; keep it (and write ``best_FL_global_model.pt``) when it is the new best."""
         state.curve.append(point)
@@ -494,7 +473,7 @@ class SurgicalServer(ServerLoop):
             return
         answers = self.exchange(VALIDATE, self.messages(state, state.params, split="val", model_round=state.round))
         self.check_abort()
-        point = self.curve_point(state.round, answers, "loss", "mean_auroc")
+        point = curve_point(state.round, answers, "loss", "mean_auroc")
         self._consider(state, point, state.params)
         self.resume.save({**state.to_dict(), "settings": self.config.to_dict()})
         self.record(
@@ -510,8 +489,8 @@ class SurgicalServer(ServerLoop):
             }
         )
         self.info(
-            f"model of round {state.round}: mean val loss {_fmt(point['mean_val_loss'])}, mean val AUROC "
-            f"{_fmt(point['mean_val_auroc'])}; selected round {state.stopper.best_step}"
+            f"model of round {state.round}: mean val loss {fmt(point['mean_val_loss'])}, mean val AUROC "
+            f"{fmt(point['mean_val_auroc'])}; selected round {state.stopper.best_step}"
         )
 
     def _selected(self, state: RunState) -> tuple[int, dict[str, np.ndarray]]:
@@ -572,17 +551,9 @@ class SurgicalServer(ServerLoop):
         if cfg.head_mode == "local":
             self.info("personalized FL (local heads) has no global model: the external test set is not evaluated")
             return None
-        try:
-            model = build_model(cfg.model_config, len(state.classes))
-            model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in params.items()})
-            data = load_site(cfg.external_test)
-            ext = evaluate_on_site(model, state.classes, data, image_size=cfg.model_config.image_size, splits=None)
-        except CxrflError as exc:
-            self.warning(f"external test set could not be evaluated: {exc}")
-            return None
-        ext.update(summarise_auroc(ext["auroc"], shared=shared))
-        self.info(f"external test {data.site}: mean AUROC {_fmt(ext['mean'])}")
-        return {"site": data.site, **ext}
+        return external_evaluation(
+            cfg.model_config, cfg.external_test, state.classes, params, shared, info=self.info, warning=self.warning
+        )
 
     # ------------------------------------------------------------ files
     def _save_model(self, name: str, params: Mapping[str, Any], classes: list[str], **extra: Any) -> Path:
@@ -596,33 +567,3 @@ class SurgicalServer(ServerLoop):
             extra={"head_mode": self.config.head_mode, **extra},
         )
         return path
-
-    @staticmethod
-    def _round_record(
-        rnd: int,
-        phase: str,
-        sent: Sequence[str],
-        answers: Mapping[str, Message],
-        result: RoundResult | None,
-        rejected: Mapping[str, str],
-    ) -> dict[str, Any]:
-        return {
-            "round": rnd,
-            "phase": phase,
-            "sites_answered": sorted(answers),
-            "sites_failed": sorted(set(sent) - set(answers)),
-            "sites_aggregated": list(result.sites) if result else [],
-            "contributors": result.contributors if result else {},
-            "rejected": dict(rejected),
-            "aggregated": result is not None,
-            "site_metrics": {s: dict(m.get("metrics") or {}) for s, (_, m) in sorted(answers.items())},
-        }
-
-
-def _mean(values: Any) -> float:
-    finite = [float(v) for v in values if v is not None and np.isfinite(v)]
-    return float(np.mean(finite)) if finite else float("nan")
-
-
-def _fmt(v: float | None) -> str:
-    return "n/a" if v is None or not np.isfinite(v) else f"{v:.4f}"

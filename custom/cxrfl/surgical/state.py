@@ -28,7 +28,7 @@ class RunState:
         announced: site -> the classes it announced in the warm-up (the sites of the run).
         stopper: model selection and early stopping.
         best_params: the selected model so far (None: none scored yet).
-        curve: one point per scored model (:meth:`SurgicalServer.curve_point`).
+        curve: one point per scored model (:func:`cxrfl.surgical.records.curve_point`).
         run_key: names the sites' state across resumed runs (the first run's id).
         joined: site -> the round in whose exchange it warmed up late (it trains from the next round;
             sites of the warm-up: absent).
