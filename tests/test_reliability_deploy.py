@@ -46,18 +46,25 @@ pytestmark = pytest.mark.slow
 
 SITES = ["hospital-a", "hospital-b", "hospital-c"]
 SMALL = {
+    "model_config.arch": "densenet-tiny",  # the faults are the subject, not the network
     "train_config.warmup_epochs": 1,
     "train_config.batch_size": 8,
     "train_config.max_steps_per_epoch": 2,
     "model_config.image_size": 32,
     "patience": 10,
     "min_clients": 2,
-    "task_timeout": 30,
+    # how long the server waits for a silent or dead site, 5 times per site_faults job; measured on the 2-core
+    # machine (densenet-tiny): a healthy task 0.4-2 s from scheduled to answered, a whole round at most 2.6 s
+    "task_timeout": 10,
 }
 FAST_DEAD = {
+    # shortened from NVFlare's 60 s and 30 s; no dead-client report was measured in these scenarios (a silent or dead
+    # site's tasks end at task_timeout; a killed job process fails its job within 2-3 s), so 10 s costs nothing
     "NVFLARE_DEAD_CLIENT_GRACE_PERIOD": "10",
     "NVFLARE_DEAD_CLIENT_CHECK_LEAD_TIME": "10",
-    "NVFLARE_CLIENT_OUTCOME_WAIT_TIMEOUT": "20",
+    # how long a finished job waits for the sites' outcomes (the dead hospital-c's never comes); the healthy
+    # sites' outcomes were measured arriving before this wait starts
+    "NVFLARE_CLIENT_OUTCOME_WAIT_TIMEOUT": "5",
 }
 
 
@@ -87,7 +94,7 @@ def wait_until(dep: Deployment, job_id: str, test, timeout: float = 400) -> dict
         for r in read_records(path):
             if r.get("aggregated") and r.get("phase") in ("warmup", "train") and test(r):
                 return r
-        time.sleep(0.2)
+        time.sleep(0.05)  # a site answers a tiny round in about 0.5 s: act on a round before it answers the next
     pytest.fail(f"no such round of job {job_id} within {timeout}s: {read_records(path)}")
 
 
@@ -319,4 +326,6 @@ def test_an_aborted_job_leaves_a_checkpoint_that_predict_uses(faults, tmp_path):
 
 
 def test_nothing_is_left_running(faults):
-    assert faults["stop"]["left"] == []
+    # graceful although the job that ran when the server was killed is still listed as running (stop waited its
+    # whole timeout for processes never asked to end, then killed them)
+    assert faults["stop"]["graceful"] == "ok" and faults["stop"]["left"] == [], faults["stop"]
