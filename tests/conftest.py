@@ -1,20 +1,67 @@
-"""Shared fixtures: where the real NIH data lives (../shared/data beside the checkout)."""
+"""Shared fixtures: where the real NIH data lives (../shared/data beside the checkout); the class-name leak
+scan; the surgical job's NVFlare runs that several modules read (session-scoped: each runs once)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import pickletools
 import re
 import shutil
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from cxrfl.jobs import JobSpec, job_spec, write_job
+from cxrfl.synth import write_profile
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+TWO = ["hospital-a", "hospital-b"]  # NIH labels at a, CheXpert labels at b
+TINY_MODEL = {"arch": "densenet-tiny", "image_size": 32}
+"""A job's ``model_config`` changes where the network is not the subject (one job keeps DenseNet121:
+``tests/test_simulator_baselines.py``'s vanilla_fl run, so the product's 28 MB messages still cross NVFlare)."""
+
+
+def tiny(name: str, **changes: Any) -> JobSpec:
+    """A job of JOBS named ``tiny_<name>``, its settings changed (a dict value updates the nested settings)."""
+    spec = job_spec(name)
+    args = json.loads(json.dumps(spec.controller_args))
+    for key, value in changes.items():
+        if isinstance(value, dict):
+            args[key].update(value)
+        else:
+            args[key] = value
+    return dataclasses.replace(spec, name=f"tiny_{name}", controller_args=args)
+
+
+SURGICAL = dataclasses.replace(
+    tiny(
+        "surgical_agg",
+        num_rounds=2,
+        model_config=TINY_MODEL,
+        train_config={"warmup_epochs": 1, "batch_size": 8, "max_steps_per_epoch": 2},
+    ),
+    tracking=("tensorboard", "mlflow"),
+)
+"""jobs/surgical_agg made small, with TensorBoard and MLflow tracking: the job of ``surgical_simenv`` and
+``surgical_sim``."""
+
+
+def nvflare_bin() -> str:
+    return str(Path(sys.executable).with_name("nvflare"))
+
+
+def app_of(ws: Path) -> Path:
+    """The server's app folder of a simulator workspace."""
+    return ws / "server" / "simulate_job" / "app_server"
 
 
 def require_data(present: bool, message: str) -> None:
@@ -69,15 +116,36 @@ def _texts(path: Path) -> list[bytes]:
 
 def names_in(path: Path, names: list[str]) -> list[str]:
     """Class names (or their NIH underscore spellings) a file mentions as whole words (a torch checkpoint's
-    and a pickle's strings included)."""
-    texts = _texts(path)
-    found = []
-    for name in names:
-        for spelling in {name, name.replace(" ", "_")}:
-            pattern = re.compile(rb"(?<![A-Za-z])" + re.escape(spelling.encode()) + rb"(?![A-Za-z])")
-            if any(pattern.search(t) for t in texts):
-                found.append(spelling)
-    return found
+    and a pickle's strings included), in the order of ``names``. Each text is searched once: one pattern
+    finds every place where some spelling ends a whole word, and each spelling is then checked there."""
+    spellings = [dict.fromkeys((name, name.replace(" ", "_"))) for name in names]
+    every = {s.encode() for both in spellings for s in both}
+    if not every:
+        return []
+    any_spelling = re.compile(
+        b"(?:" + b"|".join(re.escape(s) for s in sorted(every, key=len, reverse=True)) + rb")(?![A-Za-z])"
+    )
+    found: set[bytes] = set()
+    for text in _texts(path):
+        match = any_spelling.search(text)
+        while match:
+            at = match.start()
+            if not text[at - 1 : at].isalpha():  # the same rule as ``(?<![A-Za-z])``: bytes.isalpha is ASCII only
+                found.update(
+                    s for s in every if text.startswith(s, at) and not text[at + len(s) : at + len(s) + 1].isalpha()
+                )
+            match = any_spelling.search(text, at + 1)
+    return [s for both in spellings for s in both if s.encode() in found]
+
+
+_SESSION_DIRS: set[Path] = set()
+
+
+def session_tmp(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder of a session fixture: ``module_tmp_cleanup`` leaves it to the modules that come later."""
+    path = tmp_path_factory.mktemp(name)
+    _SESSION_DIRS.add(path)
+    return path
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -90,7 +158,7 @@ def module_tmp_cleanup(request, tmp_path_factory):
     before, failed = set(base.iterdir()), request.session.testsfailed
     yield
     if request.session.testsfailed == failed:
-        for path in set(base.iterdir()) - before:
+        for path in set(base.iterdir()) - before - _SESSION_DIRS:
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -102,3 +170,47 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def two_hospitals(tmp_path_factory) -> Path:
+    """Demo data of hospital-a and hospital-b (60 images each at 32 px; a larger validation split than the
+    profile's, so that per-class validation AUROCs are defined): the folder of their site configs."""
+    data = session_tmp(tmp_path_factory, "two_hospitals")
+    for config in write_profile("two-hospitals", data, n_per_site=60, image_size=32, sites=TWO):
+        config.write_text(config.read_text().replace("train: 0.7\n  val: 0.1", "train: 0.5\n  val: 0.3"))
+        assert "val: 0.3" in config.read_text()
+    return data
+
+
+def _ran(ws: Path, output: str = "") -> dict[str, Any]:
+    """A finished run's folders and settings; fails the fixture (with the run's output) where it left no model."""
+    if not (app_of(ws) / "FL_global_model.pt").is_file():
+        pytest.fail(f"no global model under {app_of(ws)}:\n{output}")
+    return {"ws": ws, "app": app_of(ws), "args": SURGICAL.controller_args}
+
+
+@pytest.fixture(scope="session")
+def surgical_simenv(tmp_path_factory, two_hospitals) -> dict[str, Any]:
+    """SURGICAL as a recipe in NVFlare's SimEnv on ``two_hospitals``: ``ws`` (its workspace), ``app`` (the
+    server's app folder), ``args`` (the job's settings)."""
+    from nvflare.recipe import SimEnv
+
+    tmp = session_tmp(tmp_path_factory, "surgical_simenv")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CXRFL_SITE_CONFIG_DIR", str(two_hospitals))
+        mp.setenv("HOME", str(tmp / "home"))
+        SURGICAL.recipe().execute(SimEnv(clients=TWO, num_threads=len(TWO), workspace_root=str(tmp / "sim")))
+    return _ran(tmp / "sim" / SURGICAL.name)
+
+
+@pytest.fixture(scope="session")
+def surgical_sim(tmp_path_factory, two_hospitals) -> dict[str, Any]:
+    """SURGICAL's exported job folder (``job``) run as the README runs jobs/surgical_agg, ``nvflare simulator``
+    with a thread per site, on ``two_hospitals``: ``ws``, ``app``, ``args`` as for ``surgical_simenv``."""
+    tmp = session_tmp(tmp_path_factory, "surgical_sim")
+    job = write_job(SURGICAL, tmp / "exported")
+    env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(two_hospitals), "HOME": str(tmp / "home")}
+    cmd = [nvflare_bin(), "simulator", str(job), "-w", str(tmp / "ws"), "-c", ",".join(TWO), "-t", str(len(TWO))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    return {**_ran(tmp / "ws", f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"), "job": job}

@@ -51,6 +51,8 @@ def compare_run(tmp_path_factory) -> Path:
         "1",
         "--methods",
         "individual,vanilla-fedavg,pfl-fedavg,partial-fedavg",
+        "--arch",
+        "densenet-tiny",  # the network is not the subject: the protocol, results and report are
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -71,7 +73,7 @@ def test_results_json_structure(compare_run):
     }
     assert set(res["views"]) == {"hospital-a", "hospital-b", "external", "external@hospital-a", "external@hospital-b"}
     assert len(res["data"]["shared_classes"]) == 7 and len(res["data"]["union"]) == 20
-    assert res["seeds"] == [0] and res["settings"]["max_rounds"] == 1
+    assert res["seeds"] == [0] and res["settings"]["max_rounds"] == 1 and res["settings"]["arch"] == "densenet-tiny"
     machine = res["machines"][0]
     assert machine["runs"] == 6 and machine["cpu"] and machine["torch_threads"] == 1 and machine["device"] == "cpu"
     for name, m in res["methods"].items():
@@ -130,6 +132,7 @@ def test_results_json_structure(compare_run):
 
 def test_report_has_the_papers_tables(compare_run):
     text = (compare_run / "report.md").read_text()
+    assert "; densenet-tiny from scratch at 32x32 px" in text  # the network the runs trained, not DenseNet121
     for heading in (
         "## Mean AUROC, all classes",
         "## Shared vs unique classes",

@@ -49,6 +49,8 @@ def test_bench_fedfew_options_reach_the_benchmark(tmp_path, fedfew_calls):
                 "--seeds",
                 "2",
                 "--no-resume",
+                "--arch",
+                "densenet-tiny",
             ]
         )
         == 0
@@ -57,6 +59,9 @@ def test_bench_fedfew_options_reach_the_benchmark(tmp_path, fedfew_calls):
     s = call["settings"]
     assert call["out"] == tmp_path and call["seeds"] == 2 and call["resume"] is False
     assert s.methods == ("mlc", "fedfew") and s.fedfew["rounds"] == 3 and s.jobs == 1 and s.n_cc == QUICK.n_cc
+    assert s.arch == "densenet-tiny" and QUICK.arch == "densenet121"
+    with pytest.raises(ConfigError, match="arch must be one of"):
+        run(["bench", "fedfew", "--arch", "resnet50", "--out", str(tmp_path)])
     with pytest.raises(ConfigError, match=r"unknown method\(s\) \['mlcc'\]"):
         run(["bench", "fedfew", "--methods", "mlcc", "--out", str(tmp_path)])
 
@@ -86,6 +91,7 @@ class FakeCWTSettings:
     cycles: int = 30
     splits: tuple[int, ...] = tuple(range(1, 11))
     synthetic_images: int = 3000
+    arch: str = "densenet121"
 
 
 def test_bench_cwt_and_compare_method_cwt_reach_the_cwt_benchmark(tmp_path, monkeypatch, capsys):
@@ -95,14 +101,29 @@ def test_bench_cwt_and_compare_method_cwt_reach_the_cwt_benchmark(tmp_path, monk
     fake.run_cwt_benchmark = lambda out, seeds, **kw: calls.append({"out": out, "seeds": seeds, **kw})
     monkeypatch.setitem(sys.modules, "cxrfl.bench.cwt", fake)
     assert run(["bench", "cwt", "--out", str(tmp_path), "--seeds", "2", "--splits", "1,10", "--cycles", "5"]) == 0
-    assert run(["bench", "compare", "--method", "cwt", "--out", str(tmp_path), "--seeds", "4"]) == 0
+    assert (
+        run(["bench", "compare", "--method", "cwt", "--out", str(tmp_path), "--seeds", "4", "--arch", "densenet-tiny"])
+        == 0
+    )
     assert main(["bench-cwt", "--out", str(tmp_path)]) == 0
     assert "'bench-cwt' is now 'cxrfl bench cwt'" in capsys.readouterr().err
     first, second, third = calls
     assert first["out"] == Path(tmp_path) and first["settings"].splits == (1, 10) and first["settings"].cycles == 5
     assert first["resume"] is True and first["seeds"] == first["settings"].seeds == 2
     assert second["seeds"] == 4 and second["settings"].splits == tuple(range(1, 11))
+    assert first["settings"].arch == "densenet121" and second["settings"].arch == "densenet-tiny"  # passed on
     assert third["seeds"] == 5 and callable(third["log"])
+
+
+def test_every_training_benchmark_takes_the_one_arch_option():
+    from cxrfl.bench.arch import BENCHES
+
+    for bench in BENCHES:
+        assert (
+            build_parser().parse_args(["bench", bench, "--out", "o", "--arch", "densenet-tiny"]).arch == "densenet-tiny"
+        )
+    with pytest.raises(SystemExit):  # speed, load and pretrain measure DenseNet121 itself
+        build_parser().parse_args(["bench", "speed", "--out", "o", "--arch", "densenet-tiny"])
 
 
 def test_load_benchmark_job_and_label_sets(tmp_path):

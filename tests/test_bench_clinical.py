@@ -19,6 +19,7 @@ from cxrfl.clinical.calibration import CalibrationMap
 from cxrfl.clinical.counts import BinSpec
 from cxrfl.clinical.fitted import ClinicalFit
 from cxrfl.errors import ConfigError
+from cxrfl.nn.models import load_checkpoint
 from scipy.special import expit
 from sklearn.metrics import roc_auc_score
 
@@ -179,6 +180,9 @@ def test_settings_are_checked_in_one_line():
     assert settings.fedeval_config("test").calibration is None and settings.fedeval_config("test").bins.n == 4000
     demo = settings.server_config(2)
     assert (demo.num_rounds, demo.patience, demo.seed, demo.model_config.image_size) == (60, 3, 2, 64)
+    assert demo.model_config.arch == "densenet121"  # the demo job's network unless --arch
+    with pytest.raises(ConfigError, match="arch must be one of"):
+        ClinicalBenchSettings(arch="resnet50")
 
 
 @pytest.fixture()
@@ -221,13 +225,16 @@ def test_cli_options_reach_the_benchmark(tmp_path, monkeypatch):
     monkeypatch.setattr(clinical, "run_clinical", lambda settings, out, **kw: seen.append((settings, out)))
     argv = ["bench", "clinical", "--out", str(tmp_path), "--seeds", "2", "--profiles", "nih1000", "--min-cell", "5"]
     argv += ["--target-sensitivity", "0.8", "--calibration", "temperature", "--bins", "2000", "--no-external"]
-    args = build_parser().parse_args([*argv, "--image-size", "32", "--rounds", "5", "--steps", "0"])
+    args = build_parser().parse_args(
+        [*argv, "--image-size", "32", "--rounds", "5", "--steps", "0", "--arch", "densenet-tiny"]
+    )
     assert args.func(args) == 0
     expected = ClinicalBenchSettings(profiles=("nih1000",), seeds=2, min_cell=5, target_sensitivity=0.8, bins=2000)
     assert seen == [
         (
             ClinicalBenchSettings(
                 **{**asdict(expected), "calibration": "temperature", "external": False, "image_size": 32, "rounds": 5}
+                | {"arch": "densenet-tiny"}
             ),
             tmp_path,
         )
@@ -254,10 +261,19 @@ def test_end_to_end_on_tiny_data_against_sklearn(tmp_path, monkeypatch):
     evaluate = clinical.run_fedeval
     monkeypatch.setattr(clinical, "prepare", tiny)
     monkeypatch.setattr(clinical, "run_fedeval", keep)
-    settings = ClinicalBenchSettings(
-        profiles=("two-hospitals",), seeds=1, image_size=32, rounds=1, patience=1, steps=1, min_cell=1
+    settings = ClinicalBenchSettings(  # the network is not the subject: the pooled evaluation against sklearn is
+        profiles=("two-hospitals",),
+        seeds=1,
+        image_size=32,
+        arch="densenet-tiny",
+        rounds=1,
+        patience=1,
+        steps=1,
+        min_cell=1,
     )
     got = run_clinical(settings, tmp_path / "out", log=lambda _: None)["runs"]["two-hospitals/0"]
+    assert load_checkpoint(seen["model"])["model_config"]["arch"] == "densenet-tiny"  # the network trained
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["settings"]["arch"] == "densenet-tiny"
     data = seen["data"]
     sites = [*data.sites, *data.external.values()]
     assert len(got["auroc"]) >= 10, got["auroc"].keys()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -270,10 +271,11 @@ def test_the_work_folder_is_kept_for_other_methods_and_emptied_for_other_setting
     (tmp_path / "seed0" / "settings.json").write_text(json.dumps(SETTINGS.to_dict(), sort_keys=True))  # an older marker
     assert kept(SETTINGS)
     stored = SETTINGS.to_dict()  # written before the ``uc_negatives`` option (default "none": the old behaviour)
-    del stored["fedfew"]["uc_negatives"], stored["mlc_patience"]
+    del stored["fedfew"]["uc_negatives"], stored["mlc_patience"], stored["arch"]  # and arch (DenseNet121)
     (tmp_path / "seed0" / "settings.json").write_text(json.dumps(stored))
     assert kept(SETTINGS)
     assert not kept(BenchSettings(fedfew={**SETTINGS.fedfew, "uc_negatives": "in"}))
+    assert not kept(replace(SETTINGS, arch="densenet-tiny"))
     assert not kept(BenchSettings(methods=("mlc", "fedfew"), jobs=1, mlc_rounds=1))
 
 

@@ -78,22 +78,21 @@ def test_a_run_the_attack_stops_is_recorded_and_scored_not_fatal(tmp_path, monke
     # seen: a x100 update with no robust option made every site fail in round 2; RunStopped ended the benchmark
     import cxrfl.bench.hostile as hostile
     from cxrfl.common.server import RunStopped
-    from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
+    from cxrfl.nn.models import build_model, save_checkpoint
 
     def stopped_run(hosts, config, out_dir, **kw):
         (out_dir / "cxrfl").mkdir(parents=True)
         (out_dir / "cxrfl" / "rounds.jsonl").write_text('{"round": 1, "mean_val_loss": 0.3, "rejected": {}}\n')
-        broken = build_model(ModelConfig(image_size=32), 1).state_dict()
+        broken = build_model(config.model_config, 1).state_dict()
         broken["classifier.bias"][0] = float("nan")
-        save_checkpoint(
-            out_dir / "best_FL_global_model.pt", broken, classes=["x"], model_config=ModelConfig(image_size=32)
-        )
+        save_checkpoint(out_dir / "best_FL_global_model.pt", broken, classes=["x"], model_config=config.model_config)
         raise RunStopped("round 2 had fewer than min_clients=2 valid site results")
 
     monkeypatch.setattr(hostile, "run_surgical", stopped_run)
     monkeypatch.setattr(hostile, "make_hosts", lambda *a, **k: {"site-1": Honest()})
     data = type("Data", (), {"sites": [type("Site", (), {"site": "site-1"})()]})()
-    run = hostile._run_one(HostileBenchSettings(), data, {}, "scale", "none", 0, tmp_path, None)
+    settings = HostileBenchSettings(image_size=32, arch="densenet-tiny")  # the network is not the subject
+    run = hostile._run_one(settings, data, {}, "scale", "none", 0, tmp_path, None)
     assert run["stopped"].startswith("round 2") and run["rounds"] == 1 and run["val_loss"] == [0.3]
     assert hostile._kept_model(tmp_path / "nothing") == (None, [])
     assert hostile.mean_auroc(None, [], {"ext": type("T", (), {"classes": ["a", "b"]})()}) == 0.5  # no model: no skill

@@ -23,7 +23,8 @@ from pydicom.dataset import FileDataset, FileMetaDataset
 from pydicom.uid import ExplicitVRLittleEndian, generate_uid
 
 CLASSES = ["Atelectasis", "Edema", "Pneumonia"]
-CONFIG = ModelConfig(image_size=32)
+CONFIG = ModelConfig(arch="densenet-tiny", image_size=32)  # the bundle is the subject, not the network
+PRODUCT = ModelConfig(image_size=32)  # DenseNet121, the product's network: one end-to-end `monai.bundle run`
 
 
 def write_dicom(path: Path, pixels: np.ndarray) -> Path:
@@ -43,22 +44,21 @@ def write_dicom(path: Path, pixels: np.ndarray) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A model trained a few steps (BatchNorm statistics moved too), saved as a run's best model with
-    the run's records beside it, and a folder of PNG and DICOM images."""
-    tmp = tmp_path_factory.mktemp("bundle")
+def export_trained(tmp: Path, config: ModelConfig) -> dict:
+    """A model of ``config`` trained a few steps (BatchNorm statistics moved too), saved as a run's best
+    model with the run's records beside it and exported as a bundle, and a folder of PNG and DICOM images."""
     torch.manual_seed(0)
-    model = build_model(CONFIG, len(CLASSES))
+    model = build_model(config, len(CLASSES))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model.train()
     for _ in range(3):
-        x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 2, (8, len(CLASSES))).float()
+        x = torch.randn(8, config.in_channels, config.image_size, config.image_size)
+        y = torch.randint(0, 2, (8, len(CLASSES))).float()
         opt.zero_grad()
         torch.nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
         opt.step()
     app = tmp / "app_server"
-    save_checkpoint(app / "best_FL_global_model.pt", model, classes=CLASSES, model_config=CONFIG, extra={"round": 3})
+    save_checkpoint(app / "best_FL_global_model.pt", model, classes=CLASSES, model_config=config, extra={"round": 3})
     (app / "cxrfl").mkdir()
     (app / "cxrfl" / "run_config.json").write_text(json.dumps({"num_rounds": 7, "head_mode": "surgical"}))
     (app / "cxrfl" / "evaluation.json").write_text(
@@ -106,6 +106,16 @@ def trained(tmp_path_factory):
         )
     }
     return {"tmp": tmp, "app": app, "images": images, "bundle": bundle, "expected": expected, "model": model}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return export_trained(tmp_path_factory.mktemp("bundle"), CONFIG)
+
+
+@pytest.fixture(scope="module")
+def trained_densenet121(tmp_path_factory):
+    return export_trained(tmp_path_factory.mktemp("bundle121"), PRODUCT)
 
 
 def test_the_bundle_has_monais_layout_and_names_the_classes_in_order(trained):
@@ -159,7 +169,10 @@ def test_monais_config_parser_builds_network_and_preprocessing_that_match_cxrfl_
         assert got == pytest.approx(expected, abs=1e-4), name
 
 
-def test_monai_bundle_run_predicts_a_folder_of_png_and_dicom_like_cxrfl_predict(trained, tmp_path):
+def test_monai_bundle_run_predicts_a_folder_of_png_and_dicom_like_cxrfl_predict(trained_densenet121, tmp_path):
+    trained = trained_densenet121  # the product's network through MONAI (the other tests: densenet-tiny)
+    meta = json.loads((trained["bundle"] / "configs" / "metadata.json").read_text())
+    assert meta["description"].startswith("densenet121 ")
     rows = run_bundle(trained["bundle"], trained["images"], tmp_path / "out")
     assert [Path(r[0]).name for r in rows] == sorted(trained["expected"])  # PNG and DICOM; the .txt left out
     for row in rows:

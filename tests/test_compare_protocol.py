@@ -14,6 +14,7 @@ import pytest
 from cxrfl.bench.compare import run_compare
 from cxrfl.bench.protocol import RESULTS_PATH, CompareSettings, code_label, code_version, command_line, load_text
 from cxrfl.errors import ConfigError
+from cxrfl.nn.models import CXRNet
 
 TINY = {
     "profile": "two-hospitals",
@@ -24,8 +25,9 @@ TINY = {
     "batch_size": 8,
     "n_boot": 10,
     "threads": 1,
+    "arch": "densenet-tiny",
 }
-"""A tiny profile; otherwise the protocol's code path (whole training splits, max_rounds only a guard)."""
+"""A tiny profile and network; otherwise the protocol's code path (whole training splits, max_rounds only a guard)."""
 
 
 class ScriptedHost:
@@ -131,6 +133,35 @@ def test_an_interrupted_comparison_continues_where_it_stopped(tmp_path, monkeypa
         run_compare(settings.replace(patience=2), out, data_dir=data, log=lines.append)
     report_only = run_compare(settings.replace(seeds=3), out, data_dir=data, log=lines.append, report_only=True)
     assert report_only["seeds"] == [0, 1]  # seed 2 not trained: statistics over the finished seeds
+
+
+def test_the_arch_setting_builds_every_network_of_a_run_and_is_recorded(tmp_path, monkeypatch):
+    """``arch`` (``--arch``) is the network every model of a run is built as, and results.json and protocol.json
+    record it; a protocol stored before it was recorded is DenseNet121's."""
+    built: list[str] = []
+    init = CXRNet.__init__
+
+    def spy(self, config, *args, **kwargs):
+        built.append(config.arch)
+        init(self, config, *args, **kwargs)
+
+    monkeypatch.setattr(CXRNet, "__init__", spy)
+    settings = CompareSettings.from_dict(
+        {**TINY, "seeds": 1, "max_rounds": 1, "steps": 1, "methods": ["surgical-fedavg"]}
+    )
+    out = tmp_path / "out"
+    res = run_compare(settings, out, data_dir=tmp_path / "data", log=lambda m: None)
+    assert built and set(built) == {"densenet-tiny"}  # the sites', the server's and the scored models
+    assert res["settings"]["arch"] == json.loads((out / "results.json").read_text())["settings"]["arch"]
+    assert res["settings"]["arch"] == "densenet-tiny"
+    store, path = runs.RunStore(out), out / "runs" / runs.PROTOCOL_FILE
+    stored = json.loads(path.read_text())
+    assert stored["protocol"]["arch"] == "densenet-tiny"
+    del stored["protocol"]["arch"]  # as written before arch was recorded: those runs trained DenseNet121
+    path.write_text(json.dumps(stored))
+    with pytest.raises(ConfigError, match=r"\(protocol.arch differ\)"):
+        store.check(settings.protocol(), stored["data"], restart=False, log=print)
+    store.check(settings.replace(arch="densenet121").protocol(), stored["data"], restart=False, log=print)
 
 
 def test_restart_sets_runs_of_other_settings_aside(tmp_path):

@@ -40,6 +40,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+MODEL = ModelConfig(arch="densenet-tiny", image_size=32)  # the network is not the subject here
+
 
 # The paper's split 5 (Table 1), both labels: the most unequal sample sizes.
 SPLIT5 = {"inst-1": 2880, "inst-2": 2026, "inst-3": 1174, "inst-4": 320}
@@ -228,8 +230,8 @@ def test_base_recipe_defaults_are_the_papers():
 def test_decay_goes_on_across_visits_and_multiplies_the_clr_rate(tmp_path):
     cfg = CWTConfig(lr=1e-2, lr_decay=0.5, lr_decay_every=2, clr=True, batch_size=2, augment=False)
     splits = ["train"] * 4 + ["val"] * 2
-    site = CWTSite(tiny_site(tmp_path, "s", {"Mass": [1, 0, 1, 0, 1, 0]}, splits), cfg, ModelConfig(image_size=32))
-    model = build_model(ModelConfig(image_size=32), 1)
+    site = CWTSite(tiny_site(tmp_path, "s", {"Mass": [1, 0, 1, 0, 1, 0]}, splits), cfg, MODEL)
+    model = build_model(MODEL, 1)
     seen = []
     handle = register_optimizer_step_pre_hook(
         lambda opt, *_: seen.append((opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"]))
@@ -265,7 +267,7 @@ def test_pooled_loss_is_the_loss_over_the_union():
 
 def test_optimizer_state_travels_exactly():
     torch.manual_seed(0)
-    model = build_model(ModelConfig(image_size=32), 1)
+    model = build_model(MODEL, 1)
     opt = adam(model, 1e-3)
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     opt.step()
@@ -293,29 +295,29 @@ def two_sites(tmp_path):
 
 def test_multilabel_sites_share_a_masked_union_head(two_sites):
     cfg = CWTConfig(task="multilabel", batch_size=4, local_steps=1, optimizer_state="reset", augment=False)
-    sites = make_sites(two_sites, cfg, ModelConfig(image_size=32))
+    sites = make_sites(two_sites, cfg, MODEL)
     assert sites[0].classes == sites[1].classes == ["Effusion", "Mass", "Nodule"]
     assert sites[0].counts() == {"n_train": 6, "n_val": 2, "classes": ["Effusion", "Mass"]}
     assert sites[0].known.tolist() == [6, 6, 0]  # site-a does not annotate Nodule: masked
     torch.manual_seed(0)
-    model = build_model(ModelConfig(image_size=32), 3)
+    model = build_model(MODEL, 3)
     before = model.classifier.weight.detach().clone()
     sites[0].train_visit(model, adam(model, 1e-2), Visit(1, 1e-2), cycle=1)
     after = model.classifier.weight.detach()
     assert torch.equal(before[2], after[2])  # the masked class's row gets no gradient at site-a
     assert not torch.equal(before[0], after[0]) and not torch.equal(before[1], after[1])
-    binary = make_sites(two_sites, CWTConfig(batch_size=4), ModelConfig(image_size=32))
+    binary = make_sites(two_sites, CWTConfig(batch_size=4), MODEL)
     assert binary[0].classes == [BINARY_CLASS] and binary[0].counts() == {"n_train": 6, "n_val": 2}
 
 
 def test_single_label_site_warns_and_still_trains(tmp_path):
     splits = ["train"] * 4 + ["val"] * 2
     only_normal = tiny_site(tmp_path, "only-normal", {"Mass": [0, 0, 0, 0, 1, 0]}, splits)
-    site = CWTSite(only_normal, CWTConfig(lwms=True, cwl=True, batch_size=2, augment=False), ModelConfig(image_size=32))
+    site = CWTSite(only_normal, CWTConfig(lwms=True, cwl=True, batch_size=2, augment=False), MODEL)
     assert len(site.warnings) == 1 and "only negative" in site.warnings[0]
     assert np.allclose(site.sample_weights, 0.25)  # one label present: every image equally
     assert site.loss_weights[0].tolist() == [1.0] and site.loss_weights[1].tolist() == [1.0]
-    model = build_model(ModelConfig(image_size=32), 1)
+    model = build_model(MODEL, 1)
     out = site.train_visit(model, adam(model, 1e-3), Visit(1, 1e-3), cycle=1)
     assert out["steps"] == 1 and math.isfinite(out["train_loss"])
 

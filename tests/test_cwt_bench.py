@@ -190,12 +190,17 @@ def test_kept_runs_are_reused_under_a_higher_cycle_cap_only_where_early_stopping
     keep("same-cap", key, False, 80)
     keep("stopped-beyond-cap", {**key, "cycles": 120}, True, 95)  # would have been cut at 80
     keep("other-lr", {**old, "lr": 1e-4}, True, 12)
+    keep("before-arch", {k: v for k, v in key.items() if k != "arch"}, False, 80)  # kept before arch: DenseNet121
+    keep("tiny", {**key, "arch": "densenet-tiny"}, False, 80)
     (tmp_path / "broken.json").write_text("{")
+    assert key["arch"] == "densenet121"
     assert sorted(m for _, _, m in bench.load_runs(tmp_path, key)) == [
+        "before-arch",
         "patience-at-the-cap",
         "same-cap",
         "stopped-at-23",
     ]
+    assert [m for _, _, m in bench.load_runs(tmp_path, {**key, "arch": "densenet-tiny"})] == ["tiny"]
     assert sorted(m for _, _, m in bench.load_runs(tmp_path, old)) == [
         "hit-the-cap",
         "patience-at-the-cap",
@@ -210,12 +215,14 @@ def test_a_tiny_benchmark_writes_its_outputs_and_goes_on_from_the_kept_runs(
     real = bench.run_cwt
 
     def counting(sites, model_config, config, **kw):
+        assert model_config.arch == "densenet-tiny"  # the settings' network reaches every run
         trained.append((len(sites), config.method))
         return real(sites, model_config, config, **kw)
 
     monkeypatch.setattr(bench, "run_cwt", counting)
     settings = BenchSettings(
         image_size=32,
+        arch="densenet-tiny",  # the network is not the subject: the protocol, outputs and resuming are
         per_class=24,
         test_per_class=10,
         val_per_class=6,
@@ -240,6 +247,7 @@ def test_a_tiny_benchmark_writes_its_outputs_and_goes_on_from_the_kept_runs(
     # synthetic: central hosting and split 1 (equal sites: PLTI and CLR are vanilla CWT, not trained again)
     assert trained == [(1, "CWT"), (4, "CWT"), (4, "CWT+PLTI"), (4, "CWT+CLR"), (1, "CWT"), (4, "CWT")]
     saved = json.loads((out / "results.json").read_text())
+    assert saved["settings"]["arch"] == "densenet-tiny"
     for dataset, method, split in (
         ("nih1000", CENTRAL, "all"),
         ("nih1000", "CWT+CLR", "5"),

@@ -17,12 +17,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_MODEL, nvflare_bin
 from cxrfl.common.io import params_digest, read_records, to_numpy
 from cxrfl.common.resume import RESUME_ROOT_ENV
 from cxrfl.cwt.config import BINARY_CLASS
@@ -71,14 +71,15 @@ def nih_site_configs(shared: Path, out: Path) -> None:
 
 
 def small_job(repo_root: Path, out: Path, *, flaky: bool = True, cycles: int = 2, **server_args) -> Path:
-    """jobs/cwt with ``cycles`` cycles of 1 step per site at 32x32 and, with ``flaky``, a flaky third site."""
+    """jobs/cwt with ``cycles`` cycles of 1 step per site (the tiny network at 32x32) and, with ``flaky``, a
+    flaky third site."""
     job = out / "cwt"
     shutil.copytree(repo_root / "jobs" / "cwt", job)
     cfg_path = job / "app" / "config" / "config_fed_server.json"
     cfg = json.loads(cfg_path.read_text())
     args = cfg["workflows"][0]["args"]
     args["cwt_config"].update(num_cycles=cycles, local_steps=1, batch_size=8, augment=False, patience=5, plti=False)
-    args["model_config"]["image_size"] = 32
+    args["model_config"].update(TINY_MODEL)
     args.update(task_timeout=600, **server_args)
     cfg_path.write_text(json.dumps(cfg, indent=2))
     client_path = job / "app" / "config" / "config_fed_client.json"
@@ -116,7 +117,7 @@ def simulate(
         env[RESUME_ROOT_ENV] = str(resume_root)
     env.pop("CXRFL_SITE_CONFIG", None)
     cmd = [
-        str(Path(sys.executable).with_name("nvflare")),
+        nvflare_bin(),
         "simulator",
         str(job),
         "-w",

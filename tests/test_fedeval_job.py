@@ -7,11 +7,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import names_in
+from conftest import TINY_MODEL, names_in, nvflare_bin
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
 from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
 from cxrfl.synth import write_profile
@@ -24,9 +23,9 @@ SITES = ("hospital-a", "hospital-b")  # NIH labels at a, CheXpert labels at b
 @pytest.fixture(scope="module")
 def simulated(tmp_path_factory, repo_root):
     tmp = tmp_path_factory.mktemp("fedeval_sim")
-    write_profile("two-hospitals", tmp / "data", n_per_site=80, image_size=64, sites=list(SITES))
+    write_profile("two-hospitals", tmp / "data", n_per_site=80, image_size=32, sites=list(SITES))
     torch.manual_seed(0)
-    config = ModelConfig(image_size=64)
+    config = ModelConfig(**TINY_MODEL)
     model = tmp / "external_model.pt"  # a model no job of this federation trained
     save_checkpoint(model, build_model(config, len(KNOWN_CLASSES)), classes=list(KNOWN_CLASSES), model_config=config)
     env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(tmp / "data"), "HOME": str(tmp / "home")}
@@ -53,7 +52,7 @@ def simulated(tmp_path_factory, repo_root):
     job, ws = tmp / "jobs" / "fedeval", tmp / "ws"
     proc = subprocess.run(
         [
-            str(Path(sys.executable).with_name("nvflare")),
+            nvflare_bin(),
             "simulator",
             str(job),
             "-w",

@@ -47,6 +47,8 @@ from cxrfl.fedfew.ssl import SimSiam, negative_cosine, simsiam_loss
 from cxrfl.nn.models import CXRNet, ModelConfig, build_model, model_from_checkpoint, save_checkpoint
 from PIL import Image
 
+MODEL = ModelConfig(arch="densenet-tiny", image_size=32)  # the network is not the subject here
+
 
 # ----------------------------------------------------------------------------- energy score
 def test_energy_score_is_minus_t_logsumexp():
@@ -243,7 +245,7 @@ def test_simsiam_loss_and_stop_gradient():
 
 
 def test_simsiam_encoder_keys_match_the_network():
-    net = CXRNet(ModelConfig(image_size=32), 3)
+    net = CXRNet(MODEL, 3)
     ssl = SimSiam(net, 64, 16)
     enc = {k for k in ssl.state_dict() if k.startswith("backbone.")}
     assert enc == {k for k in net.state_dict() if k.startswith("backbone.")}
@@ -334,14 +336,14 @@ def _csv_site(
 
 
 def _site(data: SiteData, cfg: FedFewConfig, uc=("Hernia",), cc=("Atelectasis",)) -> FedFewSite:
-    site = FedFewSite(data, model_config=ModelConfig(image_size=32), config=cfg)
+    site = FedFewSite(data, model_config=MODEL, config=cfg)
     site.set_roles(list(cc), [u for u in uc if u in data.classes])
     return site
 
 
 def _params(n_out: int = 2) -> dict[str, np.ndarray]:
     torch.manual_seed(0)
-    return {k: v.numpy() for k, v in build_model(ModelConfig(image_size=32), n_out).state_dict().items()}
+    return {k: v.numpy() for k, v in build_model(MODEL, n_out).state_dict().items()}
 
 
 def test_site_refuses_prototypes_below_the_minimum(tmp_path):
@@ -366,7 +368,7 @@ def test_site_refuses_prototypes_below_the_minimum(tmp_path):
     assert ok["refused"] == {}
     (proto,) = ok["prototypes"]
     assert proto["uc"] == "Hernia" and proto["n_positive"] == n_pos and proto["n_negative"] >= 2
-    assert len(proto["positive"]) == len(proto["negative"]) == 1024
+    assert len(proto["positive"]) == len(proto["negative"]) == build_model(MODEL, 1).num_features
     assert set(proto) == {"uc", "positive", "negative", "n_positive", "n_negative", "source"}
 
 
@@ -381,7 +383,8 @@ def test_site_sends_a_scorer_rule_only_and_refuses_below_the_minimum(tmp_path):
     (scorer,) = answer["scorers"]
     assert "prototypes" not in answer and answer["refused"] == {}
     assert (scorer["n_positive"], scorer["n_negative"]) == (n_pos, n_train - n_pos)
-    assert len(scorer["weights"]) == 1024 and np.isfinite(scorer["weights"]).all()  # one weight per feature
+    assert len(scorer["weights"]) == build_model(MODEL, 1).num_features  # one weight per feature
+    assert np.isfinite(scorer["weights"]).all()
     # the rule, applied to the site's own features, is what the site would decide
     feats, _, table = site.embed(_params(), "train")
     rule = UCScorer.from_payload(scorer)
@@ -438,7 +441,7 @@ def test_stage2_round_reports_the_mean_energy_of_each_role_from_the_weights_it_r
     params = _params()
     metrics = site.train_round(params, 1, energy_weight=0.1, m_in=-3.0, m_out=-1.0).metrics
     table = site.stage2_table()
-    net = build_model(ModelConfig(image_size=32), 2)
+    net = build_model(MODEL, 2)
     net.load_state_dict({k: torch.as_tensor(v) for k, v in params.items()})
     net.train()
     ((x, _, _),) = make_loader(table, [], image_size=32, train=False, batch_size=64)
@@ -462,15 +465,10 @@ def test_stage2_round_reports_the_mean_energy_of_each_role_from_the_weights_it_r
 # ------------------------------------------------------------------------------ model file
 @pytest.fixture()
 def fedfew_checkpoint(tmp_path):
-    cfg = ModelConfig(image_size=32)
     torch.manual_seed(0)
-    net = build_model(cfg, 3)
+    net = build_model(MODEL, 3)
     rng = np.random.default_rng(0)
-    protos = {
-        "Hernia": [
-            DualPrototype("Hernia", rng.random(1024).astype(np.float32), rng.random(1024).astype(np.float32), 12, 120)
-        ]
-    }
+    protos = {"Hernia": [DualPrototype("Hernia", *rng.random((2, net.num_features)).astype(np.float32), 12, 120)]}
     extra = fedfew_extra(
         cc_classes=["Atelectasis", "Cardiomegaly"],
         threshold=-100.0,
@@ -481,7 +479,7 @@ def fedfew_checkpoint(tmp_path):
         min_prototype_images=10,
     )
     path = tmp_path / "fedfew.pt"
-    save_checkpoint(path, net, classes=stage2_classes(["Atelectasis", "Cardiomegaly"]), model_config=cfg, extra=extra)
+    save_checkpoint(path, net, classes=stage2_classes(["Atelectasis", "Cardiomegaly"]), model_config=MODEL, extra=extra)
     image = tmp_path / "x.png"
     Image.fromarray((rng.random((40, 40)) * 255).astype(np.uint8)).save(image)
     return path, image
@@ -490,7 +488,7 @@ def fedfew_checkpoint(tmp_path):
 def test_fedfew_checkpoint_is_an_ordinary_checkpoint(fedfew_checkpoint):
     path, _ = fedfew_checkpoint
     net, classes, cfg = model_from_checkpoint(path)
-    assert classes == ["Atelectasis", "Cardiomegaly", NO_CC] and cfg.image_size == 32
+    assert classes == ["Atelectasis", "Cardiomegaly", NO_CC] and cfg == MODEL
     ff = FedFewModel.from_checkpoint(path)
     assert ff.cc_classes == ["Atelectasis", "Cardiomegaly"] and ff.uc_classes == ["Hernia"] and ff.threshold == -100.0
     torch.manual_seed(1)
@@ -539,7 +537,7 @@ def test_predict_prints_the_uc_outputs_of_a_fedfew_model(fedfew_checkpoint, caps
 def test_predict_reports_the_scorers_vote_without_an_energy_gate(tmp_path, fedfew_checkpoint, capsys):
     old, image = fedfew_checkpoint
     net, classes, cfg = model_from_checkpoint(old)
-    w = np.zeros(1024, np.float32)
+    w = np.zeros(net.num_features, np.float32)
     scorer = UCScorer("Hernia", w, 1.0, 0.25, 12, 120, 0.8)  # margin 0.75 for every image: present
     extra = fedfew_extra(
         cc_classes=["Atelectasis", "Cardiomegaly"],
@@ -563,19 +561,21 @@ def test_predict_reports_the_scorers_vote_without_an_energy_gate(tmp_path, fedfe
 
 def test_plain_checkpoint_still_predicts_every_class(tmp_path, fedfew_checkpoint, capsys):
     _, image = fedfew_checkpoint
-    cfg = ModelConfig(image_size=32)
     path = tmp_path / "plain.pt"
-    save_checkpoint(path, build_model(cfg, 2), classes=["Atelectasis", "Hernia"], model_config=cfg)
+    save_checkpoint(path, build_model(MODEL, 2), classes=["Atelectasis", "Hernia"], model_config=MODEL)
     assert main(["predict", "--model", str(path), str(image), "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert list(row) == ["image", "probabilities"] and list(row["probabilities"]) == ["Atelectasis", "Hernia"]
 
 
 def test_malformed_fedfew_entry_is_a_clear_error(tmp_path):
-    cfg = ModelConfig(image_size=32)
     path = tmp_path / "bad.pt"
     save_checkpoint(
-        path, build_model(cfg, 3), classes=["A", "B", NO_CC], model_config=cfg, extra={"fedfew": {"cc_classes": ["A"]}}
+        path,
+        build_model(MODEL, 3),
+        classes=["A", "B", NO_CC],
+        model_config=MODEL,
+        extra={"fedfew": {"cc_classes": ["A"]}},
     )
     with pytest.raises(ConfigError, match="malformed FedFew entry"):
         FedFewModel.from_checkpoint(path)

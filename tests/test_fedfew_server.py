@@ -24,6 +24,7 @@ from cxrfl.nn.models import ModelConfig, load_checkpoint
 
 CC, UC = "Atelectasis", "Hernia"
 W = "backbone.conv0.weight"
+MODEL = ModelConfig(arch="densenet-tiny", image_size=32)  # the network is not the subject here
 
 
 def _info(classes, pos, neg, n_labelled=100, n_ssl=120):
@@ -117,7 +118,7 @@ class ScriptedSites:
 SMALL = FedFewConfig(ssl_rounds=1, warmup_rounds=1, rounds=1, ssl_proj_dim=64, ssl_pred_dim=16, threshold_bins=8)
 
 
-def _server(tmp_path, send, config=SMALL, model_config=ModelConfig(image_size=32), **kw):
+def _server(tmp_path, send, config=SMALL, model_config=MODEL, **kw):
     msgs = []
     kw.setdefault("out_dir", tmp_path)
     kw.setdefault("min_clients_timeout", 0)
@@ -443,7 +444,7 @@ def test_resume_refuses_other_model_settings(tmp_path):
     other, _ = _server(
         tmp_path / "app2",
         ScriptedSites(),
-        model_config=ModelConfig(image_size=32, dropout=0.2),
+        model_config=MODEL.replace(dropout=0.2),
         resume_root=tmp_path / "resume",
         run_id="job-2",
         resume_from="job-1",

@@ -21,17 +21,18 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_MODEL, nvflare_bin
 from cxrfl.cli import main
 from cxrfl.common.io import read_records
 from cxrfl.common.resume import RESUME_ROOT_ENV
 from cxrfl.fedfew.learner import NO_CC
 from cxrfl.jobs import job_spec, write_job
+from cxrfl.nn.models import CXRNet, ModelConfig
 from cxrfl.synth import write_profile
 from cxrfl.synth.fedfew_profile import FEDFEW_CCS
 
@@ -41,19 +42,16 @@ SITES = ["cc-1", "cc-2", "uc-hernia"]
 FAULTY = Path(__file__).parent / "faults" / "fedfew_executor.py"
 
 
-def nvflare_bin() -> str:
-    return str(Path(sys.executable).with_name("nvflare"))
-
-
 def small_job(out: Path, name: str, resume_from: str | None = None) -> Path:
-    """jobs/fedfew (exported for our sites) with short stages at 32x32, every site on the fault-injecting executor."""
+    """jobs/fedfew (exported for our sites) with short stages (the tiny network at 32x32), every site on the
+    fault-injecting executor."""
     job = write_job(
         dataclasses.replace(job_spec("fedfew"), name=name, sites=tuple(SITES)), out
     )  # jobs/fedfew, our sites
     cfg_path = job / "app_server" / "config" / "config_fed_server.json"
     cfg = json.loads(cfg_path.read_text())
     args = cfg["workflows"][0]["args"]
-    args["model_config"]["image_size"] = 32
+    args["model_config"].update(TINY_MODEL)
     args["fedfew_config"].update(
         ssl_rounds=1,
         ssl_max_steps=1,
@@ -203,7 +201,8 @@ def test_final_checkpoint_is_self_describing(runs):
     assert ff["cc_classes"] == sorted(FEDFEW_CCS) and ff["uc_classes"] == ["Hernia"]
     assert isinstance(ff["threshold"], float) and ff["margins"]["chosen"] == "warm-up"
     (pair,) = ff["prototypes"]["Hernia"]
-    assert pair["positive"].shape == pair["negative"].shape == (1024,)
+    features = CXRNet(ModelConfig.from_dict(ckpt["model_config"]), 1).backbone.norm5.num_features
+    assert pair["positive"].shape == pair["negative"].shape == (features,)  # the feature extractor's
     assert pair["n_positive"] >= 2 and pair["n_negative"] >= 2 and "site" not in pair  # anonymous source
     assert ckpt["model_config"]["image_size"] == 32
     plan = json.loads((runs["app"] / "cxrfl" / "plan.json").read_text())

@@ -28,10 +28,10 @@ from cxrfl.fedfew.model import FedFewModel
 from cxrfl.fedfew.prototypes import dual_prototype
 from cxrfl.fedfew.scorer import UCScorer
 from cxrfl.fedfew.server import FedFewServer
-from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.models import ModelConfig, build_model
 from sklearn.metrics import roc_auc_score
 
-D = 1024  # the DenseNet121 feature size the stage-2 head expects
+MODEL = ModelConfig(arch="densenet-tiny", image_size=32)  # stage 3 never runs the network
 CC = "Atelectasis"
 # stage 3 only: no self-supervised round, no classifier round; the paper's threshold rule (default)
 CONFIG = FedFewConfig(
@@ -50,7 +50,7 @@ class GeneratedSite(FedFewSite):
 
     Args:
         data: the site's rows (paths are never read).
-        generated: split -> (features [n, D], energies [n]) in the split's row order.
+        generated: split -> (features [n, D] (D: MODEL's feature size), energies [n]) in the split's row order.
         kw: :class:`FedFewSite`'s settings.
     """
 
@@ -107,16 +107,21 @@ def _generate(
     out = {}
     for split in ("train", "val", "test"):
         y = data.split_table(split)[cls].to_numpy()
-        feats = base + 0.5 * rng.random((len(y), D)) + feature_shift * y[:, None] * direction
+        feats = base + 0.5 * rng.random((len(y), base.size)) + feature_shift * y[:, None] * direction
         energies = -4.0 + 0.5 * rng.standard_normal(len(y)) + energy_shift * y
         out[split] = (feats.astype(np.float32), energies.astype(np.float32))
     return out
 
 
+def _features() -> int:
+    """The feature size of MODEL's network, which the generated features stand in for."""
+    return build_model(MODEL, 1).num_features
+
+
 def _run(tmp_path, uc_sites: dict[str, tuple[SiteData, dict]], config=CONFIG, hosts_extra=None):
-    rng = np.random.default_rng(0)
+    rng, dim = np.random.default_rng(0), _features()
     cc = _site("cc-1", CC, {"train": (40, 60), "val": (5, 5), "test": (20, 20)})
-    cc_gen = _generate(cc, CC, rng, base=rng.random(D), direction=np.zeros(D), feature_shift=0.0, energy_shift=0.0)
+    cc_gen = _generate(cc, CC, rng, base=rng.random(dim), direction=np.zeros(dim), feature_shift=0.0, energy_shift=0.0)
     hosts = {
         "cc-1": GeneratedHost(cc, cc_gen),
         **{s: GeneratedHost(d, g) for s, (d, g) in uc_sites.items()},
@@ -127,7 +132,7 @@ def _run(tmp_path, uc_sites: dict[str, tuple[SiteData, dict]], config=CONFIG, ho
         inprocess_transport(hosts, msgs.append),
         sites=list(hosts),
         config=config,
-        model_config=ModelConfig(image_size=32),
+        model_config=MODEL,
         out_dir=tmp_path,
         min_clients_timeout=0,
         info=msgs.append,
@@ -139,11 +144,17 @@ def _run(tmp_path, uc_sites: dict[str, tuple[SiteData, dict]], config=CONFIG, ho
 
 
 def _uc(name: str, uc: str, seed: int, *, feature_shift: float, energy_shift: float, train=(20, 200), test=(200, 200)):
-    rng = np.random.default_rng(seed)
+    rng, dim = np.random.default_rng(seed), _features()
     data = _site(name, uc, {"train": train, "val": (2, 20), "test": test})
-    direction = rng.random(D) * (rng.random(D) < 0.1)  # the finding lights up a tenth of the features
+    direction = rng.random(dim) * (rng.random(dim) < 0.5)  # the finding lights up half the features
     return data, _generate(
-        data, uc, rng, base=rng.random(D), direction=direction, feature_shift=feature_shift, energy_shift=energy_shift
+        data,
+        uc,
+        rng,
+        base=rng.random(dim),
+        direction=direction,
+        feature_shift=feature_shift,
+        energy_shift=energy_shift,
     )
 
 

@@ -37,7 +37,7 @@ def run(sites, tmp_path, **settings):
     config = SurgicalConfig.from_dict(
         {
             "num_rounds": 1,
-            "model_config": ModelConfig(image_size=32),
+            "model_config": ModelConfig(arch="densenet-tiny", image_size=32),  # the network is not the subject
             "train_config": TRAIN,
             "min_clients_timeout": 0,
             "retry_pause": 0.01,

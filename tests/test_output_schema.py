@@ -64,7 +64,7 @@ def run(tmp_path_factory):
     train = TrainConfig(batch_size=8, max_steps_per_epoch=1, warmup_epochs=1, augment=False)
     config = SurgicalConfig(
         num_rounds=2,
-        model_config=ModelConfig(image_size=32),
+        model_config=ModelConfig(arch="densenet-tiny", image_size=32),  # the network is not the subject here
         train_config=train,
         patience=5,
         min_clients_timeout=0,

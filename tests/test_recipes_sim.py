@@ -1,64 +1,40 @@
 """Each recipe runs in NVFlare's SimEnv on tiny demo data, runs exactly its exported job folder, and
 leaves the artefacts of the job folder run; its metrics reach TensorBoard and MLflow.
 
-One module-scoped run per method (32 px, one round, a few steps), and one run of the surgical
-job folder with ``nvflare simulator`` to compare with.
+One run per method (32 px, the tiny network, a few steps; surgical: the session's ``surgical_simenv``), and
+the session's run of the surgical job folder with ``nvflare simulator`` (``surgical_sim``) to compare with.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import SURGICAL, TINY_MODEL, TWO, app_of, tiny
 from cxrfl.common.io import read_records
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
-from cxrfl.jobs import app_dirs, job_spec, write_job
+from cxrfl.jobs import app_dirs, write_job
 from cxrfl.nn.models import load_checkpoint
 from cxrfl.synth import write_profile
 
 pytestmark = pytest.mark.slow
 
-TWO = ["hospital-a", "hospital-b"]
 FEDFEW_SITES = ["cc-1", "cc-2", "uc-hernia"]
 
-
-def tiny(name: str, **changes: dict) -> object:
-    """A job of JOBS with its settings (nested dicts updated) made tiny."""
-    spec = job_spec(name)
-    args = json.loads(json.dumps(spec.controller_args))
-    for key, value in changes.items():
-        if isinstance(value, dict):
-            args[key].update(value)
-        else:
-            args[key] = value
-    return dataclasses.replace(spec, name=f"tiny_{name}", controller_args=args)
-
-
 SPECS = {
-    "surgical": dataclasses.replace(
-        tiny(
-            "surgical_agg",
-            num_rounds=1,
-            model_config={"image_size": 32},
-            train_config={"warmup_epochs": 1, "batch_size": 8, "max_steps_per_epoch": 2},
-        ),
-        tracking=("tensorboard", "mlflow"),
-    ),
+    "surgical": SURGICAL,
     "cwt": tiny(
         "cwt",
-        model_config={"image_size": 32},
+        model_config=TINY_MODEL,
         cwt_config={"num_cycles": 1, "local_steps": 1, "batch_size": 8, "plti": False},
     ),
     "fedfew": dataclasses.replace(
         tiny(
             "fedfew",
-            model_config={"image_size": 32},
+            model_config=TINY_MODEL,
             fedfew_config={
                 "ssl_rounds": 1,
                 "ssl_max_steps": 1,
@@ -80,59 +56,32 @@ SPECS = {
 SITES = {"surgical": TWO, "cwt": TWO, "fedfew": FEDFEW_SITES}
 
 
-def app_of(ws: Path) -> Path:
-    return ws / "server" / "simulate_job" / "app_server"
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, two_hospitals, surgical_simenv, surgical_sim):
+    """Each method's recipe in SimEnv (surgical: the session's run) with its exported job folder (``job``), and
+    the surgical job folder under ``nvflare simulator`` (``folder``: the session's run)."""
     from nvflare.recipe import SimEnv
 
     tmp = tmp_path_factory.mktemp("recipes")
-    data = tmp / "data"
-    for config in write_profile("two-hospitals", data, n_per_site=30, image_size=32, sites=TWO):
-        # a larger validation split, so that per-class validation AUROCs are defined
-        config.write_text(config.read_text().replace("train: 0.7\n  val: 0.1", "train: 0.5\n  val: 0.3"))
-        assert "val: 0.3" in config.read_text()
-    write_profile("fedfew", data, n_per_site=40, image_size=32, sites=FEDFEW_SITES[:2])
-    write_profile("fedfew", data, n_per_site=120, image_size=32, sites=FEDFEW_SITES[2:])
-    out = {"tmp": tmp, "data": data}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CXRFL_SITE_CONFIG_DIR", str(data))
-        mp.setenv("HOME", str(tmp / "home"))
-        for method, spec in SPECS.items():
-            root = tmp / "sim"
+    fedfew = tmp / "data"
+    write_profile("fedfew", fedfew, n_per_site=40, image_size=32, sites=FEDFEW_SITES[:2])
+    write_profile("fedfew", fedfew, n_per_site=120, image_size=32, sites=FEDFEW_SITES[2:])
+    out = {"surgical": {**surgical_simenv, "job": surgical_sim["job"]}, "folder": surgical_sim}
+    for method, data in (("cwt", two_hospitals), ("fedfew", fedfew)):
+        spec, root = SPECS[method], tmp / "sim"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("CXRFL_SITE_CONFIG_DIR", str(data))
+            mp.setenv("HOME", str(tmp / "home"))
             spec.recipe().execute(
                 SimEnv(clients=SITES[method], num_threads=len(SITES[method]), workspace_root=str(root))
             )
-            out[method] = {
-                "ws": root / spec.name,
-                "app": app_of(root / spec.name),
-                "job": write_job(spec, tmp / "exported"),
-            }
-        # the surgical job folder, run as the README runs jobs/surgical_agg
-        cli = tmp / "cli"
-        proc = subprocess.run(
-            [
-                str(Path(sys.executable).with_name("nvflare")),
-                "simulator",
-                str(out["surgical"]["job"]),
-                "-w",
-                str(cli),
-                "-c",
-                ",".join(TWO),
-                "-t",
-                "2",
-            ],
-            env=dict(os.environ),
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-    out["folder"] = {"ws": cli, "app": app_of(cli), "proc": proc}
-    for key in ("surgical", "cwt", "fedfew", "folder"):
-        if not (out[key]["app"] / "FL_global_model.pt").is_file():
-            pytest.fail(f"{key}: no global model under {out[key]['app']}")
+        out[method] = {
+            "ws": root / spec.name,
+            "app": app_of(root / spec.name),
+            "job": write_job(spec, tmp / "exported"),
+        }
+        if not (out[method]["app"] / "FL_global_model.pt").is_file():
+            pytest.fail(f"{method}: no global model under {out[method]['app']}")
     return out
 
 
@@ -158,6 +107,7 @@ def _files(app: Path) -> set[str]:
 
 
 def test_the_surgical_recipe_leaves_what_its_job_folder_run_leaves(runs):
+    rounds = runs["surgical"]["args"]["num_rounds"]
     recipe, folder = runs["surgical"]["app"], runs["folder"]["app"]
     assert _files(recipe) == _files(folder)
     assert {
@@ -166,18 +116,18 @@ def test_the_surgical_recipe_leaves_what_its_job_folder_run_leaves(runs):
         "cxrfl/rounds.jsonl",
         "cxrfl/evaluation.json",
         "cxrfl/run_config.json",
-        "cxrfl/checkpoints/round_001.pt",
+        *(f"cxrfl/checkpoints/round_{r:03d}.pt" for r in range(1, rounds + 1)),
     } <= _files(recipe)
     a, b = load_checkpoint(recipe / "FL_global_model.pt"), load_checkpoint(folder / "FL_global_model.pt")
-    assert a["classes"] == b["classes"] == list(KNOWN_CLASSES) and a["round"] == b["round"] == 1
+    assert a["classes"] == b["classes"] == list(KNOWN_CLASSES) and a["round"] == b["round"] == rounds
     for k, v in a["model"].items():  # same seeds, same data, same job: the same weights
         torch.testing.assert_close(b["model"][k], v, rtol=0, atol=0, msg=k)
     strip = ("seconds", "site_metrics")
-    rounds = [
+    records = [
         [{k: v for k, v in r.items() if k not in strip} for r in read_records(app / "cxrfl" / "rounds.jsonl")]
         for app in (recipe, folder)
     ]
-    assert rounds[0] == rounds[1] and [r["round"] for r in rounds[0]] == [0, 1, 1]
+    assert records[0] == records[1] and [r["round"] for r in records[0]] == [*range(rounds + 1), rounds]
     tb = runs["surgical"]["ws"] / "server" / "simulate_job" / "tb_events"
     assert {p.name for p in tb.iterdir()} == {*TWO, "simulator_server"}  # each site's curves, and the server's
 
@@ -203,7 +153,7 @@ def _mlflow(runs):
     store = runs["surgical"]["ws"] / "server" / "simulate_job" / "mlflow.db"
     assert store.is_file()  # the local store: no MLflow server
     client = MlflowClient(tracking_uri=f"sqlite:///{store}")
-    (experiment,) = [e for e in client.search_experiments() if e.name == "tiny_surgical_agg"]
+    (experiment,) = [e for e in client.search_experiments() if e.name == SURGICAL.name]
     found = client.search_runs([experiment.experiment_id])
     senders = [*TWO, "simulator_server"]
     assert len(found) == len(senders)
@@ -212,6 +162,7 @@ def _mlflow(runs):
 
 def test_mlflow_store_holds_every_sites_curves_and_the_servers(runs):
     client, by_site = _mlflow(runs)
+    steps = range(runs["surgical"]["args"]["num_rounds"] + 1)  # the warm-up (0) and every round
     records = {
         r["round"]: r
         for r in read_records(runs["surgical"]["app"] / "cxrfl" / "rounds.jsonl")
@@ -221,7 +172,7 @@ def test_mlflow_store_holds_every_sites_curves_and_the_servers(runs):
         run = by_site[site]
         for name in ("train_loss", "val_loss"):
             history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
-            assert history == pytest.approx({rnd: records[rnd]["site_metrics"][site][name] for rnd in (0, 1)})
+            assert history == pytest.approx({rnd: records[rnd]["site_metrics"][site][name] for rnd in steps})
         per_class = {k.split("/", 1)[1] for k in run.data.metrics if k.startswith("val_auroc/")}
         assert per_class and per_class <= set(own)  # its own classes only: nothing names another site's
         for c in per_class:
@@ -232,9 +183,10 @@ def test_mlflow_store_holds_every_sites_curves_and_the_servers(runs):
     server = by_site["simulator_server"]
     history = {m.step: m.value for m in client.get_metric_history(server.info.run_id, "val_loss")}
     assert history == pytest.approx(
-        {rnd: sum(records[rnd]["site_metrics"][s]["val_loss"] for s in TWO) / 2 for rnd in (0, 1)}
+        {rnd: sum(records[rnd]["site_metrics"][s]["val_loss"] for s in TWO) / 2 for rnd in steps}
     )
-    assert {m.step: m.value for m in client.get_metric_history(server.info.run_id, "sites_aggregated")} == {0: 2, 1: 2}
+    aggregated = {m.step: m.value for m in client.get_metric_history(server.info.run_id, "sites_aggregated")}
+    assert aggregated == dict.fromkeys(steps, 2)
 
 
 def test_a_bundle_of_the_run_carries_its_settings_and_evaluation(runs, tmp_path):
@@ -244,7 +196,10 @@ def test_a_bundle_of_the_run_carries_its_settings_and_evaluation(runs, tmp_path)
     bundle = export_bundle(app / "best_FL_global_model.pt", tmp_path / "bundle")
     card = (bundle / "docs" / "README.md").read_text()
     evaluation = json.loads((app / "cxrfl" / "evaluation.json").read_text())
-    assert '"num_rounds": 1' in card and f"round {evaluation['best_round']}" in card
+    assert (
+        f'"num_rounds": {runs["surgical"]["args"]["num_rounds"]}' in card
+        and f"round {evaluation['best_round']}" in card
+    )
     for c in KNOWN_CLASSES:
         values = [s["auroc"][c] for s in evaluation["sites"].values() if s["auroc"].get(c) is not None]
         if values:

@@ -23,13 +23,13 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_MODEL, nvflare_bin
 from cxrfl.common.io import read_records
 from cxrfl.common.resume import RESUME_ROOT_ENV
 from cxrfl.data.labels import KNOWN_CLASSES, NIH_CLASSES
@@ -62,10 +62,6 @@ SMALL_TRAIN = {"warmup_epochs": 1, "batch_size": 8, "max_steps_per_epoch": 2}
 FAULTY_EXECUTOR = Path(__file__).parent / "faults" / "faulty_executor.py"
 
 
-def nvflare_bin() -> str:
-    return str(Path(sys.executable).with_name("nvflare"))
-
-
 def make_job(
     repo_root: Path,
     out: Path,
@@ -75,13 +71,13 @@ def make_job(
     keep_received: list | None = None,
     **server_args,
 ) -> Path:
-    """jobs/surgical_agg with small settings; with ``faults``, every site runs the FaultyExecutor."""
+    """jobs/surgical_agg with small settings (the tiny network); with ``faults``, every site runs the FaultyExecutor."""
     job = out / "surgical_agg"
     shutil.copytree(repo_root / "jobs" / "surgical_agg", job)
     cfg_path = job / "app" / "config" / "config_fed_server.json"
     cfg = json.loads(cfg_path.read_text())
     args = cfg["workflows"][0]["args"]
-    args["model_config"]["image_size"] = 32
+    args["model_config"].update(TINY_MODEL)
     args["train_config"].update(SMALL_TRAIN)
     args.update(server_args)
     cfg_path.write_text(json.dumps(cfg, indent=2))
@@ -111,7 +107,8 @@ def simulate(
     env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(data), "HOME": str(ws.parent / "home")}
     if resume_root is not None:
         env[RESUME_ROOT_ENV] = str(resume_root)
-    cmd = [nvflare_bin(), "simulator", str(job), "-w", str(ws), "-c", ",".join(sites), "-t", "2"]
+    # a worker per site: the simulator never swaps a site's app out between turns
+    cmd = [nvflare_bin(), "simulator", str(job), "-w", str(ws), "-c", ",".join(sites), "-t", str(len(sites))]
     if kill_after_round is None:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     log = open(ws.parent / f"{ws.name}.log", "w")
@@ -144,7 +141,7 @@ def data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("reliability_data")
     configs = {
         p.stem: p
-        for p in write_profile("two-hospitals", root, n_per_site=60, image_size=64, sites=["hospital-a", "hospital-b"])
+        for p in write_profile("two-hospitals", root, n_per_site=60, image_size=32, sites=["hospital-a", "hospital-b"])
     }
     for name in ("bad-1", "bad-2", "bad-3"):
         text = configs["hospital-a"].read_text().replace("site: hospital-a", f"site: {name}")
@@ -253,7 +250,7 @@ def test_classes_without_validation_positives_are_reported_before_training(fault
     lines = site_log(faulty["ws"], "hospital-b").splitlines()
     reported = [i for i, line in enumerate(lines) if "has no positive image in split(s) val" in line]
     first_task = next(i for i, line in enumerate(lines) if "task_name=train" in line)
-    assert reported and min(reported) < first_task  # at start (the simulator restarts sites: again later)
+    assert reported and min(reported) < first_task  # at start
 
 
 def test_a_site_over_the_bad_image_threshold_stops_at_start_and_the_others_go_on(faulty):

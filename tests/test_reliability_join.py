@@ -25,7 +25,7 @@ from cxrfl.surgical.join import add_classes
 from cxrfl.surgical.server import SurgicalServer
 from cxrfl.synth import write_profile
 
-MODEL = ModelConfig(image_size=32)
+MODEL = ModelConfig(arch="densenet-tiny", image_size=32)  # the network is not the subject here
 TRAIN = TrainConfig(lr=1e-3, warmup_lr=5e-3, warmup_epochs=1, batch_size=8, max_steps_per_epoch=1, augment=False)
 W, B = HEAD_PREFIX + "weight", HEAD_PREFIX + "bias"
 SITES = ["hospital-a", "hospital-b"]

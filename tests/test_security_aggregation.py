@@ -27,6 +27,7 @@ from cxrfl.surgical.server import SurgicalServer
 W, B = "classifier.weight", "classifier.bias"
 BIG = (64, 64)  # 4096 elements: summed on its own, before the small arrays (validation.SMALL)
 NBT = "f.bn.num_batches_tracked"
+MODEL = ModelConfig(arch="densenet-tiny", image_size=32)  # server tests: clip_norm is given, no norm is DenseNet's
 
 
 def reference() -> dict[str, np.ndarray]:
@@ -243,7 +244,7 @@ def run_server(tmp_path, send, **kw) -> SurgicalServer:
     cfg = SurgicalConfig(
         num_rounds=kw.pop("num_rounds", 0),
         min_clients=1,
-        model_config=ModelConfig(image_size=32),
+        model_config=MODEL,
         robust="clip",
         clip_norm=1.0,
         min_clients_timeout=0,
@@ -298,9 +299,7 @@ def test_a_rejected_warmup_result_is_in_the_round_record(tmp_path):
 )
 def test_cwt_refuses_a_complex_nan_or_retyped_model(tmp_path, bad):
     # issue 40 point 3: CWT takes a site's returned model as the next site's start
-    server = CWTServer(
-        lambda *a, **k: {}, sites=["a"], config=CWTConfig(), model_config=ModelConfig(image_size=32), out_dir=tmp_path
-    )
+    server = CWTServer(lambda *a, **k: {}, sites=["a"], config=CWTConfig(), model_config=MODEL, out_dir=tmp_path)
     plan = RelayPlan(["a"], ["x"], {"a": Visit(1, 0.1)}, {"a": {"n_train": 5}})
     sent = {"w": np.zeros(2, np.float32), W: np.zeros((1, 2), np.float32), B: np.zeros(1, np.float32)}
     answer = ({**sent, "w": bad}, {})
@@ -315,7 +314,7 @@ def fedfew_server(tmp_path, **config) -> FedFewServer:
         lambda *a, **k: {},
         sites=["a", "b", "c"],
         config=FedFewConfig(**config),
-        model_config=ModelConfig(image_size=32),
+        model_config=MODEL,
         out_dir=tmp_path,
         warning=lambda _: None,
     )

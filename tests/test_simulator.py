@@ -1,13 +1,9 @@
-"""End to end: `nvflare simulator jobs/surgical_agg` on small demo data, two hospitals."""
+"""End to end: `nvflare simulator` of the exported surgical job on small demo data, two hospitals (the session's
+``surgical_sim`` run, which ``tests/test_recipes_sim.py`` also reads)."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,55 +11,11 @@ from conftest import names_in
 from cxrfl.common.io import read_records
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.nn.models import load_checkpoint
-from cxrfl.synth import write_profile
 
 pytestmark = pytest.mark.slow
 
 NIH_ONLY = sorted(set(NIH_CLASSES) - set(CHEXPERT_CLASSES))
 CHEXPERT_ONLY = sorted(set(CHEXPERT_CLASSES) - set(NIH_CLASSES))
-
-
-def nvflare_bin() -> str:
-    return str(Path(sys.executable).with_name("nvflare"))
-
-
-def small_job(repo_root: Path, out: Path, *, rounds: int = 2) -> Path:
-    """The real jobs/surgical_agg with fewer rounds and steps."""
-    job = out / "surgical_agg"
-    shutil.copytree(repo_root / "jobs" / "surgical_agg", job)
-    cfg_path = job / "app" / "config" / "config_fed_server.json"
-    cfg = json.loads(cfg_path.read_text())
-    args = cfg["workflows"][0]["args"]
-    args["num_rounds"] = rounds
-    args["train_config"].update(warmup_epochs=1, batch_size=16, max_steps_per_epoch=3)
-    cfg_path.write_text(json.dumps(cfg, indent=2))
-    return job
-
-
-@pytest.fixture(scope="module")
-def simulated(tmp_path_factory, repo_root):
-    tmp = tmp_path_factory.mktemp("sim")
-    configs = write_profile(
-        "two-hospitals", tmp / "data", n_per_site=60, image_size=64, sites=["hospital-a", "hospital-b"]
-    )
-    assert {p.stem for p in configs} == {"hospital-a", "hospital-b"}
-    job = small_job(repo_root, tmp)
-    ws = tmp / "ws"
-    env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(tmp / "data"), "HOME": str(tmp / "home")}
-    proc = subprocess.run(
-        [nvflare_bin(), "simulator", str(job), "-w", str(ws), "-c", "hospital-a,hospital-b", "-t", "2"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    app = ws / "server" / "simulate_job" / "app_server"
-    if not (app / "FL_global_model.pt").is_file():
-        pytest.fail(
-            f"simulator left no global model (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-        )
-    args = json.loads((job / "app" / "config" / "config_fed_server.json").read_text())["workflows"][0]["args"]
-    return {"ws": ws, "app": app, "proc": proc, "args": args}
 
 
 def selected_round(records: list[dict], min_delta: float) -> int:
@@ -76,43 +28,45 @@ def selected_round(records: list[dict], min_delta: float) -> int:
     return chosen
 
 
-def test_global_model_names_the_union(simulated):
-    ckpt = load_checkpoint(simulated["app"] / "FL_global_model.pt")
+def test_global_model_names_the_union(surgical_sim):
+    rounds = surgical_sim["args"]["num_rounds"]
+    ckpt = load_checkpoint(surgical_sim["app"] / "FL_global_model.pt")
     assert ckpt["classes"] == list(KNOWN_CLASSES)
     assert ckpt["model"]["classifier.weight"].shape[0] == 20
-    assert ckpt["round"] == 2
-    last = load_checkpoint(simulated["app"] / "cxrfl" / "checkpoints" / "round_002.pt")
+    assert ckpt["round"] == rounds
+    last = load_checkpoint(surgical_sim["app"] / "cxrfl" / "checkpoints" / f"round_{rounds:03d}.pt")
     for k, v in last["model"].items():
         torch.testing.assert_close(ckpt["model"][k], v, rtol=0, atol=0, msg=k)
 
 
-def test_the_selected_model_is_the_round_with_the_lowest_validation_loss(simulated):
-    records = read_records(simulated["app"] / "cxrfl" / "rounds.jsonl")
+def test_the_selected_model_is_the_round_with_the_lowest_validation_loss(surgical_sim):
+    rounds = surgical_sim["args"]["num_rounds"]
+    records = read_records(surgical_sim["app"] / "cxrfl" / "rounds.jsonl")
     scored = [(r["evaluated_round"], r["phase"]) for r in records if r.get("evaluated_round") is not None]
-    assert scored == [(0, "train"), (1, "train"), (2, "validate")]  # every model, the last by a validate task
+    assert scored == [*((r, "train") for r in range(rounds)), (rounds, "validate")]  # the last by a validate task
     for r in records:
         if r.get("evaluated_round") is not None:
             losses = [m["val_loss"] if r["phase"] == "train" else m["loss"] for m in r["site_metrics"].values()]
             assert r["mean_val_loss"] == pytest.approx(sum(losses) / 2)
-    chosen = selected_round(records, simulated["args"]["min_delta"])
-    best = load_checkpoint(simulated["app"] / "best_FL_global_model.pt")
+    chosen = selected_round(records, surgical_sim["args"]["min_delta"])
+    best = load_checkpoint(surgical_sim["app"] / "best_FL_global_model.pt")
     assert best["round"] == chosen and best["classes"] == list(KNOWN_CLASSES)
     if chosen > 0:
-        saved = load_checkpoint(simulated["app"] / "cxrfl" / "checkpoints" / f"round_{chosen:03d}.pt")
+        saved = load_checkpoint(surgical_sim["app"] / "cxrfl" / "checkpoints" / f"round_{chosen:03d}.pt")
         for k, v in saved["model"].items():
             torch.testing.assert_close(best["model"][k], v, rtol=0, atol=0, msg=k)
     else:  # the warmed-up model: not the model of round 1
-        first = load_checkpoint(simulated["app"] / "cxrfl" / "checkpoints" / "round_001.pt")
+        first = load_checkpoint(surgical_sim["app"] / "cxrfl" / "checkpoints" / "round_001.pt")
         assert any(not torch.equal(best["model"][k], v) for k, v in first["model"].items())
-    ev = json.loads((simulated["app"] / "cxrfl" / "evaluation.json").read_text())
+    ev = json.loads((surgical_sim["app"] / "cxrfl" / "evaluation.json").read_text())
     assert ev["best_round"] == chosen
 
 
-def test_aggregation_record_lists_exact_contributors(simulated):
+def test_aggregation_record_lists_exact_contributors(surgical_sim):
     records = [
-        r for r in read_records(simulated["app"] / "cxrfl" / "rounds.jsonl") if r["phase"] in ("warmup", "train")
+        r for r in read_records(surgical_sim["app"] / "cxrfl" / "rounds.jsonl") if r["phase"] in ("warmup", "train")
     ]
-    assert [r["round"] for r in records] == [0, 1, 2]
+    assert [r["round"] for r in records] == list(range(surgical_sim["args"]["num_rounds"] + 1))
     for r in records:
         assert r["aggregated"], r
         assert r["sites_aggregated"] == ["hospital-a", "hospital-b"]
@@ -133,8 +87,8 @@ def test_aggregation_record_lists_exact_contributors(simulated):
             assert r["mean_val_loss"] == pytest.approx(sum(losses) / len(losses))
 
 
-def test_evaluation_written_for_both_sites(simulated):
-    ev = json.loads((simulated["app"] / "cxrfl" / "evaluation.json").read_text())
+def test_evaluation_written_for_both_sites(surgical_sim):
+    ev = json.loads((surgical_sim["app"] / "cxrfl" / "evaluation.json").read_text())
     assert set(ev["sites"]) == {"hospital-a", "hospital-b"}
     assert ev["classes"] == list(KNOWN_CLASSES)
     assert ev["shared_classes"] == sorted(set(NIH_CLASSES) & set(CHEXPERT_CLASSES))
@@ -149,9 +103,16 @@ def test_evaluation_written_for_both_sites(simulated):
     assert ev["external"] is None  # the demo job names no external test set
 
 
+def test_the_leak_scan_finds_whole_words_in_either_spelling(tmp_path):
+    # names that start at the same place, one inside another, a longer word, a plural: one search finds each
+    (tmp_path / "log.txt").write_bytes(b"x Pleural_Thickening; Massive Edemas Mass")
+    names = ["Pleural", "Pleural Thickening", "Thickening", "Mass", "Edema"]
+    assert names_in(tmp_path / "log.txt", names) == ["Pleural", "Pleural_Thickening", "Thickening", "Mass"]
+
+
 @pytest.mark.parametrize("site,foreign", [("hospital-b", NIH_ONLY), ("hospital-a", CHEXPERT_ONLY)])
-def test_no_site_file_names_the_other_sites_classes(simulated, site, foreign, tmp_path):
-    root = simulated["ws"] / site
+def test_no_site_file_names_the_other_sites_classes(surgical_sim, site, foreign, tmp_path):
+    root = surgical_sim["ws"] / site
     files = [p for p in root.rglob("*") if p.is_file()]
     assert any(p.name == "log.txt" for p in files)
     foreign_names = foreign + [k for k, v in NIH_COLUMN_NAMES.items() if v in foreign]

@@ -6,12 +6,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import names_in
+from conftest import TINY_MODEL, names_in, nvflare_bin
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.synth import write_profile
 
@@ -20,14 +19,15 @@ pytestmark = pytest.mark.slow
 NIH_ONLY = sorted(set(NIH_CLASSES) - set(CHEXPERT_CLASSES))
 
 
-def run_job(repo_root: Path, tmp: Path, name: str) -> Path:
+def run_job(repo_root: Path, tmp: Path, name: str, model_config: dict) -> Path:
+    """jobs/``name`` with 2 small rounds, its ``model_config`` updated, under ``nvflare simulator``."""
     job = tmp / name
     shutil.copytree(repo_root / "jobs" / name, job)
     cfg_path = job / "app" / "config" / "config_fed_server.json"
     cfg = json.loads(cfg_path.read_text())
     args = cfg["workflows"][0]["args"]
     args["num_rounds"] = 2
-    args["model_config"]["image_size"] = 32
+    args["model_config"].update(model_config)
     args["train_config"].update(warmup_epochs=1, batch_size=8, max_steps_per_epoch=2)
     cfg_path.write_text(json.dumps(cfg, indent=2))
     client = job / "app" / "config" / "config_fed_client.json"
@@ -38,7 +38,7 @@ def run_job(repo_root: Path, tmp: Path, name: str) -> Path:
     env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(tmp / "data"), "HOME": str(tmp / "home")}
     proc = subprocess.run(
         [
-            str(Path(sys.executable).with_name("nvflare")),
+            nvflare_bin(),
             "simulator",
             str(job),
             "-w",
@@ -69,7 +69,9 @@ def data(tmp_path_factory) -> Path:
 
 
 def test_vanilla_fl_job_trains_one_union_head(data, repo_root):
-    ws = run_job(repo_root, data, "vanilla_fl")
+    # DenseNet121 on purpose: the one NVFlare run of the suite whose messages are the product's (every site
+    # sends the whole 28 MB float32 model, unquantized); every other run uses the tiny network
+    ws = run_job(repo_root, data, "vanilla_fl", {"arch": "densenet121", "image_size": 32})
     app = ws / "server" / "simulate_job" / "app_server"
     ckpt = torch.load(app / "FL_global_model.pt", map_location="cpu", weights_only=False)
     assert ckpt["classes"] == list(KNOWN_CLASSES) and ckpt["head_mode"] == "union"
@@ -83,7 +85,7 @@ def test_vanilla_fl_job_trains_one_union_head(data, repo_root):
 
 
 def test_personalized_fl_job_keeps_heads_at_the_sites(data, repo_root):
-    ws = run_job(repo_root, data, "personalized_fl")
+    ws = run_job(repo_root, data, "personalized_fl", TINY_MODEL)
     app = ws / "server" / "simulate_job" / "app_server"
     ckpt = torch.load(app / "FL_global_model.pt", map_location="cpu", weights_only=False)
     assert ckpt["classes"] == [] and ckpt["head_mode"] == "local"

@@ -204,7 +204,7 @@ def test_the_surgical_server_streams_each_round_into_its_aggregator(tmp_path):
     from cxrfl.surgical.config import SurgicalConfig
     from cxrfl.surgical.server import SurgicalServer
 
-    model = ModelConfig(image_size=32)
+    model = ModelConfig(arch="densenet-tiny", image_size=32)  # the network is not the subject here
     n_in = build_model(model, 1).classifier.in_features
 
     class Echo:
@@ -279,11 +279,13 @@ def test_the_surgical_server_streams_each_round_into_its_aggregator(tmp_path):
 
 @pytest.mark.slow  # about half a minute: full DenseNet121 updates through FOBS, traced
 def test_the_server_memory_harness_holds_less_when_streaming():
-    """`cxrfl bench load --harness`: with 3 sites, a streamed round's peak of numpy/Python memory is
-    at least two updates below the one that collects every answer first."""
+    """`cxrfl bench load --harness`: with 4 sites, a streamed round's peak of numpy/Python memory is
+    at least two updates below the one that collects every answer first (about three expected: four
+    updates held against one; with 3 sites the expected saving was the bound itself, and the first
+    measurement of a process, which pays for one-off allocations, fell 0.7 MB short of it)."""
     from cxrfl.bench.server_memory import measure
 
-    streamed, collected = measure(3, 1, streaming=True), measure(3, 1, streaming=False)
+    streamed, collected = measure(4, 1, streaming=True), measure(4, 1, streaming=False)
     assert list(streamed["phases"]) == ["warmup 0", "train 1", "validate 1"]
     saved = collected["phases"]["train 1"]["traced_peak_mb"] - streamed["phases"]["train 1"]["traced_peak_mb"]
     assert saved >= 2 * streamed["update_mb"], (streamed, collected)

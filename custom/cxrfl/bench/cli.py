@@ -1,5 +1,5 @@
 """The ``cxrfl bench`` subcommands: ``compare``, ``cwt``, ``fedfew``, ``speed``, ``load``, ``pretrain`` (and, from
-``cli_inprocess``, ``privacy``, ``hostile``, ``quantize``).
+``cli_inprocess``, ``privacy``, ``hostile``, ``quantize``, ``clinical``; ``--arch``, from ``arch``).
 
 Every benchmark writes its results, a Markdown report and its plots into ``--out``; heavy modules
 load per command. The library functions report progress through a ``log`` callable: here it
@@ -67,6 +67,7 @@ def _compare_settings(args: argparse.Namespace) -> CompareSettings:
         "jobs": args.jobs,
         "device": args.device,
         "pretrained": args.pretrained,
+        "arch": args.arch,
         "site_configs": args.site_config,
         "external_configs": args.external_config,
         "selection": args.selection,
@@ -89,14 +90,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             )
         if args.method == "fedfew" and args.profile not in (None, "fedfew"):
             raise ConfigError(f"--method fedfew runs on the fedfew profile only, got --profile {args.profile}")
-        seeds = [] if args.seeds is None else ["--seeds", str(args.seeds)]
+        given = [f"--{k}={v}" for k, v in (("seeds", args.seeds), ("arch", args.arch)) if v is not None]
         _say(
-            f"--method {args.method}: running `cxrfl bench {args.method} --out {args.out} {' '.join(seeds)}` "
+            f"--method {args.method}: running `cxrfl bench {args.method} --out {args.out} {' '.join(given)}` "
             f"(its other options: cxrfl bench {args.method} --help)"
         )
         parser = argparse.ArgumentParser(prog="cxrfl")
         add_parser(parser.add_subparsers(dest="command", required=True))
-        other = parser.parse_args(["bench", args.method, "--out", str(args.out), *seeds])
+        other = parser.parse_args(["bench", args.method, "--out", str(args.out), *given])
         return other.func(other)
     from cxrfl.bench.compare import run_ablation, run_compare
 
@@ -135,6 +136,7 @@ def _cmd_cwt(args: argparse.Namespace) -> int:
     given = {
         "seeds": args.seeds,
         "image_size": args.image_size,
+        "arch": args.arch,
         "per_class": args.per_class,
         "cycles": args.cycles,
         "patience": args.patience,
@@ -168,6 +170,7 @@ def _cmd_fedfew(args: argparse.Namespace) -> int:
         k: v
         for k, v in (
             ("image_size", args.image_size),
+            ("arch", args.arch),
             ("n_cc", args.n_cc),
             ("mlc_rounds", args.mlc_rounds),
             ("probe_every", args.probe_every),
@@ -568,24 +571,18 @@ def _add_load(bsub: argparse._SubParsersAction) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Add ``bench compare|cwt|fedfew|speed|load|pretrain|privacy|hostile|quantize`` to the ``cxrfl`` command.
+    """Add ``bench compare|cwt|fedfew|speed|load|pretrain|privacy|hostile|quantize|clinical`` to the ``cxrfl`` command.
 
     Args:
         sub: the top-level subparsers.
     """
+    from cxrfl.bench.arch import add_arch_option
     from cxrfl.bench.cli_inprocess import add_inprocess_parsers  # it imports this module's helpers
 
     bench = sub.add_parser(
         "bench", help="benchmarks: the methods against the papers' baselines, and framework overhead"
     )
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    for add in (
-        _add_compare,
-        _add_cwt,
-        _add_fedfew,
-        _add_speed,
-        _add_load,
-        _add_pretrain,
-    ):
+    for add in (_add_compare, _add_cwt, _add_fedfew, _add_speed, _add_load, _add_pretrain, add_inprocess_parsers):
         add(bsub)
-    add_inprocess_parsers(bsub)
+    add_arch_option(bsub)

@@ -11,15 +11,23 @@ from pathlib import Path
 
 from cxrfl.bench.cli import _methods, _stamped
 
+RUN_KEYS = ("seeds", "rounds", "patience", "image_size", "steps", "threads", "arch")
+"""The settings every in-process benchmark takes: those of :func:`_add_run_args`, and ``--arch``
+(:func:`cxrfl.bench.arch.add_arch_option`)."""
 
-def _given(args: argparse.Namespace, keys: tuple[str, ...]) -> dict:
+DEMO_DEFAULTS = ("60", "the demo job's, 3", "the demo job's, 64")
+"""The rounds, patience and image size ``--help`` shows for the benchmarks that train as the committed demo job
+(quantize, clinical)."""
+
+
+def _given(args: argparse.Namespace, *keys: str) -> dict:
     """The settings a user gave on the command line (the rest: the settings' defaults).
 
     Args:
         args: parsed arguments.
-        keys: the settings' names, as argparse spells them.
+        keys: the benchmark's own settings beside :data:`RUN_KEYS`, as argparse spells them.
     """
-    given = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in (*RUN_KEYS, *keys) if getattr(args, k) is not None}
     if "steps" in given:
         given["steps"] = given["steps"] or None  # --steps 0: whole epochs
     return given
@@ -28,8 +36,7 @@ def _given(args: argparse.Namespace, keys: tuple[str, ...]) -> dict:
 def _cmd_privacy(args: argparse.Namespace) -> int:
     from cxrfl.bench.privacy import OPTIONS, PrivacyBenchSettings, run_privacy
 
-    given = _given(args, ("profile", "seeds", "rounds", "image_size", "steps", "patience", "threads"))
-    settings = PrivacyBenchSettings(**given, options=tuple(_methods(args.options) or OPTIONS))
+    settings = PrivacyBenchSettings(**_given(args, "profile"), options=tuple(_methods(args.options) or OPTIONS))
     run_privacy(settings, Path(args.out), log=_stamped, data_dir=args.data_dir)
     return 0
 
@@ -37,7 +44,8 @@ def _cmd_privacy(args: argparse.Namespace) -> int:
 def _add_run_args(
     p: argparse.ArgumentParser, name: str, rounds: str, patience: str, image_size: str, *, resumes: bool = True
 ) -> None:
-    """The arguments every in-process benchmark takes (defaults in the help: the settings class holds them).
+    """The arguments every in-process benchmark takes (:data:`RUN_KEYS`; defaults in the help: the settings class
+    holds them).
 
     Args:
         p: the subcommand's parser.
@@ -78,9 +86,9 @@ def _add_privacy(bsub: argparse._SubParsersAction) -> None:
 def _cmd_hostile(args: argparse.Namespace) -> int:
     from cxrfl.bench.hostile import ATTACKS, ROBUST, HostileBenchSettings, run_hostile
 
-    keys = ("profile", "sites", "pool", "seeds", "rounds", "image_size", "steps", "patience", "clip_norm", "threads")
     attacks, robust = tuple(_methods(args.attacks) or ATTACKS), tuple(_methods(args.robust) or ROBUST)
-    settings = HostileBenchSettings(**_given(args, keys), attacks=attacks, robust=robust)
+    given = _given(args, "profile", "sites", "pool", "clip_norm")
+    settings = HostileBenchSettings(**given, attacks=attacks, robust=robust)
     run_hostile(settings, Path(args.out), log=_stamped, data_dir=args.data_dir)
     return 0
 
@@ -108,8 +116,7 @@ def _add_hostile(bsub: argparse._SubParsersAction) -> None:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from cxrfl.bench.quantize import FORMATS, QuantizeBenchSettings, run_quantize
 
-    given = _given(args, ("seeds", "rounds", "image_size", "steps", "patience", "threads"))
-    settings = QuantizeBenchSettings(**given, formats=tuple(_methods(args.formats) or FORMATS))
+    settings = QuantizeBenchSettings(**_given(args), formats=tuple(_methods(args.formats) or FORMATS))
     run_quantize(settings, Path(args.out), log=_stamped, data_dir=args.data_dir)
     return 0
 
@@ -120,8 +127,7 @@ def _add_quantize(bsub: argparse._SubParsersAction) -> None:
         help="NVFlare's quantization filters on surgical aggregation (two-hospitals): bytes per site and round "
         "each way, time added, mean test AUROC paired against the unquantized run, issue 46's targets",
     )
-    demo = "the demo job's, "
-    _add_run_args(q, "quantize", rounds="60", patience=demo + "3", image_size=demo + "64")
+    _add_run_args(q, "quantize", *DEMO_DEFAULTS)
     q.add_argument(
         "--formats",
         default=None,
@@ -134,8 +140,7 @@ def _add_quantize(bsub: argparse._SubParsersAction) -> None:
 def _cmd_clinical(args: argparse.Namespace) -> int:
     from cxrfl.bench.clinical import ClinicalBenchSettings, run_clinical
 
-    keys = ("seeds", "rounds", "image_size", "steps", "patience", "threads", "target_sensitivity", "calibration")
-    given = _given(args, (*keys, "min_cell", "bins", "external"))
+    given = _given(args, "target_sensitivity", "calibration", "min_cell", "bins", "external")
     if args.profiles:
         given["profiles"] = tuple(_methods(args.profiles) or ())
     run_clinical(ClinicalBenchSettings(**given), Path(args.out), log=_stamped, data_dir=args.data_dir)
@@ -148,8 +153,7 @@ def _add_clinical(bsub: argparse._SubParsersAction) -> None:
         help="the evaluation-only federation (issue 45): federated pooled AUROC against the central AUROC of the "
         "same images, ECE before and after calibration, test sensitivity at the operating point chosen on validation",
     )
-    demo = "the demo job's, "
-    _add_run_args(c, "clinical", rounds="60", patience=demo + "3", image_size=demo + "64")
+    _add_run_args(c, "clinical", *DEMO_DEFAULTS)
     c.add_argument("--profiles", default=None, help="comma-separated profiles (default two-hospitals,nih1000)")
     c.add_argument("--target-sensitivity", type=float, help="sensitivity of the operating point (default 0.9)")
     c.add_argument("--calibration", choices=("platt", "temperature"), help="calibration map (default platt)")

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
+from cxrfl.bench.arch import check_arch
 from cxrfl.bench.clinical_report import LEVEL, format_report, plot_curves
 from cxrfl.bench.inprocess import open_results, provenance, save_results, surgical_config
 from cxrfl.bench.profiles import PROFILE_NAMES, BenchData, prepare
@@ -67,6 +68,7 @@ class ClinicalBenchSettings:
         profiles: benchmark profiles (:func:`cxrfl.bench.profiles.prepare`).
         seeds: training seeds 0 ... seeds-1.
         image_size: model input size.
+        arch: the network (:mod:`cxrfl.bench.arch`).
         rounds: most federated rounds after the warm-up, a guard the runs should not reach.
         patience: rounds without a better mean validation loss before stopping.
         target_sensitivity: the sensitivity the operating point is chosen for on validation data.
@@ -83,6 +85,7 @@ class ClinicalBenchSettings:
     profiles: tuple[str, ...] = PROFILES
     seeds: int = 3
     image_size: int = DEMO_MODEL.image_size
+    arch: str = DEMO_MODEL.arch
     rounds: int = 60
     patience: int = _DEMO["patience"]
     target_sensitivity: float = 0.9
@@ -94,6 +97,7 @@ class ClinicalBenchSettings:
     threads: int = 1
 
     def __post_init__(self) -> None:
+        check_arch(self.arch)
         unknown = [p for p in self.profiles if p not in PROFILE_NAMES]
         if unknown or not self.profiles:
             raise ConfigError(f"unknown or no profile(s) {unknown}; known: {list(PROFILE_NAMES)}")
@@ -112,7 +116,9 @@ class ClinicalBenchSettings:
             seed: the training seed.
         """
         train = replace(DEMO_TRAIN, max_steps_per_epoch=self.steps, seed=seed)
-        return surgical_config(train, rounds=self.rounds, patience=self.patience, image_size=self.image_size)
+        return surgical_config(
+            train, rounds=self.rounds, patience=self.patience, image_size=self.image_size, arch=self.arch
+        )
 
     def fedeval_config(self, split: str) -> FedEvalConfig:
         """The evaluation's settings: ``test`` scores; ``val`` also fits the maps and operating points.

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from cxrfl.bench.arch import check_arch, with_arch
 from cxrfl.bench.cwt_data import DEFAULT_SITE_CONFIG, REPO, BenchData, prepare_data, synthetic_site_config
 from cxrfl.bench.cwt_report import (
     CENTRAL,
@@ -80,6 +81,7 @@ class BenchSettings:
     Args:
         seeds: training seeds (model initialisation, sampling, augmentation); at least 5 for the paired tests.
         image_size: model input size (64: the real images' size).
+        arch: the network (:mod:`cxrfl.bench.arch`).
         per_class: abnormal (= normal) training images of the real pool over all sites (None:
             every usable image left after the test and validation sets).
         test_per_class: abnormal (= normal) held-out real test images.
@@ -109,6 +111,7 @@ class BenchSettings:
 
     seeds: int = 5
     image_size: int = 64
+    arch: str = ModelConfig.arch
     per_class: int | None = None
     test_per_class: int = 100
     val_per_class: int = 50
@@ -132,6 +135,7 @@ class BenchSettings:
     synthetic_splits: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        check_arch(self.arch)
         bad = [s for s in (*self.splits, *(self.synthetic_splits or ())) if not 1 <= s <= 10]
         if bad or self.seeds < 1 or self.jobs < 1:
             raise ValueError(f"splits must be among 1-10 (got {bad}), seeds and jobs >= 1")
@@ -199,6 +203,7 @@ class BenchSettings:
         """The settings a kept run of ``dataset`` must share to be reused (not seeds, splits, threads, jobs)."""
         keep = (
             "image_size",
+            "arch",
             "cycles",
             "patience",
             "batch_size",
@@ -260,7 +265,7 @@ def load_runs(folder: Path, key: dict[str, Any]) -> dict[tuple[int, int, str], d
 
     A run kept under another cycle cap is reused when early stopping ended it within this cap:
     the cap never bound it, so it is the run this benchmark would train. A run that reached its
-    cap (still improving) is trained again.
+    cap (still improving) is trained again. A run kept before ``arch`` was recorded trained DenseNet121.
 
     Args:
         folder: the dataset's ``runs`` folder.
@@ -274,7 +279,7 @@ def load_runs(folder: Path, key: dict[str, Any]) -> dict[tuple[int, int, str], d
             continue
         kept, r = saved.get("settings") or {}, saved.get("run") or {}
         unbound = r.get("stopped_early") and r.get("cycles_run", cap + 1) <= cap  # early stopping ended it within cap
-        if {**kept, "cycles": cap} == key and (kept.get("cycles") == cap or unbound):
+        if {**with_arch(kept), "cycles": cap} == key and (kept.get("cycles") == cap or unbound):
             done[(r["seed"], r["split"], r["method"])] = r
     return done
 
@@ -296,7 +301,7 @@ class _Runner:
         self.n_train = len(data.train)
         self.key = settings.run_key(dataset, self.n_train)
         self.done = load_runs(self.folder, self.key) if resume else {}
-        self.model_config = ModelConfig(image_size=settings.image_size)
+        self.model_config = ModelConfig(arch=settings.arch, image_size=settings.image_size)
         base = settings.cwt_config(0, self.n_train)
         self.test = CWTSite(data.test_site(), base, self.model_config)
         self.splits = settings.splits_of(dataset)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cxrfl.bench.arch import check_arch
 from cxrfl.bench.inprocess import (
     finite_mean,
     load_profile,
@@ -43,7 +44,7 @@ from cxrfl.bench.protocol import code_label
 from cxrfl.bench.warmups import WarmupCache
 from cxrfl.common.server import RunStopped
 from cxrfl.errors import ConfigError
-from cxrfl.nn.models import model_from_checkpoint
+from cxrfl.nn.models import ModelConfig, model_from_checkpoint
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import TRAIN
@@ -72,6 +73,7 @@ class HostileBenchSettings:
         rounds: most federated rounds after the warm-up.
         patience: rounds without a better mean validation loss before stopping.
         image_size: model input size.
+        arch: the network (:mod:`cxrfl.bench.arch`).
         steps: cap on optimiser steps per local epoch and site (None: the whole split).
         warmup_epochs: head warm-up epochs.
         batch_size: minibatch size.
@@ -91,6 +93,7 @@ class HostileBenchSettings:
     rounds: int = 15
     patience: int = 3
     image_size: int = 64
+    arch: str = ModelConfig.arch
     steps: int | None = None
     warmup_epochs: int = 1
     batch_size: int = 16
@@ -102,6 +105,7 @@ class HostileBenchSettings:
     threads: int = 1
 
     def __post_init__(self) -> None:
+        check_arch(self.arch)
         for name, given, known in (("attack", self.attacks, ATTACKS), ("robust option", self.robust, ROBUST)):
             unknown = [g for g in given if g not in known]
             if unknown:
@@ -126,6 +130,7 @@ class HostileBenchSettings:
             rounds=self.rounds,
             patience=self.patience,
             image_size=self.image_size,
+            arch=self.arch,
             weighting="uniform" if mode == "median" else "samples",
             robust=mode,
             clip_norm=self.clip_norm if mode else None,

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cxrfl.bench.arch import with_arch
 from cxrfl.bench.evaluate import TestSet, load_test_set, scores_on
 from cxrfl.bench.intervals import finite_mean
 from cxrfl.bench.profiles import BenchData, prepare
@@ -58,7 +59,9 @@ def load_profile(
     return data, {s.site: load_test_set(s, kind="site", classes=data.union, image_size=image_size) for s in data.sites}
 
 
-def surgical_config(train: TrainConfig, *, rounds: int, patience: int, image_size: int, **extra: Any) -> SurgicalConfig:
+def surgical_config(
+    train: TrainConfig, *, rounds: int, patience: int, image_size: int, arch: str, **extra: Any
+) -> SurgicalConfig:
     """The server settings of one benchmark run: two sites needed, none waited for, no test evaluation
     or round checkpoints (the benchmark scores the selected model itself).
 
@@ -67,12 +70,13 @@ def surgical_config(train: TrainConfig, *, rounds: int, patience: int, image_siz
         rounds: most rounds after the warm-up.
         patience: rounds without a better mean validation loss before stopping.
         image_size: model input size (trained from scratch).
+        arch: the network (:mod:`cxrfl.bench.arch`).
         extra: other :class:`cxrfl.surgical.config.SurgicalConfig` settings (``weighting``, ``robust`` ...).
     """
     return SurgicalConfig(
         num_rounds=rounds,
         min_clients=2,
-        model_config=ModelConfig(image_size=image_size),
+        model_config=ModelConfig(arch=arch, image_size=image_size),
         train_config=train,
         patience=patience,
         min_clients_timeout=0,
@@ -94,14 +98,15 @@ def open_results(out: Path, settings: Any) -> tuple[Path, dict[str, Any]]:
         the ``results.json`` path and its results (``{"runs": {}}`` when none).
 
     Raises:
-        ConfigError: the file holds runs of other settings (one line).
+        ConfigError: the file holds runs of other settings (one line; settings stored before ``arch`` was
+            recorded trained DenseNet121).
     """
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(settings.threads)
     path = out / "results.json"
     results: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
     plain = json.loads(json.dumps(asdict(settings)))  # as results.json holds them (lists, not tuples)
-    if results.get("settings", plain) != plain:
+    if with_arch(results.get("settings", plain)) != plain:
         raise ConfigError(f"{path} holds runs of other settings; use another --out or remove it")
     results["settings"] = plain
     return path, results

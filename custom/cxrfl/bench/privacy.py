@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cxrfl.bench.arch import check_arch
 from cxrfl.bench.evaluate import scores_on
 from cxrfl.bench.inprocess import load_profile, num, surgical_config
 from cxrfl.bench.intervals import finite_mean
@@ -78,6 +79,7 @@ class PrivacyBenchSettings:
         seeds: training seeds 0 ... seeds-1.
         rounds: federated rounds after the warm-up.
         image_size: model input size.
+        arch: the network (:mod:`cxrfl.bench.arch`).
         steps: cap on optimiser steps per local epoch and site (None: whole split).
         warmup_epochs: head warm-up epochs.
         batch_size: minibatch size.
@@ -92,6 +94,7 @@ class PrivacyBenchSettings:
     seeds: int = 3
     rounds: int = 15
     image_size: int = 64
+    arch: str = ModelConfig.arch
     steps: int | None = None
     warmup_epochs: int = 1
     batch_size: int = 16
@@ -102,6 +105,7 @@ class PrivacyBenchSettings:
     threads: int = 1
 
     def __post_init__(self) -> None:
+        check_arch(self.arch)
         unknown = [o for o in self.options if o not in OPTIONS]
         if unknown:
             raise ConfigError(f"unknown privacy option(s) {unknown}; known: {list(OPTIONS)}")
@@ -117,7 +121,9 @@ class PrivacyBenchSettings:
             max_steps_per_epoch=self.steps,
             seed=seed,
         )
-        return surgical_config(train, rounds=self.rounds, patience=self.patience, image_size=self.image_size)
+        return surgical_config(
+            train, rounds=self.rounds, patience=self.patience, image_size=self.image_size, arch=self.arch
+        )
 
 
 class FilteredHost:

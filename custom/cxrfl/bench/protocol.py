@@ -27,7 +27,7 @@ import torch
 from cxrfl.bench.methods import Method
 from cxrfl.bench.profiles import SYNTH_SPLIT
 from cxrfl.common.config import Config
-from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.models import ARCHS, ModelConfig
 from cxrfl.nn.precision import cpu_has_native_bf16
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
@@ -72,6 +72,7 @@ class CompareSettings(Config):
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
         pretrained: a local feature-extractor checkpoint (e.g. ImageNet DenseNet121 weights, as the
             papers start from; needed by the FedBN+ methods); None: from scratch.
+        arch: the network (:mod:`cxrfl.bench.arch`; DenseNet121 unless given).
         site_configs: your own training sites' config files instead of a built-in profile.
         external_configs: your own fully annotated external test sets (with ``site_configs``).
         selection: what the validation loss that selects each model counts
@@ -104,13 +105,14 @@ class CompareSettings(Config):
     jobs: int = field(default=1, metadata={"ge": 1})
     device: str = field(default="auto", metadata={"choices": DEVICES})
     pretrained: str | None = None
+    arch: str = field(default=ModelConfig.arch, metadata={"choices": ARCHS})
     site_configs: tuple[str, ...] | None = None
     external_configs: tuple[str, ...] | None = None
     selection: str = field(default="annotated", metadata={"choices": SELECTION_RULES})
 
     def model_config(self) -> ModelConfig:
         """The network settings."""
-        return ModelConfig(image_size=self.image_size, pretrained=self.pretrained)
+        return ModelConfig(arch=self.arch, image_size=self.image_size, pretrained=self.pretrained)
 
     def train_config(self, seed: int) -> TrainConfig:
         """The sites' training settings for one seed.

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from cxrfl.bench.arch import check_arch
 from cxrfl.bench.inprocess import (
     load_profile,
     mean_auroc,
@@ -73,6 +74,7 @@ class QuantizeBenchSettings:
             job's 20 were reached with the validation loss still falling).
         patience: rounds without a better mean validation loss before stopping.
         image_size: model input size.
+        arch: the network (:mod:`cxrfl.bench.arch`).
         steps: cap on optimiser steps per local epoch and site (None: the whole split).
         threads: torch CPU threads.
     """
@@ -83,10 +85,12 @@ class QuantizeBenchSettings:
     rounds: int = 60
     patience: int = _DEMO["patience"]
     image_size: int = DEMO_MODEL.image_size
+    arch: str = DEMO_MODEL.arch
     steps: int | None = None
     threads: int = 1
 
     def __post_init__(self) -> None:
+        check_arch(self.arch)
         unknown = [f for f in self.formats if f not in ("none", *QUANTIZE_TYPES)]
         if unknown:
             raise ConfigError(f"unknown format(s) {unknown}; known: {['none', *QUANTIZE_TYPES]}")
@@ -101,7 +105,9 @@ class QuantizeBenchSettings:
             seed: the training seed.
         """
         train = replace(DEMO_TRAIN, max_steps_per_epoch=self.steps, seed=seed)
-        return surgical_config(train, rounds=self.rounds, patience=self.patience, image_size=self.image_size)
+        return surgical_config(
+            train, rounds=self.rounds, patience=self.patience, image_size=self.image_size, arch=self.arch
+        )
 
 
 class QuantizedHost:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cxrfl.bench.arch import arch_label
 from cxrfl.bench.protocol import code_label
 from cxrfl.bench.reselection import format_deltas
 
@@ -85,7 +86,7 @@ def _header(results: dict[str, Any]) -> list[str]:
         else "over whole training splits"
     )
     out += [
-        f"Protocol: {len(results['seeds'])} seed(s) (model init, data order; data and splits fixed); DenseNet121 "
+        f"Protocol: {len(results['seeds'])} seed(s) (model init, data order; data and splits fixed); {arch_label(s)} "
         f"{'from ' + s['pretrained'] if s.get('pretrained') else 'from scratch'} at "
         f"{s['image_size']}x{s['image_size']} px, "
         f"batch {s['batch_size']}, Adam lr {s['lr']:g}; head warm-up {s['warmup_epochs']} epoch(s) at lr "

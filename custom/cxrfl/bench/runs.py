@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cxrfl.bench.arch import with_arch
 from cxrfl.bench.evaluate import TestSet, scores_on
 from cxrfl.bench.methods import Method
 from cxrfl.bench.profiles import BenchData, pooled_site
@@ -127,12 +128,13 @@ class RunStore:
         path = self.root / PROTOCOL_FILE
         now = {"protocol": _plain(protocol), "data": _plain(data)}
         if path.is_file():
-            saved = json.loads(path.read_text())
+            # a protocol stored before arch was recorded trained DenseNet121
+            old, new = ({**p, "protocol": with_arch(p["protocol"])} for p in (json.loads(path.read_text()), now))
             differ = [
                 f"{part}.{k}"
                 for part in ("protocol", "data")
-                for k in sorted(set(saved[part]) | set(now[part]))
-                if saved[part].get(k) != now[part].get(k)
+                for k in sorted(set(old[part]) | set(new[part]))
+                if old[part].get(k) != new[part].get(k)
             ]
             if differ and not restart:
                 raise ConfigError(

@@ -37,7 +37,7 @@ from cxrfl.fedfew.prototypes import cosine_distance
 from cxrfl.fedfew.ssl import load_encoder
 from cxrfl.nn.detection import detection_metrics
 from cxrfl.nn.metrics import per_class_auroc
-from cxrfl.nn.models import CXRNet, ModelConfig, build_model
+from cxrfl.nn.models import CXRNet, build_model
 from cxrfl.nn.training import adam, evaluate, train_epochs
 from cxrfl.surgical.aggregation import surgical_aggregate
 from cxrfl.synth.fedfew_profile import FEDFEW_CCS, FEDFEW_UCS
@@ -141,7 +141,7 @@ def train_mlc(
     """
     classes = MLC_CLASSES
     torch.manual_seed(seed + 2)
-    model = build_model(ModelConfig(image_size=settings.image_size), len(classes))
+    model = build_model(settings.model_config(), len(classes))
     if ssl_state is not None:
         load_encoder(model, ssl_state)
     state = best = to_numpy(model.state_dict())
@@ -203,7 +203,7 @@ def linear_probe(ssl_state: dict[str, Any], data: SeedData, settings: BenchSetti
     Returns:
         ``mean_auroc`` over the CCs with both labels in both sets, ``auroc`` per CC.
     """
-    model = build_model(ModelConfig(image_size=settings.image_size), 1)
+    model = build_model(settings.model_config(), 1)
     load_encoder(model, ssl_state)
     bs = int(settings.fedfew.get("eval_batch_size", 128))
     train = cc_training_rows(data)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from cxrfl.bench.arch import arch_label
 from cxrfl.bench.fedfew.settings import BASELINES, ENERGY_VARIANTS, LABELS, METHODS
 from cxrfl.bench.fedfew.targets import (
     AUROC_AT_LEAST,
@@ -133,7 +134,7 @@ def _header(result: dict[str, Any], commit: str) -> list[str]:
         f"({seed_minutes:.0f} min of method time); load average {load_text(machine)} at the "
         "start." + (f" {result['note']}" if result.get("note") else ""),
         "",
-        f"Settings: DenseNet121 from scratch at {s['image_size']}x{s['image_size']} (images written at "
+        f"Settings: {arch_label(s)} from scratch at {s['image_size']}x{s['image_size']} (images written at "
         f"{s['data_image_size']}); "
         f"3 CC sites of {s['n_cc']} images ({s['cc_label_fraction']:.0%} of training images labelled), 3 UC "
         "sites with ~20 "

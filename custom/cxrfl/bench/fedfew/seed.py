@@ -34,7 +34,7 @@ from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.inprocess import run_fedfew
 from cxrfl.fedfew.ssl import load_encoder
 from cxrfl.fedfew.stages import STAGE_DIR, STAGE_FILES
-from cxrfl.nn.models import CXRNet, ModelConfig, build_model, load_checkpoint, model_from_checkpoint, save_checkpoint
+from cxrfl.nn.models import CXRNet, build_model, load_checkpoint, model_from_checkpoint, save_checkpoint
 
 RUN_ORDER = (
     "fedfew",
@@ -78,7 +78,7 @@ class SeedRun:
         self.data = data
         self.folder = Path(work) / f"seed{seed}"
         self.log = log
-        self.model_config = ModelConfig(image_size=settings.image_size)
+        self.model_config = settings.model_config()
         self.config = FedFewConfig.from_dict({**settings.fedfew, "seed": seed})
         marker = self.folder / "settings.json"
         wanted = settings.identity()

@@ -6,7 +6,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from cxrfl.bench.arch import check_arch
 from cxrfl.fedfew.config import FedFewConfig
+from cxrfl.nn.models import ModelConfig
 
 METHODS = (
     "mlc",
@@ -71,6 +73,7 @@ class BenchSettings:
 
     Args:
         image_size: training input side (the images are written at ``data_image_size``).
+        arch: the network (:mod:`cxrfl.bench.arch`).
         data_image_size: side of the written synthetic images.
         n_cc: images per CC site (1,000: 3 sites give about 1,800 labelled training images,
             enough for DenseNet121 at 64 px to reach a CC AUROC above 0.75 when trained centrally in
@@ -95,6 +98,7 @@ class BenchSettings:
     """
 
     image_size: int = 64
+    arch: str = ModelConfig.arch
     data_image_size: int = 64
     n_cc: int = 1000
     n_test: int = 600
@@ -113,6 +117,7 @@ class BenchSettings:
     jobs: int = 2
 
     def __post_init__(self) -> None:
+        check_arch(self.arch)
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise ValueError(f"unknown method(s) {unknown}; available: {list(METHODS)}")
@@ -120,6 +125,10 @@ class BenchSettings:
             raise ValueError("probe_every and mlc_patience must be >= 1")
         object.__setattr__(self, "methods", tuple(self.methods))
         FedFewConfig.from_dict(self.fedfew)
+
+    def model_config(self) -> ModelConfig:
+        """The network settings of every method."""
+        return ModelConfig(arch=self.arch, image_size=self.image_size)
 
     @property
     def runs(self) -> tuple[str, ...]:
