@@ -56,6 +56,7 @@ SURGICAL = dataclasses.replace(
 
 
 def nvflare_bin() -> str:
+    """The ``nvflare`` command of this Python's environment."""
     return str(Path(sys.executable).with_name("nvflare"))
 
 

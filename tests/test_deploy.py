@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import names_in
+from conftest import names_in, nvflare_bin
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.deploy.admin import COMPLETED
 from cxrfl.deploy.jobs import build_job
@@ -493,7 +493,7 @@ def deployment(tmp_path_factory, repo_root):
     out["gpus"] = json_out(cxrfl(tmp, "deploy", "site-gpus", "--workspace", str(ws), "hospital-a", "0"))["gpus"]
     env = cli_env(tmp)
     env["HOME"] = str(ws / "home" / "cli")
-    nvflare = str(Path(sys.executable).with_name("nvflare"))
+    nvflare = nvflare_bin()
     out["preflight_server"] = subprocess.run(
         [nvflare, "preflight-check", "-p", str(dep.kit("server"))], env=env, capture_output=True, text=True, timeout=180
     )

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MODEL, nvflare_bin
+from conftest import TINY_MODEL, app_of, nvflare_bin
 from cxrfl.cli import main
 from cxrfl.common.io import read_records
 from cxrfl.common.resume import RESUME_ROOT_ENV
@@ -81,10 +81,6 @@ def small_job(out: Path, name: str, resume_from: str | None = None) -> Path:
     return job
 
 
-def app_dir(ws: Path) -> Path:
-    return ws / "server" / "simulate_job" / "app_server"
-
-
 def records(app: Path) -> list[dict]:
     return read_records(app / "cxrfl" / "rounds.jsonl")
 
@@ -104,7 +100,7 @@ def simulate(
         deadline = time.monotonic() + timeout
         try:
             while proc.poll() is None and time.monotonic() < deadline:
-                if kill_when is not None and kill_when(records(app_dir(ws))):
+                if kill_when is not None and kill_when(records(app_of(ws))):
                     os.killpg(proc.pid, signal.SIGKILL)
                     break
                 time.sleep(0.5)
@@ -126,7 +122,7 @@ def runs(tmp_path_factory, repo_root):
     write_profile("fedfew", data, n_per_site=60, image_size=32, sites=SITES[:2])
     write_profile("fedfew", data, n_per_site=160, image_size=32, sites=SITES[2:])  # ~10 Hernia positives in train
     out1 = simulate(small_job(tmp, "killed"), tmp / "ws1", data, tmp / "home", kill_when=stage2_round_done(1))
-    killed = app_dir(tmp / "ws1")
+    killed = app_of(tmp / "ws1")
     resume = tmp / "ws1" / "server" / "cxrfl_resume" / "simulate_job"
     if not (resume / "state.pt").is_file():
         pytest.fail(f"the killed run left no stage-2 state in {resume}:\n{out1[-4000:]}")
@@ -141,7 +137,7 @@ def runs(tmp_path_factory, repo_root):
         tmp / "home",
         resume_root=tmp / "store",
     )
-    app = app_dir(tmp / "ws2")
+    app = app_of(tmp / "ws2")
     if not (app / "FL_global_model.pt").is_file():
         pytest.fail(f"the resumed run left no final model:\n{out2[-4000:]}")
     return {

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_MODEL, nvflare_bin
+from conftest import TINY_MODEL, app_of, nvflare_bin
 from cxrfl.common.io import read_records
 from cxrfl.common.resume import RESUME_ROOT_ENV
 from cxrfl.data.labels import KNOWN_CLASSES, NIH_CLASSES
@@ -127,10 +127,6 @@ def simulate(
     return None
 
 
-def app_dir(ws: Path) -> Path:
-    return ws / "server" / "simulate_job" / "app_server"
-
-
 def site_log(ws: Path, site: str) -> str:
     return "\n".join(p.read_text(errors="replace") for p in (ws / site).rglob("log.txt"))
 
@@ -173,7 +169,7 @@ def faulty(tmp_path_factory, repo_root, data):
     )
     ws = tmp / "ws"
     proc = simulate(job, ws, ["hospital-a", "hospital-b", "bad-1", "bad-2", "bad-3", "bad-4"], data)
-    app = app_dir(ws)
+    app = app_of(ws)
     if not (app / "cxrfl" / "rounds.jsonl").is_file():
         pytest.fail(
             f"simulator wrote no round record (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -305,15 +301,15 @@ def resumed(tmp_path_factory, repo_root, data):
         "state": state,
         "saved": saved,
         "proc": proc,
-        "first": read_records(app_dir(ws1) / "cxrfl" / "rounds.jsonl"),
-        "second": read_records(app_dir(ws2) / "cxrfl" / "rounds.jsonl"),
+        "first": read_records(app_of(ws1) / "cxrfl" / "rounds.jsonl"),
+        "second": read_records(app_of(ws2) / "cxrfl" / "rounds.jsonl"),
     }
 
 
 def test_the_killed_run_stopped_after_round_1_and_left_its_state(resumed):
     assert [r["round"] for r in resumed["first"]][:2] == [0, 1]
     assert (resumed["state"] / "state.pt").is_file()
-    assert not (app_dir(resumed["ws1"]) / "cxrfl" / "evaluation.json").exists()
+    assert not (app_of(resumed["ws1"]) / "cxrfl" / "evaluation.json").exists()
 
 
 def test_the_resumed_run_goes_on_from_the_last_completed_round(resumed):
@@ -323,14 +319,14 @@ def test_the_resumed_run_goes_on_from_the_last_completed_round(resumed):
     assert second[0]["phase"] == "resumed" and second[0]["round"] == done
     assert [r["round"] for r in second if r["phase"] == "train"] == list(range(done + 1, 4))  # none redone
     assert not any(r["phase"] == "warmup" for r in second)
-    ckpt = load_checkpoint(app_dir(resumed["ws2"]) / "FL_global_model.pt")
+    ckpt = load_checkpoint(app_of(resumed["ws2"]) / "FL_global_model.pt")
     assert ckpt["round"] == 3 and ckpt["classes"] == list(KNOWN_CLASSES)
     assert not (resumed["ws2"] / "server" / "cxrfl_resume" / "simulate_job").exists()  # finished: state removed
 
 
 def test_the_resumed_run_starts_from_the_interrupted_model(resumed):
     saved = resumed["saved"]
-    last = load_checkpoint(app_dir(resumed["ws1"]) / "cxrfl" / "checkpoints" / f"round_{saved['round']:03d}.pt")
+    last = load_checkpoint(app_of(resumed["ws1"]) / "cxrfl" / "checkpoints" / f"round_{saved['round']:03d}.pt")
     for site, classes in saved["announced"].items():
         files = list((resumed["ws2"] / site).rglob(f"received_round_{saved['round'] + 1}.pt"))
         assert len(files) == 1, files
@@ -357,14 +353,14 @@ def test_a_round_that_never_reaches_min_clients_stops_the_job_with_the_reason(tm
     )
     ws = tmp_path / "ws"
     proc = simulate(job, ws, ["hospital-a", "hospital-b"], data)
-    records = read_records(app_dir(ws) / "cxrfl" / "rounds.jsonl")
+    records = read_records(app_of(ws) / "cxrfl" / "rounds.jsonl")
     assert [(r["round"], r["phase"]) for r in records] == [(0, "warmup"), (1, "train"), (1, "stopped")], proc.stdout[
         -3000:
     ]
     reason = records[-1]["reason"]
     assert "min_clients=2" in reason and "hospital-b" in reason and "resume_from" in reason
-    assert load_checkpoint(app_dir(ws) / "FL_global_model.pt")["round"] == 0  # the warm-up model, never half-aggregated
-    assert not (app_dir(ws) / "cxrfl" / "checkpoints").exists()
+    assert load_checkpoint(app_of(ws) / "FL_global_model.pt")["round"] == 0  # the warm-up model, never half-aggregated
+    assert not (app_of(ws) / "cxrfl" / "checkpoints").exists()
     assert (ws / "server" / "cxrfl_resume" / "simulate_job" / "state.pt").is_file()
     server_log = "\n".join(p.read_text(errors="replace") for p in (ws / "server").rglob("log.txt"))
     assert "stopping: round 1 had fewer than min_clients=2" in server_log
