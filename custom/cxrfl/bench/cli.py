@@ -176,9 +176,12 @@ def _cmd_fedfew(args: argparse.Namespace) -> int:
             ("probe_every", args.probe_every),
             ("threads", args.threads),
             ("jobs", args.jobs),
+            ("device", args.device),
         )
         if v is not None
     }
+    if args.image_size is not None:  # the images are written at least as large as they are trained
+        changes["data_image_size"] = max(args.image_size, base.data_image_size)
     if args.methods:
         changes["methods"] = tuple(_methods(args.methods))
     try:
@@ -460,9 +463,14 @@ def _add_fedfew(bsub: argparse._SubParsersAction) -> None:
     f.add_argument(
         "--methods",
         default=None,
-        help="comma-separated subset of mlc,mlc-ssl,nn-ssl,nn-mlc-ssl,fedfew-no-ebm,"
+        help="comma-separated subset of mlc,mlc-ssl,mlc-surgical,mlc-pooled,nn-ssl,nn-mlc-ssl,fedfew-no-ebm,"
         "fedfew,fedfew-balanced,fedfew-lambda1,fedfew-neg-in,fedfew-scorer (fedfew always runs; "
         "added to a finished benchmark, only the new ones run)",
+    )
+    f.add_argument(
+        "--device",
+        default=None,
+        help="cpu (default) or cuda: where the networks train (cuda: one GPU shared by the parallel seeds)",
     )
     f.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads per seed (default 1: fastest on a shared machine)"

@@ -8,6 +8,11 @@ recall, F1; mean CC AUROC; for FedFew the diagnostics of each stage-3 step).
   FedAvg weighted by labelled images, CheXNet's weighted BCE on the labels a site has, from
   scratch / from the stage-1 encoder, until the pooled validation loss stops improving; a UC is
   positive when its probability is >= 0.5;
+* ``mlc-surgical``: the same network trained on the loss it is stopped on (masked BCE, unweighted),
+  each head row averaged over only the sites that label its class (cxrfl's surgical aggregation), so a
+  UC's row is its UC site's alone;
+* ``mlc-pooled``: the upper bound: the same masked BCE on every site's images pooled in one place
+  (not federated: it needs the images);
 * ``nn-ssl`` / ``nn-mlc-ssl``: the paper's hypothetical local nearest-neighbour classifier: each
   UC test image gets the label of its cosine-nearest training image of that UC's site (features
   of the stage-1 encoder / of ``mlc-ssl``); not federated (it needs the images).
@@ -37,7 +42,7 @@ from cxrfl.fedfew.prototypes import cosine_distance
 from cxrfl.fedfew.ssl import load_encoder
 from cxrfl.nn.detection import detection_metrics
 from cxrfl.nn.metrics import per_class_auroc
-from cxrfl.nn.models import CXRNet, build_model
+from cxrfl.nn.models import HEAD_PREFIX, CXRNet, build_model
 from cxrfl.nn.training import adam, evaluate, train_epochs
 from cxrfl.surgical.aggregation import surgical_aggregate
 from cxrfl.synth.fedfew_profile import FEDFEW_CCS, FEDFEW_UCS
@@ -50,16 +55,16 @@ MLC_CLASSES = sorted([*FEDFEW_CCS, *FEDFEW_UCS])
 
 
 @torch.no_grad()
-def _features_logits(
-    model: CXRNet, table: pd.DataFrame, image_size: int, batch_size: int
-) -> tuple[np.ndarray, np.ndarray]:
-    model.eval()
-    loader = make_loader(table, [], image_size=image_size, train=False, batch_size=batch_size)
+def _features_logits(model: CXRNet, table: pd.DataFrame, settings: BenchSettings) -> tuple[np.ndarray, np.ndarray]:
+    """Features and logits of a table's images (in fp32, on the benchmark's device)."""
+    model.to(settings.device).eval()
+    bs = int(settings.fedfew.get("eval_batch_size", 128))
+    loader = make_loader(table, [], image_size=settings.image_size, train=False, batch_size=bs)
     feats, logits = [], []
     for x, _, _ in loader:
-        f = model.features(x)
-        feats.append(f.numpy())
-        logits.append(model.classifier(model.hidden(f)).numpy())
+        f = model.features(x.to(settings.device))
+        feats.append(f.cpu().numpy())
+        logits.append(model.classifier(model.hidden(f)).cpu().numpy())
     return np.concatenate(feats), np.concatenate(logits)
 
 
@@ -111,11 +116,53 @@ def _pooled_val_loss(model: CXRNet, tables: dict[str, pd.DataFrame], settings: B
             train=False,
             batch_size=int(settings.fedfew.get("eval_batch_size", 128)),
         )
-        ev = evaluate(model, loader, MLC_CLASSES, torch.device("cpu"))
+        ev = evaluate(model, loader, MLC_CLASSES, torch.device(settings.device))
         n = float(ev.mask.sum())
         if n and np.isfinite(ev.loss):
             total, known = total + ev.loss * n, known + n
     return total / known if known else None
+
+
+MLC_MODES = ("fedavg", "surgical", "pooled")
+"""How the MLC baselines train: ``fedavg`` (``mlc``, ``mlc-ssl``: CheXNet-weighted BCE, every site sends every
+head row), ``surgical`` (``mlc-surgical``: masked BCE, a head row averaged over the sites that label its class)
+and ``pooled`` (``mlc-pooled``: masked BCE on every site's images in one place)."""
+
+
+def _mlc_round(
+    model: CXRNet,
+    state: dict[str, np.ndarray],
+    tables: dict[str, pd.DataFrame],
+    settings: BenchSettings,
+    seed: int,
+    mode: str,
+) -> dict[str, Any]:
+    """One round of an MLC baseline: every site trains from ``state``; the aggregate comes back."""
+    classes, device = MLC_CLASSES, torch.device(settings.device)
+    updates = []
+    for s, t in tables.items():
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+        weights = _chexnet_weights(t, classes) if mode == "fedavg" else (None, None)
+        loader = make_loader(
+            t, classes, image_size=settings.image_size, train=True, batch_size=settings.mlc_batch_size, seed=seed
+        )
+        train_epochs(
+            model,
+            loader,
+            adam(model, settings.mlc_lr),
+            device,
+            epochs=settings.mlc_local_epochs,
+            class_weight=weights[0],
+            pos_weight=weights[1],
+        )
+        params = to_numpy(model.state_dict())
+        own = classes if mode != "surgical" else [c for c in classes if t[c].notna().any()]
+        rows = [classes.index(c) for c in own]
+        for key in (HEAD_PREFIX + "weight", HEAD_PREFIX + "bias"):  # a site sends the rows of its own classes
+            params[key] = params[key][rows]
+        updates.append({"site": s, "classes": own, "params": params, "num_samples": len(t)})
+    agg, _ = surgical_aggregate(updates, weighting="samples", classes=classes, reference=state)
+    return {k: np.asarray(v) for k, v in agg.items()}
 
 
 def train_mlc(
@@ -124,68 +171,50 @@ def train_mlc(
     seed: int,
     ssl_state: dict[str, np.ndarray] | None,
     log: Callable[[str], None],
+    mode: str = "fedavg",
 ) -> tuple[CXRNet, dict[str, Any]]:
-    """The plain federated multi-label baseline: FedAvg of a 14-class network, weighted BCE on known labels,
-    until the pooled validation loss stops improving (:class:`cxrfl.common.selection.EarlyStopping`,
-    ``mlc_patience``; at most ``mlc_rounds``); the round of lowest loss is kept.
+    """An MLC baseline (:data:`MLC_MODES`), until the pooled validation loss (unweighted masked BCE) stops
+    improving (:class:`cxrfl.common.selection.EarlyStopping`, ``mlc_patience``; at most ``mlc_rounds``); the
+    round of lowest loss is kept.
 
     Args:
         data: the seed's sites.
-        settings: rounds, patience, epochs, learning rate, batch size.
+        settings: rounds, patience, epochs, learning rate, batch size, device.
         seed: weights and batch order.
         ssl_state: stage 1's SimSiam weights (its encoder starts the network; None: from scratch).
         log: progress lines.
+        mode: one of :data:`MLC_MODES`.
 
     Returns:
         the selected network and its training record (``rounds``, ``best_round``, ``val_loss`` per round).
     """
-    classes = MLC_CLASSES
+    if mode not in MLC_MODES:
+        raise ValueError(f"mode must be one of {list(MLC_MODES)}, got {mode!r}")
     torch.manual_seed(seed + 2)
-    model = build_model(settings.model_config(), len(classes))
+    model = build_model(settings.model_config(), len(MLC_CLASSES))
     if ssl_state is not None:
         load_encoder(model, ssl_state)
     state = best = to_numpy(model.state_dict())
     tables, val = _mlc_tables(data, "train", settings.mlc_batch_size), _mlc_tables(data, "val")
+    if mode == "pooled":
+        pooled = pd.concat(list(tables.values()), ignore_index=True)
+        tables = {"pooled": pooled.iloc[: len(pooled) - (len(pooled) % settings.mlc_batch_size == 1)]}
     stopper, curve = EarlyStopping(settings.mlc_patience), []
-    name = "mlc" + (" (ssl)" if ssl_state is not None else "")
+    name = "mlc" + ("" if mode == "fedavg" else f" ({mode})") + (" (ssl)" if ssl_state is not None else "")
     for rnd in range(1, settings.mlc_rounds + 1):
-        updates = []
-        for s, t in tables.items():
-            model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
-            cw, pw = _chexnet_weights(t, classes)
-            loader = make_loader(
-                t,
-                classes,
-                image_size=settings.image_size,
-                train=True,
-                batch_size=settings.mlc_batch_size,
-                seed=seed * 1000 + rnd,
-            )
-            train_epochs(
-                model,
-                loader,
-                adam(model, settings.mlc_lr),
-                torch.device("cpu"),
-                epochs=settings.mlc_local_epochs,
-                class_weight=cw,
-                pos_weight=pw,
-            )
-            updates.append(
-                {"site": s, "classes": classes, "params": to_numpy(model.state_dict()), "num_samples": len(t)}
-            )
-        state, _ = surgical_aggregate(updates, weighting="samples", classes=classes)
-        model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in state.items()})
+        state = _mlc_round(model, state, tables, settings, seed * 1000 + rnd, mode)
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
         loss = _pooled_val_loss(model, val, settings)
         curve.append(loss)
         if stopper.update(loss, rnd):
-            best = {k: np.asarray(v) for k, v in state.items()}
+            best = state
         log(
             f"  {name} round {rnd}/{settings.mlc_rounds}: validation loss {loss if loss is None else round(loss, 4)} "
             f"(best round {stopper.best_step})"
         )
         if stopper.should_stop:
             break
-    model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in best.items()})
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in best.items()})
     return model, {"rounds": len(curve), "best_round": stopper.best_step, "val_loss": curve}
 
 
@@ -205,10 +234,9 @@ def linear_probe(ssl_state: dict[str, Any], data: SeedData, settings: BenchSetti
     """
     model = build_model(settings.model_config(), 1)
     load_encoder(model, ssl_state)
-    bs = int(settings.fedfew.get("eval_batch_size", 128))
     train = cc_training_rows(data)
-    f_train, _ = _features_logits(model, train, settings.image_size, bs)
-    f_test, _ = _features_logits(model, data.cc_test, settings.image_size, bs)
+    f_train, _ = _features_logits(model, train, settings)
+    f_test, _ = _features_logits(model, data.cc_test, settings)
     aurocs: dict[str, float | None] = {}
     for c in FEDFEW_CCS:
         y, yt = train[c].to_numpy(float), data.cc_test[c].to_numpy(float)
@@ -232,13 +260,12 @@ def eval_mlc(model: CXRNet, data: SeedData, settings: BenchSettings) -> dict[str
         settings: image and batch sizes.
     """
     classes = MLC_CLASSES
-    bs = int(settings.fedfew.get("eval_batch_size", 128))
-    _, logits = _features_logits(model, data.cc_test, settings.image_size, bs)
+    _, logits = _features_logits(model, data.cc_test, settings)
     cc_idx = [classes.index(c) for c in FEDFEW_CCS]
     mean, aurocs = _mean_auroc(data.cc_test[list(FEDFEW_CCS)].to_numpy(float), logits[:, cc_idx], FEDFEW_CCS)
     ucs = {}
     for uc, t in data.uc_test.items():
-        _, lg = _features_logits(model, t, settings.image_size, bs)
+        _, lg = _features_logits(model, t, settings)
         prob = 1 / (1 + np.exp(-lg[:, classes.index(uc)]))
         ucs[uc] = detection_metrics(t[uc].to_numpy(), prob, prob >= 0.5, prevalence=REPORTED_PREVALENCE)
     return {"mean_cc_auroc": mean, "cc_auroc": aurocs, "uc": ucs}
@@ -252,13 +279,12 @@ def eval_nn(model: CXRNet, data: SeedData, settings: BenchSettings) -> dict[str,
         data: the seed's sites and test sets.
         settings: image and batch sizes.
     """
-    bs = int(settings.fedfew.get("eval_batch_size", 128))
     ucs = {}
     for uc, t in data.uc_test.items():
         train = data.train[data.uc_site[uc]].split_table("train")
         train = train[train[uc].notna()].reset_index(drop=True)
-        f_train, _ = _features_logits(model, train, settings.image_size, bs)
-        f_test, _ = _features_logits(model, t, settings.image_size, bs)
+        f_train, _ = _features_logits(model, train, settings)
+        f_test, _ = _features_logits(model, t, settings)
         d = cosine_distance(f_test[:, None, :], f_train[None, :, :])
         pos = train[uc].to_numpy() == 1.0
         pred = pos[d.argmin(axis=1)]
@@ -276,11 +302,12 @@ def eval_fedfew(final: Path, data: SeedData, settings: BenchSettings) -> dict[st
         settings: image and batch sizes.
     """
     model = FedFewModel.from_checkpoint(final)
+    model.net.to(settings.device)
     bs = int(settings.fedfew.get("eval_batch_size", 128))
 
     def run(table: pd.DataFrame) -> dict[str, Any]:
         loader = make_loader(table, [], image_size=settings.image_size, train=False, batch_size=bs)
-        outs = [model.predict(x) for x, _, _ in loader]
+        outs = [model.predict(x.to(settings.device)) for x, _, _ in loader]
         res = {
             "cc": np.concatenate([o["cc_probabilities"] for o in outs]),
             "energy": np.concatenate([o["energy"] for o in outs]),

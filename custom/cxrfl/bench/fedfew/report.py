@@ -120,6 +120,11 @@ def code_text(result: dict[str, Any]) -> str | None:
     return code_label(code)
 
 
+def _gpu_text(gpu: Any) -> str:
+    """The GPU of a run: its name, or whether there was one (older results record only that)."""
+    return f"GPU {gpu}" if isinstance(gpu, str) else ("a GPU" if gpu else "no GPU")
+
+
 def _header(result: dict[str, Any], commit: str) -> list[str]:
     s, ff, machine = result["settings"], result["settings"]["fedfew"], result["machine"]
     seeds = result["seeds_done"]
@@ -129,7 +134,8 @@ def _header(result: dict[str, Any], commit: str) -> list[str]:
     return [
         f"Command: `{result['command']}`. Commit: {commit}. "
         f"Machine: {cores} CPU cores, {s['threads']} torch thread(s) per seed, "
-        f"{'a GPU' if gpu else 'no GPU'}; {len(seeds)} seed(s) ({', '.join(map(str, seeds))}), "
+        f"{_gpu_text(gpu)}, CPU capability {machine.get('cpu_capability', 'not recorded')}; "
+        f"{len(seeds)} seed(s) ({', '.join(map(str, seeds))}), "
         f"{s.get('jobs', 1)} in parallel: {result.get('wall_seconds_total', 0) / 60:.0f} min wall "
         f"({seed_minutes:.0f} min of method time); load average {load_text(machine)} at the "
         "start." + (f" {result['note']}" if result.get("note") else ""),

@@ -135,7 +135,7 @@ def run_seed(
     )
     runner = SeedRun(settings, seed, data, work, log)
     for method in methods:
-        result = runner.run(method)
+        result = {**runner.run(method), "device": settings.device}
         store.save(seed, method, result)
         log(
             f"seed {seed} {method}: mean UC F1 {result['mean_uc_f1']:.3f}"
@@ -223,7 +223,7 @@ def run_fedfew_benchmark(
         "command": command or command_line() or f"cxrfl bench fedfew --seeds {len(seeds)} --out {out}",
         "settings": settings.to_dict(),
         "seeds": seeds,
-        "machine": machine(torch.device("cpu")),
+        "machine": machine(torch.device(settings.device)),
         "code": code_version(),
         "wall_seconds_before": float(earlier.get("wall_seconds_total", 0.0)) if earlier.get("runs") else 0.0,
     }

@@ -38,17 +38,20 @@ from cxrfl.nn.models import CXRNet, build_model, load_checkpoint, model_from_che
 
 RUN_ORDER = (
     "fedfew",
-    "fedfew-balanced",
+    "fedfew-scorer",
     "fedfew-no-ebm",
-    "nn-ssl",
     "mlc",
+    "mlc-surgical",
+    "fedfew-balanced",
+    "mlc-pooled",
+    "nn-ssl",
     "mlc-ssl",
     "nn-mlc-ssl",
     "fedfew-lambda1",
     "fedfew-neg-in",
-    "fedfew-scorer",
 )
-"""The order a seed's methods run in (each after what it reuses)."""
+"""The order a seed's methods run in: each after what it reuses, the candidate and its closest references first
+(a run stopped early has what the targets compare)."""
 VARIANTS = {
     "fedfew-balanced": ((1, 2), {"threshold_weighting": "balanced"}),
     "fedfew-scorer": ((1, 2), {"detector": "scorer"}),
@@ -111,6 +114,10 @@ class SeedRun:
         elif method == "mlc":
             model, training = train_mlc(self.data, self.settings, self.seed, None, self.log)
             result = {**eval_mlc(model, self.data, self.settings), "training": training}
+        elif method in ("mlc-surgical", "mlc-pooled"):
+            mode = method.removeprefix("mlc-")
+            model, training = train_mlc(self.data, self.settings, self.seed, None, self.log, mode=mode)
+            result = {**eval_mlc(model, self.data, self.settings), "training": training}
         elif method == "mlc-ssl":
             model, training = self._mlc_ssl()
             result = {**eval_mlc(model, self.data, self.settings), "training": training}
@@ -146,6 +153,7 @@ class SeedRun:
             config=self.config,
             model_config=self.model_config,
             out_dir=out,
+            device=torch.device(self.settings.device),
             info=lambda m: self.log("  " + m),
             warning=lambda m: self.log("  WARNING " + m),
             on_round=probe,
@@ -177,6 +185,7 @@ class SeedRun:
             config=self.config.replace(**changes),
             model_config=self.model_config,
             out_dir=out,
+            device=torch.device(self.settings.device),
             resume_root=out,
             resume_from=source.name,
             info=lambda m: None,

@@ -13,6 +13,8 @@ from cxrfl.nn.models import ModelConfig
 METHODS = (
     "mlc",
     "mlc-ssl",
+    "mlc-surgical",
+    "mlc-pooled",
     "nn-ssl",
     "nn-mlc-ssl",
     "fedfew-no-ebm",
@@ -26,6 +28,8 @@ METHODS = (
 LABELS = {
     "mlc": "MLC w/o FSSL",
     "mlc-ssl": "MLC w/ FSSL",
+    "mlc-surgical": "MLC, masked BCE, rows stitched surgically*",
+    "mlc-pooled": "MLC, masked BCE, pooled data (oracle, not federated)*",
     "nn-ssl": "NN (FSSL)",
     "nn-mlc-ssl": "NN (MLC w/ FSSL)",
     "fedfew-no-ebm": "FedFew w/o EBM",
@@ -39,9 +43,12 @@ LABELS = {
 ENERGY_VARIANTS = ("fedfew-lambda1", "fedfew-neg-in")
 """Variants of stage 2 that test what opens the energy gap between a UC's positives and negatives:
 lambda 1 instead of 0.1, and the hinge below ``m_in`` on the UC sites' negatives (``uc_negatives: in``)."""
-IDENTITY_EXCLUDES = ("methods", "jobs")
-"""Settings that change which runs happen or how many at once, not any run's numbers."""
-BASELINES = ("mlc", "mlc-ssl")
+DEVICES = ("cpu", "cuda")
+"""Where a benchmark's networks train and run (``cuda``: one GPU that every parallel seed shares)."""
+IDENTITY_EXCLUDES = ("methods", "jobs", "device")
+"""Settings that change which runs happen, how many at once or where, not any run's numbers (``auto`` precision
+trains in bfloat16 on a GPU and on a CPU with native bfloat16; each run records its device)."""
+BASELINES = ("mlc", "mlc-ssl", "mlc-surgical")
 """The baselines the targets compare FedFew with."""
 
 
@@ -95,6 +102,7 @@ class BenchSettings:
             other methods' encoder).
         threads: torch CPU threads per seed.
         jobs: seeds run in parallel processes.
+        device: one of :data:`DEVICES` (recorded with each run).
     """
 
     image_size: int = 64
@@ -115,9 +123,12 @@ class BenchSettings:
     methods: tuple[str, ...] = ("mlc", "mlc-ssl", "nn-ssl", "nn-mlc-ssl", "fedfew", "fedfew-balanced")
     threads: int = 1
     jobs: int = 2
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         check_arch(self.arch)
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise ValueError(f"unknown method(s) {unknown}; available: {list(METHODS)}")
