@@ -1,7 +1,7 @@
 """The selected model on every site's test split at the end of a training run, pooled like an evaluation-only run.
 
-Used by surgical aggregation and its baselines (:mod:`cxrfl.surgical.server`) and by cyclical weight
-transfer (:mod:`cxrfl.cwt.server`). Each site scores the model it receives (surgical: the feature
+Used by surgical aggregation and its baselines (:mod:`cxrfl.surgical.evaluation`) and by cyclical weight
+transfer (:mod:`cxrfl.cwt.evaluation`). Each site scores the model it receives (surgical: the feature
 extractor and its own head rows) and answers its
 own metrics (loss, per-class AUROC) and, per class it labels, binned counts of its positives' and
 negatives' scores (:mod:`cxrfl.clinical.counts`; nothing below the minimum cell size). The server

@@ -1,4 +1,4 @@
-"""What every transport-free server loop shares: output files, sending, aborting, retrying.
+"""What every transport-free server loop shares: output files, resuming, sending, aborting, retrying.
 
 A method's server (:class:`cxrfl.surgical.server.SurgicalServer`, :class:`cxrfl.cwt.server.CWTServer`,
 :class:`cxrfl.fedfew.server.FedFewServer`) derives from :class:`ServerLoop`. It talks to the
@@ -24,7 +24,7 @@ import cxrfl
 from cxrfl.common.io import append_record, json_default, owner_only, write_json
 from cxrfl.common.resume import RESUME_ROOT, ResumeStore
 from cxrfl.common.transport import Message, OnAnswer, Send
-from cxrfl.errors import CxrflError
+from cxrfl.errors import ConfigError, CxrflError
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,23 @@ class ServerLoop:
         owner_only(path)
         self.info(f"evaluation written to {path}")
         return path
+
+    def load_resume(self, settings: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+        """The interrupted run's state (``resume_from``), refused with the reason when unusable.
+
+        Args:
+            settings: this run's settings.
+            keys: the settings a resumed run must share with the interrupted one.
+
+        Raises:
+            RunStopped: no state there, one that cannot be read, or other settings (the message says which).
+        """
+        if self.resume_from is None:
+            raise RunStopped("there is no interrupted run to resume (resume_from is not set)")
+        try:
+            return self.resume.load(self.resume_from, settings, keys)
+        except ConfigError as exc:
+            raise RunStopped(str(exc)) from None
 
     # --------------------------------------------------------------- sending
     def run(self) -> Any:

@@ -52,8 +52,9 @@ Modules: :mod:`cxrfl.cwt.config` (settings), :mod:`cxrfl.cwt.optimizations` (PLT
 CWL), :mod:`cxrfl.cwt.relay` (plan, order, learning-rate schedule, travelling optimiser state,
 task names), :mod:`cxrfl.cwt.site` (one site's data and training), :mod:`cxrfl.cwt.host` (a
 site's answers to the relay's tasks), :mod:`cxrfl.cwt.server` (the transport-free relay loop:
-retries, resume, early stopping, checkpoints) and :mod:`cxrfl.cwt.inprocess` (the relay with
-the sites called in this process).
+retries, resume, early stopping, checkpoints), :mod:`cxrfl.cwt.evaluation` (the best model on
+the sites' test splits) and :mod:`cxrfl.cwt.inprocess` (the relay with the sites called in this
+process).
 """
 
 from cxrfl.cwt.config import CWTConfig

@@ -35,7 +35,7 @@ Written under ``out_dir`` (the server's app folder in a job):
   that left site k are the weights site k+1 started from;
 - ``cxrfl/cycles.jsonl``: one record per cycle attempt (``completed``, ``too_few_sites``,
   ``stopped``, ``resumed``): order, sites trained and skipped, pooled validation loss;
-- ``cxrfl/evaluation.json``: the best model on every site's test split;
+- ``cxrfl/evaluation.json``: the best model on every site's test split (:mod:`cxrfl.cwt.evaluation`);
 - ``cxrfl/run_config.json``: the settings of this run.
 """
 
@@ -51,12 +51,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from cxrfl.clinical.final_evaluation import evaluate_test_split
 from cxrfl.common.io import params_digest, to_numpy, write_json
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.common.server import RECORDS_DIR, RetryClock, RunStopped, ServerLoop
 from cxrfl.common.transport import Message, Send
 from cxrfl.cwt.config import CWTConfig, RelayConfig
+from cxrfl.cwt.evaluation import evaluate_final
 from cxrfl.cwt.host import site_model_config
 from cxrfl.cwt.relay import (
     COUNTS_TASK,
@@ -69,8 +69,7 @@ from cxrfl.cwt.relay import (
 )
 from cxrfl.cwt.site import global_classes, pooled_loss
 from cxrfl.cwt.state import CycleRun, RelayPlan, RelayState
-from cxrfl.errors import ConfigError, UpdateRejected
-from cxrfl.nn.metrics import summarise_auroc
+from cxrfl.errors import UpdateRejected
 from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
 from cxrfl.surgical.validation import FLOAT_DTYPES, INT_DTYPES, dtype_name, expected_dtypes, validate_update
 
@@ -172,24 +171,7 @@ class CWTServer(ServerLoop):
 
     def _keep(self, plan: RelayPlan, state: RelayState) -> None:
         """Save what a resumed run needs (after the start and every completed cycle)."""
-
-        def tensors(params: Mapping[str, np.ndarray] | None) -> dict[str, torch.Tensor] | None:
-            return None if params is None else {k: torch.as_tensor(np.asarray(v)) for k, v in params.items()}
-
-        self.resume.save(
-            {
-                "settings": self.settings,
-                "run_id": self.run_id,
-                "plan": plan.to_dict(),
-                "cycle": state.cycle,
-                "weights": tensors(state.weights),
-                "optimizer": tensors(state.optimizer),
-                "iteration": state.iteration,
-                "stopping": state.stopping.to_dict(),
-                "best_weights": tensors(state.best_weights),
-                "history": state.history,
-            }
-        )
+        self.resume.save({"settings": self.settings, "run_id": self.run_id, "plan": plan.to_dict(), **state.to_dict()})
 
     def _retry(self, problem: str, cycle: int | None) -> None:
         """Wait before another attempt, or stop with the reason once ``min_sites_timeout`` has passed."""
@@ -235,7 +217,7 @@ class CWTServer(ServerLoop):
         resumed_after = state.cycle if self.resume_from else None
         stopped_early = self._relay(plan, state)
         best_cycle, best_loss, best = self._best(plan, state)
-        evaluation = self._evaluate(plan, best, best_cycle)
+        evaluation = evaluate_final(self, plan, best, best_cycle, method=cfg.method, relay=self.relay, meta=self._meta)
         self.resume.clear()
         return CWTOutcome(plan, state, best_cycle, best_loss, best, stopped_early, resumed_after, evaluation)
 
@@ -303,21 +285,8 @@ class CWTServer(ServerLoop):
         )
 
     def _resume(self) -> tuple[RelayPlan, RelayState]:
-        try:
-            saved = self.resume.load(self.resume_from, self.settings, RESUME_KEYS)
-        except ConfigError as exc:
-            raise RunStopped(str(exc)) from None
-        plan = RelayPlan.from_dict(saved["plan"])
-        best = saved["best_weights"]
-        state = RelayState(
-            int(saved["cycle"]),
-            to_numpy(saved["weights"]),
-            to_numpy(saved["optimizer"]),
-            int(saved["iteration"]),
-            EarlyStopping.from_dict(saved["stopping"]),
-            to_numpy(best) if best is not None else None,
-            list(saved["history"]),
-        )
+        saved = self.load_resume(self.settings, RESUME_KEYS)
+        plan, state = RelayPlan.from_dict(saved["plan"]), RelayState.from_dict(saved)
         self._write_plan(plan)
         self._checkpoint(GLOBAL_MODEL, state.weights, plan, cycle=state.cycle)
         if state.best_weights is not None:
@@ -505,38 +474,3 @@ class CWTServer(ServerLoop):
             f"loss {es.best:.4f}): {self.path(BEST_MODEL)}"
         )
         return es.best_step, es.best, state.best_weights
-
-    def _test_split(
-        self, plan: RelayPlan, weights: Mapping[str, np.ndarray], cycle: int
-    ) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
-        """Every site's test metrics and the per-class report pooled from their binned counts
-        (:func:`cxrfl.clinical.final_evaluation.evaluate_test_split`)."""
-
-        def exchange(requests: Mapping[str, dict[str, Any] | None]) -> dict[str, Mapping[str, Any]]:
-            meta = {s: self._meta(plan.classes, split="test", cycle=cycle, counts=r) for s, r in requests.items()}
-            answers = self._ask(VALIDATE_TASK, {s: (dict(weights), m) for s, m in meta.items()})
-            return {s: a[1] for s, a in answers.items()}
-
-        # a site labels its own classes (multi-label task), or the one task class
-        announced = {s: list(plan.counts.get(s, {}).get("classes") or plan.classes) for s in plan.relay}
-        return evaluate_test_split(
-            exchange, announced, plan.classes, self.relay.pooled, pool=True, info=self.info, warning=self.warning
-        )
-
-    def _evaluate(self, plan: RelayPlan, weights: Mapping[str, np.ndarray], best_cycle: int) -> dict[str, Any]:
-        report: dict[str, Any] = {
-            "classes": plan.classes,
-            "method": self.config.method,
-            "best_cycle": best_cycle,
-            "sites": {},
-        }
-        if self.relay.evaluate_test:
-            metrics, pooled = self._test_split(plan, weights, best_cycle)
-            for s, m in sorted(metrics.items()):
-                report["sites"][s] = {**m, "auroc_summary": summarise_auroc(m.get("auroc") or {})}
-            report["pooled_loss"] = pooled_loss(
-                [(m.get("loss", math.nan), m.get("n_known", 0)) for m in report["sites"].values()]
-            )
-            report["pooled"] = pooled
-        self.write_evaluation(report)
-        return report

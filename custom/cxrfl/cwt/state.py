@@ -1,7 +1,8 @@
 """What the relay of cyclical weight transfer carries: its plan, its state between cycles, one cycle's attempt.
 
 :class:`cxrfl.cwt.server.CWTServer` keeps :class:`RelayPlan` and :class:`RelayState` with the resume state
-(:class:`cxrfl.common.resume.ResumeStore`); :class:`CycleRun` lives for one attempt at a cycle.
+(:class:`cxrfl.common.resume.ResumeStore`) and rebuilds them from there for ``resume_from``; :class:`CycleRun`
+lives for one attempt at a cycle.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
+from cxrfl.common.io import to_numpy
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.cwt.relay import Visit
 
@@ -78,6 +81,36 @@ class RelayState:
     best_weights: dict[str, np.ndarray] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Tensors and plain values (kept with the resume state)."""
+        return {
+            "cycle": self.cycle,
+            "weights": _tensors(self.weights),
+            "optimizer": _tensors(self.optimizer),
+            "iteration": self.iteration,
+            "stopping": self.stopping.to_dict(),
+            "best_weights": _tensors(self.best_weights),
+            "history": self.history,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RelayState:
+        """Rebuild from :meth:`to_dict`.
+
+        Args:
+            data: the loaded resume state.
+        """
+        best = data["best_weights"]
+        return cls(
+            int(data["cycle"]),
+            to_numpy(data["weights"]),
+            to_numpy(data["optimizer"]),
+            int(data["iteration"]),
+            EarlyStopping.from_dict(data["stopping"]),
+            to_numpy(best) if best is not None else None,
+            list(data["history"]),
+        )
+
 
 @dataclass
 class CycleRun:
@@ -93,3 +126,12 @@ class CycleRun:
     skipped: dict[str, str] = field(default_factory=dict)
     visits: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+
+
+def _tensors(params: Mapping[str, np.ndarray] | None) -> dict[str, torch.Tensor] | None:
+    """Parameters as tensors for the resume state (None stays None).
+
+    Args:
+        params: name -> array.
+    """
+    return None if params is None else {k: torch.as_tensor(np.asarray(v)) for k, v in params.items()}

@@ -39,7 +39,8 @@ from cxrfl.fedfew.energy import output_energy, threshold_counts
 from cxrfl.fedfew.energy_training import energy_epochs
 from cxrfl.fedfew.roles import ENERGY_GROUPS, hinge_energy_sums, role_table, threshold_examples
 from cxrfl.fedfew.site_evaluation import cc_metrics, train_prevalence
-from cxrfl.fedfew.ssl import TwoViewDataset, simsiam_epochs, ssl_model
+from cxrfl.fedfew.ssl import simsiam_epochs, ssl_model
+from cxrfl.fedfew.ssl_views import BatchViews, TwoViewDataset
 from cxrfl.nn.models import CXRNet, ModelConfig, build_model
 from cxrfl.nn.precision import compute_for
 
@@ -208,12 +209,17 @@ class FedFewSite:
         key = (tuple(paths), self.model_config.image_size)
         if self._ssl_images is None or self._ssl_images[0] != key:
             self._ssl_images = (key, TwoViewDataset.load_images(paths, self.model_config.image_size))
+        seed = cfg.seed + 7919 * round_num
+        views = BatchViews(self.model_config.in_channels) if self.device.type == "cuda" else None
+        if views is not None:  # on a GPU the views are drawn there, on whole batches
+            views.set_random_state(seed=seed)
         dataset = TwoViewDataset(
             paths,
             self.model_config.image_size,
             self.model_config.in_channels,
-            seed=cfg.seed + 7919 * round_num,
+            seed=seed,
             images=self._ssl_images[1],
+            batch_views=views is not None,
         )
         loss, steps = simsiam_epochs(
             model,
@@ -223,6 +229,7 @@ class FedFewSite:
             num_workers=self.num_workers,
             round_num=round_num,
             site=self.site,
+            views=views,
         )
         metrics = {
             "stage": 1,

@@ -7,42 +7,23 @@ of one view and the projection of the other, with a stop-gradient on the project
 ``L = D(p1, sg(z2)) / 2 + D(p2, sg(z1)) / 2`` with ``D(p, z) = -cos(p, z)``.
 
 The module's state-dict keys for the encoder are the network's own (``backbone.*``), so the
-pretrained encoder loads straight into a :class:`CXRNet`. The views are MONAI random transforms
-(crop and resize, flip, rotation, contrast, intensity, blur, noise) after the same load and
-normalisation as :func:`cxrfl.data.transforms.build_transforms`. A site's local round is
+pretrained encoder loads straight into a :class:`CXRNet`. The views (crop and resize, flip, rotation,
+contrast, intensity, blur, noise) are :mod:`cxrfl.fedfew.ssl_views`. A site's local round is
 :func:`simsiam_epochs` (Adam, fixed learning rate, as the paper).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from monai.transforms import (
-    Compose,
-    EnsureChannelFirst,
-    EnsureType,
-    NormalizeIntensity,
-    RandAdjustContrast,
-    RandFlip,
-    RandGaussianNoise,
-    RandGaussianSmooth,
-    RandRotate,
-    RandScaleCrop,
-    RandScaleIntensity,
-    RandShiftIntensity,
-    RepeatChannel,
-    Resize,
-)
 from torch import nn
-from torch.utils.data import Dataset
 
-from cxrfl.data.transforms import GRAY_MEAN, GRAY_STD, IMAGENET_MEAN, IMAGENET_STD, LoadGrayscale
 from cxrfl.fedfew.config import FedFewConfig
+from cxrfl.fedfew.ssl_views import BatchViews, TwoViewDataset
 from cxrfl.nn.models import CXRNet, ModelConfig
 from cxrfl.nn.precision import Compute, backward_step
 
@@ -130,87 +111,6 @@ def simsiam_loss(p1: torch.Tensor, p2: torch.Tensor, z1: torch.Tensor, z2: torch
     return 0.5 * negative_cosine(p1, z2) + 0.5 * negative_cosine(p2, z1)
 
 
-def view_transforms(image_size: int, in_channels: int = 3) -> tuple[Compose, Compose]:
-    """The deterministic loader and the random view transform of SimSiam.
-
-    Returns:
-        ``(load, view)``: ``load`` maps a path to a resized [1, S, S] float array in [0, 1]
-        (cacheable); ``view`` maps that to one random normalised view [C, S, S]: a random crop
-        of 50-100% of each side resized back, horizontal flip, rotation (+-10 degrees), gamma
-        contrast, intensity scale and shift (grey-level "colour jitter"), Gaussian blur and noise.
-
-    Args:
-        image_size: output side in pixels.
-        in_channels: 3 (grey replicated, ImageNet mean/std) or 1.
-    """
-    if in_channels not in (1, 3):
-        raise ValueError(f"in_channels must be 1 or 3, got {in_channels}")
-    load = Compose(
-        [LoadGrayscale(), EnsureChannelFirst(channel_dim="no_channel"), Resize((image_size, image_size), mode="area")]
-    )
-    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if in_channels == 3 else (GRAY_MEAN, GRAY_STD)
-    steps = [
-        RandScaleCrop(roi_scale=0.5, max_roi_scale=1.0, random_center=True, random_size=True),
-        Resize((image_size, image_size), mode="bilinear"),
-        RandFlip(prob=0.5, spatial_axis=1),
-        RandRotate(range_x=math.radians(10), prob=0.5, padding_mode="zeros"),
-        RandAdjustContrast(prob=0.8, gamma=(0.6, 1.6)),
-        RandScaleIntensity(factors=0.2, prob=0.8),
-        RandShiftIntensity(offsets=0.1, prob=0.8),
-        RandGaussianSmooth(sigma_x=(0.1, 1.0), sigma_y=(0.1, 1.0), prob=0.5),
-        RandGaussianNoise(prob=0.2, std=0.03),
-    ]
-    if in_channels > 1:
-        steps.append(RepeatChannel(repeats=in_channels))
-    steps += [
-        NormalizeIntensity(subtrahend=mean, divisor=std, channel_wise=True),
-        EnsureType(data_type="tensor", dtype=torch.float32, track_meta=False),
-    ]
-    return load, Compose(steps)
-
-
-class TwoViewDataset(Dataset):
-    """Two random views of each image (labels are not read: labelled or not, every image counts).
-
-    The loaded, resized images are kept in memory (they are small at training sizes); the
-    random views are drawn anew at every access, from a generator seeded by ``seed``.
-
-    Args:
-        paths: image files.
-        image_size: output side in pixels.
-        in_channels: 3 or 1.
-        seed: seed of the random views.
-        images: the loaded images of ``paths`` (from :meth:`load_images`), to skip reading them.
-    """
-
-    def __init__(
-        self,
-        paths: Sequence[str],
-        image_size: int,
-        in_channels: int = 3,
-        seed: int = 0,
-        images: Sequence[np.ndarray] | None = None,
-    ) -> None:
-        _, self.view = view_transforms(image_size, in_channels)
-        self.images = list(images) if images is not None else self.load_images(paths, image_size)
-        if len(self.images) != len(paths):
-            raise ValueError(f"{len(self.images)} loaded images for {len(paths)} paths")
-        self.view.set_random_state(seed=int(seed) % (2**32))
-
-    @staticmethod
-    def load_images(paths: Sequence[str], image_size: int) -> list[np.ndarray]:
-        """Read and resize the images once ([1, S, S] arrays in [0, 1])."""
-        load, _ = view_transforms(image_size, 1)
-        return [np.asarray(load(str(p))) for p in paths]
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        image = self.images[index]
-        return self.view(image), self.view(image)
-
-
 def simsiam_epochs(
     model: nn.Module,
     dataset: TwoViewDataset,
@@ -220,6 +120,7 @@ def simsiam_epochs(
     num_workers: int,
     round_num: int,
     site: str,
+    views: BatchViews | None = None,
 ) -> tuple[float | None, int]:
     """A round's local SimSiam training (``ssl_local_epochs``, at most ``ssl_max_steps`` steps each).
 
@@ -231,6 +132,8 @@ def simsiam_epochs(
         num_workers: data-loader workers.
         round_num: the round (seeds the shuffling).
         site: the site's name, for the message of a non-finite loss.
+        views: draw the two views of each batch on ``compute``'s device (the dataset returns images,
+            ``batch_views``); None: the dataset draws them per image.
 
     Returns:
         The mean SimSiam loss (None: no step) and the number of optimiser steps.
@@ -248,12 +151,15 @@ def simsiam_epochs(
     model.train()
     total, steps = 0.0, 0
     for _ in range(config.ssl_local_epochs):
-        for i, (x1, x2) in enumerate(loader):
+        for i, batch in enumerate(loader):
             if config.ssl_max_steps is not None and i >= config.ssl_max_steps:
                 break
-            if x1.shape[0] < 2:  # BatchNorm needs two samples
+            if batch[0].shape[0] < 2:  # BatchNorm needs two samples
                 continue
-            x1, x2 = compute.inputs(x1), compute.inputs(x2)
+            if views is not None:
+                x = batch[0].to(compute.device, non_blocking=True)
+                batch = [views(x), views(x)]
+            x1, x2 = compute.inputs(batch[0]), compute.inputs(batch[1])
             opt.zero_grad(set_to_none=True)
             with compute.autocast():
                 p1, p2, z1, z2 = model(x1, x2)

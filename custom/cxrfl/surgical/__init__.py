@@ -6,5 +6,6 @@
   checking site updates, the streaming mean, the class-wise aggregation of one round.
 - :mod:`~cxrfl.surgical.learner`, :mod:`~cxrfl.surgical.host`: the site side (training, the tasks).
 - :mod:`~cxrfl.surgical.server`: the round loop, run over NVFlare (:mod:`cxrfl.fl.surgical`) or in
-  process (:mod:`~cxrfl.surgical.inprocess`: benchmarks and tests).
+  process (:mod:`~cxrfl.surgical.inprocess`: benchmarks and tests); :mod:`~cxrfl.surgical.tasks`: what
+  it sends each site; :mod:`~cxrfl.surgical.evaluation`: the selected model on the test splits.
 """

@@ -199,7 +199,9 @@ def run_surgical(
     outcome = server.run()
     site_states = None
     if config.head_mode == "local" or config.batchnorm == "fedbn":  # the sites' own heads or BatchNorm
-        messages = server.messages(server.state, outcome.best_params, split="test", model_round=outcome.best_round)
+        messages = server.tasks.messages(
+            server.state, outcome.best_params, split="test", model_round=outcome.best_round
+        )
         site_states = {s: hosts[s].model_state(*messages[s]) for s in messages}
     return InProcessResult(
         outcome, site_states, time.perf_counter() - start, float(np.mean(speeds)) if speeds else 0.0, comm

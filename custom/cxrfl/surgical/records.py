@@ -1,24 +1,18 @@
-"""What the surgical server records: scored-model curve points, round records, the external test.
+"""What the surgical server records: scored-model curve points, round records.
 
-Pure functions of the sites' answers (and, for the external set, of the selected model), kept apart
-from :class:`cxrfl.surgical.server.SurgicalServer`'s control flow. Their keys are the schema of
-``cxrfl/rounds.jsonl`` and ``cxrfl/evaluation.json`` (``tests/test_output_schema.py``).
+Pure functions of the sites' answers, kept apart from :class:`cxrfl.surgical.server.SurgicalServer`'s
+control flow. Their keys are the schema of ``cxrfl/rounds.jsonl`` (``tests/test_output_schema.py``);
+``cxrfl/evaluation.json`` is written by :mod:`cxrfl.surgical.evaluation`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from cxrfl.common.transport import Message
-from cxrfl.data.site import load_site
-from cxrfl.errors import CxrflError
-from cxrfl.nn.evaluation import evaluate_on_site
-from cxrfl.nn.metrics import summarise_auroc
-from cxrfl.nn.models import ModelConfig, build_model
 from cxrfl.surgical.round_aggregator import RoundResult
 
 
@@ -72,40 +66,6 @@ def round_record(
         "aggregated": result is not None,
         "site_metrics": {s: dict(m.get("metrics") or {}) for s, (_, m) in sorted(answers.items())},
     }
-
-
-def external_evaluation(
-    model_config: ModelConfig,
-    external_test: str,
-    classes: list[str],
-    params: Mapping[str, Any],
-    shared: list[str],
-    *,
-    info: Callable[[str], None],
-    warning: Callable[[str], None],
-) -> dict[str, Any] | None:
-    """The selected global model on the external test set (None, with one warning, when it cannot be read).
-
-    Args:
-        model_config: the model's architecture.
-        external_test: the external site's folder.
-        classes: the global head's classes.
-        params: the selected global model.
-        shared: the classes held by two or more sites.
-        info: the operator log.
-        warning: the warning log.
-    """
-    try:
-        model = build_model(model_config, len(classes))
-        model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in params.items()})
-        data = load_site(external_test)
-        ext = evaluate_on_site(model, classes, data, image_size=model_config.image_size, splits=None)
-    except CxrflError as exc:
-        warning(f"external test set could not be evaluated: {exc}")
-        return None
-    ext.update(summarise_auroc(ext["auroc"], shared=shared))
-    info(f"external test {data.site}: mean AUROC {fmt(ext['mean'])}")
-    return {"site": data.site, **ext}
 
 
 def finite_mean(values: Any) -> float:

@@ -21,7 +21,8 @@ tests (:mod:`cxrfl.surgical.inprocess`) run this same loop. Sites answer with
    without stopping early also scores its last model (a ``validate`` task on the validation
    splits), so the last round can be selected too.
 4. Evaluation of the selected model on every site's test split (``validate`` tasks; with local
-   heads each site uses its own head of the selected round) and on an external test set.
+   heads each site uses its own head of the selected round) and on an external test set
+   (:mod:`cxrfl.surgical.evaluation`).
 
 Faults: a round with fewer than ``min_clients`` valid results (sites failed, timed out, or sent
 malformed results; or an aggregation error such as an overflow) keeps the previous global model
@@ -54,22 +55,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from cxrfl.clinical.final_evaluation import evaluate_test_split
 from cxrfl.common.io import to_numpy
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.common.server import RECORDS_DIR, RetryClock, RunStopped, ServerLoop
 from cxrfl.common.transport import Message, Send
-from cxrfl.errors import ConfigError, CxrflError
+from cxrfl.errors import CxrflError
 from cxrfl.nn.evaluation import shared_classes
-from cxrfl.nn.metrics import summarise_auroc
-from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, save_checkpoint
+from cxrfl.nn.models import HEAD_PREFIX, batchnorm_keys, build_model, save_checkpoint
 from cxrfl.surgical.config import RESUME_KEYS, SurgicalConfig
-from cxrfl.surgical.head_modes import drop_head, payload_for
+from cxrfl.surgical.evaluation import evaluate_final
+from cxrfl.surgical.head_modes import drop_head
 from cxrfl.surgical.host import TRAIN, VALIDATE
 from cxrfl.surgical.join import add_classes, waiting_sites
-from cxrfl.surgical.records import curve_point, external_evaluation, fmt, round_record
+from cxrfl.surgical.records import curve_point, fmt, round_record
 from cxrfl.surgical.round_aggregator import RoundAggregator, RoundResult
 from cxrfl.surgical.state import RunState
+from cxrfl.surgical.tasks import SiteTasks
 
 GLOBAL_MODEL = "FL_global_model.pt"
 BEST_MODEL = "best_FL_global_model.pt"
@@ -115,12 +116,12 @@ class SurgicalServer(ServerLoop):
     def __init__(self, send: Send, *, config: SurgicalConfig, **kwargs: Any) -> None:
         super().__init__(send, resume_from=config.resume_from, **kwargs)
         self.config = config
-        self.site_model = ModelConfig.from_dict({**config.model_config.to_dict(), "pretrained": None})
         self.clock = RetryClock(config.min_clients_timeout, config.retry_pause)
         self.state: RunState | None = None
         self.init_params: dict[str, np.ndarray] = {}
         self.bn_keys: set[str] = set()
         self.aggregator: RoundAggregator | None = None
+        self.tasks: SiteTasks | None = None
         self.expected: dict[str, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ run
@@ -150,7 +151,7 @@ class SurgicalServer(ServerLoop):
         self.info(
             f"global model: {self.path(GLOBAL_MODEL)}; selected model (round {best_round}): {self.path(BEST_MODEL)}"
         )
-        evaluation = self._evaluate(state, best_round, best_params)
+        evaluation = evaluate_final(self, cfg, state, best_round, best_params, self.tasks.messages)
         self.resume.clear()  # finished: nothing to resume
         return SurgicalOutcome(
             list(state.classes),
@@ -164,11 +165,12 @@ class SurgicalServer(ServerLoop):
         )
 
     def _prepare(self) -> None:
-        """The initial feature extractor (seeded), BatchNorm keys, expected shapes, the aggregator."""
+        """The initial feature extractor (seeded), BatchNorm keys, task messages, expected shapes, the aggregator."""
         cfg = self.config
         torch.manual_seed(cfg.seed)
         init = build_model(cfg.model_config, 1)
         self.bn_keys = set(batchnorm_keys(init))
+        self.tasks = SiteTasks(cfg, self.bn_keys)
         self.init_params = {k: v for k, v in to_numpy(init.state_dict()).items() if not k.startswith(HEAD_PREFIX)}
         local_bn = cfg.batchnorm != "fedavg"
         self.expected = {k: tuple(v.shape) for k, v in self.init_params.items() if not (local_bn and k in self.bn_keys)}
@@ -183,50 +185,11 @@ class SurgicalServer(ServerLoop):
             warning=self.warning,
         )
 
-    # ----------------------------------------------------------- messages
-    def task_meta(self, run_key: str, **extra: Any) -> dict[str, Any]:
-        """The settings every task carries, plus ``extra``.
-
-        Args:
-            run_key: the run key (names the sites' state).
-            extra: task-specific entries.
-        """
-        cfg = self.config
-        return {
-            "model_config": self.site_model.to_dict(),
-            "train_config": cfg.train_config.to_dict(),
-            "batchnorm": cfg.batchnorm,
-            "head_mode": cfg.head_mode,
-            "missing": cfg.missing,
-            "selection": cfg.selection,
-            "run_key": run_key,
-            **extra,
-        }
-
-    def messages(self, state: RunState, params: Mapping[str, Any], **extra: Any) -> dict[str, Message]:
-        """One message per site of the run: its part of ``params`` and the task meta.
-
-        Args:
-            state: the run.
-            params: a global model.
-            extra: task-specific meta (``round``, ``split``, ``model_round`` ...).
-        """
-        exclude = self.bn_keys if self.config.batchnorm == "fedbn" else ()
-        best = state.stopper.best_step
-        out = {}
-        for site, own in state.announced.items():
-            sent, classes = payload_for(params, state.classes, own, head_mode=self.config.head_mode, exclude=exclude)
-            out[site] = (
-                sent,
-                self.task_meta(state.run_key, classes=classes, keep_rounds=[] if best is None else [best], **extra),
-            )
-        return out
-
     # ---------------------------------------------------------- warm-up
     def _warmup(self) -> RunState:
         """Round 0: the sites' head warm-ups, stitched; the sites that answered make the run."""
         start = time.perf_counter()
-        meta = self.task_meta(self.run_id, phase="warmup", round=0)
+        meta = self.tasks.task_meta(self.run_id, phase="warmup", round=0)
         # answers stream into the aggregator, as in the rounds; the initial feature extractor is the
         # reference (dtypes; robust modes bound each update from it, head rows from the zero row)
         self.aggregator.expect(self.expected, reference=self.init_params)
@@ -267,11 +230,7 @@ class SurgicalServer(ServerLoop):
 
     def _resume(self) -> RunState:
         """The interrupted run's state (refused with the reason when unusable)."""
-        try:
-            saved = self.resume.load(self.resume_from, self.config.to_dict(), RESUME_KEYS)
-        except ConfigError as exc:
-            raise RunStopped(str(exc)) from None
-        state = RunState.from_dict(saved)
+        state = RunState.from_dict(self.load_resume(self.config.to_dict(), RESUME_KEYS))
         self.record(
             {"round": state.round, "phase": "resumed", "resumed_from": self.resume_from, "run_key": state.run_key}
         )
@@ -354,8 +313,8 @@ class SurgicalServer(ServerLoop):
         evaluated = dict(state.params)
         announced = {s: state.classes for s in state.announced} if self.config.head_mode == "union" else state.announced
         self.aggregator.expect(self.expected, announced, state.classes, evaluated)
-        payloads = self.messages(state, evaluated, phase="train", round=rnd)
-        warmup = self.task_meta(state.run_key, phase="warmup", round=rnd)
+        payloads = self.tasks.messages(state, evaluated, phase="train", round=rnd)
+        warmup = self.tasks.task_meta(state.run_key, phase="warmup", round=rnd)
         payloads.update({s: (drop_head(evaluated), dict(warmup)) for s in waiting})
 
         def on_answer(site: str, answer: Message) -> None:  # into the aggregator as it arrives (params then dropped)
@@ -471,7 +430,9 @@ class SurgicalServer(ServerLoop):
         early: otherwise it would never be scored and could never be selected)."""
         if state.curve and state.curve[-1]["round"] == state.round:
             return
-        answers = self.exchange(VALIDATE, self.messages(state, state.params, split="val", model_round=state.round))
+        answers = self.exchange(
+            VALIDATE, self.tasks.messages(state, state.params, split="val", model_round=state.round)
+        )
         self.check_abort()
         point = curve_point(state.round, answers, "loss", "mean_auroc")
         self._consider(state, point, state.params)
@@ -502,58 +463,6 @@ class SurgicalServer(ServerLoop):
             self._save_model(BEST_MODEL, state.params, state.classes, round=state.round)
             return state.round, dict(state.params)
         return state.stopper.best_step, state.best_params
-
-    # ------------------------------------------------------- evaluation
-    def _evaluate(self, state: RunState, best_round: int, best_params: Mapping[str, Any]) -> dict[str, Any]:
-        """The selected model on the sites' test splits (their metrics, and per class pooled from their binned
-        counts: :mod:`cxrfl.clinical.final_evaluation`) and the external set; ``cxrfl/evaluation.json``."""
-        shared = shared_classes(state.announced)
-        report: dict[str, Any] = {
-            "classes": state.classes,
-            "shared_classes": shared,
-            "best_round": best_round,
-            "sites": {},
-            "external": None,
-            "pooled": None,
-        }
-        if self.config.evaluate_test:
-
-            def exchange(requests: Mapping[str, dict[str, Any] | None]) -> dict[str, Mapping[str, Any]]:
-                messages = self.messages(state, best_params, split="test", model_round=best_round)
-                payloads = {
-                    s: (p, m if requests[s] is None else {**m, "counts": requests[s]})
-                    for s, (p, m) in messages.items()
-                    if s in requests
-                }
-                return {s: meta for s, (_, meta) in self.exchange(VALIDATE, payloads).items()}
-
-            metrics, report["pooled"] = evaluate_test_split(
-                exchange,
-                state.announced,
-                state.classes,
-                self.config.pooled,
-                pool=self.config.head_mode != "local",
-                info=self.info,
-                warning=self.warning,
-            )
-            for site, m in sorted(metrics.items()):
-                own = {c: v for c, v in (m.get("auroc") or {}).items() if c in state.announced.get(site, ())}
-                report["sites"][site] = {**m, **summarise_auroc(own, shared=shared)}
-        report["external"] = self._external(state, best_params, shared)
-        self.write_evaluation(report)
-        return report
-
-    def _external(self, state: RunState, params: Mapping[str, Any], shared: list[str]) -> dict[str, Any] | None:
-        """The selected global model on the external test set (None: none, or local heads)."""
-        cfg = self.config
-        if not cfg.external_test:
-            return None
-        if cfg.head_mode == "local":
-            self.info("personalized FL (local heads) has no global model: the external test set is not evaluated")
-            return None
-        return external_evaluation(
-            cfg.model_config, cfg.external_test, state.classes, params, shared, info=self.info, warning=self.warning
-        )
 
     # ------------------------------------------------------------ files
     def _save_model(self, name: str, params: Mapping[str, Any], classes: list[str], **extra: Any) -> Path:

@@ -59,7 +59,7 @@ def _features_logits(model: CXRNet, table: pd.DataFrame, settings: BenchSettings
     """Features and logits of a table's images (in fp32, on the benchmark's device)."""
     model.to(settings.device).eval()
     bs = int(settings.fedfew.get("eval_batch_size", 128))
-    loader = make_loader(table, [], image_size=settings.image_size, train=False, batch_size=bs)
+    loader = make_loader(table, [], image_size=settings.image_size, train=False, batch_size=bs, device=settings.device)
     feats, logits = [], []
     for x, _, _ in loader:
         f = model.features(x.to(settings.device))
@@ -115,6 +115,7 @@ def _pooled_val_loss(model: CXRNet, tables: dict[str, pd.DataFrame], settings: B
             image_size=settings.image_size,
             train=False,
             batch_size=int(settings.fedfew.get("eval_batch_size", 128)),
+            device=settings.device,
         )
         ev = evaluate(model, loader, MLC_CLASSES, torch.device(settings.device))
         n = float(ev.mask.sum())
@@ -144,7 +145,13 @@ def _mlc_round(
         model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
         weights = _chexnet_weights(t, classes) if mode == "fedavg" else (None, None)
         loader = make_loader(
-            t, classes, image_size=settings.image_size, train=True, batch_size=settings.mlc_batch_size, seed=seed
+            t,
+            classes,
+            image_size=settings.image_size,
+            train=True,
+            batch_size=settings.mlc_batch_size,
+            seed=seed,
+            device=settings.device,
         )
         train_epochs(
             model,
@@ -306,7 +313,9 @@ def eval_fedfew(final: Path, data: SeedData, settings: BenchSettings) -> dict[st
     bs = int(settings.fedfew.get("eval_batch_size", 128))
 
     def run(table: pd.DataFrame) -> dict[str, Any]:
-        loader = make_loader(table, [], image_size=settings.image_size, train=False, batch_size=bs)
+        loader = make_loader(
+            table, [], image_size=settings.image_size, train=False, batch_size=bs, device=settings.device
+        )
         outs = [model.predict(x.to(settings.device)) for x, _, _ in loader]
         res = {
             "cc": np.concatenate([o["cc_probabilities"] for o in outs]),

@@ -1,0 +1,84 @@
+"""The FedFew benchmark's MLC baselines: which head rows each site sends and how the round stitches them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from cxrfl.bench.fedfew import methods
+from cxrfl.bench.fedfew.methods import MLC_CLASSES, _mlc_round
+from cxrfl.bench.fedfew.settings import BenchSettings
+from cxrfl.common.io import to_numpy
+from cxrfl.nn.models import HEAD_PREFIX, build_model
+from PIL import Image
+
+UC = "Edema"
+CC = "Atelectasis"
+
+
+def _table(tmp_path, name: str, n: int, labelled: list[str]) -> pd.DataFrame:
+    """``n`` images of a site labelling only ``labelled`` (every other class unknown)."""
+    rng = np.random.default_rng(len(name))
+    rows = []
+    for i in range(n):
+        path = tmp_path / f"{name}-{i}.png"
+        Image.fromarray(rng.integers(0, 255, (32, 32), dtype=np.uint8)).save(path)
+        row = {"path": str(path), **{c: np.nan for c in MLC_CLASSES}}
+        row.update({c: float(i % 2) for c in labelled})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+@pytest.fixture
+def sites(tmp_path):
+    ccs = [c for c in MLC_CLASSES if c != UC and c != "Hernia" and c != "Pneumonia"]
+    return {"cc-site": _table(tmp_path, "cc", 8, ccs), "uc-site": _table(tmp_path, "uc", 4, [UC])}
+
+
+def _round(sites, mode, monkeypatch):
+    sent = []
+    real = methods.surgical_aggregate
+
+    def spy(updates, **kwargs):
+        sent.extend(updates)
+        return real(updates, **kwargs)
+
+    monkeypatch.setattr(methods, "surgical_aggregate", spy)
+    settings = BenchSettings(arch="densenet-tiny", image_size=32, data_image_size=32, mlc_batch_size=4)
+    torch.manual_seed(0)
+    model = build_model(settings.model_config(), len(MLC_CLASSES))
+    state = to_numpy(model.state_dict())
+    return state, _mlc_round(model, state, sites, settings, 7, mode), {u["site"]: u for u in sent}
+
+
+def _row(params, classes, c):
+    return params[HEAD_PREFIX + "weight"][classes.index(c)]
+
+
+def test_surgical_rows_come_from_exactly_the_sites_that_label_them(sites, monkeypatch):
+    state, agg, sent = _round(sites, "surgical", monkeypatch)
+    assert sent["uc-site"]["classes"] == [UC]
+    assert UC not in sent["cc-site"]["classes"] and "Hernia" not in sent["cc-site"]["classes"]
+    uc, cc = sent["uc-site"], sent["cc-site"]
+    assert uc["params"][HEAD_PREFIX + "weight"].shape[0] == 1  # a site sends the rows of its own classes only
+    np.testing.assert_array_equal(_row(agg, MLC_CLASSES, UC), _row(uc["params"], uc["classes"], UC))
+    np.testing.assert_array_equal(_row(agg, MLC_CLASSES, CC), _row(cc["params"], cc["classes"], CC))
+    np.testing.assert_array_equal(_row(agg, MLC_CLASSES, "Hernia"), _row(state, MLC_CLASSES, "Hernia"))
+    key = next(k for k in agg if k.endswith("conv0.weight"))  # the feature extractor: weighted by images (8 and 4)
+    want = (8 * cc["params"][key] + 4 * uc["params"][key]) / 12
+    np.testing.assert_allclose(agg[key], want, rtol=1e-5, atol=1e-7)
+
+
+def test_fedavg_mode_dilutes_a_uc_row_with_the_sites_that_do_not_label_it(sites, monkeypatch):
+    state, agg, sent = _round(sites, "fedavg", monkeypatch)
+    assert sent["cc-site"]["classes"] == MLC_CLASSES
+    uc_row = _row(sent["uc-site"]["params"], MLC_CLASSES, UC)
+    cc_sites_row = _row(sent["cc-site"]["params"], MLC_CLASSES, UC)
+    np.testing.assert_allclose(_row(agg, MLC_CLASSES, UC), (8 * cc_sites_row + 4 * uc_row) / 12, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(_row(agg, MLC_CLASSES, UC), uc_row)
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        methods.train_mlc(None, BenchSettings(arch="densenet-tiny"), 0, None, print, mode="median")  # type: ignore[arg-type]
