@@ -264,7 +264,7 @@ def test_surgical_config_refuses_fedbn_plus_from_scratch_and_warns_about_fine_tu
 
 
 def test_cli_settings_quick_preset_and_given_options():
-    from cxrfl.bench.cli import _compare_settings
+    from cxrfl.bench.cli_compare import _compare_settings
     from cxrfl.bench.protocol import QUICK
     from cxrfl.cli import build_parser
 

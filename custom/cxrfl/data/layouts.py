@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from cxrfl.data.label_columns import label_columns
-from cxrfl.data.readers import _KEY, _absolute, _finish, _first_line, _read_csv, csv_images, csv_special_columns
+from cxrfl.data.label_table import _KEY, _absolute, _finish, _first_line, _read_csv, csv_images, csv_special_columns
 from cxrfl.data.site_config import SiteConfig
 from cxrfl.data.subgroups import subgroup_frame
 from cxrfl.errors import DataError
