@@ -7,9 +7,10 @@ import math
 
 import numpy as np
 import pytest
+from cxrfl.bench.ablation_report import format_ablation
 from cxrfl.bench.intervals import mean_ci, paired_comparison
 from cxrfl.bench.methods import DEFAULT_METHODS, select
-from cxrfl.bench.report import format_ablation, stars
+from cxrfl.bench.report import stars
 from cxrfl.bench.statistics import View, ablation_summary, compare_cells, versus, view_cell
 from cxrfl.bench.targets import evaluate_targets
 from cxrfl.errors import ConfigError

@@ -376,8 +376,8 @@ def run_ablation(
         )
     summary = {**ablation_summary(kind, runs, REFERENCE), "profile": base.profile, "settings": base.to_dict()}
     write_json(out / "ablation.json", summary)
+    from cxrfl.bench.ablation_report import format_ablation
     from cxrfl.bench.plots import ablation_plot
-    from cxrfl.bench.report import format_ablation
 
     ablation_plot(summary, out / f"ablation_{kind}.png")
     (out / "ablation.md").write_text(format_ablation(summary))

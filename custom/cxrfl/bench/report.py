@@ -28,7 +28,13 @@ def stars(p: float | None) -> str:
     return "***" if p <= 0.001 else "**" if p <= 0.01 else "*" if p <= 0.05 else "ns"
 
 
-def _num(v: float | None, digits: int = 3) -> str:
+def num_text(v: float | None, digits: int = 3) -> str:
+    """A number for a table cell or a sentence (``-`` where not defined).
+
+    Args:
+        v: the number (None: not defined).
+        digits: decimals.
+    """
     return "-" if v is None else f"{v:.{digits}f}"
 
 
@@ -44,7 +50,7 @@ def _cell(summary: dict[str, Any] | None, test: dict[str, Any] | None = None, *,
     """``mean ± SD mark``; ``test`` is a comparison over classes (its p marks the cell)."""
     if not summary or summary.get("mean") is None:
         return "-"
-    text = _num(summary["mean"])
+    text = num_text(summary["mean"])
     if summary.get("sd") is not None:
         text += f" ± {summary['sd']:.3f}"
     mark = ""
@@ -219,19 +225,26 @@ def _papers_tables(results: dict[str, Any]) -> list[str]:
     return out
 
 
-def _effect_row(label: str, by_class: dict[str, Any] | None, by_seed: dict[str, Any] | None) -> list[str]:
+def effect_row(label: str, by_class: dict[str, Any] | None, by_seed: dict[str, Any] | None) -> list[str]:
+    """One row of an effect-size table (the columns of :data:`EFFECT_HEADER`).
+
+    Args:
+        label: the row's label.
+        by_class: the paired comparison over classes (None: none).
+        by_seed: the paired comparison over seeds (None: none).
+    """
     c, s = by_class or {}, by_seed or {}
     return [
         label,
-        _num(c.get("difference")),
+        num_text(c.get("difference")),
         _ci(c.get("ci")),
-        _num(c.get("d_z"), 2),
+        num_text(c.get("d_z"), 2),
         _p(c.get("p")),
         _p(c.get("wilcoxon_p")),
         str(c.get("n", "-")),
-        _num(s.get("difference")),
+        num_text(s.get("difference")),
         _ci(s.get("ci")),
-        _num(s.get("d_z"), 2),
+        num_text(s.get("d_z"), 2),
         _p(s.get("p")),
         str(s.get("n", "-")),
     ]
@@ -269,7 +282,7 @@ def _effects(results: dict[str, Any]) -> list[str]:
     site_views = _views(results, "site")
     for v in site_views + _views(results, "external") + _views(results, "external-by-site"):
         rows = [
-            _effect_row(d["label"], _vs(d["test"][v]), _vs(d["test"][v], over="seeds"))
+            effect_row(d["label"], _vs(d["test"][v]), _vs(d["test"][v], over="seeds"))
             for name, d in methods.items()
             if name != ref and _vs(d["test"][v]) is not None
         ]
@@ -277,7 +290,7 @@ def _effects(results: dict[str, Any]) -> list[str]:
             out += [f"### {v}", "", markdown_table(EFFECT_HEADER, rows), ""]
     for part in ("unique", "shared"):
         rows = [
-            _effect_row(f"{d['label']} on {v}", _vs(d["test"][v], part), _vs(d["test"][v], part, "seeds"))
+            effect_row(f"{d['label']} on {v}", _vs(d["test"][v], part), _vs(d["test"][v], part, "seeds"))
             for v in site_views
             for name, d in methods.items()
             if name != ref and _vs(d["test"][v], part) is not None
@@ -308,11 +321,11 @@ def _intervals(results: dict[str, Any]) -> list[str]:
             rows.append(
                 [
                     d["label"],
-                    _num(cell["mean"]),
+                    num_text(cell["mean"]),
                     _ci(cell.get("mean_ci")),
-                    _num(cell.get("mean_seed_sd")),
+                    num_text(cell.get("mean_seed_sd")),
                     _ci(cell.get("mean_seed_ci")),
-                    ", ".join(_num(x) for x in cell["mean_by_seed"]),
+                    ", ".join(num_text(x) for x in cell["mean_by_seed"]),
                 ]
             )
         out += [
@@ -423,14 +436,14 @@ def _stats_text(t: dict[str, Any]) -> str:
     parts = []
     if c.get("n"):
         parts.append(
-            f"over {c['n']} classes: 95% CI {_ci(c.get('ci'))}, d_z {_num(c.get('d_z'), 2)}, "
+            f"over {c['n']} classes: 95% CI {_ci(c.get('ci'))}, d_z {num_text(c.get('d_z'), 2)}, "
             f"t-test p {_p(c.get('p'))} (Holm-adjusted {_p(c.get('p_holm'))}), Wilcoxon p {_p(c.get('wilcoxon_p'))}, "
-            f"detectable difference (80 % power) {_num(c.get('detectable'))}"
+            f"detectable difference (80 % power) {num_text(c.get('detectable'))}"
         )
     if (s.get("n") or 0) >= 2:
         parts.append(
-            f"over {s['n']} seeds: {_num(s.get('difference'))} {_ci(s.get('ci'))}, d_z {_num(s.get('d_z'), 2)}, "
-            f"p {_p(s.get('p'))}"
+            f"over {s['n']} seeds: {num_text(s.get('difference'))} {_ci(s.get('ci'))}, "
+            f"d_z {num_text(s.get('d_z'), 2)}, p {_p(s.get('p'))}"
         )
     return "; ".join(parts)
 
@@ -454,74 +467,9 @@ def target_sentence(t: dict[str, Any], methods: dict[str, Any]) -> str:
         )
     b = methods[t["against"]]["label"]
     if t["met"] is None:
-        return f"{t['target']} {where}: not measurable ({a} {_num(t['value'])}, {b} {_num(t['other'])})."
+        return f"{t['target']} {where}: not measurable ({a} {num_text(t['value'])}, {b} {num_text(t['other'])})."
     stats = _stats_text(t)
     return (
         f"{t['target']} {where}: **{'MET' if t['met'] else 'NOT MET'}** — {a} {t['value']:.3f} "
         f"vs {b} {t['other']:.3f}, difference {t['difference']:+.3f} (rule {t['rule']}){'; ' + stats if stats else ''}."
-    )
-
-
-def format_ablation(summary: dict[str, Any]) -> str:
-    """The Markdown tables of an ablation: mean AUROC on the held-out test set per setting, and
-    surgical aggregation against each method paired over the settings (the papers' test) and over
-    every (setting, seed).
-
-    Args:
-        summary: what :func:`cxrfl.bench.compare.run_ablation` writes to ``ablation.json``.
-    """
-    values = summary["values"]
-    what = (
-        "number of sites (4 shared classes)" if summary["ablation"] == "sites" else "number of shared classes (4 sites)"
-    )
-    rows = []
-    for d in summary["methods"].values():
-        row = [d["label"]]
-        for v in values:
-            r = d["by_value"][v]
-            over = r["over_seeds"]
-            text = f"{_num(over['mean'])}" + (f" ± {over['sd']:.3f}" if over.get("sd") is not None else "")
-            vs = (r.get("vs_reference") or {}).get("seeds") or {}
-            row.append(f"{text} {stars(vs.get('p'))}".strip())
-        rows.append(row)
-    ref = summary["methods"].get(summary["reference"], {}).get("label", summary["reference"])
-    tests = [
-        _effect_row(d["label"], d["vs_reference"].get("settings"), d["vs_reference"].get("setting_seeds"))
-        for d in summary["methods"].values()
-        if d.get("vs_reference")
-    ]
-    header = [
-        "method",
-        "Δ settings",
-        "95% CI",
-        "d_z",
-        "t-test p",
-        "Wilcoxon p",
-        "settings",
-        "Δ (setting, seed)",
-        "95% CI",
-        "d_z",
-        "t-test p",
-        "pairs",
-    ]
-    seeds = max((len(d["by_value"][v]["mean_by_seed"]) for d in summary["methods"].values() for v in values), default=0)
-    return "\n".join(
-        [
-            f"# Ablation: {what} ({summary['profile']})",
-            "",
-            f"Mean AUROC on the held-out fully annotated test set, mean ± SD over {seeds} seed(s); marks: paired "
-            "t-test over "
-            f"the seeds against {ref}.",
-            "",
-            markdown_table(["method"] + [str(v) for v in values], rows),
-            "",
-            f"## {ref} against each method",
-            "",
-            f"Δ = {ref} - method. Paired over the settings (each setting's mean over seeds; the papers' test) and over "
-            f"every (setting, seed). With {len(values)} settings the smallest two-sided Wilcoxon p is "
-            f"{2 / 2 ** len(values):.3g}.",
-            "",
-            markdown_table(header, tests) if tests else "(no other method)",
-            "",
-        ]
     )

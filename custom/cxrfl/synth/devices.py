@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cxrfl.synth.anatomy import Scene
 from cxrfl.synth.draw import Array, bezier, blur, disc, stroke
+from cxrfl.synth.scene import Scene
 
 DEVICES = ("central_line", "chest_tube", "ecg", "et_tube", "ng_tube", "pacemaker", "port", "sternal_wires")
 

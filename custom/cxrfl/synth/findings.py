@@ -3,9 +3,10 @@
 Severity sets conspicuity and size together: at 0.1 a sign is hard to see even at full
 resolution (a barely blunted costophrenic angle, a faint 6 mm nodule, a CTR of 0.52); at 1 it
 is obvious. Findings that change the anatomy (heart size, mediastinal width, diaphragm height,
-volume loss, hyperinflation, rib fractures) act in :func:`adjust_anatomy` before the scene is
-built; the rest edit the scene's layers in :func:`draw_findings`. Random choices (side, lobe,
-type) are made once in :func:`plan_findings` so both stages agree.
+volume loss, hyperinflation, rib fractures) act in
+:func:`cxrfl.synth.finding_plan.adjust_anatomy` before the scene is built; the rest edit the
+scene's layers in :func:`draw_findings`. Random choices (side, lobe, type) are made once in
+:func:`cxrfl.synth.finding_plan.plan_findings` so both stages agree.
 
 CheXpert's parent classes are drawn through their children: ``Lung Opacity`` only adds its
 own patchy opacity when no other opacity is present, ``Lung Lesion`` a nodule when neither
@@ -17,164 +18,18 @@ already enlarges the cardiac silhouette.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import numpy as np
 
 from cxrfl.data.labels import KNOWN_CLASSES
-from cxrfl.synth.anatomy import Anatomy, RibBreak, Scene, rib_point, side_index
+from cxrfl.synth.anatomy import rib_point, side_index
 from cxrfl.synth.devices import draw_device
 from cxrfl.synth.draw import Array, blur, disc, dome, segment_distance, smooth_noise, soft, stroke
+from cxrfl.synth.finding_plan import LOBES, Plan, random_side
+from cxrfl.synth.scene import Scene
 
 OPACITIES = ("Atelectasis", "Consolidation", "Edema", "Fibrosis", "Infiltration", "Mass", "Nodule", "Pneumonia")
 """Findings that make ``Lung Opacity`` true (CheXpert's hierarchy)."""
-
-_LOBES: dict[str, tuple[int, tuple[float, float], tuple[float, float]]] = {
-    "RUL": (-1, (0.08, 0.4), (0.2, 0.9)),
-    "RML": (-1, (0.5, 0.78), (0.05, 0.5)),
-    "RLL": (-1, (0.6, 0.95), (0.2, 0.9)),
-    "LUL": (1, (0.08, 0.42), (0.2, 0.9)),
-    "lingula": (1, (0.45, 0.75), (0.45, 0.9)),
-    "LLL": (1, (0.62, 0.95), (0.15, 0.8)),
-}
-"""Lobe -> (side, vertical zone apex..dome, lateral range mediastinum..wall)."""
-_LOBE_NAMES = tuple(_LOBES)
-_LOBE_WEIGHTS = np.array([0.15, 0.12, 0.28, 0.13, 0.1, 0.22])
-
-
-@dataclass
-class Plan:
-    """Random choices shared by the anatomy and drawing stages.
-
-    Args:
-        airspace_lobe: lobe of consolidation / pneumonia (kept together when both present).
-        atelectasis: (kind, lobe) with kind ``plate`` or ``lobar``.
-        effusion_sides: severities per side (image left, image right).
-        pneumothorax_side: -1 or +1.
-        devices: names of the support devices to draw.
-        tube_side: side of a chest tube (the pneumothorax's or the larger effusion's).
-        rib_breaks: fractures.
-    """
-
-    airspace_lobe: str
-    atelectasis: tuple[str, str]
-    effusion_sides: tuple[float, float]
-    pneumothorax_side: int
-    devices: tuple[str, ...]
-    tube_side: int
-    rib_breaks: tuple[RibBreak, ...]
-
-
-def _side(rng: np.random.Generator) -> int:
-    return -1 if rng.random() < 0.5 else 1
-
-
-def _devices(sev: float, view: str, rng: np.random.Generator, effusion: bool, pneumothorax: bool) -> tuple[str, ...]:
-    """Which support devices a patient has: bedside (AP) patients get ICU lines and tubes."""
-    if view == "AP":
-        probs = {
-            "ecg": 0.65,
-            "et_tube": 0.4,
-            "ng_tube": 0.35,
-            "central_line": 0.5,
-            "chest_tube": 0.15,
-            "pacemaker": 0.1,
-            "sternal_wires": 0.1,
-        }
-        if effusion or pneumothorax:
-            probs["chest_tube"] = 0.55
-    else:
-        probs = {"ecg": 0.15, "central_line": 0.3, "pacemaker": 0.35, "sternal_wires": 0.35, "port": 0.2}
-    names = sorted(probs)
-    chosen = [n for n in names if rng.random() < probs[n]]
-    want = 1 + int(sev * 3.0)
-    if not chosen:
-        p = np.array([probs[n] for n in names])
-        chosen = [names[int(rng.choice(len(names), p=p / p.sum()))]]
-    return tuple(sorted(chosen[i] for i in rng.permutation(len(chosen))[:want]))
-
-
-def plan_findings(findings: Mapping[str, float], anat: Anatomy, view: str, rng: np.random.Generator) -> Plan:
-    """Make every random structural choice for this image's findings.
-
-    Args:
-        findings: canonical class -> severity of the present findings.
-        anat: the patient.
-        view: ``PA`` or ``AP``.
-        rng: random generator.
-    """
-    lobe = _LOBE_NAMES[int(rng.choice(len(_LOBE_NAMES), p=_LOBE_WEIGHTS / _LOBE_WEIGHTS.sum()))]
-    ate_kind = "plate" if rng.random() < 0.75 - 0.5 * findings.get("Atelectasis", 0.0) else "lobar"
-    ate_lobe = ("RLL", "LLL", "RUL", "RML", "LUL")[int(rng.choice(5, p=[0.32, 0.38, 0.1, 0.12, 0.08]))]
-    eff = findings.get("Pleural Effusion", 0.0)
-    first, both = _side(rng), rng.random() < 0.45
-    sides = [0.0, 0.0]
-    if eff:
-        sides[side_index(first)] = eff
-        if both:
-            sides[side_index(-first)] = eff * rng.uniform(0.4, 1.0)
-    ptx_side = _side(rng)
-    devices: tuple[str, ...] = ()
-    if "Support Devices" in findings:
-        devices = _devices(findings["Support Devices"], view, rng, bool(eff), "Pneumothorax" in findings)
-    breaks: list[RibBreak] = []
-    if "Fracture" in findings:
-        sev = findings["Fracture"]
-        s, k = _side(rng), int(rng.integers(2, 8))
-        u = float(rng.uniform(0.32, 0.6) * anat.lung_w)
-        for j in range(1 + int(sev > 0.35) + int(sev > 0.7)):
-            breaks.append(RibBreak(s, k + j, u + 0.02 * j, 0.3 + 0.6 * sev, 0.012 + 0.03 * sev))
-    if "Pneumothorax" in findings:
-        tube_side = ptx_side
-    elif eff:
-        tube_side = -1 if sides[0] >= sides[1] else 1
-    else:
-        tube_side = _side(rng)
-    return Plan(lobe, (ate_kind, ate_lobe), (sides[0], sides[1]), ptx_side, devices, tube_side, tuple(breaks))
-
-
-def adjust_anatomy(anat: Anatomy, findings: Mapping[str, float], plan: Plan) -> Anatomy:
-    """Apply the findings that change the anatomy itself.
-
-    Args:
-        anat: the patient's normal anatomy.
-        findings: canonical class -> severity.
-        plan: the random choices.
-    """
-    f = findings
-    if "Emphysema" in f:
-        sev = f["Emphysema"]
-        anat = anat.replace(
-            dome_y=(anat.dome_y[0] + 0.07 * sev, anat.dome_y[1] + 0.07 * sev),
-            dome_k=anat.dome_k * (1.0 - 0.65 * sev),
-            ctr=anat.ctr * (1.0 - 0.1 * sev),
-            air=1.0 + 0.3 * sev,
-            vessel_prune=0.75 * sev,
-            lung_w=anat.lung_w + 0.02 * sev,
-        )
-    if "Fibrosis" in f:
-        sev = f["Fibrosis"]
-        anat = anat.replace(
-            dome_y=(anat.dome_y[0] - 0.05 * sev, anat.dome_y[1] - 0.05 * sev), lung_w=anat.lung_w - 0.02 * sev
-        )
-    if "Cardiomegaly" in f:
-        sev = f["Cardiomegaly"]
-        anat = anat.replace(ctr=0.48 + 0.2 * sev, heart_right=anat.heart_right + 0.03 * sev)
-    elif "Enlarged Cardiomediastinum" in f:
-        anat = anat.replace(med_widen=0.03 + 0.1 * f["Enlarged Cardiomediastinum"])
-    if "Atelectasis" in f and plan.atelectasis[0] == "lobar":
-        sev = f["Atelectasis"]
-        s = _LOBES[plan.atelectasis[1]][0]
-        anat = anat.with_dome(s, -(0.03 + 0.07 * sev)).replace(med_shift=anat.med_shift + s * (0.01 + 0.03 * sev))
-    for s, sev in zip((-1, 1), plan.effusion_sides):
-        if sev > 0.7:
-            anat = anat.replace(med_shift=anat.med_shift - s * 0.08 * (sev - 0.7))
-    if "Pneumothorax" in f and f["Pneumothorax"] > 0.75:
-        s, sev = plan.pneumothorax_side, f["Pneumothorax"]
-        anat = anat.with_dome(s, 0.12 * (sev - 0.75)).replace(med_shift=anat.med_shift - s * 0.12 * (sev - 0.75))
-    if plan.rib_breaks:
-        anat = anat.replace(rib_breaks=plan.rib_breaks)
-    return anat
 
 
 def _add_fill(scene: Scene, value: Array) -> None:
@@ -184,7 +39,7 @@ def _add_fill(scene: Scene, value: Array) -> None:
 
 def _lobe_region(scene: Scene, lobe: str, radius: float, rng: np.random.Generator, edge: float) -> Array:
     """An irregular region of size ``radius`` inside ``lobe`` (fissure edge for the upper lobes)."""
-    s, zone, lateral = _LOBES[lobe]
+    s, zone, lateral = LOBES[lobe]
     geo = scene.geo
     cx, cy = geo.lung_point(s, rng, zone, lateral)
     noise = smooth_noise(rng, scene.x.shape, 9)
@@ -206,7 +61,7 @@ def _consolidation(scene: Scene, sev: float, plan: Plan, rng: np.random.Generato
 
 def _pneumonia(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator) -> None:
     """Patchy confluent airspace opacities in one lobe, some air bronchograms."""
-    s, zone, lateral = _LOBES[plan.airspace_lobe]
+    s, zone, lateral = LOBES[plan.airspace_lobe]
     cx, cy = scene.geo.lung_point(s, rng, zone, lateral)
     patch = np.zeros_like(scene.x)
     for _ in range(2 + int(4 * sev)):
@@ -221,7 +76,7 @@ def _patchy(scene: Scene, sev: float, rng: np.random.Generator, amp: float) -> N
     """Ill-defined patchy opacities in the mid/lower zones of one or both lungs."""
     noise = smooth_noise(rng, scene.x.shape, 11)
     patch = soft(noise - (1.3 - 0.7 * sev), 0.35)
-    s = _side(rng)
+    s = random_side(rng)
     weight = scene.lung[side_index(s)] + (scene.lung[side_index(-s)] if rng.random() < 0.5 else 0.0)
     zone = soft(scene.y - scene.geo.zone_y(rng.uniform(0.2, 0.5)), 0.08)
     _add_fill(scene, amp * patch * weight * zone)
@@ -262,7 +117,7 @@ def _edema(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator) -> No
 def _atelectasis(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator) -> None:
     """Plate-like (discoid) bands, or a collapsed lobe's wedge (volume loss in adjust_anatomy)."""
     kind, lobe = plan.atelectasis
-    s = _LOBES[lobe][0]
+    s = LOBES[lobe][0]
     geo = scene.geo
     if kind == "plate":
         for _ in range(1 + int(rng.random() < 0.4)):
@@ -303,7 +158,7 @@ def _triangle(scene: Scene, p0: tuple[float, float], p1: tuple[float, float], p2
 
 def _nodule(scene: Scene, sev: float, rng: np.random.Generator, count: int) -> None:
     for _ in range(count):
-        s = _side(rng)
+        s = random_side(rng)
         cx, cy = scene.geo.lung_point(s, rng, (0.1, 0.9), (0.15, 0.9))
         r = 0.025 + 0.05 * (0.5 * rng.random() + 0.5 * sev)
         density = 0.15 + 0.4 * sev
@@ -326,7 +181,7 @@ def _lung_lesion(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator)
 
 def _mass(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator) -> None:
     """A lobulated opacity >= 3 cm, peripheral or hilar."""
-    s = _side(rng)
+    s = random_side(rng)
     if rng.random() < 0.25:
         hx, hy = scene.geo.hilum(s)
         cx, cy = hx + s * 0.06, hy + rng.normal(0, 0.04)
@@ -398,7 +253,7 @@ def _emphysema(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator) -
     if sev < 0.4:
         return
     for _ in range(1 + int(rng.random() < sev) + int(rng.random() < sev - 0.4)):
-        s = _side(rng)
+        s = random_side(rng)
         cx, cy = scene.geo.lung_point(s, rng, (0.05, 0.4), (0.3, 0.95))
         r = rng.uniform(0.04, 0.05 + 0.08 * sev)
         bulla = disc(scene.x, scene.y, cx, cy, r, r * 0.9, scene.edge) * scene.lung[side_index(s)]
@@ -424,7 +279,7 @@ def _fibrosis(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator) ->
 def _pleural_band(scene: Scene, sev: float, rng: np.random.Generator) -> None:
     """Smooth pleural thickening along the chest wall or as an apical cap."""
     geo = scene.geo
-    sides = (_side(rng),) if rng.random() < 0.6 else (-1, 1)
+    sides = (random_side(rng),) if rng.random() < 0.6 else (-1, 1)
     apical = rng.random() < 0.4
     for s in sides:
         cx, cy, ax, ayt, _ = geo.lung_ellipse(s)
@@ -451,7 +306,7 @@ def _pleural_other(scene: Scene, sev: float, plan: Plan, rng: np.random.Generato
     geo = scene.geo
     a = geo.a
     for _ in range(1 + int(3 * sev * rng.random())):
-        s = _side(rng)
+        s = random_side(rng)
         if rng.random() < 0.6:
             y = geo.zone_y(rng.uniform(0.35, 0.85))
             x = a.med_shift + s * a.lung_w * 0.95
@@ -502,11 +357,11 @@ def _fracture(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator) ->
 
 
 def _enlarged_cardiomediastinum(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator) -> None:
-    """Drawn in :func:`adjust_anatomy` (wider mediastinum); nothing to add."""
+    """Drawn in :func:`cxrfl.synth.finding_plan.adjust_anatomy` (wider mediastinum); nothing to add."""
 
 
 def _cardiomegaly(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator) -> None:
-    """Drawn in :func:`adjust_anatomy` (larger cardiothoracic ratio); nothing to add."""
+    """Drawn in :func:`cxrfl.synth.finding_plan.adjust_anatomy` (larger cardiothoracic ratio); nothing to add."""
 
 
 def _support_devices(scene: Scene, sev: float, plan: Plan, rng: np.random.Generator) -> None:
@@ -558,7 +413,7 @@ def draw_findings(scene: Scene, findings: Mapping[str, float], plan: Plan, rng: 
     Args:
         scene: the scene (edited in place).
         findings: canonical class -> severity in (0, 1].
-        plan: the random choices made by :func:`plan_findings`.
+        plan: the random choices made by :func:`cxrfl.synth.finding_plan.plan_findings`.
         rng: random generator.
     """
     for name in KNOWN_CLASSES:

@@ -1,6 +1,6 @@
 """Render one synthetic chest radiograph from a full finding vector.
 
-Frontal views (PA/AP) go through the layered scene of :mod:`cxrfl.synth.anatomy` and the signs
+Frontal views (PA/AP) go through the layered scene of :mod:`cxrfl.synth.scene` and the signs
 of :mod:`cxrfl.synth.findings`; lateral views use a simpler side-on model of the same patient
 (sternum, spine, superimposed lungs, heart, domes) showing the findings that matter on a
 lateral: heart size, posterior effusion, opacities and devices.
@@ -13,9 +13,11 @@ from collections.abc import Mapping
 import numpy as np
 
 from cxrfl.data.labels import KNOWN_CLASSES
-from cxrfl.synth.anatomy import Anatomy, build_scene, sample_anatomy
+from cxrfl.synth.anatomy import Anatomy, sample_anatomy
 from cxrfl.synth.draw import Array, Grid, blur, disc, segment_distance, smooth_noise, soft, stroke
-from cxrfl.synth.findings import OPACITIES, adjust_anatomy, draw_findings, plan_findings
+from cxrfl.synth.finding_plan import adjust_anatomy, plan_findings
+from cxrfl.synth.findings import OPACITIES, draw_findings
+from cxrfl.synth.scene import build_scene
 from cxrfl.synth.styles import AcquisitionStyle, acquire, get_style
 
 VIEWS = ("PA", "AP", "LL")

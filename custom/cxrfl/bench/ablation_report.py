@@ -1,0 +1,73 @@
+"""``ablation.md`` of an ablation: mean AUROC per setting and surgical aggregation against each
+method, paired over the settings and over every (setting, seed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cxrfl.bench.report import effect_row, markdown_table, num_text, stars
+
+
+def format_ablation(summary: dict[str, Any]) -> str:
+    """The Markdown tables of an ablation: mean AUROC on the held-out test set per setting, and
+    surgical aggregation against each method paired over the settings (the papers' test) and over
+    every (setting, seed).
+
+    Args:
+        summary: what :func:`cxrfl.bench.compare.run_ablation` writes to ``ablation.json``.
+    """
+    values = summary["values"]
+    what = (
+        "number of sites (4 shared classes)" if summary["ablation"] == "sites" else "number of shared classes (4 sites)"
+    )
+    rows = []
+    for d in summary["methods"].values():
+        row = [d["label"]]
+        for v in values:
+            r = d["by_value"][v]
+            over = r["over_seeds"]
+            text = f"{num_text(over['mean'])}" + (f" ± {over['sd']:.3f}" if over.get("sd") is not None else "")
+            vs = (r.get("vs_reference") or {}).get("seeds") or {}
+            row.append(f"{text} {stars(vs.get('p'))}".strip())
+        rows.append(row)
+    ref = summary["methods"].get(summary["reference"], {}).get("label", summary["reference"])
+    tests = [
+        effect_row(d["label"], d["vs_reference"].get("settings"), d["vs_reference"].get("setting_seeds"))
+        for d in summary["methods"].values()
+        if d.get("vs_reference")
+    ]
+    header = [
+        "method",
+        "Δ settings",
+        "95% CI",
+        "d_z",
+        "t-test p",
+        "Wilcoxon p",
+        "settings",
+        "Δ (setting, seed)",
+        "95% CI",
+        "d_z",
+        "t-test p",
+        "pairs",
+    ]
+    seeds = max((len(d["by_value"][v]["mean_by_seed"]) for d in summary["methods"].values() for v in values), default=0)
+    return "\n".join(
+        [
+            f"# Ablation: {what} ({summary['profile']})",
+            "",
+            f"Mean AUROC on the held-out fully annotated test set, mean ± SD over {seeds} seed(s); marks: paired "
+            "t-test over "
+            f"the seeds against {ref}.",
+            "",
+            markdown_table(["method"] + [str(v) for v in values], rows),
+            "",
+            f"## {ref} against each method",
+            "",
+            f"Δ = {ref} - method. Paired over the settings (each setting's mean over seeds; the papers' test) and over "
+            f"every (setting, seed). With {len(values)} settings the smallest two-sided Wilcoxon p is "
+            f"{2 / 2 ** len(values):.3g}.",
+            "",
+            markdown_table(header, tests) if tests else "(no other method)",
+            "",
+        ]
+    )
