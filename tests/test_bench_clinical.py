@@ -137,7 +137,7 @@ def test_external_sites_are_reported_apart_from_the_targets():
     assert (
         "On the external test set(s), which fitted nothing (reported, not a target: another population): ECE above "
         "0.05 before in 1 of 1 (class, seed), brought to <= 0.05 in 0, made worse in 1; test sensitivity holds 0.9 "
-        "in 0 of 1 (class, seed): Mass 0.600." in report
+        "in 0 of 1 (class, seed), per class one value per seed: Mass 0.600." in report
     )
 
 
