@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from cxrfl.common.io import to_numpy
 from cxrfl.common.selection import EarlyStopping
@@ -82,14 +81,14 @@ class RelayState:
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        """Tensors and plain values (kept with the resume state)."""
+        """Plain dict for the resume store (its ``torch_save`` stores the arrays as tensors)."""
         return {
             "cycle": self.cycle,
-            "weights": _tensors(self.weights),
-            "optimizer": _tensors(self.optimizer),
+            "weights": self.weights,
+            "optimizer": self.optimizer,
             "iteration": self.iteration,
             "stopping": self.stopping.to_dict(),
-            "best_weights": _tensors(self.best_weights),
+            "best_weights": self.best_weights,
             "history": self.history,
         }
 
@@ -126,12 +125,3 @@ class CycleRun:
     skipped: dict[str, str] = field(default_factory=dict)
     visits: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
-
-
-def _tensors(params: Mapping[str, np.ndarray] | None) -> dict[str, torch.Tensor] | None:
-    """Parameters as tensors for the resume state (None stays None).
-
-    Args:
-        params: name -> array.
-    """
-    return None if params is None else {k: torch.as_tensor(np.asarray(v)) for k, v in params.items()}

@@ -123,7 +123,17 @@ def augment_transforms() -> Compose:
     )
 
 
-def _mean_std(in_channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def mean_std(in_channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The normalisation of a model's input: ImageNet's per-channel mean and std (3 channels) or their mean (1).
+
+    Args:
+        in_channels: 3 or 1.
+
+    Raises:
+        ValueError: another number of channels.
+    """
+    if in_channels not in (1, 3):
+        raise ValueError(f"in_channels must be 1 or 3, got {in_channels}")
     return (IMAGENET_MEAN, IMAGENET_STD) if in_channels == 3 else (GRAY_MEAN, GRAY_STD)
 
 
@@ -134,7 +144,7 @@ def input_transforms(in_channels: int = 3) -> Compose:
         in_channels: 3 or 1 (one channel: the mean of ImageNet's channel statistics).
     """
     _check(8, in_channels)
-    mean, std = _mean_std(in_channels)
+    mean, std = mean_std(in_channels)
     steps: list[Callable] = [RepeatChannel(repeats=in_channels)] if in_channels > 1 else []
     return Compose(
         steps
@@ -183,7 +193,7 @@ class BatchTransform(Randomizable):
         _check(8, in_channels)
         self.in_channels = in_channels
         self.augment = augment
-        mean, std = _mean_std(in_channels)
+        mean, std = mean_std(in_channels)
         self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
 

@@ -41,7 +41,7 @@ from monai.transforms import (
 )
 from torch.utils.data import Dataset
 
-from cxrfl.data.transforms import GRAY_MEAN, GRAY_STD, IMAGENET_MEAN, IMAGENET_STD, BatchTransform, LoadGrayscale
+from cxrfl.data.transforms import BatchTransform, LoadGrayscale, mean_std
 
 
 @dataclass(frozen=True)
@@ -87,12 +87,6 @@ BLUR_TRUNCATE = 4.0
 """The blur kernel reaches this many sigmas (MONAI's ``GaussianFilter`` default)."""
 
 
-def _mean_std(in_channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    if in_channels not in (1, 3):
-        raise ValueError(f"in_channels must be 1 or 3, got {in_channels}")
-    return (IMAGENET_MEAN, IMAGENET_STD) if in_channels == 3 else (GRAY_MEAN, GRAY_STD)
-
-
 def view_transforms(image_size: int, in_channels: int = 3) -> tuple[Compose, Compose]:
     """The deterministic loader and the per-image random view transform of SimSiam.
 
@@ -104,7 +98,7 @@ def view_transforms(image_size: int, in_channels: int = 3) -> tuple[Compose, Com
         image_size: output side in pixels.
         in_channels: 3 (grey replicated, ImageNet mean/std) or 1.
     """
-    mean, std = _mean_std(in_channels)
+    mean, std = mean_std(in_channels)
     load = Compose(
         [LoadGrayscale(), EnsureChannelFirst(channel_dim="no_channel"), Resize((image_size, image_size), mode="area")]
     )
@@ -219,10 +213,7 @@ class BatchViews(Randomizable):
     """
 
     def __init__(self, in_channels: int = 3) -> None:
-        mean, std = _mean_std(in_channels)
-        self.in_channels = in_channels
-        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-        self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        self.normalise = BatchTransform(in_channels, augment=False)  # channels and mean/std, as every GPU batch
 
     def draw(self, n: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Draw the parameters of ``n`` views on ``device``.
@@ -289,6 +280,4 @@ class BatchViews(Randomizable):
         g = torch.Generator(device=y.device).manual_seed(int(self.R.randint(2**31 - 1)))
         noise = torch.randn(y.shape, generator=g, device=y.device, dtype=y.dtype)
         y = y + noise * p["noise"].view(-1, 1, 1, 1).to(y.dtype)
-        if self.mean.device != y.device:  # moved once
-            self.mean, self.std = self.mean.to(y.device), self.std.to(y.device)
-        return (y.expand(-1, self.in_channels, -1, -1) - self.mean) / self.std
+        return self.normalise(y)
