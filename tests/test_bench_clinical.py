@@ -54,9 +54,13 @@ def test_sensitivity_is_pooled_over_the_labelling_sites_with_its_wilson_interval
     assert row["threshold"] == 0.5 and row["val_sensitivity"] == 0.9
     miss = targets([{"auroc": {}, "ece": [], "sensitivity": {"X": row}}], 0.9)[2]
     assert miss["met"] is False and "0 of 1 (class, seed) hold 0.9; 1 misses" in miss["measured"]
+    assert "not significantly below 0.9 (interval reaching it): 0 of 1" in miss["measured"]
     # one more positive found per site would put 0.90 back in: 42/50 -> [0.715, 0.917]
     hit = dict(row, k=42, value=0.84, low=hand_wilson(42, 50)[0], high=hand_wilson(42, 50)[1])
     assert targets([{"auroc": {}, "ece": [], "sensitivity": {"X": hit}}], 0.9)[2]["met"] is True
+    above = dict(row, k=49, value=0.98, low=hand_wilson(49, 50)[0], high=hand_wilson(49, 50)[1])  # [0.895, 0.996]
+    high = targets([{"auroc": {}, "ece": [], "sensitivity": {"X": above}}], 0.9)[2]
+    assert high["met"] is True and "reaching it): 1 of 1" in high["measured"]
 
 
 def test_auroc_is_compared_on_the_sites_pooled_only():
@@ -80,7 +84,8 @@ def test_ece_before_and_after_the_map_per_site_and_class():
     raw, y = expit(z), (rng.uniform(size=4000) < expit(z - 1)).astype(float)  # one logit over-confident
     central = {"a": (["X", "W"], np.c_[raw, raw], np.c_[y, y]), "b": (["X"], raw[:3, None], np.ones((3, 1)))}
     platt = CalibrationMap(kind="platt", slope=1.0, intercept=-1.0)  # the true map
-    rows = ece_rows(central, ClinicalFit({"X": platt}, {}, {}), BinSpec(), min_cell=5)
+    consortium = ClinicalFit({"X": platt}, {}, {})
+    rows = ece_rows(central, consortium, {}, BinSpec(), min_cell=5)
     assert [(r["site"], r["class"], r["mapped"]) for r in rows] == [("a", "X", True), ("a", "W", False)]  # b: too few
     # independently: 15 equal-width bins of the scores themselves (the counts move a score by < 0.004 logit)
     for r, shown in ((rows[0], platt.apply(raw)), (rows[1], raw)):
@@ -88,6 +93,11 @@ def test_ece_before_and_after_the_map_per_site_and_class():
         gaps = [abs(y[which == b].sum() - shown[which == b].sum()) for b in range(15)]
         assert r["after"] == pytest.approx(sum(gaps) / 4000, abs=2e-3)
     assert rows[1]["after"] == rows[1]["before"] and rows[0]["after"] < 0.05 < rows[0]["before"]
+    # site a's own copy maps W too: its ECE after is the copy's, the consortium's map (none for W) reported beside
+    copy = ClinicalFit({"X": platt, "W": platt}, {}, {})
+    own = ece_rows(central, consortium, {"a": copy}, BinSpec(), min_cell=5)
+    assert [(r["class"], r["own_map"]) for r in own] == [("X", False), ("W", True)]
+    assert own[1]["after"] == rows[0]["after"] and own[1]["after_consortium"] == rows[1]["before"]
 
 
 def run(profile: str, seed: int, diff: float, before: float, after: float) -> dict:
@@ -132,7 +142,7 @@ def test_external_sites_are_reported_apart_from_the_targets():
     miss = {"threshold": 0.3, "val_sensitivity": 0.91, "k": 30, "n": 50, "value": 0.6, "low": 0.46, "high": 0.72}
     one["sensitivity_external"] = {"Mass": miss}
     report = format_report(results)
-    assert "1 of 2 (site, class, seed) above 0.05 before, 1 brought to <= 0.05; 0 made worse | MET |" in report
+    assert "1 of 2 (site, class, seed) above 0.05 before, 1 brought to <= 0.05; 0 made worse (with the" in report
     assert report.count("| MET |") == 3
     assert (
         "On the external test set(s), which fitted nothing (reported, not a target: another population): ECE above "
@@ -146,15 +156,19 @@ def test_report_verdicts_on_hand_made_results(tmp_path):
     good = format_report(hand_made(settings, diff=0.0019, before=0.02, after=0.02))
     assert good.count("| MET |") == 6 and "NOT MET" not in good
     assert "largest absolute difference 0.0019 over 4 (class, seed) | MET |" in good
-    assert "2 of 4 (site, class, seed) above 0.05 before, 2 brought to <= 0.05; 0 made worse | MET |" in good
+    assert (
+        "2 of 4 (site, class, seed) above 0.05 before, 2 brought to <= 0.05; 0 made worse (with the consortium's "
+        "map alone: 2 brought to <= 0.05, 0 made worse) | MET |"
+    ) in good
     assert "| Effusion | 0.910, 0.910 | 0.900 [" in good and "(45/50) | 2 of 2 |" in good
     assert "| Mass | 1 (withheld 1) | 12 / 100 | 0.7000 | 0.7001 | 0.00010 | 2 |" in good
     assert "- nih1000: tiny" in good and "Code `abcdef0`" in good
     one_over = hand_made(settings, diff=0.0021, before=0.02, after=0.02)  # just above 0.002: target 1 fails
     assert "largest absolute difference 0.0021 over 4 (class, seed) | NOT MET |" in format_report(one_over)
     worse = format_report(hand_made(settings, diff=0.0, before=0.02, after=0.021))  # below 0.05 but worse
-    assert "2 of 4 (site, class, seed) above 0.05 before, 2 brought to <= 0.05; 2 made worse | NOT MET |" in worse
-    assert "| Effusion | 2 | 0 | 0.0200 | 0.0210 | 0 | 0 | 2 |" in worse
+    assert "2 of 4 (site, class, seed) above 0.05 before, 2 brought to <= 0.05; 2 made worse (with" in worse
+    assert "2 made worse) | NOT MET |" in worse
+    assert "| Effusion | 2 | 0 | 0 | 0.0200 | 0.0210 | 0.0210 | 0 | 0 | 2 |" in worse
     unfixed = targets(list(hand_made(settings, diff=0.0, before=0.09, after=0.06)["runs"].values())[:2], 0.9)[1]
     assert unfixed["met"] is False and "2 brought to <= 0.05" in unfixed["measured"]  # Mass only
     clinical.plot_curves(hand_made(settings, diff=0.0, before=0.02, after=0.02), tmp_path / "curves.png")

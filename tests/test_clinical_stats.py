@@ -13,8 +13,9 @@ import json
 
 import numpy as np
 import pytest
-from cxrfl.clinical.calibration import CalibrationMap, fit_calibration, reliability
+from cxrfl.clinical.calibration import CalibrationMap, fit_calibration, log_loss, reliability, supported_calibration
 from cxrfl.clinical.counts import BinSpec, ScoreCounts, count_scores, merge, refine_bins
+from cxrfl.clinical.fitted import ClinicalFit
 from cxrfl.clinical.operating import choose_threshold
 from cxrfl.clinical.pooled import at_threshold, auroc_gap, pooled_auroc, roc_curve
 from cxrfl.errors import ConfigError, UpdateRejected
@@ -22,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import minimize_scalar
 from scipy.special import expit, logit
-from scipy.stats import rankdata
+from scipy.stats import norm, rankdata
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 
@@ -313,9 +314,93 @@ def test_threshold_sits_in_the_middle_of_the_gap_between_validation_scores() -> 
     # bin (lower edge 0.0) reaches the same validation rates; the middle edge is taken
     bins = BinSpec(low=-4.0, high=4.0, n=40)
     s, y = expit(np.array([-3.1, -3.1, 0.1, 1.1])), np.array([0, 0, 1, 1])
-    point = choose_threshold(count_scores(s, y, bins=bins, min_cell=1), "sensitivity", 1.0)
+    point = choose_threshold(count_scores(s, y, bins=bins, min_cell=1), "sensitivity", 1.0, rule="validation")
     assert point.met and point.point.logit_threshold == pytest.approx(-1.4)
     assert (point.point.sensitivity.value, point.point.specificity.value) == (1.0, 1.0)
+
+
+def test_new_data_rule_keeps_the_target_on_new_positives_where_the_validation_rule_falls_short() -> None:
+    # issue 45: k of n validation positives above a threshold catch a new positive with probability k / (n + 1).
+    # 10 positives, target 0.9: the validation rule keeps 9 (at least 9/11 = 0.82 expected on new data), the
+    # new-data rule all 10 (at least 10/11 = 0.91); measured over 2000 validation draws of a binormal class,
+    # on new positives.
+    rng = np.random.default_rng(7)
+    bins = BinSpec(low=-8.0, high=8.0, n=20000)  # two positives share a bin in about 1 % of the draws
+    reached: dict[str, list[float]] = {"validation": [], "new_data": []}
+    kept: dict[str, list[int]] = {"validation": [], "new_data": []}
+    for _ in range(2000):
+        z = np.concatenate([rng.normal(1.0, 1.0, 10), rng.normal(-1.0, 1.0, 40)])
+        counts = count_scores(expit(z), np.repeat([1.0, 0.0], [10, 40]), bins=bins, min_cell=1)
+        for rule, got in reached.items():
+            point = choose_threshold(counts, "sensitivity", 0.9, rule=rule).point
+            got.append(norm.sf(point.logit_threshold, loc=1.0))  # exact sensitivity on new positives
+            kept[rule].append(point.sensitivity.k)
+    assert np.mean(np.array(kept["validation"]) == 9) > 0.98 and set(kept["new_data"]) == {10}
+    # a threshold in the gap below the k-th positive catches at least k / (n + 1) of new positives
+    assert 9 / 11 - 0.01 <= np.mean(reached["validation"]) < 0.85  # short of the 0.90 asked for
+    assert np.mean(reached["new_data"]) >= max(0.9, 10 / 11 - 0.01)
+    with pytest.raises(ValueError, match="rule must be"):
+        choose_threshold(counts, "sensitivity", 0.9, rule="optimistic")
+    # 7 positives: at most 7/8 expected on new data, 0.9 is out of reach; the threshold keeps all 7 and no more
+    s, y = expit(np.array([-3.0, -2.0, -1.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5])), np.repeat([0.0, 1.0], [3, 7])
+    short = choose_threshold(count_scores(s, y, bins=bins, min_cell=1), "sensitivity", 0.9)
+    assert not short.met and short.point.sensitivity.k == 7 and short.point.specificity.k == 3
+    assert choose_threshold(count_scores(s, y, bins=bins, min_cell=1), "specificity", 0.9).point.specificity.k == 3
+
+
+def _binormal_class(rng: np.random.Generator, n: int, slope: float, intercept: float) -> ScoreCounts:
+    """Raw scores ``sigmoid(z)``, z ~ N(-1, 1.5); labels drawn from ``sigmoid(slope * z + intercept)``."""
+    z = rng.normal(-1.0, 1.5, n)
+    y = (rng.random(n) < expit(slope * z + intercept)).astype(float)
+    return count_scores(expit(z), y, bins=BinSpec(low=-8.0, high=8.0, n=400), min_cell=1)
+
+
+def test_a_map_is_kept_only_where_it_beats_the_raw_scores() -> None:
+    # issue 45: calibrated scores keep the identity map (no noise fitted); miscalibrated ones get the fitted map
+    rng = np.random.default_rng(11)
+    kept = [supported_calibration(_binormal_class(rng, 500, 1.0, 0.0))[1] for _ in range(200)]
+    assert 0.02 <= np.mean(np.array(kept) <= 0.05) <= 0.09  # a level-0.05 test under its null hypothesis
+    off = _binormal_class(rng, 500, 0.5, -1.0)
+    fitted, p = supported_calibration(off)
+    assert p < 1e-6 and fitted == fit_calibration(off) and fitted.slope == pytest.approx(0.5, abs=0.2)
+    assert log_loss(off, fitted) < log_loss(off)
+    same, p_null = supported_calibration(off, null=fitted)  # the fit cannot beat itself
+    assert same == fitted and p_null == pytest.approx(1.0)
+    assert supported_calibration(_binormal_class(rng, 500, 1.0, 0.0), alpha=1.0)[0].kind == "platt"
+
+
+def test_a_site_copy_keeps_its_own_classes_and_its_own_map_where_the_consortiums_misfits_it() -> None:
+    # issue 45: two hospitals score one class alike but differ in how often it is positive (site a: as the
+    # raw scores say; site b: four times the odds). The consortium's map fits neither; each site's copy
+    # carries a map of its own that brings its test ECE under 0.05 and half the consortium map's.
+    rng = np.random.default_rng(3)
+    val = {"a": _binormal_class(rng, 1500, 1.0, 0.0), "b": _binormal_class(rng, 1500, 1.0, np.log(4.0))}
+    test = {"a": _binormal_class(rng, 3000, 1.0, 0.0), "b": _binormal_class(rng, 3000, 1.0, np.log(4.0))}
+    other = _binormal_class(rng, 1500, 1.0, 0.0)
+    fit = ClinicalFit.fit(
+        {"X": merge(list(val.values())), "Y": other},
+        calibration="platt",
+        target="sensitivity",
+        value=0.9,
+        fitted_on={"split": "val"},
+    )
+    assert "Y" not in fit.calibration and fit.fitted_on["calibration_p"]["Y"] > 0.05  # calibrated: no map
+    for site in ("a", "b"):
+        copy = fit.for_site(["X"], {"X": val[site]}, calibration="platt", alpha=0.05, fitted_on={"site": site})
+        assert set(copy.calibration) == {"X"} and set(copy.operating_points) == {"X"}  # never class Y
+        assert copy.operating_points["X"] == fit.operating_points["X"]
+        assert copy.calibration["X"] != fit.calibration["X"] and copy.fitted_on["site_calibration_p"]["X"] < 1e-3
+        pooled_ece, own_ece = (
+            reliability(test[site], fit.calibration["X"]).ece,
+            reliability(test[site], copy.calibration["X"]).ece,
+        )
+        assert pooled_ece > 0.05 and own_ece <= 0.05 and own_ece < pooled_ece / 2
+    # a site whose counts fit the consortium's map keeps it
+    same = fit.for_site(["X"], {"X": merge(list(val.values()))}, calibration="platt", alpha=0.05, fitted_on={})
+    assert same.calibration["X"] == fit.calibration["X"]
+    assert fit.for_site(["X"], {}, calibration="platt", alpha=0.05, fitted_on={}).calibration == {
+        "X": fit.calibration["X"]
+    }
 
 
 # --- properties -----------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import TINY_MODEL, names_in, nvflare_bin
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES
-from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
+from cxrfl.nn.models import ModelConfig, build_model, load_checkpoint, save_checkpoint
 from cxrfl.synth import write_profile
 
 pytestmark = pytest.mark.slow
@@ -39,6 +39,12 @@ def simulated(tmp_path_factory, repo_root):
             ",".join(SITES),
             "--min_cell",
             "1",
+            "--split",  # on validation, fitting maps and points: every task of the job, each site's copy too
+            "val",
+            "--calibration",
+            "platt",
+            "--target",
+            "youden",
             "--export",
             "--export-dir",
             str(tmp / "jobs"),
@@ -97,5 +103,12 @@ def test_the_model_and_other_sites_class_names_reach_no_site(simulated):
         assert any(p.name == "log.txt" for p in files) and not [p for p in files if p.name == "external_model.pt"]
         leaks = {str(p.relative_to(root)): names_in(p, sorted(foreign)) for p in files}
         assert {p: n for p, n in leaks.items() if n} == {}, site
+        own = list(root.rglob("cxrfl_state/site_models/*.pt"))  # the site's calibrated copy, scanned above
+        assert len(own) == 1 and own[0].stat().st_mode & 0o777 == 0o600, own
+        copy = load_checkpoint(own[0])
+        assert set(copy["classes"]) == set(NIH_CLASSES if site == "hospital-a" else CHEXPERT_CLASSES)
+        assert copy["clinical"]["operating_points"] and set(copy["clinical"]["operating_points"]) <= set(
+            copy["classes"]
+        )
         server = simulated["ws"] / "server" / "simulate_job" / "app_server" / "cxrfl" / "evaluation.json"
         assert names_in(server, sorted(foreign))  # positive control: the scan finds the names where they are

@@ -15,6 +15,7 @@ sensitivity and specificity and calibration. The model is shipped inside the job
 import argparse
 
 # importing the recipes imports nvflare.recipe, which takes --export/--export-dir out of sys.argv
+from cxrfl.clinical.operating import RULES
 from cxrfl.fedeval.config import SPLITS, FedEvalConfig
 from cxrfl.fl.job_script import add_run_arguments, run_recipe
 from cxrfl.fl.recipes import FedEvalRecipe
@@ -54,6 +55,23 @@ def define_parser() -> argparse.ArgumentParser:
         help="choose an operating point per class (needs --split val)",
     )
     p.add_argument("--target_value", type=float, default=None, help="the sensitivity or specificity --target asks for")
+    p.add_argument(
+        "--threshold_rule",
+        choices=RULES,
+        default=DEFAULTS.threshold_rule,
+        help="new_data: the expected rate on new images reaches --target_value; validation: the rate on the split does",
+    )
+    p.add_argument(
+        "--calibration_alpha",
+        type=float,
+        default=DEFAULTS.calibration_alpha,
+        help="keep a map only where a likelihood-ratio test at this level says it fits better than the raw scores",
+    )
+    p.add_argument(
+        "--no_site_fits",
+        action="store_true",
+        help="do not send each site its copy (own classes, own maps) to write as cxrfl_state/site_models/<job>.pt",
+    )
     p.add_argument("--task_timeout", type=int, default=0, help="seconds a site may take (0: no limit)")
     add_run_arguments(p, quantize=False)
     return p
@@ -74,6 +92,9 @@ def main() -> None:
             "calibration": args.calibration,
             "target": args.target,
             "target_value": args.target_value,
+            "threshold_rule": args.threshold_rule,
+            "calibration_alpha": args.calibration_alpha,
+            "site_fits": not args.no_site_fits,
         },
         task_timeout=args.task_timeout,
         num_threads=args.num_threads,

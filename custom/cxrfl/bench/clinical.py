@@ -11,8 +11,10 @@ operating point per class (``cxrfl/calibrated_model.pt``). Independently, ``cxrf
 1. per class, the federated pooled AUROC against scikit-learn's AUROC of the pooled raw scores of the same
    images (the sites pooled): met when every ``|difference|`` is at most :data:`AUROC_TOLERANCE`;
 2. per site and class it labels, the expected calibration error of its test split before and after the
-   map (the product's :func:`cxrfl.clinical.calibration.reliability` on its counts): met when every pair
-   above :data:`ECE_LIMIT` comes to at most it and none gets worse;
+   map the site uses (its copy of the fit, :meth:`cxrfl.clinical.fitted.ClinicalFit.for_site`, written by
+   the site; the consortium's map where a site has no copy) (the product's
+   :func:`cxrfl.clinical.calibration.reliability` on its counts): met when every pair above
+   :data:`ECE_LIMIT` comes to at most it and none gets worse; the consortium's map alone is reported too;
 3. per class, the test sensitivity at the threshold chosen on validation (``cxrfl predict``'s decision,
    :meth:`cxrfl.clinical.fitted.ClinicalFit.decide`), pooled over the sites labelling it, with its Wilson
    interval: met when the interval holds the target.
@@ -50,6 +52,7 @@ from cxrfl.jobs import DEMO_MODEL, DEMO_TRAIN, JOBS
 from cxrfl.nn.models import load_checkpoint, save_checkpoint
 from cxrfl.predict import predict_images
 from cxrfl.surgical.config import SurgicalConfig
+from cxrfl.surgical.host import SITE_MODELS
 from cxrfl.surgical.inprocess import global_model, make_hosts, run_surgical
 
 Log = Callable[[str], None]
@@ -209,9 +212,8 @@ def _run_one(settings: ClinicalBenchSettings, data: BenchData, seed: int, folder
     tests = _test_sites(data, settings)
     test = _fedeval(settings, tests, model, "test", folder / "test", log)
     fitted = folder / "val" / _fedeval(settings, data.sites, model, "val", folder / "val", log)["fitted"]["model"]
-    fit = ClinicalFit.from_checkpoint(load_checkpoint(fitted), str(fitted))
-    if fit is None:
-        raise RuntimeError(f"the evaluation-only run left no calibration in {fitted}")
+    fit = _read_fit(fitted)
+    copies = {s.site: _read_fit(folder / "val" / "sites" / s.site / SITE_MODELS / "fedeval.pt") for s in data.sites}
     central = central_scores(model, tests)
     training = [site.site for site in data.sites]
     external = {site: v for site, v in central.items() if site not in training}
@@ -222,7 +224,7 @@ def _run_one(settings: ClinicalBenchSettings, data: BenchData, seed: int, folder
         "val_loss": result.curve("mean_val_loss"),
         "val_auroc": result.curve("mean_val_auroc"),
         "auroc": auroc_rows(test, central),
-        "ece": ece_rows(central, fit, BinSpec(n=settings.bins), settings.min_cell),
+        "ece": ece_rows(central, fit, copies, BinSpec(n=settings.bins), settings.min_cell),
         "training_sites": training,
         "sensitivity": sensitivity_rows({site: central[site] for site in training}, fit),
         "sensitivity_external": sensitivity_rows(external, fit) if external else {},
@@ -230,6 +232,14 @@ def _run_one(settings: ClinicalBenchSettings, data: BenchData, seed: int, folder
     }
     shutil.rmtree(folder, ignore_errors=True)
     return run
+
+
+def _read_fit(path: Path) -> ClinicalFit:
+    """The fit a model written by the evaluation-only run carries."""
+    fit = ClinicalFit.from_checkpoint(load_checkpoint(path), str(path))
+    if fit is None:
+        raise RuntimeError(f"the evaluation-only run left no calibration in {path}")
+    return fit
 
 
 def central_scores(model: Path, sites: Sequence[SiteData]) -> Central:
@@ -289,13 +299,17 @@ def auroc_rows(report: Mapping[str, Any], central: Central) -> dict[str, dict[st
     return out
 
 
-def ece_rows(central: Central, fit: ClinicalFit, bins: BinSpec, min_cell: int) -> list[dict[str, Any]]:
+def ece_rows(
+    central: Central, fit: ClinicalFit, copies: Mapping[str, ClinicalFit], bins: BinSpec, min_cell: int
+) -> list[dict[str, Any]]:
     """Per site and class with at least ``min_cell`` positives and negatives in its test split: the ECE before and
-    after the class's map (none fitted: the raw scores, as ``cxrfl predict`` shows them).
+    after the map the site uses (``after``: its copy's, else the consortium's) and after the consortium's
+    (``after_consortium``); no map: the raw scores, as ``cxrfl predict`` shows them.
 
     Args:
         central: :func:`central_scores`.
-        fit: the maps fitted on validation.
+        fit: the consortium's maps fitted on validation.
+        copies: site -> its copy of the fit (the training sites).
         bins: the bins counted in.
         min_cell: least positives and negatives (as a site sends counts).
     """
@@ -305,8 +319,16 @@ def ece_rows(central: Central, fit: ClinicalFit, bins: BinSpec, min_cell: int) -
             counts = count_scores(scores[:, j], labels[:, j], bins=bins, min_cell=min_cell)
             if counts is None or not counts.n_pos or not counts.n_neg:
                 continue
-            before, after = reliability(counts).ece, reliability(counts, fit.calibration.get(c)).ece
-            row = {"site": site, "class": c, "before": before, "after": after, "mapped": c in fit.calibration}
+            used = copies.get(site, fit).calibration.get(c)
+            row = {
+                "site": site,
+                "class": c,
+                "before": reliability(counts).ece,
+                "after": reliability(counts, used).ece,
+                "after_consortium": reliability(counts, fit.calibration.get(c)).ece,
+                "mapped": used is not None,
+                "own_map": used is not None and used != fit.calibration.get(c),
+            }
             out.append({**row, "positives": counts.n_pos, "negatives": counts.n_neg})
     return out
 

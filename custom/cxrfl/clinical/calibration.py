@@ -4,10 +4,13 @@ Only :class:`~cxrfl.clinical.counts.ScoreCounts` reach the server. A map is fitt
 pooled validation counts of one class by weighted logistic regression: every bin stands for its
 scores at its centre logit, its positives and negatives as weights (Platt scaling:
 ``sigmoid(slope * logit + intercept)``; temperature scaling: intercept 0, ``slope = 1 / T > 0``).
-The map travels as three numbers (:class:`CalibrationMap`, a settings section) and a site applies
-it to its own scores (:meth:`CalibrationMap.apply`). Expected calibration error and the
-reliability diagram pool the bins into equal-width probability bins, each bin's scores taken at
-its centre, before or after a map; the scores of the two open bins are taken at their inner edge.
+A map is kept only where it fits the counts significantly better than the raw scores
+(:func:`supported_calibration`: a likelihood-ratio test against the identity map), so noise in a small
+or already calibrated split is never fitted. The map travels as three numbers (:class:`CalibrationMap`,
+a settings section) and a site applies it to its own scores (:meth:`CalibrationMap.apply`). Expected
+calibration error and the reliability diagram pool the bins into equal-width probability bins, each
+bin's scores taken at its centre, before or after a map; the scores of the two open bins are taken at
+their inner edge.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 from scipy.optimize import minimize
 from scipy.special import expit, logit
+from scipy.stats import chi2
 
 from cxrfl.clinical.counts import ScoreCounts
 from cxrfl.common.config import Config
@@ -60,6 +64,25 @@ class CalibrationMap(Config):
         return self.apply_logits(np.clip(z, -_LOGIT_CLIP, _LOGIT_CLIP))
 
 
+def _weights(counts: ScoreCounts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The used bins' centre logits and their positives and negatives as float weights."""
+    used = (counts.positives + counts.negatives) > 0
+    return counts.bins.centres()[used], counts.positives[used].astype(float), counts.negatives[used].astype(float)
+
+
+def log_loss(counts: ScoreCounts, calibration: CalibrationMap | None = None) -> float:
+    """Summed negative log-likelihood of a class's counts under a map (None: the raw scores).
+
+    Args:
+        counts: counts of one class.
+        calibration: the map applied to every bin's centre.
+    """
+    x, wp, wn = _weights(counts)
+    m = calibration or CalibrationMap()
+    z = m.slope * x + m.intercept
+    return float((wp * np.logaddexp(0, -z) + wn * np.logaddexp(0, z)).sum())
+
+
 def fit_calibration(counts: ScoreCounts, kind: str = "platt") -> CalibrationMap:
     """Fit a map to a class's pooled validation counts (weighted logistic regression).
 
@@ -69,9 +92,7 @@ def fit_calibration(counts: ScoreCounts, kind: str = "platt") -> CalibrationMap:
     """
     if kind not in ("platt", "temperature"):
         raise ValueError(f"kind must be 'platt' or 'temperature', got {kind!r}")
-    used = (counts.positives + counts.negatives) > 0
-    x = counts.bins.centres()[used]
-    wp, wn = counts.positives[used].astype(float), counts.negatives[used].astype(float)
+    x, wp, wn = _weights(counts)
     total = wp.sum() + wn.sum()
     platt = kind == "platt"
 
@@ -88,6 +109,33 @@ def fit_calibration(counts: ScoreCounts, kind: str = "platt") -> CalibrationMap:
     if not fit.success:
         raise ValueError(f"{kind} calibration did not converge: {fit.message}")
     return CalibrationMap(kind=kind, slope=float(fit.x[0]), intercept=float(fit.x[1]) if platt else 0.0)
+
+
+def supported_calibration(
+    counts: ScoreCounts, kind: str = "platt", *, alpha: float = 0.05, null: CalibrationMap | None = None
+) -> tuple[CalibrationMap, float]:
+    """The fitted map where it beats ``null`` significantly, else ``null``.
+
+    The likelihood-ratio statistic ``2 * (NLL(null) - NLL(map))`` is referred to a chi-squared law with
+    one degree of freedom per fitted parameter (2 for Platt, 1 for temperature).
+
+    Args:
+        counts: validation counts of one class.
+        kind: ``platt`` or ``temperature``.
+        alpha: the test's level (1: keep every fitted map).
+        null: the map kept unless the fit beats it (None: the raw scores, the identity map).
+
+    Returns:
+        the map kept and the test's p-value.
+
+    Raises:
+        ValueError: the fit did not converge.
+    """
+    null = null or CalibrationMap()
+    fitted = fit_calibration(counts, kind)
+    statistic = max(0.0, 2 * (log_loss(counts, null) - log_loss(counts, fitted)))
+    p = float(chi2.sf(statistic, 2 if kind == "platt" else 1))
+    return (fitted if p <= alpha else null), p
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,11 @@ Fitted by an evaluation-only run on the sites' validation splits (:mod:`cxrfl.fe
 the checkpoint under ``clinical`` and read by ``cxrfl predict`` and the MONAI bundle. A threshold is
 kept as a probability of the RAW model output (``raw >= threshold`` is positive), so a decision never
 depends on the calibration map; its calibrated value is stored beside it for display.
+
+A consortium's fit has one map per class, from the counts pooled over the sites labelling it. A site's
+copy (:meth:`ClinicalFit.for_site`) keeps only the site's classes and, where its own validation counts
+show that the consortium's map does not fit it (a likelihood-ratio test), the site's own map: hospitals
+differ in prevalence and scanners, and one map cannot calibrate them all.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from cxrfl.clinical.calibration import CalibrationMap, fit_calibration
+from cxrfl.clinical.calibration import CalibrationMap, supported_calibration
 from cxrfl.clinical.counts import ScoreCounts
 from cxrfl.clinical.operating import choose_threshold
 from cxrfl.errors import ConfigError
@@ -47,6 +52,8 @@ class ClinicalFit:
         target: str | None,
         value: float | None,
         fitted_on: Mapping[str, Any],
+        alpha: float = 0.05,
+        rule: str = "new_data",
     ) -> ClinicalFit:
         """Fit from each class's pooled validation counts.
 
@@ -56,31 +63,58 @@ class ClinicalFit:
             target: ``sensitivity``, ``specificity``, ``youden`` or None (no operating points).
             value: the target sensitivity or specificity.
             fitted_on: provenance stored with the fit.
+            alpha: a class's map is kept only where it beats the raw scores at this level
+                (:func:`cxrfl.clinical.calibration.supported_calibration`).
+            rule: how a target is read (:func:`cxrfl.clinical.operating.choose_threshold`).
         """
-        maps: dict[str, CalibrationMap] = {}
-        unfitted: dict[str, str] = {}
-        for c, counts in pooled.items():
-            try:
-                if calibration:
-                    maps[c] = fit_calibration(counts, calibration)
-            except ValueError as exc:  # e.g. perfectly separated scores: no finite map; the class keeps raw scores
-                unfitted[c] = str(exc)
+        maps, p_values, unfitted = _maps(pooled, calibration, alpha, {})
         points: dict[str, dict[str, Any]] = {}
         for c, counts in pooled.items():
             if target is None:
                 break
-            op = choose_threshold(counts, target, value)
+            op = choose_threshold(counts, target, value, rule=rule)
             mapped = maps.get(c, CalibrationMap()).apply(np.array([op.point.threshold]))[0]
+            sens, spec = op.point.sensitivity, op.point.specificity
             points[c] = {
                 "threshold": op.point.threshold,
                 "calibrated_threshold": float(mapped),
                 "target": target,
                 "value": value,
+                "rule": rule,
                 "met": op.met,
-                "sensitivity": op.point.sensitivity.value,
-                "specificity": op.point.specificity.value,
+                "sensitivity": sens.value,
+                "sensitivity_interval": [sens.low, sens.high],
+                "specificity": spec.value,
+                "specificity_interval": [spec.low, spec.high],
             }
-        return cls(maps, points, {**fitted_on, **({"calibration_not_fitted": unfitted} if unfitted else {})})
+        on = {**fitted_on, "calibration_p": p_values, **({"calibration_not_fitted": unfitted} if unfitted else {})}
+        return cls(maps, points, on)
+
+    def for_site(
+        self,
+        classes: Sequence[str],
+        counts: Mapping[str, ScoreCounts],
+        *,
+        calibration: str | None,
+        alpha: float,
+        fitted_on: Mapping[str, Any],
+    ) -> ClinicalFit:
+        """A site's copy: its classes only, each with the site's own map where it beats the consortium's.
+
+        Args:
+            classes: the site's classes.
+            counts: the site's own validation counts of each of its classes (a class it sent nothing for
+                is absent: it keeps the consortium's map).
+            calibration: ``platt``, ``temperature`` or None (no maps of the site's own).
+            alpha: the level at which the site's map must beat the consortium's (or the raw scores).
+            fitted_on: provenance of the site's copy (the site's own case numbers, never another's).
+        """
+        counts = {c: n for c, n in counts.items() if c in classes}
+        maps, p_values, unfitted = _maps(counts, calibration, alpha, self.calibration)
+        kept = {c: m for c, m in {**self.calibration, **maps}.items() if c in classes and m.kind != "identity"}
+        points = {c: p for c, p in self.operating_points.items() if c in classes}
+        on = {**fitted_on, "site_calibration_p": p_values, **({"calibration_not_fitted": unfitted} if unfitted else {})}
+        return ClinicalFit(kept, points, on)
 
     def to_dict(self) -> dict[str, Any]:
         """The checkpoint entry (JSON-safe)."""
@@ -151,3 +185,31 @@ class ClinicalFit:
             if c in self.operating_points
         ]
         return [{c: bool(row[j] >= t) for j, c, t in cols} for row in np.atleast_2d(raw)]
+
+
+def _maps(
+    counts: Mapping[str, ScoreCounts], kind: str | None, alpha: float, null: Mapping[str, CalibrationMap]
+) -> tuple[dict[str, CalibrationMap], dict[str, float], dict[str, str]]:
+    """Per class the map kept (only those that are not the identity), the tests' p-values and the classes
+    whose fit failed (e.g. perfectly separated scores: no finite map; the class keeps ``null``).
+
+    Args:
+        counts: class -> validation counts.
+        kind: ``platt``, ``temperature`` or None (no maps).
+        alpha: the tests' level.
+        null: class -> the map a fit must beat (absent: the raw scores).
+    """
+    maps: dict[str, CalibrationMap] = {}
+    p_values: dict[str, float] = {}
+    unfitted: dict[str, str] = {}
+    if not kind:
+        return maps, p_values, unfitted
+    for c, n in counts.items():
+        try:
+            m, p_values[c] = supported_calibration(n, kind, alpha=alpha, null=null.get(c))
+        except ValueError as exc:
+            unfitted[c] = str(exc)
+            continue
+        if m.kind != "identity":
+            maps[c] = m
+    return maps, p_values, unfitted

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from cxrfl.clinical.operating import TARGETS
+from cxrfl.clinical.operating import RULES, TARGETS
 from cxrfl.clinical.pooling import PooledEvaluation
 
 SPLITS = ("test", "val")
@@ -24,6 +24,12 @@ class FedEvalConfig(PooledEvaluation):
         target: ``sensitivity``, ``specificity`` or ``youden``: choose an operating point per class
             (``split: val`` only).
         target_value: the sensitivity or specificity ``target`` asks for (none for ``youden``).
+        threshold_rule: ``new_data`` (the expected rate on new images reaches ``target_value``) or
+            ``validation`` (the rate on the validation split does; biased low on small splits).
+        calibration_alpha: a map is kept only where it fits the validation counts better than the raw
+            scores (a site's own map: better than the consortium's) in a likelihood-ratio test at this level.
+        site_fits: also send each site its copy of the fit (its own classes; its own map where its
+            counts call for one), written by the site as ``<workspace>/cxrfl_state/site_models/<job>.pt``.
 
     With ``calibration`` or ``target`` the run also writes ``cxrfl/calibrated_model.pt``: the model with
     its maps and operating points (:class:`cxrfl.clinical.fitted.ClinicalFit`), which ``cxrfl predict``
@@ -37,6 +43,9 @@ class FedEvalConfig(PooledEvaluation):
     calibration: str | None = field(default=None, metadata={"choices": ("platt", "temperature")})
     target: str | None = field(default=None, metadata={"choices": TARGETS})
     target_value: float | None = field(default=None, metadata={"gt": 0, "le": 1})
+    threshold_rule: str = field(default="new_data", metadata={"choices": RULES})
+    calibration_alpha: float = field(default=0.05, metadata={"gt": 0, "le": 1})
+    site_fits: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -8,7 +8,11 @@
 3. Per class, the counts of exactly the sites that label it are merged; a class whose pooled AUROC
    may differ from the AUROC of the raw scores by more than ``tolerance`` is counted once more in
    bins fitted to its pooled scores (:func:`cxrfl.clinical.counts.refine_bins`).
-4. ``cxrfl/evaluation.json`` (owner-only): per class the pooled AUROC with its interval, the
+4. With ``calibration`` or ``target`` (on the validation split): a calibration map and an operating
+   point per class from the pooled counts, written with the model to ``cxrfl/calibrated_model.pt``;
+   then ``site_fit``: each site receives its copy (its own classes; its own map where its counts call
+   for one, :meth:`cxrfl.clinical.fitted.ClinicalFit.for_site`) and writes it with the model.
+5. ``cxrfl/evaluation.json`` (owner-only): per class the pooled AUROC with its interval, the
    sensitivity and specificity at ``threshold``, the reliability diagram and ECE, and which sites
    were pooled or sent nothing.
 """
@@ -30,7 +34,7 @@ from cxrfl.common.transport import Message, Send
 from cxrfl.fedeval.config import FedEvalConfig
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, save_checkpoint
 from cxrfl.nn.training import TrainConfig
-from cxrfl.surgical.host import CLASSES, VALIDATE
+from cxrfl.surgical.host import CLASSES, SITE_FIT, VALIDATE
 from cxrfl.surgical.validation import as_numpy
 
 CALIBRATED_MODEL = "calibrated_model.pt"
@@ -82,6 +86,8 @@ class FedEvalServer(ServerLoop):
         report = {"split": cfg.split, **pooled_report(model_classes, evaluated, counts, cfg, self.info)}
         if cfg.fits:
             report["fitted"] = self._fit(counts, report)
+            if cfg.site_fits:
+                report["fitted"]["sites"] = self._site_fits(counts, report["fitted"], announced, evaluated)
         self.write_evaluation(report)
         return report
 
@@ -98,7 +104,13 @@ class FedEvalServer(ServerLoop):
             },
         }
         fit = ClinicalFit.fit(
-            merged, calibration=cfg.calibration, target=cfg.target, value=cfg.target_value, fitted_on=on
+            merged,
+            calibration=cfg.calibration,
+            target=cfg.target,
+            value=cfg.target_value,
+            fitted_on=on,
+            alpha=cfg.calibration_alpha,
+            rule=cfg.threshold_rule,
         )
         path = self.path(RECORDS_DIR, CALIBRATED_MODEL)
         save_checkpoint(
@@ -116,6 +128,34 @@ class FedEvalServer(ServerLoop):
             f"class(es) written with the model to {path}"
         )
         return {"model": str(path.relative_to(self.out)), **fit.to_dict()}
+
+    def _site_fits(
+        self,
+        counts: Counts,
+        fitted: Mapping[str, Any],
+        announced: Mapping[str, list[str]],
+        evaluated: Mapping[str, list[str]],
+    ) -> dict[str, Any]:
+        """Send each site its copy of the fit; per site whether it wrote it and how many maps are its own."""
+        cfg = self.config
+        fit = ClinicalFit.from_checkpoint({"classes": self.checkpoint["classes"], CHECKPOINT_KEY: fitted}, "the fit")
+        assert fit is not None  # fitted just now
+        payloads, own_maps = {}, {}
+        for site, classes in evaluated.items():
+            if not classes:
+                continue
+            mine = {c: n for c in classes if (n := counts.get(c, {}).get(site)) is not None}
+            cases = {c: {"positives": n.n_pos, "negatives": n.n_neg} for c, n in mine.items()}
+            on = {"split": cfg.split, "classes": cases}
+            copy = fit.for_site(classes, mine, calibration=cfg.calibration, alpha=cfg.calibration_alpha, fitted_on=on)
+            own_maps[site] = sum(copy.calibration.get(c) != fit.calibration.get(c) for c in classes)
+            params, meta = self._message(announced[site], classes, None)
+            payloads[site] = params, {**meta, "keep": classes, CHECKPOINT_KEY: copy.to_dict()}
+        answers = self.exchange(SITE_FIT, payloads)
+        for site, (_, meta) in answers.items():
+            written = meta.get("written")
+            self.info(f"site {site}: wrote its calibrated model ({own_maps[site]} map(s) of its own) to {written}")
+        return {site: {"own_maps": own_maps[site], "written": site in answers} for site in payloads}
 
     def _announce(self) -> dict[str, list[str]]:
         """Each answering site's class names (checked: a list of distinct texts)."""
@@ -138,8 +178,8 @@ class FedEvalServer(ServerLoop):
             )
         return out
 
-    def _message(self, own: Sequence[str], evaluated: Sequence[str], bins: Mapping[str, BinSpec]) -> Message:
-        """A site's task: the feature extractor, one head row per own class, the count request."""
+    def _message(self, own: Sequence[str], evaluated: Sequence[str], bins: Mapping[str, BinSpec] | None) -> Message:
+        """A site's task: the feature extractor, one head row per own class, the count request (None: none)."""
         (weight, bias), rows = self.head, self.rows
         params = {
             **self.body,
@@ -154,6 +194,7 @@ class FedEvalServer(ServerLoop):
             "missing": "negative",
             "run_key": self.run_id,
             "split": self.config.split,
-            "counts": count_request(evaluated, bins, self.config.min_cell),
         }
+        if bins is not None:
+            meta["counts"] = count_request(evaluated, bins, self.config.min_cell)
         return params, meta

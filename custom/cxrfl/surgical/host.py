@@ -14,10 +14,14 @@ Tasks (meta of the request -> meta of the answer):
   split, then train one round -> as above.
 - ``validate`` with ``split``, ``model_round``, ``classes``, ``keep_rounds``: evaluate the
   received model on a split -> ``classes``, ``metrics``; no params.
+- ``site_fit`` (evaluation-only runs that fit calibration or operating points) with ``keep`` (the
+  site's classes the model has) and ``clinical`` (:meth:`cxrfl.clinical.fitted.ClinicalFit.to_dict` of
+  those classes): write the received model, its head cut to ``keep``, with them to
+  ``<state_root>/site_models/<run_key>.pt`` (owner-only) -> ``written``.
 
 What a site keeps between tasks (optimizer state, local BatchNorm or head, their copies per
 model round) lives in ``<state_root>/<run_key>``, so a run resumed by a new job finds it again;
-the state of the last :data:`KEEP_STATES` runs is kept.
+the state of the last :data:`KEEP_STATES` runs is kept (the image cache and site models are never pruned).
 """
 
 from __future__ import annotations
@@ -30,20 +34,22 @@ from typing import Any, Protocol
 
 import torch
 
-from cxrfl.common.io import plain_name
+from cxrfl.clinical.fitted import CHECKPOINT_KEY, ClinicalFit
+from cxrfl.common.io import owner_only, plain_name
 from cxrfl.common.transport import Message
 from cxrfl.data.cache import IMAGE_CACHE
 from cxrfl.data.site import SiteData
-from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, save_checkpoint
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.learner import SiteLearner, SiteUpdate
 
-TRAIN, VALIDATE, CLASSES = "train", "validate", "classes"
+TRAIN, VALIDATE, CLASSES, SITE_FIT = "train", "validate", "classes", "site_fit"
 TASKS: tuple[str, ...] = (TRAIN, VALIDATE)
 """The tasks of a training job."""
-EVALUATION_TASKS: tuple[str, ...] = (CLASSES, VALIDATE)
+EVALUATION_TASKS: tuple[str, ...] = (CLASSES, VALIDATE, SITE_FIT)
 """The tasks of an evaluation-only job (:mod:`cxrfl.fedeval`)."""
-"""Every task a surgical-aggregation site answers."""
+SITE_MODELS = "site_models"
+"""Folder under a site's state root of the models an evaluation-only run calibrated for the site."""
 
 KEEP_STATES = 3
 """Runs whose site state (optimizer, local BatchNorm or head) stays on disk."""
@@ -139,7 +145,7 @@ class SurgicalSiteHost:
         train_overrides: train settings this site replaces (e.g. ``max_steps_per_epoch``).
     """
 
-    tasks: tuple[str, ...] = (*TASKS, CLASSES)
+    tasks: tuple[str, ...] = (*TASKS, CLASSES, SITE_FIT)
 
     def __init__(
         self,
@@ -219,7 +225,34 @@ class SurgicalSiteHost:
                 counts=meta.get("counts"),
             )
             return {}, {"classes": list(learner.classes), "metrics": metrics}
+        if task == SITE_FIT:
+            return {}, {"written": self._site_fit(params, meta)}
         raise ValueError(f"unknown surgical-aggregation task {task!r}")
+
+    def _site_fit(self, params: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
+        """Write the received model with its calibration and operating points as this site's model.
+
+        Returns:
+            the file's path under the state root.
+
+        Raises:
+            ConfigError: the fit names a class this site does not have, or is malformed.
+        """
+        state = self.model_state(params, meta)  # the received parameters, checked whole by the learner
+        assert self.settings is not None and self.learner is not None  # model_state built them
+        rows = [i for i, c in enumerate(self.learner.classes) if c in set(meta.get("keep") or ())]
+        classes = [self.learner.classes[i] for i in rows]  # the model's classes among the site's own
+        for key in (HEAD_PREFIX + "weight", HEAD_PREFIX + "bias"):
+            state[key] = state[key][rows]
+        where = f"site {self.data.site}: the server's calibration"
+        fit = ClinicalFit.from_checkpoint({"classes": classes, CHECKPOINT_KEY: meta.get(CHECKPOINT_KEY)}, where)
+        if fit is None:
+            raise ValueError(f"{where} is missing: the task carries no '{CHECKPOINT_KEY}' entry")
+        path = self.state_root / SITE_MODELS / f"{self.settings.run_key}.pt"
+        extra = {CHECKPOINT_KEY: fit.to_dict()}
+        save_checkpoint(path, state, classes=classes, model_config=self.settings.model_config, extra=extra)
+        owner_only(path, up_to=self.state_root)
+        return str(path.relative_to(self.state_root))
 
     def _train(self, learner: SiteLearner, params: dict[str, Any], meta: Mapping[str, Any]) -> SiteUpdate:
         if meta.get("phase") != "warmup":
@@ -295,7 +328,7 @@ def prune_states(root: Path, keep: int) -> None:
     if not root.is_dir():
         return
     runs = sorted(
-        (p for p in root.iterdir() if p.is_dir() and p.name != IMAGE_CACHE),  # the site's image cache stays
+        (p for p in root.iterdir() if p.is_dir() and p.name not in (IMAGE_CACHE, SITE_MODELS)),  # these stay
         key=lambda p: p.stat().st_mtime,
         reverse=True,
     )
