@@ -204,9 +204,9 @@ def no_training(monkeypatch):
     """The benchmark without data or training: each run is :func:`run`; the calls are listed."""
     calls: list[tuple[str, int]] = []
 
-    def one(settings, data, seed, folder, log):
-        calls.append((data.profile, seed))
-        return {k: v for k, v in run(data.profile, seed, 0.0, 0.02, 0.02).items() if k not in ("profile", "code")}
+    def one(settings, profile, data, seed, work, *, log):
+        calls.append((profile, seed))
+        return {k: v for k, v in run(profile, seed, 0.0, 0.02, 0.02).items() if k != "code"}
 
     prepare = lambda profile, out, **k: SimpleNamespace(profile=profile, notes=[f"{profile} notes"])  # noqa: E731
     monkeypatch.setattr(clinical, "prepare", prepare)

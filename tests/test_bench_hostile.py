@@ -92,7 +92,7 @@ def test_a_run_the_attack_stops_is_recorded_and_scored_not_fatal(tmp_path, monke
     monkeypatch.setattr(hostile, "make_hosts", lambda *a, **k: {"site-1": Honest()})
     data = type("Data", (), {"sites": [type("Site", (), {"site": "site-1"})()]})()
     settings = HostileBenchSettings(image_size=32, arch="densenet-tiny")  # the network is not the subject
-    run = hostile._run_one(settings, data, {}, "scale", "none", 0, tmp_path, None)
+    run = hostile._run_one(settings, data, {}, "scale", "none", 0, tmp_path, warmups=None)
     assert run["stopped"].startswith("round 2") and run["rounds"] == 1 and run["val_loss"] == [0.3]
     assert hostile._kept_model(tmp_path / "nothing") == (None, [])
     assert hostile.mean_auroc(None, [], {"ext": type("T", (), {"classes": ["a", "b"]})()}) == 0.5  # no model: no skill

@@ -171,7 +171,7 @@ def no_training(monkeypatch):
     """The benchmark without data or training: each run is :func:`fake_run`; the calls are listed."""
     calls: list[tuple[str, int]] = []
 
-    def one(settings, sites, tests, fmt, seed, work, log):
+    def one(settings, sites, tests, fmt, seed, work, *, log):
         calls.append((fmt, seed))
         return fake_run(fmt, seed)
 

@@ -26,10 +26,10 @@ Each (profile, seed) is written to ``results.json`` as it finishes (an interrupt
 from __future__ import annotations
 
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from sklearn.metrics import roc_auc_score
 
 from cxrfl.bench.arch import check_arch
 from cxrfl.bench.clinical_report import LEVEL, format_report, plot_curves
-from cxrfl.bench.inprocess import open_results, provenance, save_results, surgical_config
+from cxrfl.bench.inprocess import open_results, provenance, run_pending, surgical_config
 from cxrfl.bench.profiles import PROFILE_NAMES, BenchData, prepare
 from cxrfl.clinical.calibration import reliability
 from cxrfl.clinical.counts import BinSpec, count_scores
@@ -158,33 +158,28 @@ def run_clinical(
     out = Path(out)
     path, results = open_results(out, settings)
     results.update(provenance())
-    results.setdefault("profiles", {})
-    start = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="cxrfl-clinical-"))
-    try:
-        datas = {
-            p: prepare(p, Path(data_dir) if data_dir else out / "data", image_size=settings.image_size)
-            for p in settings.profiles
-        }
-        results["profiles"] = {p: {"notes": d.notes} for p, d in datas.items()}
-        for seed in range(settings.seeds):  # seed by seed: every profile has a result early
-            for profile, data in datas.items():
-                if _key(profile, seed) in results["runs"]:
-                    continue
-                run = {"profile": profile, **_run_one(settings, data, seed, work / f"{profile}-{seed}", log)}
-                run["code"] = results["code"]  # a run resumed in a later session may run other code
-                results["runs"][_key(profile, seed)] = run
-                save_results(path, results)
-                log(
-                    f"[{time.perf_counter() - start:7.0f}s] {profile} seed {seed}: best round {run['best_round']} of "
-                    f"{run['rounds']}, {len(run['auroc'])} classes pooled, {len(run['ece'])} ECE pairs"
-                )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    datas = {
+        p: prepare(p, Path(data_dir) if data_dir else out / "data", image_size=settings.image_size)
+        for p in settings.profiles
+    }
+    results["profiles"] = {p: {"notes": d.notes} for p, d in datas.items()}
+    plan = (  # seed by seed: every profile has a result early
+        (_key(profile, seed), partial(_run_one, settings, profile, data, seed, log=log))
+        for seed in range(settings.seeds)
+        for profile, data in datas.items()
+    )
+    run_pending(path, results, plan, describe=_describe, log=log, prefix="cxrfl-clinical-")
     (out / "report.md").write_text(format_report(results))
     plot_curves(results, out / "learning_curves.png")
     log(f"wrote {path}, {out / 'report.md'} and {out / 'learning_curves.png'}")
     return results
+
+
+def _describe(run: Mapping[str, Any]) -> str:
+    return (
+        f"{run['profile']} seed {run['seed']}: best round {run['best_round']} of {run['rounds']}, "
+        f"{len(run['auroc'])} classes pooled, {len(run['ece'])} ECE pairs"
+    )
 
 
 def _test_sites(data: BenchData, settings: ClinicalBenchSettings) -> list[SiteData]:
@@ -200,8 +195,11 @@ def _fedeval(
     return run_fedeval(hosts, model, settings.fedeval_config(split), folder, info=lambda _: None, warning=log)
 
 
-def _run_one(settings: ClinicalBenchSettings, data: BenchData, seed: int, folder: Path, log: Log) -> dict[str, Any]:
+def _run_one(
+    settings: ClinicalBenchSettings, profile: str, data: BenchData, seed: int, work: Path, *, log: Log
+) -> dict[str, Any]:
     """Train one model, evaluate it federatedly (test; val with fitting) and centrally, measure the targets."""
+    folder = work / f"{profile}-{seed}"
     config = settings.server_config(seed)
     started = time.perf_counter()
     result = run_surgical(data.sites, config, folder / "train", info=lambda _: None, warning=log)
@@ -218,6 +216,7 @@ def _run_one(settings: ClinicalBenchSettings, data: BenchData, seed: int, folder
     training = [site.site for site in data.sites]
     external = {site: v for site, v in central.items() if site not in training}
     run = {
+        "profile": profile,
         "seed": seed,
         "best_round": result.best_round,
         "rounds": result.rounds,

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +31,14 @@ import torch
 
 from cxrfl.bench.arch import check_arch
 from cxrfl.bench.inprocess import (
+    RunOne,
     finite_mean,
     load_profile,
     mean_auroc,
     num,
     open_results,
     provenance,
-    save_results,
+    run_pending,
     surgical_config,
 )
 from cxrfl.bench.protocol import code_label
@@ -207,29 +208,26 @@ def run_hostile(
         n_sites=settings.sites,
     )
     results.update(profile=data.profile, hostile=data.sites[0].site, notes=data.notes, **provenance())
-    start = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="cxrfl-hostile-"))
-    try:
+
+    def plan() -> Iterator[tuple[str, RunOne]]:
         for seed in range(settings.seeds):
             warmups = WarmupCache()  # honest warm-ups shared by the runs of a seed
             for attack in settings.attacks:
                 for robust in settings.robust:
-                    if _key(attack, robust, seed) in results["runs"]:
-                        continue
-                    run = _run_one(settings, data, tests, attack, robust, seed, work, warmups)
-                    run["code"] = results["code"]  # a run resumed in a later session may run other code
-                    results["runs"][_key(attack, robust, seed)] = run
-                    save_results(path, results)
-                    log(
-                        f"[{time.perf_counter() - start:7.0f}s] seed {seed} attack {attack} robust {robust}: "
-                        f"mean AUROC {num(run['mean_auroc'])} (best round {run['best_round']}, "
-                        f"rejected {run['rejected']})"
-                    )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+                    run = partial(_run_one, settings, data, tests, attack, robust, seed, warmups=warmups)
+                    yield _key(attack, robust, seed), run
+
+    run_pending(path, results, plan(), describe=_describe, log=log, prefix="cxrfl-hostile-")
     (out / "report.md").write_text(format_report(results))
     log(f"wrote {path} and {out / 'report.md'}")
     return results
+
+
+def _describe(run: Mapping[str, Any]) -> str:
+    return (
+        f"seed {run['seed']} attack {run['attack']} robust {run['robust']}: mean AUROC {num(run['mean_auroc'])} "
+        f"(best round {run['best_round']}, rejected {run['rejected']})"
+    )
 
 
 def _run_one(
@@ -240,6 +238,7 @@ def _run_one(
     robust: str,
     seed: int,
     work: Path,
+    *,
     warmups: WarmupCache,
 ) -> dict[str, Any]:
     """One run; the hostile site (the first) trains honestly and alters what it sends."""

@@ -7,7 +7,10 @@ and the scoring of the selected global model.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -120,6 +123,47 @@ def save_results(path: Path, results: Mapping[str, Any]) -> None:
         results: the results so far.
     """
     write_json(path, results)
+
+
+RunOne = Callable[[Path], dict[str, Any]]
+"""One benchmark run: given a scratch folder of its own, its result (JSON-safe)."""
+
+
+def run_pending(
+    path: Path,
+    results: dict[str, Any],
+    plan: Iterable[tuple[str, RunOne]],
+    *,
+    describe: Callable[[dict[str, Any]], str],
+    log: Callable[[str], None],
+    prefix: str = "cxrfl-bench-",
+) -> None:
+    """Run each planned run whose key ``results["runs"]`` lacks; record and save each as it finishes.
+
+    An interrupted benchmark resumes with the runs not saved yet. Each run is stamped with the code that
+    ran it (a run resumed in a later session may run other code) and logged as one line with the time.
+
+    Args:
+        path: ``results.json``.
+        results: :func:`open_results`' results, with :func:`provenance`'s ``code``.
+        plan: (key, run) in order; a generator may set up what a group of runs shares as it goes.
+        describe: a finished run's log line (after its elapsed time).
+        log: progress callback.
+        prefix: the scratch folder's name prefix (the folder is removed at the end, failed or not).
+    """
+    start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        for key, run_one in plan:
+            if key in results["runs"]:
+                continue
+            run = run_one(work)
+            run["code"] = results["code"]
+            results["runs"][key] = run
+            save_results(path, results)
+            log(f"[{time.perf_counter() - start:7.0f}s] {describe(run)}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def provenance() -> dict[str, Any]:

@@ -18,10 +18,10 @@ paired tests, the issue's targets, the curves compared over the rounds both runs
 from __future__ import annotations
 
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from cxrfl.bench.inprocess import (
     num,
     open_results,
     provenance,
-    save_results,
+    run_pending,
     surgical_config,
 )
 from cxrfl.bench.intervals import finite_mean, holm, mean_ci
@@ -206,28 +206,23 @@ def run_quantize(
         settings.profile, out, image_size=settings.image_size, data_dir=data_dir, external_only=False
     )
     results.update(profile=data.profile, notes=data.notes, tests={n: t.n for n, t in tests.items()}, **provenance())
-    start = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="cxrfl-quantize-"))
-    try:
-        for seed in range(settings.seeds):
-            for fmt in settings.formats:
-                if _key(fmt, seed) in results["runs"]:
-                    continue
-                run = _run_one(settings, data.sites, tests, fmt, seed, work, log)
-                run["code"] = results["code"]  # a run resumed in a later session may run other code
-                results["runs"][_key(fmt, seed)] = run
-                save_results(path, results)
-                log(
-                    f"[{time.perf_counter() - start:7.0f}s] seed {seed} {fmt}: mean AUROC {num(run['mean_auroc'])} "
-                    f"(best round {run['best_round']} of {run['rounds']}), up "
-                    f"{_mb(run['bytes']['up_after'])} per site and round"
-                )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    plan = (
+        (_key(fmt, seed), partial(_run_one, settings, data.sites, tests, fmt, seed, log=log))
+        for seed in range(settings.seeds)
+        for fmt in settings.formats
+    )
+    run_pending(path, results, plan, describe=_describe, log=log, prefix="cxrfl-quantize-")
     (out / "report.md").write_text(format_report(results))
     plot_curves(results, out / "learning_curves.png")
     log(f"wrote {path}, {out / 'report.md'} and {out / 'learning_curves.png'}")
     return results
+
+
+def _describe(run: Mapping[str, Any]) -> str:
+    return (
+        f"seed {run['seed']} {run['format']}: mean AUROC {num(run['mean_auroc'])} (best round {run['best_round']} "
+        f"of {run['rounds']}), up {_mb(run['bytes']['up_after'])} per site and round"
+    )
 
 
 def _run_one(
@@ -237,6 +232,7 @@ def _run_one(
     fmt: str,
     seed: int,
     work: Path,
+    *,
     log: Log,
 ) -> dict[str, Any]:
     """One run of one format and seed."""
