@@ -234,10 +234,7 @@ def plot_curves(results: Mapping[str, Any], path: Path) -> None:
         results: what :func:`run_clinical` writes.
         path: PNG file.
     """
-    from cxrfl.bench.plots import learning_curves
+    from cxrfl.bench.plots import curves_by
 
-    runs = list(results["runs"].values())
-    methods = {p: {"label": p, "runs": [r for r in runs if r["profile"] == p]} for p in results["settings"]["profiles"]}
-    learning_curves(
-        {"profile": "clinical benchmark", "seeds": list(range(results["settings"]["seeds"])), "methods": methods}, path
-    )
+    s = results["settings"]
+    curves_by(list(results["runs"].values()), "profile", s["profiles"], "clinical benchmark", s["seeds"], path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,23 @@ def roc_curves(results: dict[str, Any], tests: dict[str, Any], store: Any, view:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def curves_by(
+    runs: Sequence[Mapping[str, Any]], key: str, groups: Sequence[str], title: str, seeds: int, path: Path
+) -> None:
+    """:func:`learning_curves` of runs grouped by one of their fields, one colour per group.
+
+    Args:
+        runs: the runs (each with ``key``, ``val_loss``, ``val_auroc`` and ``best_round``).
+        key: the field that groups them (``profile``, ``format``, ``option`` ...).
+        groups: its values, in the legend's order.
+        title: the plot's title.
+        seeds: seeds per group.
+        path: PNG file.
+    """
+    methods = {g: {"label": g, "runs": [r for r in runs if r[key] == g]} for g in groups}
+    learning_curves({"profile": title, "seeds": list(range(seeds)), "methods": methods}, path)
 
 
 def learning_curves(results: dict[str, Any], path: Path) -> None:

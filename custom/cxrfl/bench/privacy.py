@@ -302,20 +302,10 @@ def plot_curves(results: Mapping[str, Any], path: Path) -> None:
         results: what :func:`run_privacy` writes.
         path: PNG file.
     """
-    from cxrfl.bench.plots import learning_curves
+    from cxrfl.bench.plots import curves_by
 
-    methods = {
-        name: {"label": name, "runs": [r for r in results["runs"] if r["option"] == name]}
-        for name in results["options"]
-    }
-    learning_curves(
-        {
-            "profile": f"{results['profile']}, privacy options",
-            "seeds": list(range(results["settings"]["seeds"])),
-            "methods": methods,
-        },
-        path,
-    )
+    title = f"{results['profile']}, privacy options"
+    curves_by(results["runs"], "option", results["options"], title, results["settings"]["seeds"], path)
 
 
 def _check(privacy: Mapping[str, Any] | None) -> str:

@@ -429,18 +429,11 @@ def plot_curves(results: Mapping[str, Any], path: Path) -> None:
         results: what :func:`run_quantize` writes.
         path: PNG file.
     """
-    from cxrfl.bench.plots import learning_curves
+    from cxrfl.bench.plots import curves_by
 
-    runs = list(results["runs"].values())
-    methods = {f: {"label": f, "runs": [r for r in runs if r["format"] == f]} for f in results["settings"]["formats"]}
-    learning_curves(
-        {
-            "profile": f"{results['profile']}, quantized updates",
-            "seeds": list(range(results["settings"]["seeds"])),
-            "methods": methods,
-        },
-        path,
-    )
+    s = results["settings"]
+    title = f"{results['profile']}, quantized updates"
+    curves_by(list(results["runs"].values()), "format", s["formats"], title, s["seeds"], path)
 
 
 def _interval(mean: float | None, ci: Sequence[float] | None, signed: bool = False) -> str:
