@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from cxrfl.common.io import read_records
+from cxrfl.common.io import read_records, torch_load
 from cxrfl.data.labels import KNOWN_CLASSES
 from cxrfl.deploy.admin import COMPLETED, abort, admin_session, submit, wait_ready
 from cxrfl.deploy.jobs import build_job
@@ -321,8 +321,16 @@ def test_an_aborted_job_leaves_a_checkpoint_that_predict_uses(faults, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Atelectasis" in proc.stdout
-    # what a later job needs to continue the aborted run stays on the server
-    assert (faults["dep"].kit(faults["dep"].server) / "cxrfl_resume" / faults["aborted_id"] / "state.pt").is_file()
+    # what a later job needs to continue the aborted run stays on the server: the state of the last completed round,
+    # whose model is the last round's checkpoint, tensor for tensor (a resumed job goes on from exactly it)
+    state_file = faults["dep"].kit(faults["dep"].server) / "cxrfl_resume" / faults["aborted_id"] / "state.pt"
+    state = torch_load(state_file, "resume state", "-")
+    kept = last.with_name(f"round_{state['round']:03d}.pt")  # the last, or the one before (aborted between writes)
+    assert state["round"] >= 1 and kept in sorted(last.parent.glob("round_*.pt"))[-2:], (state["round"], last)
+    saved = load_checkpoint(kept)["model"]
+    assert set(state["params"]) == set(saved)
+    for k, v in saved.items():
+        assert torch.equal(torch.as_tensor(state["params"][k]), v.to(torch.as_tensor(state["params"][k]).dtype)), k
 
 
 def test_nothing_is_left_running(faults):

@@ -112,18 +112,17 @@ def fit_calibration(counts: ScoreCounts, kind: str = "platt") -> CalibrationMap:
 
 
 def supported_calibration(
-    counts: ScoreCounts, kind: str = "platt", *, alpha: float = 0.05, null: CalibrationMap | None = None
+    counts: ScoreCounts, kind: str = "platt", *, alpha: float = 0.05
 ) -> tuple[CalibrationMap, float]:
-    """The fitted map where it beats ``null`` significantly, else ``null``.
+    """The fitted map where it beats the raw scores significantly, else the identity map.
 
-    The likelihood-ratio statistic ``2 * (NLL(null) - NLL(map))`` is referred to a chi-squared law with
+    The likelihood-ratio statistic ``2 * (NLL(raw) - NLL(map))`` is referred to a chi-squared law with
     one degree of freedom per fitted parameter (2 for Platt, 1 for temperature).
 
     Args:
         counts: validation counts of one class.
         kind: ``platt`` or ``temperature``.
         alpha: the test's level (1: keep every fitted map).
-        null: the map kept unless the fit beats it (None: the raw scores, the identity map).
 
     Returns:
         the map kept and the test's p-value.
@@ -131,11 +130,10 @@ def supported_calibration(
     Raises:
         ValueError: the fit did not converge.
     """
-    null = null or CalibrationMap()
     fitted = fit_calibration(counts, kind)
-    statistic = max(0.0, 2 * (log_loss(counts, null) - log_loss(counts, fitted)))
+    statistic = max(0.0, 2 * (log_loss(counts) - log_loss(counts, fitted)))
     p = float(chi2.sf(statistic, 2 if kind == "platt" else 1))
-    return (fitted if p <= alpha else null), p
+    return (fitted if p <= alpha else CalibrationMap()), p
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ kept as a probability of the RAW model output (``raw >= threshold`` is positive)
 depends on the calibration map; its calibrated value is stored beside it for display.
 
 A consortium's fit has one map per class, from the counts pooled over the sites labelling it. A site's
-copy (:meth:`ClinicalFit.for_site`) keeps only the site's classes and, where its own validation counts
-show that the consortium's map does not fit it (a likelihood-ratio test), the site's own map: hospitals
-differ in prevalence and scanners, and one map cannot calibrate them all.
+copy (:meth:`ClinicalFit.for_site`) keeps only the site's classes and, per class, whichever of the raw
+scores, the consortium's map and a map fitted to the site's own validation counts fits those counts best
+by Akaike's criterion (the own map pays for its parameters): hospitals differ in prevalence and
+scanners, and one map cannot calibrate them all.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from cxrfl.clinical.calibration import CalibrationMap, supported_calibration
+from cxrfl.clinical.calibration import CalibrationMap, fit_calibration, log_loss, supported_calibration
 from cxrfl.clinical.counts import ScoreCounts
 from cxrfl.clinical.operating import choose_threshold
 from cxrfl.errors import ConfigError
@@ -67,7 +68,7 @@ class ClinicalFit:
                 (:func:`cxrfl.clinical.calibration.supported_calibration`).
             rule: how a target is read (:func:`cxrfl.clinical.operating.choose_threshold`).
         """
-        maps, p_values, unfitted = _maps(pooled, calibration, alpha, {})
+        maps, p_values, unfitted = _maps(pooled, calibration, alpha)
         points: dict[str, dict[str, Any]] = {}
         for c, counts in pooled.items():
             if target is None:
@@ -96,25 +97,41 @@ class ClinicalFit:
         counts: Mapping[str, ScoreCounts],
         *,
         calibration: str | None,
-        alpha: float,
         fitted_on: Mapping[str, Any],
     ) -> ClinicalFit:
-        """A site's copy: its classes only, each with the site's own map where it beats the consortium's.
+        """A site's copy: its classes only, each with the map that fits the site's own validation counts best.
+
+        Per class the candidates are the raw scores, the consortium's map and (with ``calibration``) a map
+        fitted to the site's counts; the one of least ``2 * NLL + 2 * parameters fitted here`` is kept (AIC:
+        the raw scores and the consortium's map fit nothing here), so a site keeps the raw scores where the
+        consortium's map makes its own cases worse.
 
         Args:
             classes: the site's classes.
             counts: the site's own validation counts of each of its classes (a class it sent nothing for
                 is absent: it keeps the consortium's map).
-            calibration: ``platt``, ``temperature`` or None (no maps of the site's own).
-            alpha: the level at which the site's map must beat the consortium's (or the raw scores).
+            calibration: ``platt``, ``temperature`` or None (no map of the site's own).
             fitted_on: provenance of the site's copy (the site's own case numbers, never another's).
         """
-        counts = {c: n for c, n in counts.items() if c in classes}
-        maps, p_values, unfitted = _maps(counts, calibration, alpha, self.calibration)
-        kept = {c: m for c, m in {**self.calibration, **maps}.items() if c in classes and m.kind != "identity"}
+        maps = {c: m for c, m in self.calibration.items() if c in classes}
+        chosen: dict[str, str] = {}
+        for c, n in counts.items():
+            if c not in classes:
+                continue
+            candidates = {"raw": (CalibrationMap(), 0), "consortium": (self.calibration.get(c), 0)}
+            if calibration:
+                try:
+                    candidates["own"] = (fit_calibration(n, calibration), 2 if calibration == "platt" else 1)
+                except ValueError:  # no finite map (perfectly separated scores): the other candidates stay
+                    pass
+            aic = {k: 2 * log_loss(n, m) + 2 * k_params for k, (m, k_params) in candidates.items() if m is not None}
+            chosen[c] = min(aic, key=lambda k: aic[k])  # ties: the earlier (raw before consortium before own)
+            maps.pop(c, None)
+            picked = candidates[chosen[c]][0]
+            if picked is not None and picked.kind != "identity":
+                maps[c] = picked
         points = {c: p for c, p in self.operating_points.items() if c in classes}
-        on = {**fitted_on, "site_calibration_p": p_values, **({"calibration_not_fitted": unfitted} if unfitted else {})}
-        return ClinicalFit(kept, points, on)
+        return ClinicalFit(maps, points, {**fitted_on, "site_calibration": chosen})
 
     def to_dict(self) -> dict[str, Any]:
         """The checkpoint entry (JSON-safe)."""
@@ -188,16 +205,15 @@ class ClinicalFit:
 
 
 def _maps(
-    counts: Mapping[str, ScoreCounts], kind: str | None, alpha: float, null: Mapping[str, CalibrationMap]
+    counts: Mapping[str, ScoreCounts], kind: str | None, alpha: float
 ) -> tuple[dict[str, CalibrationMap], dict[str, float], dict[str, str]]:
     """Per class the map kept (only those that are not the identity), the tests' p-values and the classes
-    whose fit failed (e.g. perfectly separated scores: no finite map; the class keeps ``null``).
+    whose fit failed (e.g. perfectly separated scores: no finite map; the class keeps its raw scores).
 
     Args:
         counts: class -> validation counts.
         kind: ``platt``, ``temperature`` or None (no maps).
         alpha: the tests' level.
-        null: class -> the map a fit must beat (absent: the raw scores).
     """
     maps: dict[str, CalibrationMap] = {}
     p_values: dict[str, float] = {}
@@ -206,7 +222,7 @@ def _maps(
         return maps, p_values, unfitted
     for c, n in counts.items():
         try:
-            m, p_values[c] = supported_calibration(n, kind, alpha=alpha, null=null.get(c))
+            m, p_values[c] = supported_calibration(n, kind, alpha=alpha)
         except ValueError as exc:
             unfitted[c] = str(exc)
             continue

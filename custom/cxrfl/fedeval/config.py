@@ -26,10 +26,11 @@ class FedEvalConfig(PooledEvaluation):
         target_value: the sensitivity or specificity ``target`` asks for (none for ``youden``).
         threshold_rule: ``new_data`` (the expected rate on new images reaches ``target_value``) or
             ``validation`` (the rate on the validation split does; biased low on small splits).
-        calibration_alpha: a map is kept only where it fits the validation counts better than the raw
-            scores (a site's own map: better than the consortium's) in a likelihood-ratio test at this level.
-        site_fits: also send each site its copy of the fit (its own classes; its own map where its
-            counts call for one), written by the site as ``<workspace>/cxrfl_state/site_models/<job>.pt``.
+        calibration_alpha: the consortium's map of a class is kept only where it fits the pooled validation
+            counts better than the raw scores in a likelihood-ratio test at this level.
+        site_fits: also send each site its copy of the fit (its own classes; per class the raw scores, the
+            consortium's map or one fitted to its own counts, whichever fits them best by AIC), written by
+            the site as ``<workspace>/cxrfl_state/site_models/<job>.pt``.
 
     With ``calibration`` or ``target`` the run also writes ``cxrfl/calibrated_model.pt``: the model with
     its maps and operating points (:class:`cxrfl.clinical.fitted.ClinicalFit`), which ``cxrfl predict``

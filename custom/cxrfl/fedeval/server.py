@@ -10,8 +10,9 @@
    bins fitted to its pooled scores (:func:`cxrfl.clinical.counts.refine_bins`).
 4. With ``calibration`` or ``target`` (on the validation split): a calibration map and an operating
    point per class from the pooled counts, written with the model to ``cxrfl/calibrated_model.pt``;
-   then ``site_fit``: each site receives its copy (its own classes; its own map where its counts call
-   for one, :meth:`cxrfl.clinical.fitted.ClinicalFit.for_site`) and writes it with the model.
+   then ``site_fit``: each site receives its copy (its own classes; per class the raw scores, the
+   consortium's map or its own, whichever fits its counts best, :meth:`cxrfl.clinical.fitted.ClinicalFit.for_site`)
+   and writes it with the model.
 5. ``cxrfl/evaluation.json`` (owner-only): per class the pooled AUROC with its interval, the
    sensitivity and specificity at ``threshold``, the reliability diagram and ECE, and which sites
    were pooled or sent nothing.
@@ -147,7 +148,7 @@ class FedEvalServer(ServerLoop):
             mine = {c: n for c in classes if (n := counts.get(c, {}).get(site)) is not None}
             cases = {c: {"positives": n.n_pos, "negatives": n.n_neg} for c, n in mine.items()}
             on = {"split": cfg.split, "classes": cases}
-            copy = fit.for_site(classes, mine, calibration=cfg.calibration, alpha=cfg.calibration_alpha, fitted_on=on)
+            copy = fit.for_site(classes, mine, calibration=cfg.calibration, fitted_on=on)
             own_maps[site] = sum(copy.calibration.get(c) != fit.calibration.get(c) for c in classes)
             params, meta = self._message(announced[site], classes, None)
             payloads[site] = params, {**meta, "keep": classes, CHECKPOINT_KEY: copy.to_dict()}
