@@ -213,7 +213,9 @@ def test_calibration_and_operating_points_fitted_on_validation_travel_in_the_che
         assert own.stat().st_mode & 0o777 == 0o600 and report["fitted"]["sites"][site.site]["written"]
         copy = ClinicalFit.from_checkpoint(load_checkpoint(own), str(own))
         assert copy is not None and load_checkpoint(own)["classes"] == site.classes  # EXTRA is not the site's
-        assert copy.operating_points == {k: v for k, v in fit.operating_points.items() if k in site.classes}
+        assert copy.operating_points.keys() == {k for k in fit.operating_points if k in site.classes}
+        for k, point in copy.operating_points.items():  # the consortium's thresholds
+            assert point["threshold"] == fit.operating_points[k]["threshold"] and point["rule"] == "new_data"
         mine = sum(copy.calibration.get(k) != fit.calibration.get(k) for k in site.classes)
         assert mine == report["fitted"]["sites"][site.site]["own_maps"]
         images = site.split_table("val")["path"].tolist()[:5]

@@ -309,7 +309,8 @@ def clinical_card(classes: list[str], fit: ClinicalFit | None) -> str:
         "positive when its RAW probability reaches the threshold (`cxrfl predict` prints the decision, `--raw` the "
         "raw probabilities).",
         "",
-        "| finding | map | threshold (raw / calibrated) | target | sensitivity / specificity reached | cases (+/-) |",
+        "| finding | map | threshold (raw / calibrated) | target | sensitivity / specificity reached [95% interval] "
+        "| cases (+/-) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for c in classes:
@@ -320,8 +321,12 @@ def clinical_card(classes: list[str], fit: ClinicalFit | None) -> str:
         point = reached = goal = "-"
         if op:
             point = f"{op['threshold']:.4f} / {op['calibrated_threshold']:.4f}"
-            reached = f"{op['sensitivity']:.3f} / {op['specificity']:.3f}"
+            reached = " / ".join(
+                f"{op[k]:.3f}" + (" [{:.3f}, {:.3f}]".format(*op[f"{k}_interval"]) if f"{k}_interval" in op else "")
+                for k in ("sensitivity", "specificity")
+            )
             goal = f"{op['target']} {op['value'] if op['value'] is not None else ''}".strip()
+            goal += " on new images" if op.get("rule") == "new_data" else ""
             goal += "" if op["met"] else " (not met)"
         cases = f"{n.get('positives', '?')} / {n.get('negatives', '?')}"
         lines.append(f"| {c} | {mapping} | {point} | {goal} | {reached} | {cases} |")

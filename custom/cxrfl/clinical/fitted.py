@@ -130,7 +130,11 @@ class ClinicalFit:
             picked = candidates[chosen[c]][0]
             if picked is not None and picked.kind != "identity":
                 maps[c] = picked
-        points = {c: p for c, p in self.operating_points.items() if c in classes}
+        points = {  # the same raw thresholds; their calibrated values under the site's maps
+            c: {**p, "calibrated_threshold": float(maps.get(c, CalibrationMap()).apply(np.array([p["threshold"]]))[0])}
+            for c, p in self.operating_points.items()
+            if c in classes
+        }
         return ClinicalFit(maps, points, {**fitted_on, "site_calibration": chosen})
 
     def to_dict(self) -> dict[str, Any]:
