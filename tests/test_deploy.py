@@ -37,6 +37,7 @@ import pytest
 import torch
 import yaml
 from conftest import names_in, nvflare_bin
+from cxrfl.common.io import read_records
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
 from cxrfl.deploy.admin import COMPLETED
 from cxrfl.deploy.jobs import build_job
@@ -743,6 +744,10 @@ def test_prod_preinstalled_job_completes_with_the_union_of_classes(prod):
     assert ckpt["model"]["classifier.weight"].shape[0] == 20
     evaluation = json.loads((_server_app(result) / "cxrfl" / "evaluation.json").read_text())
     assert set(evaluation["sites"]) == {"hospital-a", "hospital-b"}
+    # no privacy filter: few of the values a site sends equal the model it received (the control of the POC job's)
+    records = [r for r in read_records(_server_app(result) / "cxrfl" / "rounds.jsonl") if r.get("round", 0) >= 1]
+    shares = [r["unchanged_share"] for r in records if r.get("phase") == "train" and r.get("aggregated")]
+    assert shares and all(v < 0.3 for s in shares for v in s.values()), shares
 
 
 @pytest.mark.slow
@@ -896,6 +901,8 @@ def poc(tmp_path_factory, repo_root):
             "percentile",
             "--privacy-arg",
             "gamma=0.5",
+            "--privacy-arg",
+            "percentile=50",  # half of each update withheld: visible on the server (test_poc_lead_runs...)
             home=tmp / "buildhome",
         ).stdout.strip()
     )
@@ -971,6 +978,12 @@ def test_poc_lead_runs_bring_your_own_code_with_privacy_filter(poc):
         ).is_file()  # the code came with the job
         log = (run[0] / "log.txt").read_text(errors="replace")
         assert "percentile privacy applied to" in log
+    # what arrived, not what the sites say: the server found the smaller half of each site's round-1 changes
+    # withheld (values equal to the model it sent; the unfiltered job of test_prod_preinstalled_job... far fewer)
+    records = [r for r in read_records(_server_app(result) / "cxrfl" / "rounds.jsonl") if r.get("round", 0) >= 1]
+    shares = [r["unchanged_share"] for r in records if r.get("phase") == "train" and r.get("aggregated")]
+    assert shares and all(set(s) == {"hospital-a", "hospital-b"} for s in shares), records
+    assert all(v >= 0.45 for s in shares for v in s.values()), shares
 
 
 @pytest.mark.slow

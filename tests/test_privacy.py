@@ -284,3 +284,28 @@ def test_privacy_benchmark_writes_its_table_curves_and_checks(tmp_path):
     assert f"Commit {saved['code']['commit'][:7]}" in (tmp_path / "report.md").read_text()
     assert "| svt | fraction=0.9" in (tmp_path / "report.md").read_text()
     assert (tmp_path / "learning_curves.png").stat().st_size > 10_000
+
+
+def test_the_server_sees_the_share_of_values_a_percentile_filter_left_unchanged(updates):
+    # issue 44: end-to-end privacy shown on what reaches the server, not by the site's own log line. A percentile
+    # filter at 50 withholds the smaller half of a round's changes: the server's aggregator finds half the values it
+    # receives equal to the model it sent (recorded per site in rounds.jsonl); unfiltered, only those that training
+    # left as they were (units no gradient reached in 20 steps: 7 % here).
+    from cxrfl.fl.privacy import make_inner_filter
+    from cxrfl.surgical.records import round_record
+    from cxrfl.surgical.round_aggregator import RoundAggregator
+
+    _, received, result = updates[1]  # a training round: every value moves
+    np.random.seed(0)
+    sent = filter_update(make_inner_filter("percentile", {"percentile": 50, "gamma": 1.0}), result, received, 1)[0]
+    rows = len(result[HEAD_PREFIX + "bias"])
+    agg = RoundAggregator()
+    agg.expect(None, reference=received)
+    for site, params in (("filtered", sent), ("plain", result)):
+        assert agg.accept({"site": site, "classes": [f"c{i}" for i in range(rows)], "params": params, "num_samples": 8})
+    aggregated = agg.aggregate()
+    share = round_record(1, "train", ["filtered", "plain"], {}, aggregated, {})["unchanged_share"]
+    assert 0.49 <= share["filtered"] <= 0.501 and share["plain"] < 0.15, share
+    values = [np.asarray(v) for v in sent.values() if np.issubdtype(np.asarray(v).dtype, np.floating)]
+    same = sum(int((v == np.asarray(received[k])).sum()) for k, v in sent.items() if np.asarray(v).dtype.kind == "f")
+    assert share["filtered"] == pytest.approx(same / sum(v.size for v in values), abs=1e-6)  # counted by hand

@@ -64,6 +64,7 @@ def round_record(
         "contributors": result.contributors if result else {},
         "rejected": dict(rejected),
         "aggregated": result is not None,
+        "unchanged_share": {s: round(v, 6) for s, v in sorted(result.unchanged.items())} if result else {},
         "site_metrics": {s: dict(m.get("metrics") or {}) for s, (_, m) in sorted(answers.items())},
     }
 

@@ -4,7 +4,10 @@ Each result is validated as a whole (one rejection line per bad result, :mod:`cx
 fields, dtypes, shapes, sample counts) before any of it touches the sum;
 for the plain mean its feature extractor is added to a running sum
 (:class:`cxrfl.surgical.running_sum.RunningSum`) and dropped, and at the end the head rows are
-stitched by :func:`cxrfl.surgical.aggregation.surgical_aggregate`. Used by
+stitched by :func:`cxrfl.surgical.aggregation.surgical_aggregate`. Against the model it sent, the
+server also measures each accepted result's share of unchanged values: about the filter's
+percentile when a site's privacy filter zeroes small changes (:mod:`cxrfl.fl.privacy`), near 0
+after ordinary local training, 1 for the feature extractor of a head warm-up (frozen there). Used by
 :class:`cxrfl.surgical.server.SurgicalServer` and, inside NVFlare's own workflows, by
 :class:`cxrfl.fl.aggregator.SurgicalAggregator`. Validation and aggregation run on one torch
 thread (:func:`cxrfl.nn.threads.single_threaded`).
@@ -14,8 +17,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from cxrfl.errors import UpdateRejected
 from cxrfl.nn.threads import single_threaded
@@ -45,12 +50,15 @@ class RoundResult:
         classes: the global head's class order ([] for ``local`` heads).
         contributors: class -> the sites whose rows were averaged into it.
         sites: the sites whose results were aggregated.
+        unchanged: site -> share of its result's floating-point values equal to the model it was sent
+            (the parameters both hold with the same shape; none without a reference).
     """
 
     params: dict[str, Array]
     classes: list[str]
     contributors: dict[str, list[str]]
     sites: list[str]
+    unchanged: dict[str, float] = field(default_factory=dict)
 
 
 class RoundAggregator:
@@ -109,6 +117,7 @@ class RoundAggregator:
         self.dtypes: dict[str, str] | None = None  # key -> dtype every result must have
         self.counts = SampleCounts(max_num_samples)  # for the whole run, not one round
         self.rejected: dict[str, str] = {}
+        self.unchanged: dict[str, float] = {}
         self.updates: list[dict[str, Any]] = []
         self.running: RunningSum | None = None  # the plain mean's sum, fed at accept time
 
@@ -176,6 +185,10 @@ class RoundAggregator:
             self.warning(f"rejected result: {exc}")
             return False
         self.counts.note(site, update["num_samples"])
+        if self.reference is not None:
+            share = unchanged_share(update["params"], self.reference)
+            if share is not None:
+                self.unchanged[site] = share
         if self.dtypes is None:
             self.dtypes = expected_dtypes(update["params"])
         if streaming and self.running is not None and self.running.usable:  # summed: keep the head rows only
@@ -239,8 +252,10 @@ class RoundAggregator:
                 running=self.running,
             )
             if self.head_mode == "local":
-                return RoundResult(drop_head(params, self.head_prefix), [], {}, sorted(self.accepted_sites))
-            return RoundResult(params, classes, self.contributors(), sorted(self.accepted_sites))
+                return RoundResult(
+                    drop_head(params, self.head_prefix), [], {}, sorted(self.accepted_sites), dict(self.unchanged)
+                )
+            return RoundResult(params, classes, self.contributors(), sorted(self.accepted_sites), dict(self.unchanged))
         finally:
             self.reset()
 
@@ -248,4 +263,26 @@ class RoundAggregator:
         """Forget the accepted results and rejections of the current round."""
         self.updates = []
         self.rejected = {}
+        self.unchanged = {}
         self.running = None
+
+
+def unchanged_share(params: Mapping[str, Any], reference: Mapping[str, Any]) -> float | None:
+    """Share of a result's floating-point values equal to the sent model's (None: nothing to compare).
+
+    Args:
+        params: a site's validated result.
+        reference: the parameters it was sent.
+    """
+    same = total = 0
+    for k, v in params.items():
+        ref = reference.get(k)
+        a = np.asarray(v)
+        if ref is None or not np.issubdtype(a.dtype, np.floating):
+            continue
+        r = np.asarray(ref)
+        if r.shape != a.shape:
+            continue
+        same += int(np.count_nonzero(a == r))
+        total += a.size
+    return same / total if total else None
