@@ -28,15 +28,14 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
-from cxrfl.bench.arch import check_arch
 from cxrfl.bench.clinical_report import LEVEL, format_report, plot_curves
 from cxrfl.bench.inprocess import open_results, provenance, run_pending, surgical_config
 from cxrfl.bench.profiles import PROFILE_NAMES, BenchData, prepare
@@ -44,12 +43,12 @@ from cxrfl.clinical.calibration import reliability
 from cxrfl.clinical.counts import BinSpec, count_scores
 from cxrfl.clinical.fitted import ClinicalFit
 from cxrfl.clinical.pooled import wilson
+from cxrfl.common.config import Config
 from cxrfl.data.site import SiteData
-from cxrfl.errors import ConfigError
 from cxrfl.fedeval.config import FedEvalConfig
 from cxrfl.fedeval.inprocess import run_fedeval
 from cxrfl.jobs import DEMO_MODEL, DEMO_TRAIN, JOBS
-from cxrfl.nn.models import load_checkpoint, save_checkpoint
+from cxrfl.nn.models import ARCHS, load_checkpoint, save_checkpoint
 from cxrfl.predict import predict_images
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import SITE_MODELS
@@ -63,8 +62,8 @@ PROFILES = ("two-hospitals", "nih1000")
 _DEMO = next(j for j in JOBS if j.name == "surgical_agg").controller_args
 
 
-@dataclass
-class ClinicalBenchSettings:
+@dataclass(frozen=True)
+class ClinicalBenchSettings(Config):
     """Settings of the clinical benchmark (training as the committed demo job; evaluation as ``job_recipes/fedeval``).
 
     Args:
@@ -85,32 +84,27 @@ class ClinicalBenchSettings:
         threads: torch CPU threads.
     """
 
+    SECTION: ClassVar[str] = "bench"
     profiles: tuple[str, ...] = PROFILES
-    seeds: int = 3
-    image_size: int = DEMO_MODEL.image_size
-    arch: str = DEMO_MODEL.arch
-    rounds: int = 60
-    patience: int = _DEMO["patience"]
-    target_sensitivity: float = 0.9
-    calibration: str = "platt"
-    min_cell: int = FedEvalConfig.min_cell
-    bins: int = BinSpec.n
+    seeds: int = field(default=3, metadata={"ge": 1})
+    image_size: int = field(default=DEMO_MODEL.image_size, metadata={"ge": 8})
+    arch: str = field(default=DEMO_MODEL.arch, metadata={"choices": ARCHS})
+    rounds: int = field(default=60, metadata={"ge": 1})
+    patience: int = field(default=_DEMO["patience"], metadata={"ge": 1})
+    target_sensitivity: float = field(default=0.9, metadata={"gt": 0, "lt": 1})
+    calibration: str = field(default="platt", metadata={"choices": ("platt", "temperature")})
+    min_cell: int = field(default=FedEvalConfig.min_cell, metadata={"ge": 1})
+    bins: int = field(default=BinSpec.n, metadata={"ge": 1})
     external: bool = True
-    steps: int | None = None
-    threads: int = 1
+    steps: int | None = field(default=None, metadata={"ge": 1})
+    threads: int = field(default=1, metadata={"ge": 1})
 
     def __post_init__(self) -> None:
-        check_arch(self.arch)
+        super().__post_init__()
         unknown = [p for p in self.profiles if p not in PROFILE_NAMES]
         if unknown or not self.profiles:
-            raise ConfigError(f"unknown or no profile(s) {unknown}; known: {list(PROFILE_NAMES)}")
-        if min(self.seeds, self.rounds, self.patience, self.min_cell, self.bins, self.image_size) < 1:
-            raise ConfigError("--seeds, --rounds, --patience, --min-cell, --bins and --image-size must be at least 1")
-        if not 0 < self.target_sensitivity < 1:
-            raise ConfigError(f"--target-sensitivity must be in (0, 1), got {self.target_sensitivity}")
-        if self.calibration not in ("platt", "temperature"):
-            raise ConfigError(f"--calibration must be platt or temperature, got {self.calibration!r}")
-        self.profiles = tuple(dict.fromkeys(self.profiles))
+            self.fail("profiles", f"has unknown or no profile(s) {unknown}; known: {list(PROFILE_NAMES)}")
+        object.__setattr__(self, "profiles", tuple(dict.fromkeys(self.profiles)))
 
     def server_config(self, seed: int) -> SurgicalConfig:
         """The training run's server settings (the demo job's training settings, this run's seed).

@@ -21,15 +21,14 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from cxrfl.bench.arch import check_arch
 from cxrfl.bench.inprocess import (
     RunOne,
     finite_mean,
@@ -43,9 +42,10 @@ from cxrfl.bench.inprocess import (
 )
 from cxrfl.bench.protocol import code_label
 from cxrfl.bench.warmups import WarmupCache
+from cxrfl.common.config import Config
 from cxrfl.common.server import RunStopped
 from cxrfl.errors import ConfigError
-from cxrfl.nn.models import ModelConfig, model_from_checkpoint
+from cxrfl.nn.models import ARCHS, ModelConfig, model_from_checkpoint
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import TRAIN
@@ -62,8 +62,8 @@ SCALE = 100.0
 CLAIMED = 10**12
 
 
-@dataclass
-class HostileBenchSettings:
+@dataclass(frozen=True)
+class HostileBenchSettings(Config):
     """Settings of the hostile-site benchmark (every run shares them).
 
     Args:
@@ -87,33 +87,34 @@ class HostileBenchSettings:
         threads: torch CPU threads.
     """
 
-    profile: str = "synth-nih"
-    sites: int = 5
-    pool: int | None = None
-    seeds: int = 3
-    rounds: int = 15
-    patience: int = 3
-    image_size: int = 64
-    arch: str = ModelConfig.arch
-    steps: int | None = None
-    warmup_epochs: int = 1
-    batch_size: int = 16
-    lr: float = 1e-3
-    warmup_lr: float = 5e-3
-    clip_norm: float | None = None
+    SECTION: ClassVar[str] = "bench"
+    profile: str = field(default="synth-nih", metadata={"choices": ("synth-nih", "nih1000")})
+    sites: int = field(default=5, metadata={"ge": 3})  # one hostile among honest ones
+    pool: int | None = field(default=None, metadata={"ge": 1})
+    seeds: int = field(default=3, metadata={"ge": 1})
+    rounds: int = field(default=15, metadata={"ge": 1})
+    patience: int = field(default=3, metadata={"ge": 1})
+    image_size: int = field(default=64, metadata={"ge": 8})
+    arch: str = field(default=ModelConfig.arch, metadata={"choices": ARCHS})
+    steps: int | None = field(default=None, metadata={"ge": 1})
+    warmup_epochs: int = field(default=1, metadata={"ge": 0})
+    batch_size: int = field(default=16, metadata={"ge": 1})
+    lr: float = field(default=1e-3, metadata={"gt": 0})
+    warmup_lr: float = field(default=5e-3, metadata={"gt": 0})
+    clip_norm: float | None = field(default=None, metadata={"gt": 0})
     attacks: tuple[str, ...] = ATTACKS
     robust: tuple[str, ...] = ROBUST
-    threads: int = 1
+    threads: int = field(default=1, metadata={"ge": 1})
 
     def __post_init__(self) -> None:
-        check_arch(self.arch)
-        for name, given, known in (("attack", self.attacks, ATTACKS), ("robust option", self.robust, ROBUST)):
+        super().__post_init__()
+        for key, name, given, known in (
+            ("attacks", "attack", self.attacks, ATTACKS),
+            ("robust", "robust option", self.robust, ROBUST),
+        ):
             unknown = [g for g in given if g not in known]
             if unknown:
-                raise ConfigError(f"unknown {name}(s) {unknown}; known: {list(known)}")
-        if self.sites < 3:
-            raise ConfigError(f"--sites must be at least 3 (one hostile among honest ones), got {self.sites}")
-        self.attacks, self.robust = tuple(self.attacks), tuple(self.robust)
+                self.fail(key, f"has unknown {name}(s) {unknown}; known: {list(known)}")
 
     def server_config(self, seed: int, robust: str) -> SurgicalConfig:
         """The server settings of one run."""

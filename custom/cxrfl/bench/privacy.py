@@ -22,25 +22,26 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from cxrfl.bench.arch import check_arch
 from cxrfl.bench.evaluate import scores_on
 from cxrfl.bench.inprocess import load_profile, num, surgical_config
 from cxrfl.bench.intervals import finite_mean
+from cxrfl.bench.profiles import PROFILE_NAMES
 from cxrfl.bench.protocol import code_version, machine
 from cxrfl.bench.warmups import WarmupCache
+from cxrfl.common.config import Config
 from cxrfl.common.io import json_default
 from cxrfl.common.privacy import NVFLARE_DEFAULTS, PARTS, PRIVACY_DEFAULTS, check_privacy, fidelity
 from cxrfl.data.site import SiteData
 from cxrfl.errors import ConfigError
 from cxrfl.nn.metrics import per_class_auroc, summarise_auroc
-from cxrfl.nn.models import HEAD_PREFIX, ModelConfig
+from cxrfl.nn.models import ARCHS, HEAD_PREFIX, ModelConfig
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import TRAIN
@@ -70,8 +71,8 @@ OPTIONS: dict[str, dict[str, Any] | None] = {
 """The measured options: off, cxrfl's defaults, NVFlare's defaults, and settings that keep less."""
 
 
-@dataclass
-class PrivacyBenchSettings:
+@dataclass(frozen=True)
+class PrivacyBenchSettings(Config):
     """Settings of the privacy benchmark (every option shares them).
 
     Args:
@@ -90,26 +91,27 @@ class PrivacyBenchSettings:
         threads: torch CPU threads.
     """
 
-    profile: str = "nih1000"
-    seeds: int = 3
-    rounds: int = 15
-    image_size: int = 64
-    arch: str = ModelConfig.arch
-    steps: int | None = None
-    warmup_epochs: int = 1
-    batch_size: int = 16
-    lr: float = 1e-3
-    warmup_lr: float = 5e-3
-    patience: int = 3
+    SECTION: ClassVar[str] = "bench"
+    profile: str = field(default="nih1000", metadata={"choices": PROFILE_NAMES})
+    seeds: int = field(default=3, metadata={"ge": 1})
+    rounds: int = field(default=15, metadata={"ge": 1})
+    image_size: int = field(default=64, metadata={"ge": 8})
+    arch: str = field(default=ModelConfig.arch, metadata={"choices": ARCHS})
+    steps: int | None = field(default=None, metadata={"ge": 1})
+    warmup_epochs: int = field(default=1, metadata={"ge": 0})
+    batch_size: int = field(default=16, metadata={"ge": 1})
+    lr: float = field(default=1e-3, metadata={"gt": 0})
+    warmup_lr: float = field(default=5e-3, metadata={"gt": 0})
+    patience: int = field(default=3, metadata={"ge": 1})
     options: tuple[str, ...] = tuple(OPTIONS)
-    threads: int = 1
+    threads: int = field(default=1, metadata={"ge": 1})
 
     def __post_init__(self) -> None:
-        check_arch(self.arch)
+        super().__post_init__()
         unknown = [o for o in self.options if o not in OPTIONS]
         if unknown:
-            raise ConfigError(f"unknown privacy option(s) {unknown}; known: {list(OPTIONS)}")
-        self.options = ("none", *(o for o in self.options if o != "none"))
+            self.fail("options", f"has unknown privacy option(s) {unknown}; known: {list(OPTIONS)}")
+        object.__setattr__(self, "options", ("none", *(o for o in self.options if o != "none")))
 
     def server_config(self, seed: int) -> SurgicalConfig:
         """The server settings of one run."""

@@ -20,12 +20,11 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from cxrfl.bench.arch import check_arch
 from cxrfl.bench.inprocess import (
     load_profile,
     mean_auroc,
@@ -37,12 +36,14 @@ from cxrfl.bench.inprocess import (
 )
 from cxrfl.bench.intervals import finite_mean, holm, mean_ci
 from cxrfl.bench.paired import paired
+from cxrfl.bench.profiles import PROFILE_NAMES
 from cxrfl.bench.report_text import local_steps, provenance_line, verdict
+from cxrfl.common.config import Config
 from cxrfl.data.site import SiteData
-from cxrfl.errors import ConfigError
 from cxrfl.fl.job_settings import QUANTIZE_TYPES
 from cxrfl.fl.quantization import RoundTrip, round_trip
 from cxrfl.jobs import DEMO_MODEL, DEMO_TRAIN, JOBS
+from cxrfl.nn.models import ARCHS
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import TRAIN
 from cxrfl.surgical.inprocess import global_model, make_hosts, nbytes, run_surgical
@@ -61,8 +62,8 @@ BYTE_KEYS = ("down_before", "down_after", "up_before", "up_after")
 _DEMO = next(j for j in JOBS if j.name == "surgical_agg").controller_args
 
 
-@dataclass
-class QuantizeBenchSettings:
+@dataclass(frozen=True)
+class QuantizeBenchSettings(Config):
     """Settings of the quantization benchmark (every run shares them; training as the committed demo job).
 
     Args:
@@ -79,24 +80,23 @@ class QuantizeBenchSettings:
         threads: torch CPU threads.
     """
 
-    profile: str = "two-hospitals"
-    seeds: int = 3
+    SECTION: ClassVar[str] = "bench"
+    profile: str = field(default="two-hospitals", metadata={"choices": PROFILE_NAMES})
+    seeds: int = field(default=3, metadata={"ge": 1})
     formats: tuple[str, ...] = FORMATS
-    rounds: int = 60
-    patience: int = _DEMO["patience"]
-    image_size: int = DEMO_MODEL.image_size
-    arch: str = DEMO_MODEL.arch
-    steps: int | None = None
-    threads: int = 1
+    rounds: int = field(default=60, metadata={"ge": 1})
+    patience: int = field(default=_DEMO["patience"], metadata={"ge": 1})
+    image_size: int = field(default=DEMO_MODEL.image_size, metadata={"ge": 8})
+    arch: str = field(default=DEMO_MODEL.arch, metadata={"choices": ARCHS})
+    steps: int | None = field(default=None, metadata={"ge": 1})
+    threads: int = field(default=1, metadata={"ge": 1})
 
     def __post_init__(self) -> None:
-        check_arch(self.arch)
+        super().__post_init__()
         unknown = [f for f in self.formats if f not in ("none", *QUANTIZE_TYPES)]
         if unknown:
-            raise ConfigError(f"unknown format(s) {unknown}; known: {['none', *QUANTIZE_TYPES]}")
-        if self.seeds < 1:
-            raise ConfigError(f"--seeds must be at least 1, got {self.seeds}")
-        self.formats = ("none", *dict.fromkeys(f for f in self.formats if f != "none"))
+            self.fail("formats", f"has unknown format(s) {unknown}; known: {['none', *QUANTIZE_TYPES]}")
+        object.__setattr__(self, "formats", ("none", *dict.fromkeys(f for f in self.formats if f != "none")))
 
     def server_config(self, seed: int) -> SurgicalConfig:
         """The server settings of one run (the demo job's training settings, this run's seed).
