@@ -24,12 +24,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 
 from cxrfl.bench.inprocess import (
+    LocalTraining,
     RunOne,
     finite_mean,
     load_profile,
@@ -42,11 +43,9 @@ from cxrfl.bench.inprocess import (
 )
 from cxrfl.bench.protocol import code_label
 from cxrfl.bench.warmups import WarmupCache
-from cxrfl.common.config import Config
 from cxrfl.common.server import RunStopped
 from cxrfl.errors import ConfigError
-from cxrfl.nn.models import ARCHS, ModelConfig, model_from_checkpoint
-from cxrfl.nn.training import TrainConfig
+from cxrfl.nn.models import model_from_checkpoint
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import TRAIN
 from cxrfl.surgical.inprocess import InProcessResult, global_model, make_hosts, run_surgical
@@ -63,8 +62,8 @@ CLAIMED = 10**12
 
 
 @dataclass(frozen=True)
-class HostileBenchSettings(Config):
-    """Settings of the hostile-site benchmark (every run shares them).
+class HostileBenchSettings(LocalTraining):
+    """Settings of the hostile-site benchmark (every run shares them; the sites' training: LocalTraining).
 
     Args:
         profile: a pool profile (``synth-nih`` or ``nih1000``).
@@ -73,13 +72,6 @@ class HostileBenchSettings(Config):
         seeds: training seeds 0 ... seeds-1.
         rounds: most federated rounds after the warm-up.
         patience: rounds without a better mean validation loss before stopping.
-        image_size: model input size.
-        arch: the network (:mod:`cxrfl.bench.arch`).
-        steps: cap on optimiser steps per local epoch and site (None: the whole split).
-        warmup_epochs: head warm-up epochs.
-        batch_size: minibatch size.
-        lr: learning rate of the rounds.
-        warmup_lr: learning rate of the warm-up.
         clip_norm: the norm bound of ``clip`` (and of ``median`` groups of fewer than 3 sites); None: each
             round's lower median update norm (adaptive).
         attacks: names in :data:`ATTACKS`.
@@ -87,20 +79,12 @@ class HostileBenchSettings(Config):
         threads: torch CPU threads.
     """
 
-    SECTION: ClassVar[str] = "bench"
     profile: str = field(default="synth-nih", metadata={"choices": ("synth-nih", "nih1000")})
     sites: int = field(default=5, metadata={"ge": 3})  # one hostile among honest ones
     pool: int | None = field(default=None, metadata={"ge": 1})
     seeds: int = field(default=3, metadata={"ge": 1})
     rounds: int = field(default=15, metadata={"ge": 1})
     patience: int = field(default=3, metadata={"ge": 1})
-    image_size: int = field(default=64, metadata={"ge": 8})
-    arch: str = field(default=ModelConfig.arch, metadata={"choices": ARCHS})
-    steps: int | None = field(default=None, metadata={"ge": 1})
-    warmup_epochs: int = field(default=1, metadata={"ge": 0})
-    batch_size: int = field(default=16, metadata={"ge": 1})
-    lr: float = field(default=1e-3, metadata={"gt": 0})
-    warmup_lr: float = field(default=5e-3, metadata={"gt": 0})
     clip_norm: float | None = field(default=None, metadata={"gt": 0})
     attacks: tuple[str, ...] = ATTACKS
     robust: tuple[str, ...] = ROBUST
@@ -118,14 +102,7 @@ class HostileBenchSettings(Config):
 
     def server_config(self, seed: int, robust: str) -> SurgicalConfig:
         """The server settings of one run."""
-        train = TrainConfig(
-            lr=self.lr,
-            warmup_lr=self.warmup_lr,
-            warmup_epochs=self.warmup_epochs,
-            batch_size=self.batch_size,
-            max_steps_per_epoch=self.steps,
-            seed=seed,
-        )
+        train = self.train_config(seed)
         mode = None if robust == "none" else robust
         return surgical_config(
             train,

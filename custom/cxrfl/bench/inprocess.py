@@ -11,9 +11,9 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -23,10 +23,11 @@ from cxrfl.bench.evaluate import TestSet, load_test_set, scores_on
 from cxrfl.bench.intervals import finite_mean
 from cxrfl.bench.profiles import BenchData, prepare
 from cxrfl.bench.protocol import code_version, command_line, machine
+from cxrfl.common.config import Config
 from cxrfl.common.io import write_json
 from cxrfl.errors import ConfigError
 from cxrfl.nn.metrics import per_class_auroc
-from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.models import ARCHS, ModelConfig
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
 
@@ -123,6 +124,45 @@ def save_results(path: Path, results: Mapping[str, Any]) -> None:
         results: the results so far.
     """
     write_json(path, results)
+
+
+@dataclass(frozen=True)
+class LocalTraining(Config):
+    """How the sites of a benchmark that sets its own training settings train (privacy, hostile).
+
+    Args:
+        image_size: model input size.
+        arch: the network (:mod:`cxrfl.bench.arch`).
+        steps: cap on optimiser steps per local epoch and site (None: the whole split).
+        warmup_epochs: head warm-up epochs.
+        batch_size: minibatch size.
+        lr: learning rate of the rounds.
+        warmup_lr: learning rate of the warm-up.
+    """
+
+    SECTION: ClassVar[str] = "bench"
+    image_size: int = field(default=64, metadata={"ge": 8})
+    arch: str = field(default=ModelConfig.arch, metadata={"choices": ARCHS})
+    steps: int | None = field(default=None, metadata={"ge": 1})
+    warmup_epochs: int = field(default=1, metadata={"ge": 0})
+    batch_size: int = field(default=16, metadata={"ge": 1})
+    lr: float = field(default=1e-3, metadata={"gt": 0})
+    warmup_lr: float = field(default=5e-3, metadata={"gt": 0})
+
+    def train_config(self, seed: int) -> TrainConfig:
+        """The sites' training settings of one run.
+
+        Args:
+            seed: the training seed.
+        """
+        return TrainConfig(
+            lr=self.lr,
+            warmup_lr=self.warmup_lr,
+            warmup_epochs=self.warmup_epochs,
+            batch_size=self.batch_size,
+            max_steps_per_epoch=self.steps,
+            seed=seed,
+        )
 
 
 RunOne = Callable[[Path], dict[str, Any]]

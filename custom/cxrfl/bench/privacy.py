@@ -24,24 +24,23 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 
 from cxrfl.bench.evaluate import scores_on
-from cxrfl.bench.inprocess import load_profile, num, surgical_config
+from cxrfl.bench.inprocess import LocalTraining, load_profile, num, surgical_config
 from cxrfl.bench.intervals import finite_mean
 from cxrfl.bench.profiles import PROFILE_NAMES
 from cxrfl.bench.protocol import code_version, machine
 from cxrfl.bench.warmups import WarmupCache
-from cxrfl.common.config import Config
 from cxrfl.common.io import json_default
 from cxrfl.common.privacy import NVFLARE_DEFAULTS, PARTS, PRIVACY_DEFAULTS, check_privacy, fidelity
 from cxrfl.data.site import SiteData
 from cxrfl.errors import ConfigError
 from cxrfl.nn.metrics import per_class_auroc, summarise_auroc
-from cxrfl.nn.models import ARCHS, HEAD_PREFIX, ModelConfig
+from cxrfl.nn.models import HEAD_PREFIX, ModelConfig
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import TRAIN
@@ -72,36 +71,21 @@ OPTIONS: dict[str, dict[str, Any] | None] = {
 
 
 @dataclass(frozen=True)
-class PrivacyBenchSettings(Config):
-    """Settings of the privacy benchmark (every option shares them).
+class PrivacyBenchSettings(LocalTraining):
+    """Settings of the privacy benchmark (every option shares them; the sites' training: LocalTraining).
 
     Args:
         profile: benchmark profile (:func:`cxrfl.bench.profiles.prepare`; default the real NIH images).
         seeds: training seeds 0 ... seeds-1.
         rounds: federated rounds after the warm-up.
-        image_size: model input size.
-        arch: the network (:mod:`cxrfl.bench.arch`).
-        steps: cap on optimiser steps per local epoch and site (None: whole split).
-        warmup_epochs: head warm-up epochs.
-        batch_size: minibatch size.
-        lr: learning rate of the rounds.
-        warmup_lr: learning rate of the warm-up.
         patience: rounds without improvement before stopping.
         options: names in :data:`OPTIONS` (``none`` always runs: the reference).
         threads: torch CPU threads.
     """
 
-    SECTION: ClassVar[str] = "bench"
     profile: str = field(default="nih1000", metadata={"choices": PROFILE_NAMES})
     seeds: int = field(default=3, metadata={"ge": 1})
     rounds: int = field(default=15, metadata={"ge": 1})
-    image_size: int = field(default=64, metadata={"ge": 8})
-    arch: str = field(default=ModelConfig.arch, metadata={"choices": ARCHS})
-    steps: int | None = field(default=None, metadata={"ge": 1})
-    warmup_epochs: int = field(default=1, metadata={"ge": 0})
-    batch_size: int = field(default=16, metadata={"ge": 1})
-    lr: float = field(default=1e-3, metadata={"gt": 0})
-    warmup_lr: float = field(default=5e-3, metadata={"gt": 0})
     patience: int = field(default=3, metadata={"ge": 1})
     options: tuple[str, ...] = tuple(OPTIONS)
     threads: int = field(default=1, metadata={"ge": 1})
@@ -115,14 +99,7 @@ class PrivacyBenchSettings(Config):
 
     def server_config(self, seed: int) -> SurgicalConfig:
         """The server settings of one run."""
-        train = TrainConfig(
-            lr=self.lr,
-            warmup_lr=self.warmup_lr,
-            warmup_epochs=self.warmup_epochs,
-            batch_size=self.batch_size,
-            max_steps_per_epoch=self.steps,
-            seed=seed,
-        )
+        train = self.train_config(seed)
         return surgical_config(
             train, rounds=self.rounds, patience=self.patience, image_size=self.image_size, arch=self.arch
         )
