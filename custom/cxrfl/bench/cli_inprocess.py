@@ -99,7 +99,7 @@ def _add_hostile(bsub: argparse._SubParsersAction) -> None:
         help="one hostile site (scaled, sign-flipped, NaN update, huge count) against each "
         "robust aggregation option: mean test AUROC against the honest run",
     )
-    _add_run_args(h, "hostile", rounds="15", patience="3", image_size="64")
+    _add_run_args(h, "hostile", rounds="40", patience="3", image_size="64")
     h.add_argument("--profile", help="pool profile (default synth-nih)")
     h.add_argument("--sites", type=int, help="sites, one hostile (default 5)")
     h.add_argument("--pool", type=int, help="images of the synthetic pool (default: the profile's)")

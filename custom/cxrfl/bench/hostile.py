@@ -70,7 +70,7 @@ class HostileBenchSettings(LocalTraining):
         sites: number of sites (one of them hostile).
         pool: images of the synthetic pool (None: the profile's default).
         seeds: training seeds 0 ... seeds-1.
-        rounds: most federated rounds after the warm-up.
+        rounds: most federated rounds after the warm-up, a guard the runs should not reach.
         patience: rounds without a better mean validation loss before stopping.
         clip_norm: the norm bound of ``clip`` (and of ``median`` groups of fewer than 3 sites); None: each
             round's lower median update norm (adaptive).
@@ -83,7 +83,7 @@ class HostileBenchSettings(LocalTraining):
     sites: int = field(default=5, metadata={"ge": 3})  # one hostile among honest ones
     pool: int | None = field(default=None, metadata={"ge": 1})
     seeds: int = field(default=3, metadata={"ge": 1})
-    rounds: int = field(default=15, metadata={"ge": 1})
+    rounds: int = field(default=40, metadata={"ge": 1})  # 15 stopped runs still learning
     patience: int = field(default=3, metadata={"ge": 1})
     clip_norm: float | None = field(default=None, metadata={"gt": 0})
     attacks: tuple[str, ...] = ATTACKS
