@@ -124,7 +124,10 @@ def format_report(results: Mapping[str, Any]) -> str:
         f"on the test splits{' (and the external test sets, as sites that only test)' if s['external'] else ''}; "
         f"on the training sites' validation splits with {s['calibration']} calibration and an operating point "
         f"for sensitivity {s['target_sensitivity']:g}. Central: `cxrfl predict`'s code path "
-        "(float32) on the same test images.",
+        "(float32) on the same test images. A consortium map is kept where a likelihood-ratio test (level 0.05) "
+        "says it fits the pooled validation counts better than the raw scores; each site's copy takes, per "
+        "class, the raw scores, the consortium's map or its own, by the least AIC on its own validation counts; "
+        "a threshold reaches the target on new images (k of n validation positives count as k / (n + 1)).",
     ]
     for profile in s["profiles"]:
         runs = [r for r in results["runs"].values() if r["profile"] == profile]
