@@ -86,14 +86,15 @@ class FedEvalServer(ServerLoop):
         counts = count_at_sites(send, evaluated, cfg, info=self.info, warning=self.warning)
         report = {"split": cfg.split, **pooled_report(model_classes, evaluated, counts, cfg, self.info)}
         if cfg.fits:
-            report["fitted"] = self._fit(counts, report)
+            fit, report["fitted"] = self._fit(counts, report)
             if cfg.site_fits:
-                report["fitted"]["sites"] = self._site_fits(counts, report["fitted"], announced, evaluated)
+                report["fitted"]["sites"] = self._site_fits(counts, fit, announced, evaluated)
         self.write_evaluation(report)
         return report
 
-    def _fit(self, counts: Counts, report: dict[str, Any]) -> dict[str, Any]:
-        """Calibration maps and operating points from the pooled counts; ``cxrfl/calibrated_model.pt``."""
+    def _fit(self, counts: Counts, report: dict[str, Any]) -> tuple[ClinicalFit, dict[str, Any]]:
+        """Calibration maps and operating points from the pooled counts, written with the model to
+        ``cxrfl/calibrated_model.pt``; the fit and its report entry."""
         cfg, checkpoint = self.config, self.checkpoint
         # whole classes only: the subgroup targets (``"<class>|<field>=<group>"``) are audited, never fitted
         merged = {c: p for c, per in counts.items() if c in report["classes"] and (p := pooled(per)) is not None}
@@ -128,19 +129,17 @@ class FedEvalServer(ServerLoop):
             f"calibration of {len(fit.calibration)} and operating points of {len(fit.operating_points)} "
             f"class(es) written with the model to {path}"
         )
-        return {"model": str(path.relative_to(self.out)), **fit.to_dict()}
+        return fit, {"model": str(path.relative_to(self.out)), **fit.to_dict()}
 
     def _site_fits(
         self,
         counts: Counts,
-        fitted: Mapping[str, Any],
+        fit: ClinicalFit,
         announced: Mapping[str, list[str]],
         evaluated: Mapping[str, list[str]],
     ) -> dict[str, Any]:
         """Send each site its copy of the fit; per site whether it wrote it and how many maps are its own."""
         cfg = self.config
-        fit = ClinicalFit.from_checkpoint({"classes": self.checkpoint["classes"], CHECKPOINT_KEY: fitted}, "the fit")
-        assert fit is not None  # fitted just now
         payloads, own_maps = {}, {}
         for site, classes in evaluated.items():
             if not classes:

@@ -240,7 +240,8 @@ class SurgicalSiteHost:
         """
         state = self.model_state(params, meta)  # the received parameters, checked whole by the learner
         assert self.settings is not None and self.learner is not None  # model_state built them
-        rows = [i for i, c in enumerate(self.learner.classes) if c in set(meta.get("keep") or ())]
+        keep = set(meta.get("keep") or ())
+        rows = [i for i, c in enumerate(self.learner.classes) if c in keep]
         classes = [self.learner.classes[i] for i in rows]  # the model's classes among the site's own
         for key in (HEAD_PREFIX + "weight", HEAD_PREFIX + "bias"):
             state[key] = state[key][rows]
