@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
 from cwt_helpers import Failing, Recorder, ScriptedLoss, chain, tiny_site
 from cxrfl.common.io import params_digest, read_records
-from cxrfl.common.server import RunAborted, RunStopped
+from cxrfl.common.resume import ResumeStore
+from cxrfl.common.server import BEST_MODEL, RunAborted, RunStopped
 from cxrfl.cwt.config import BINARY_CLASS, OPTIMIZER_PREFIX, CWTConfig, RelayConfig
 from cxrfl.cwt.inprocess import run_cwt
-from cxrfl.cwt.server import BEST_MODEL
 from cxrfl.cwt.site import make_sites
 from cxrfl.nn.models import ModelConfig, load_checkpoint, model_from_checkpoint
 from pooling_helpers import central_auroc
@@ -271,7 +272,13 @@ def test_a_resumed_run_goes_on_from_the_saved_weights_to_the_same_end(datas, tmp
     first = tmp_path / "first"
     with pytest.raises(Crash):  # the server dies during cycle 2, at site-b's turn
         run(datas, cfg, first, wrap=down("site-b", {2}, error=Crash), run_id="job-1")
-    saved = torch.load(first / "cxrfl_resume" / "job-1" / "state.pt", map_location="cpu", weights_only=True)
+    folder = first / "cxrfl_resume" / "job-1"
+    raw = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
+    # issue 43: the state pickled the model and the best model again; it now names the checkpoints, linked
+    assert "weights" not in raw and "best_weights" not in raw
+    assert os.path.samefile(folder / raw["models"]["weights"], first / "FL_global_model.pt")
+    assert os.path.samefile(folder / raw["models"]["best_weights"], first / "best_FL_global_model.pt")
+    saved = ResumeStore.read(folder / "state.pt")
     assert saved["cycle"] == 1
     assert ckpt_equals(first / "FL_global_model.pt", saved["weights"])  # the last saved model is cycle 1's
 

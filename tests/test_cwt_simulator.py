@@ -24,7 +24,7 @@ import pytest
 import torch
 from conftest import TINY_MODEL, nvflare_bin
 from cxrfl.common.io import params_digest, read_records, to_numpy
-from cxrfl.common.resume import RESUME_ROOT_ENV
+from cxrfl.common.resume import RESUME_ROOT_ENV, ResumeStore
 from cxrfl.cwt.config import BINARY_CLASS
 from cxrfl.nn.models import load_checkpoint
 
@@ -235,7 +235,7 @@ def resumed(tmp_path_factory, repo_root, configs):
         repo_root, tmp / "second", flaky=False, cycles=3, evaluate_test=False, resume_from="simulate_job"
     )
     proc = simulate(second, ws2, configs, sites, resume_root=tmp / "store")
-    saved = torch.load(state / "state.pt", map_location="cpu", weights_only=True)
+    saved = ResumeStore.read(state / "state.pt")
     return {
         "state": state,
         "saved": saved,

@@ -63,7 +63,7 @@ class GeneratedSite(FedFewSite):
         return feats, energies, self.role_table(split)
 
 
-class GeneratedHost(P.SiteHost):
+class GeneratedHost(P.FedFewSiteHost):
     """The job's site endpoint (:func:`cxrfl.fedfew.protocol.handle_task`) over a :class:`GeneratedSite`."""
 
     def __init__(self, data: SiteData, generated):

@@ -171,14 +171,29 @@ def test_aggregator_checks_before_summing_and_keeps_only_head_rows():
             np.testing.assert_array_equal(out.params[k], want[k], err_msg=k)
 
 
+@pytest.mark.parametrize("path", ["cxrfl.fl.surgical.SiteExecutor", "cxrfl.fl.executor.SiteExecutor"])
+def test_a_job_exported_before_the_executor_was_renamed_still_builds_it_and_is_told(path, caplog):
+    # issue 43 point 6: SiteExecutor became SurgicalExecutor (the <Method>Executor pattern); old job configs name it
+    import importlib
+
+    from cxrfl.fl.surgical import SurgicalExecutor
+
+    module, name = path.rsplit(".", 1)
+    built = getattr(importlib.import_module(module), name)(device="cpu", num_workers=0, num_threads=1)
+    assert isinstance(built, SurgicalExecutor)
+    assert any(
+        "SiteExecutor is deprecated" in r.getMessage() and "SurgicalExecutor" in r.getMessage() for r in caplog.records
+    )
+
+
 def test_every_surgical_job_builds_its_workflow_with_the_exported_settings(repo_root):
     import json
 
-    from cxrfl.fl import controller, executor
-    from cxrfl.fl.surgical import SiteExecutor, SurgicalAggregation
+    from cxrfl.fl import controller
+    from cxrfl.fl.surgical import SurgicalAggregation
     from cxrfl.jobs import JOBS, SURGICAL
 
-    assert controller.SurgicalAggregation is SurgicalAggregation and executor.SiteExecutor is SiteExecutor  # old paths
+    assert controller.SurgicalAggregation is SurgicalAggregation  # the old path
     specs = [spec for spec in JOBS if spec.controller == SURGICAL]
     assert len(specs) >= 5
     for spec in specs:
@@ -206,7 +221,7 @@ def test_a_site_with_an_empty_split_stops_at_start_with_the_reason_and_refuses_t
     # showed it. A site of test images only (the demo's external site) is started as NVFlare starts it: the start
     # logs the reason naming its split sizes, and every task is refused without training
     import pandas as pd
-    from cxrfl.fl.surgical import SiteExecutor
+    from cxrfl.fl.surgical import SurgicalExecutor
     from cxrfl.synth import write_profile
     from nvflare.apis.fl_constant import ReturnCode
     from nvflare.apis.fl_context import FLContext
@@ -230,7 +245,7 @@ def test_a_site_with_an_empty_split_stops_at_start_with_the_reason_and_refuses_t
     ctx = FLContext()
     ctx.get_identity_name = lambda default="": "external"
     ctx.get_engine = lambda: engine
-    executor = SiteExecutor(device="cpu", num_workers=0, num_threads=1, analytic_sender_id="")
+    executor = SurgicalExecutor(device="cpu", num_workers=0, num_threads=1, analytic_sender_id="")
     with caplog.at_level(logging.ERROR):
         executor.handle_event("_start_run", ctx)
     reason = f"site external: empty train or val split {{'train': 0, 'val': 0, 'test': {n_test}}}"

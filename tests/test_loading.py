@@ -380,7 +380,7 @@ def test_the_cache_is_written_only_under_the_site_state_root(tmp_path: Path, mon
     during the run (the data folder, the workspace and the system temp folder watched) lies under
     ``<workspace>/cxrfl_state``, and the preprocessed images are there."""
     from cxrfl.fl.base import STATE_ROOT
-    from cxrfl.fl.surgical import SiteExecutor
+    from cxrfl.fl.surgical import SurgicalExecutor
     from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, build_model
     from cxrfl.synth import write_profile
     from nvflare.apis.fl_context import FLContext
@@ -415,7 +415,7 @@ def test_the_cache_is_written_only_under_the_site_state_root(tmp_path: Path, mon
     ctx.get_identity_name = lambda default="": "hospital-a"
     ctx.get_engine = lambda: Engine()
     before = tree(tmp_path)
-    executor = SiteExecutor(device="cpu", num_workers="auto", num_threads=1, analytic_sender_id="")
+    executor = SurgicalExecutor(device="cpu", num_workers="auto", num_threads=1, analytic_sender_id="")
     executor.handle_event("_start_run", ctx)
     assert executor.error is None and executor.data.cache_dir == ws / STATE_ROOT / IMAGE_CACHE
     model = ModelConfig(arch="densenet-tiny", image_size=32)  # the network is not the subject here

@@ -31,7 +31,7 @@ import pytest
 import torch
 from conftest import TINY_MODEL, app_of, nvflare_bin
 from cxrfl.common.io import read_records
-from cxrfl.common.resume import RESUME_ROOT_ENV
+from cxrfl.common.resume import RESUME_ROOT_ENV, ResumeStore
 from cxrfl.data.labels import KNOWN_CLASSES, NIH_CLASSES
 from cxrfl.nn.models import load_checkpoint
 from cxrfl.surgical.head_modes import site_payload
@@ -280,7 +280,7 @@ def resumed(tmp_path_factory, repo_root, data):
     ws1 = tmp / "ws1"
     simulate(first, ws1, sites, data, kill_after_round=1)
     state = ws1 / "server" / "cxrfl_resume" / "simulate_job"
-    saved = torch.load(state / "state.pt", map_location="cpu", weights_only=True)  # before the second job runs
+    saved = ResumeStore.read(state / "state.pt")  # before the second job runs
     store = tmp / "store"  # resume_from is a job id of the server's store, which outlives the simulator's workspace
     shutil.copytree(state, store / "simulate_job")
     second = make_job(

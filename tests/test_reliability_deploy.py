@@ -32,7 +32,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from cxrfl.common.io import read_records, torch_load
+from cxrfl.common.io import read_records
+from cxrfl.common.resume import ResumeStore
 from cxrfl.data.labels import KNOWN_CLASSES
 from cxrfl.deploy.admin import COMPLETED, abort, admin_session, submit, wait_ready
 from cxrfl.deploy.jobs import build_job
@@ -324,7 +325,7 @@ def test_an_aborted_job_leaves_a_checkpoint_that_predict_uses(faults, tmp_path):
     # what a later job needs to continue the aborted run stays on the server: the state of the last completed round,
     # whose model is the last round's checkpoint, tensor for tensor (a resumed job goes on from exactly it)
     state_file = faults["dep"].kit(faults["dep"].server) / "cxrfl_resume" / faults["aborted_id"] / "state.pt"
-    state = torch_load(state_file, "resume state", "-")
+    state = ResumeStore.read(state_file)
     kept = last.with_name(f"round_{state['round']:03d}.pt")  # the last, or the one before (aborted between writes)
     assert state["round"] >= 1 and kept in sorted(last.parent.glob("round_*.pt"))[-2:], (state["round"], last)
     saved = load_checkpoint(kept)["model"]

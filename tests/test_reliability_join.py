@@ -11,8 +11,8 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 from cxrfl.common.io import read_records
+from cxrfl.common.resume import ResumeStore
 from cxrfl.common.server import RunAborted
 from cxrfl.common.transport import inprocess_transport
 from cxrfl.data.site import load_site
@@ -135,7 +135,7 @@ def late(sites, tmp_path_factory):
     out = tmp / "first"
     with pytest.raises(RunAborted):
         run_surgical({"hospital-a": a, "hospital-b": b}, settings(), out, run_id="first", aborted=aborted)
-    saved = torch.load(out / "cxrfl_resume" / "first" / "state.pt", weights_only=True)
+    saved = ResumeStore.read(out / "cxrfl_resume" / "first" / "state.pt")
     first_log = {"hospital-a": list(a.log), "hospital-b": list(b.log)}
     a.log.clear()
     b.log.clear()

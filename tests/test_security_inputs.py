@@ -50,7 +50,7 @@ def kit(tmp_path: Path, name: str) -> Path:
 
 def start_executor(workspace: Path, site: str, *, simulator: bool) -> object:
     """A surgical site executor after NVFlare's START_RUN in ``workspace`` (a simulated client or a kit)."""
-    from cxrfl.fl.surgical import SiteExecutor
+    from cxrfl.fl.surgical import SurgicalExecutor
 
     class Workspace:
         def get_root_dir(self) -> str:
@@ -71,7 +71,7 @@ def start_executor(workspace: Path, site: str, *, simulator: bool) -> object:
     ctx.get_engine = lambda: Engine()
     if simulator:  # what NVFlare's simulator client runner sets (sticky) for every context of the run
         ctx.set_prop(FLContextKey.SIMULATE_MODE, True, private=True, sticky=True)
-    executor = SiteExecutor(device="cpu", num_workers=0, num_threads=1, analytic_sender_id="")
+    executor = SurgicalExecutor(device="cpu", num_workers=0, num_threads=1, analytic_sender_id="")
     executor.handle_event("_start_run", ctx)
     return executor
 

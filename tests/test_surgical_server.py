@@ -9,6 +9,7 @@ beforehand.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 from cxrfl.bench.warmups import WarmupCache
-from cxrfl.common.io import read_records
+from cxrfl.common.io import read_records, torch_save
+from cxrfl.common.resume import ResumeStore
 from cxrfl.common.server import RunAborted, RunStopped
 from cxrfl.data.site import load_site
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, load_checkpoint
@@ -351,6 +353,41 @@ def test_abort_writes_nothing_and_a_resumed_run_continues_from_the_saved_weights
     assert [r["round"] for r in records if r["phase"] == "train"] == [3, 4]  # no completed round redone
     assert load_checkpoint(second / "FL_global_model.pt")["round"] == 4
     assert not (second / "cxrfl_resume" / "second").exists()  # finished: nothing to resume
+
+
+def test_the_resume_state_links_the_checkpoints_and_a_state_with_inline_models_still_resumes(sites, tmp_path):
+    # issue 43: the resume state pickled the global and the selected model a second time (params, best_params)
+    # after every round; it now names the checkpoints just written and the store keeps hard links to them
+    first, hosts = tmp_path / "first", scripted(sites, tmp_path)
+
+    def aborted() -> bool:  # told to stop once round 3's results are in
+        return any(t == "train" and m.get("round") == 3 for t, m, _ in hosts["hospital-a"].received)
+
+    with pytest.raises(RunAborted):
+        run_surgical(hosts, settings(num_rounds=4), first, run_id="first", aborted=aborted)
+    folder = first / "cxrfl_resume" / "first"
+    raw = torch.load(folder / "state.pt", weights_only=True)
+    assert "params" not in raw and "best_params" not in raw
+    assert os.path.samefile(folder / raw["models"]["params"], first / "FL_global_model.pt")
+    assert os.path.samefile(folder / raw["models"]["best_params"], first / "best_FL_global_model.pt")
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["state.pt", *raw["models"].values()])  # none stale
+    assert (folder / "state.pt").stat().st_size < (first / "FL_global_model.pt").stat().st_size / 10
+    assert os.path.samefile(first / "cxrfl" / "checkpoints" / "round_002.pt", first / "FL_global_model.pt")
+
+    # a state as cxrfl wrote it before the change (models inline) resumes from the same weights
+    old = tmp_path / "old"
+    torch_save(old / "cxrfl_resume" / "first" / "state.pt", ResumeStore.read(folder / "state.pt"))
+    for host in hosts.values():
+        host.received.clear()
+    run_surgical(hosts, settings(num_rounds=3, resume_from="first"), old, run_id="old")
+    saved = load_checkpoint(first / "cxrfl" / "checkpoints" / "round_002.pt")
+    for host in hosts.values():
+        task, meta, params = host.received[0]
+        assert (task, meta["round"]) == ("train", 3)
+        expected = site_payload(saved["model"], saved["classes"], host.host.data.classes)
+        for k, v in expected.items():
+            np.testing.assert_array_equal(params[k], v.numpy(), err_msg=k)
+    assert [r["round"] for r in train_records(old)] == [3]
 
 
 # ------------------------------------------------------------------ personalized FL

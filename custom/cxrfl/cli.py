@@ -65,6 +65,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     run = load_run(args.workspace)
     external, example = None, None
     if args.external:
+        from cxrfl.common.server import BEST_MODEL
         from cxrfl.data.site import load_site
         from cxrfl.nn.evaluation import evaluate_on_site
         from cxrfl.nn.models import model_from_checkpoint
@@ -75,7 +76,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
             config = demo_site_config("external")
         else:
             config = Path(args.external)
-        model, classes, mcfg = model_from_checkpoint(run["app"] / "best_FL_global_model.pt")
+        model, classes, mcfg = model_from_checkpoint(run["app"] / BEST_MODEL)
         data = load_site(config)
         external = {
             "site": data.site,

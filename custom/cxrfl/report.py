@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cxrfl.common.io import read_records
+from cxrfl.common.server import BEST_MODEL, GLOBAL_MODEL, RECORDS_DIR
 from cxrfl.errors import DataError
 from cxrfl.nn.metrics import summarise_auroc
 
@@ -32,7 +33,7 @@ def find_server_app(path: str | Path) -> Path:
     """
     path = Path(path)
     for candidate in (path, *sorted(path.glob("**/app_server"))):
-        if (candidate / "cxrfl" / "rounds.jsonl").is_file():
+        if (candidate / RECORDS_DIR / "rounds.jsonl").is_file():
             return candidate
     raise DataError(
         f"no cxrfl server output (app_server/cxrfl/rounds.jsonl) under {path}; did the job run? "
@@ -47,11 +48,11 @@ def load_run(path: str | Path) -> dict[str, Any]:
         path: see :func:`find_server_app`.
     """
     app = find_server_app(path)
-    evaluation_path = app / "cxrfl" / "evaluation.json"
+    evaluation_path = app / RECORDS_DIR / "evaluation.json"
     evaluation = json.loads(evaluation_path.read_text()) if evaluation_path.is_file() else None
     return {
         "app": app,
-        "rounds": read_records(app / "cxrfl" / "rounds.jsonl"),
+        "rounds": read_records(app / RECORDS_DIR / "rounds.jsonl"),
         "evaluation": evaluation,
         "evaluation_path": evaluation_path,
     }
@@ -210,13 +211,13 @@ def format_report(
         ]
     lines += _evaluation_lines(evaluation, external)
     ws = Path(workspace) if workspace is not None else app
-    best_model = app / "best_FL_global_model.pt"
+    best_model = app / BEST_MODEL
     lines += [
         "",
         "files:",
         f"  selected model   {best_model}",
-        f"  latest model     {app / 'FL_global_model.pt'}",
-        f"  round records    {app / 'cxrfl' / 'rounds.jsonl'}",
+        f"  latest model     {app / GLOBAL_MODEL}",
+        f"  round records    {app / RECORDS_DIR / 'rounds.jsonl'}",
         f"  evaluation       {run['evaluation_path']}",
         "",
         "next:",

@@ -1,7 +1,7 @@
 """A site executor that sends malformed results on purpose (fault injection for tests).
 
 It is copied into a test job's ``app/custom`` folder. Each site answers like
-:class:`cxrfl.fl.surgical.SiteExecutor` (through a :class:`cxrfl.surgical.host.SurgicalSiteHost`),
+:class:`cxrfl.fl.surgical.SurgicalExecutor` (through a :class:`cxrfl.surgical.host.SurgicalSiteHost`),
 except that in the rounds named in ``faults`` its ``train`` result is corrupted once (the first
 time that round is asked for; remembered in a file of the site's workspace, since the simulator
 may rebuild the executor between tasks). Sites in ``echo`` do not train in the federated rounds:
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from cxrfl.data.site import SiteData
-from cxrfl.fl.surgical import SiteExecutor
+from cxrfl.fl.surgical import SurgicalExecutor
 from cxrfl.surgical.host import SurgicalSiteHost
 
 log = logging.getLogger(__name__)
@@ -128,8 +128,8 @@ class FaultyHost(SurgicalSiteHost):
         return out, out_meta
 
 
-class FaultyExecutor(SiteExecutor):
-    """SiteExecutor with scheduled malformed results.
+class FaultyExecutor(SurgicalExecutor):
+    """SurgicalExecutor with scheduled malformed results.
 
     Args:
         faults: site -> {round (as a string): fault}; faults: nan, inf, shape, missing_key,
@@ -137,7 +137,7 @@ class FaultyExecutor(SiteExecutor):
             exception in the site's training); ``"warmup": "raise"``: the first warm-up fails.
         echo: sites that send back what they received instead of training.
         keep_received: sites that save what they receive in each federated round.
-        kwargs: :class:`cxrfl.fl.surgical.SiteExecutor` arguments.
+        kwargs: :class:`cxrfl.fl.surgical.SurgicalExecutor` arguments.
     """
 
     def __init__(

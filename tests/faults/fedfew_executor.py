@@ -21,7 +21,7 @@ from cxrfl.fedfew import protocol as P
 from cxrfl.fl.fedfew import FedFewExecutor
 
 
-class FaultyFedFewHost(P.SiteHost):
+class FaultyFedFewHost(P.FedFewSiteHost):
     """A FedFew site host that fails the scheduled tasks once.
 
     Args:
@@ -67,7 +67,7 @@ class FaultyFedFewExecutor(FedFewExecutor):
         self.faults = {site: list(keys) for site, keys in (faults or {}).items()}
         self.keep_received = set(keep_received or ())
 
-    def make_host(self, data: SiteData, device: torch.device, state_root: Path) -> P.SiteHost:
+    def make_host(self, data: SiteData, device: torch.device, state_root: Path) -> P.FedFewSiteHost:
         return FaultyFedFewHost(
             data,
             state_root / "faults",

@@ -14,6 +14,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping
@@ -145,6 +146,34 @@ def weights_only_values(obj: Any) -> Any:
         same = all(a is b for a, b in zip(items, obj))
         return obj if same else tuple(items) if isinstance(obj, tuple) else items
     return obj
+
+
+def link_or_copy(source: str | Path, dest: str | Path) -> Path:
+    """Make ``dest`` a hard link to ``source`` (no bytes written), a copy where links cannot be made
+    (another file system); an existing ``dest`` is replaced atomically.
+
+    Files written by :func:`atomic_write` are replaced by renaming, never rewritten in place, so the
+    link keeps the content ``source`` had when it was made.
+
+    Args:
+        source: an existing file.
+        dest: the new name (folders created).
+
+    Raises:
+        StorageError: it could not be made (disk full, no permission ...): one line naming it.
+    """
+    source, dest = Path(source), Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.link")
+    try:
+        tmp.unlink(missing_ok=True)
+        os.link(source, tmp)
+        os.replace(tmp, dest)
+        return dest
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    with source.open("rb") as src:
+        return atomic_write(dest, lambda f: shutil.copyfileobj(src, f))
 
 
 def torch_save(path: str | Path, obj: Any) -> Path:

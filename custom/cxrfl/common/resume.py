@@ -1,21 +1,29 @@
 """What a server keeps so that an interrupted run goes on from its last completed step.
 
 After the start-up and every completed round (cycle, stage) a server loop saves its state in
-``<root>/<run id>/state.pt`` (atomically: a crash leaves the previous state). A later run with
-``resume_from=<run id>`` loads it, after checking that the settings that decide the model are the
-same. ``resume_from`` is a job setting, chosen by whoever submits the job: it is only ever a run id
-of this store (no folder, no ``..``), and the state holds tensors and plain values only, read with
+``<root>/<run id>/state.pt`` (atomically: a crash leaves the previous state). A model the server has
+just written as a checkpoint (the global model, the selected one) is not written again: the state
+names it, and the store keeps a hard link to that checkpoint file beside ``state.pt`` (a copy where
+the two folders are on different file systems). A checkpoint is replaced by renaming a new file over
+it, so the link keeps the model the state was saved with. A later run with ``resume_from=<run id>``
+loads the state and the models it names, after checking that the settings that decide the model are
+the same. A state written before models were linked holds them inline and resumes the same way.
+
+``resume_from`` is a job setting, chosen by whoever submits the job: it is only ever a run id of
+this store (no folder, no ``..``), and the state holds tensors and plain values only, read with
 ``weights_only=True`` (:func:`cxrfl.common.io.torch_load`). A run that finishes removes its folder.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cxrfl.common.io import plain_name, torch_load, torch_save
+from cxrfl.common.io import link_or_copy, plain_name, torch_load, torch_save
 from cxrfl.errors import ConfigError
 
 RESUME_ROOT = "cxrfl_resume"
@@ -24,6 +32,8 @@ RESUME_ROOT_ENV = "CXRFL_RESUME_ROOT"
 """Environment variable of the server's process naming another folder of resume states (set by the
 server's operator, never by a job: e.g. simulator runs, whose workspace each run replaces)."""
 STATE_FILE = "state.pt"
+MODELS = "models"
+"""Entry of a state naming its linked models: state key -> file name in the run's folder."""
 
 
 class ResumeStore:
@@ -37,19 +47,39 @@ class ResumeStore:
     def __init__(self, root: str | Path, run_id: str) -> None:
         self.root = Path(root)
         self.run_id = str(run_id)
+        self._names: dict[str, str] = {}  # the models the last saved state names (key -> file name)
 
     @property
     def folder(self) -> Path:
         """This run's folder."""
         return self.root / self.run_id
 
-    def save(self, state: Mapping[str, Any]) -> Path:
+    def save(self, state: Mapping[str, Any], models: Mapping[str, Path] | None = None) -> Path:
         """Keep ``state`` (replaces the previous one atomically).
 
         Args:
             state: what the run needs to go on (must include ``settings``).
+            models: state key -> the cxrfl checkpoint that holds that entry's model (its ``model``):
+                linked, not written again; ``state``'s own value of the key is not saved.
         """
-        return torch_save(self.folder / STATE_FILE, dict(state))
+        names = {key: self._link(key, Path(source)) for key, source in (models or {}).items()}
+        plain = {k: v for k, v in state.items() if k not in names}
+        path = torch_save(self.folder / STATE_FILE, {**plain, MODELS: names})
+        for stale in set(self._names.values()) - set(names.values()):  # after the state: a crash keeps them
+            (self.folder / stale).unlink(missing_ok=True)
+        self._names = names
+        return path
+
+    def _link(self, key: str, source: Path) -> str:
+        """A file name in this run's folder holding ``source``'s content: the last state's name for ``key``
+        when that file is ``source`` itself (a selected model unchanged since), else a new hard link (a
+        copy across file systems)."""
+        current = self._names.get(key)
+        if current is not None and (self.folder / current).exists() and os.path.samefile(self.folder / current, source):
+            return current
+        name = f"{key}-{time.time_ns()}.pt"
+        link_or_copy(source, self.folder / name)
+        return name
 
     @staticmethod
     def check(resume_from: str) -> str:
@@ -108,7 +138,7 @@ class ResumeStore:
 
     @staticmethod
     def read(path: Path, remedy: str | None = None) -> dict[str, Any]:
-        """A state file's content (tensors and plain values only; nothing in it is run).
+        """A state file's content with the models it names (tensors and plain values only; nothing in it is run).
 
         Args:
             path: a ``state.pt``.
@@ -123,6 +153,12 @@ class ResumeStore:
             raise ConfigError(
                 f"resume state {path} cannot be read: it holds a {type(state).__name__}, not a state; {remedy}"
             )
+        for key, name in (state.pop(MODELS, None) or {}).items():
+            model = path.parent / plain_name(name, f"{path}: {MODELS}[{key!r}]", remedy)
+            checkpoint = torch_load(model, "resume model", remedy)
+            if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict):
+                raise ConfigError(f"resume model {model} is not a cxrfl checkpoint; {remedy}")
+            state[key] = checkpoint["model"]
         return state
 
     def clear(self) -> None:

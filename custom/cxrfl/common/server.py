@@ -16,7 +16,7 @@ import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 
 RECORDS_DIR = "cxrfl"
 """Sub-folder of the output folder with run records (``rounds.jsonl`` ...), ``run_config.json``, ``evaluation.json``."""
+GLOBAL_MODEL = "FL_global_model.pt"
+"""The latest global model (a cxrfl checkpoint) in the output folder, replaced after every completed round."""
+BEST_MODEL = "best_FL_global_model.pt"
+"""The selected global model (lowest validation loss so far) in the output folder."""
+CHECKPOINTS = "checkpoints"
+"""Sub-folder of :data:`RECORDS_DIR` with every round's global model (``round_NNN.pt``), where a method keeps them."""
 
 
 class RunStopped(CxrflError):
@@ -123,6 +129,7 @@ class ServerLoop:
         self.info = info
         self.warning = warning
         self.aborted = aborted
+        self.clock = RetryClock(0, 0)  # each method sets its own timeout and pause
 
     # ----------------------------------------------------------------- files
     def path(self, *parts: str) -> Path:
@@ -193,6 +200,42 @@ class ServerLoop:
             return self.resume.load(self.resume_from, settings, keys)
         except ConfigError as exc:
             raise RunStopped(str(exc)) from None
+
+    # ------------------------------------------------------------ stopping
+    def stop(self, reason: str, step: Mapping[str, Any] | None = None, name: str = "rounds.jsonl") -> NoReturn:
+        """Stop the run: one ``stopped`` record (``step``'s fields, ``status: stopped``, the reason), then
+        :class:`RunStopped`. The same record schema in every method.
+
+        Args:
+            reason: why, and what to do (one line).
+            step: the fields that name the step that could not be completed (None: no record).
+            name: the ``.jsonl`` file of the record.
+        """
+        if step is not None:
+            self.record({**step, "status": "stopped", "reason": reason}, name)
+        raise RunStopped(reason)
+
+    def retry_or_stop(
+        self, problem: str, *, setting: str, kept: str, step: Mapping[str, Any] | None, name: str = "rounds.jsonl"
+    ) -> None:
+        """After a failed attempt at a step: wait ``clock.pause`` seconds (the caller tries again), or, once
+        failures have lasted ``clock.timeout`` seconds, :meth:`stop`.
+
+        Args:
+            problem: what failed (``round 3 had fewer than min_clients=2 valid results``).
+            setting: the name of the timeout setting, for the messages.
+            kept: what is kept and how to go on, for the stop message.
+            step: the fields that name the step (see :meth:`stop`).
+            name: the ``.jsonl`` file of the stopped record.
+        """
+        waited = self.clock.failed()
+        if self.clock.expired:
+            self.stop(f"stopping: {problem} for {waited:.0f}s ({setting}={self.clock.timeout:g}); {kept}", step, name)
+        self.warning(
+            f"{problem}; running it again in {self.clock.pause:g}s ({waited:.0f}s of {setting}={self.clock.timeout:g}s)"
+        )
+        self.clock.wait(self.aborted)
+        self.check_abort()
 
     # --------------------------------------------------------------- sending
     def run(self) -> Any:

@@ -21,7 +21,9 @@
    (:class:`cxrfl.common.selection.EarlyStopping`; never the untrained initial one);
 5. after the start and every completed cycle, keeps what a resumed run needs (weights, Adam's
    state, iteration count, early-stopping state, best weights, cycle, plan, classes) with
-   :class:`cxrfl.common.resume.ResumeStore`; ``resume_from`` goes on from the next cycle.
+   :class:`cxrfl.common.resume.ResumeStore` (the weights and best weights as links to the two
+   checkpoints below: one model-sized write per cycle, plus Adam's state in the resume state);
+   ``resume_from`` goes on from the next cycle.
 
 Written under ``out_dir`` (the server's app folder in a job):
 
@@ -51,9 +53,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from cxrfl.common.io import params_digest, to_numpy, write_json
+from cxrfl.common.io import link_or_copy, params_digest, to_numpy, write_json
 from cxrfl.common.selection import EarlyStopping
-from cxrfl.common.server import RECORDS_DIR, RetryClock, RunStopped, ServerLoop
+from cxrfl.common.server import BEST_MODEL, GLOBAL_MODEL, RECORDS_DIR, RetryClock, RunStopped, ServerLoop
 from cxrfl.common.transport import Message, Send
 from cxrfl.cwt.config import CWTConfig, RelayConfig
 from cxrfl.cwt.evaluation import evaluate_final
@@ -73,8 +75,6 @@ from cxrfl.errors import UpdateRejected
 from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
 from cxrfl.surgical.validation import FLOAT_DTYPES, INT_DTYPES, dtype_name, expected_dtypes, validate_update
 
-GLOBAL_MODEL = "FL_global_model.pt"
-BEST_MODEL = "best_FL_global_model.pt"
 RESUME_KEYS = ("cwt_config", "model_config", "site_order")
 """Settings a resumed run must share with the interrupted one."""
 
@@ -170,35 +170,26 @@ class CWTServer(ServerLoop):
         return path
 
     def _keep(self, plan: RelayPlan, state: RelayState) -> None:
-        """Save what a resumed run needs (after the start and every completed cycle)."""
-        self.resume.save({"settings": self.settings, "run_id": self.run_id, "plan": plan.to_dict(), **state.to_dict()})
+        """Save what a resumed run needs (after the start and every completed cycle); the model and the best
+        one are the checkpoints just written (:data:`GLOBAL_MODEL`, :data:`BEST_MODEL`), linked rather than
+        written again."""
+        models = {"weights": self.path(GLOBAL_MODEL)}
+        if state.best_weights is not None:
+            models["best_weights"] = self.path(BEST_MODEL)
+        state_dict = {"settings": self.settings, "run_id": self.run_id, "plan": plan.to_dict(), **state.to_dict()}
+        self.resume.save(state_dict, models)
 
     def _retry(self, problem: str, cycle: int | None) -> None:
         """Wait before another attempt, or stop with the reason once ``min_sites_timeout`` has passed."""
-        waited = self.clock.failed()
-        if self.clock.expired:
-            where = (
-                (
-                    f"the last completed cycle ({cycle - 1}) is in {self.path(GLOBAL_MODEL)}; resume with "
-                    f"resume_from={self.run_id!r} once enough sites are back"
-                )
-                if cycle
-                else "check the sites' logs"
-            )
-            reason = (
-                f"stopping: {problem} for {waited:.0f}s (min_sites_timeout={self.relay.min_sites_timeout:g}); {where}"
-            )
-            if cycle:
-                self.record({"cycle": cycle, "status": "stopped", "reason": reason}, "cycles.jsonl")
-            raise RunStopped(reason)
-        self.warning(
-            f"{problem}; trying again in {self.relay.retry_pause:g}s ({waited:.0f}s of "
-            f"min_sites_timeout={self.relay.min_sites_timeout:g}s)"
+        kept = (
+            f"the last completed cycle ({cycle - 1}) is in {self.path(GLOBAL_MODEL)}; resume with "
+            f"resume_from={self.run_id!r} once enough sites are back"
+            if cycle
+            else "check the sites' logs"
         )
-        self.clock.wait(self.aborted)
-        self.check_abort()
+        step = {"cycle": cycle} if cycle else None
+        self.retry_or_stop(problem, setting="min_sites_timeout", kept=kept, step=step, name="cycles.jsonl")
 
-    # ------------------------------------------------------------------ run
     def run(self) -> CWTOutcome:
         """Run (or resume) the relay; write and return the results.
 
@@ -428,7 +419,7 @@ class CWTServer(ServerLoop):
         self._checkpoint(GLOBAL_MODEL, state.weights, plan, cycle=run.cycle, val_loss=loss)
         if improved:
             state.best_weights = state.weights
-            self._checkpoint(BEST_MODEL, state.weights, plan, cycle=run.cycle, val_loss=loss)
+            link_or_copy(self.path(GLOBAL_MODEL), self.path(BEST_MODEL))  # the same checkpoint: no second write
         record = {
             "cycle": run.cycle,
             "status": "completed",

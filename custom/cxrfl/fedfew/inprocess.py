@@ -16,7 +16,7 @@ import torch
 from cxrfl.common.transport import inprocess_transport
 from cxrfl.data.site import SiteData
 from cxrfl.fedfew.config import FedFewConfig
-from cxrfl.fedfew.protocol import SiteHost
+from cxrfl.fedfew.protocol import FedFewSiteHost
 from cxrfl.fedfew.rounds import RoundHook
 from cxrfl.fedfew.server import FedFewOutcome, FedFewServer
 from cxrfl.nn.models import ModelConfig
@@ -40,7 +40,7 @@ def run_fedfew(
     info: Callable[[str], None] = log.info,
     warning: Callable[[str], None] = log.warning,
     site_info: Callable[[str], None] | None = None,
-    hosts: Mapping[str, SiteHost] | None = None,
+    hosts: Mapping[str, FedFewSiteHost] | None = None,
     on_round: RoundHook | None = None,
     aborted: Callable[[], bool] = lambda: False,
 ) -> FedFewOutcome:
@@ -67,7 +67,7 @@ def run_fedfew(
         on_round: called after every completed round of stages 1-2 (:data:`cxrfl.fedfew.rounds.RoundHook`).
         aborted: returns True when the run must stop.
     """
-    hosts = dict(hosts) if hosts is not None else {s: SiteHost(d, device) for s, d in data.items()}
+    hosts = dict(hosts) if hosts is not None else {s: FedFewSiteHost(d, device) for s, d in data.items()}
     server = FedFewServer(
         inprocess_transport(hosts, warning, site_info),
         sites=list(data),

@@ -1,6 +1,6 @@
 """The FedFew tasks as plain messages: what the server sends, what a site answers.
 
-A message is ``(params, meta)`` (:data:`cxrfl.common.transport.Message`). :class:`SiteHost` is a
+A message is ``(params, meta)`` (:data:`cxrfl.common.transport.Message`). :class:`FedFewSiteHost` is a
 site's endpoint (the :class:`cxrfl.common.transport.SiteHost` protocol): the NVFlare executor
 (:class:`cxrfl.fl.fedfew.FedFewExecutor`) and the in-process transport
 (:mod:`cxrfl.fedfew.inprocess`) both hand it every task; :func:`handle_task` is the whole site
@@ -177,7 +177,7 @@ def describe_task(site: str, task: str, meta: Mapping[str, Any], answer: Mapping
     return None
 
 
-class SiteHost:
+class FedFewSiteHost:
     """One site's endpoint (:class:`cxrfl.common.transport.SiteHost`): builds its :class:`FedFewSite`
     for the settings a task carries (reused while they stay the same) and answers the task.
 

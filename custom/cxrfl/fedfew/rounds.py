@@ -38,7 +38,7 @@ import torch
 from cxrfl.common.io import to_numpy
 from cxrfl.common.resume import STATE_FILE, ResumeStore
 from cxrfl.common.selection import EarlyStopping
-from cxrfl.common.server import RetryClock, RunStopped, ServerLoop
+from cxrfl.common.server import RetryClock, ServerLoop
 from cxrfl.common.transport import Message
 from cxrfl.errors import ConfigError, UpdateRejected
 from cxrfl.surgical.aggregation import aggregate, surgical_aggregate
@@ -370,29 +370,16 @@ class FederatedRounds(ServerLoop):
 
     def _retry_or_stop(self, phase: Phase, rnd: int, record: Mapping[str, Any]) -> None:
         """After a failed attempt: wait and try the round again, or stop once ``min_clients_timeout`` is spent."""
-        waited = self.clock.failed()
-        valid = len(record["sites_answered"]) - len(record["rejected"])
         silent = sorted(set(phase.sites) - set(record["sites_answered"]))
-        if self.clock.expired:
-            reason = (
-                f"stopping: stage {phase.stage} round {rnd} had fewer than {self.needed(phase)} valid "
-                f"results for {waited:.0f}s (min_clients_timeout={self.clock.timeout:g}); answered "
-                f"{record['sites_answered']}, no answer from {silent}, rejected {dict(record['rejected'])}. "
-                f"Finished stages and the last completed round are kept in {self.resume.folder}; resume with "
-                f"resume_from={self.run_id!r} once enough sites are back"
-            )
-            self.record(
-                {"stage": phase.stage, "round": rnd, "phase": phase.name, "status": "stopped", "reason": reason}
-            )
-            raise RunStopped(reason)
-        self.warning(
-            f"stage {phase.stage} round {rnd}: {valid} valid result(s), {self.needed(phase)} needed "
-            f"(min_clients={self.min_clients}); "
-            f"running it again in {self.clock.pause:g}s ({waited:.0f}s of "
-            f"min_clients_timeout={self.clock.timeout:g}s)"
+        self.retry_or_stop(
+            f"stage {phase.stage} round {rnd} had fewer than {self.needed(phase)} valid results "
+            f"(min_clients={self.min_clients}; answered {record['sites_answered']}, no answer from {silent}, "
+            f"rejected {dict(record['rejected'])})",
+            setting="min_clients_timeout",
+            kept=f"finished stages and the last completed round are kept in {self.resume.folder}; resume with "
+            f"resume_from={self.run_id!r} once enough sites are back",
+            step={"stage": phase.stage, "round": rnd, "phase": phase.name},
         )
-        self.clock.wait(self.aborted)
-        self.check_abort()
 
     # --------------------------------------------------------- resume state
     def save_progress(self, progress: Progress) -> Path:

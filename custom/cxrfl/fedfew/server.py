@@ -35,7 +35,7 @@ Written under ``out_dir`` (the server's app folder in a job):
   ``cxrfl/plan.json``: the classes and roles; ``cxrfl/evaluation.json``: the final model on every
   site's test split (:mod:`cxrfl.fedfew.evaluation`); ``cxrfl/run_config.json``: the settings.
 
-Resuming: every finished stage's file is kept in the run's resume folder
+Resuming: every finished stage's file is kept in the run's resume folder (a hard link, not a copy)
 (``cxrfl_resume/<run id>/`` under ``resume_root``; removed when the run finishes), and so is the
 stage in progress after each completed round (``state.pt``: its weights, best weights, early
 stopping, margins). A run with ``resume_from`` set to an interrupted run's id (its resume folder
@@ -59,8 +59,8 @@ from typing import Any
 import numpy as np
 
 from cxrfl.clinical.pooling import PooledEvaluation
-from cxrfl.common.io import write_json
-from cxrfl.common.server import RunStopped
+from cxrfl.common.io import link_or_copy, write_json
+from cxrfl.common.server import GLOBAL_MODEL, RunStopped
 from cxrfl.common.transport import Send
 from cxrfl.fedfew import protocol as P
 from cxrfl.fedfew.config import FedFewConfig
@@ -72,12 +72,10 @@ from cxrfl.fedfew.rounds import FederatedRounds, Progress, RoundHook
 from cxrfl.fedfew.stage1 import run_stage1
 from cxrfl.fedfew.stage2 import run_stage2
 from cxrfl.fedfew.stage3 import run_stage3
-from cxrfl.fedfew.stages import STAGE_DIR, STAGE_FILES, copy_stage, finished_stages, load_stages
+from cxrfl.fedfew.stages import STAGE_DIR, STAGE_FILES, finished_stages, load_stages
 from cxrfl.nn.models import ModelConfig
 
 log = logging.getLogger(__name__)
-
-GLOBAL_MODEL = "FL_global_model.pt"
 
 
 @dataclass
@@ -183,7 +181,7 @@ class FedFewServer(FederatedRounds):
 
     def _keep(self, stage: int) -> None:
         """Keep a finished stage's file in this run's resume folder."""
-        copy_stage(self._stage_path(stage), self.resume.folder / STAGE_FILES[stage])
+        link_or_copy(self._stage_path(stage), self.resume.folder / STAGE_FILES[stage])
 
     def _resume_source(self) -> Path:
         """The resume folder of the run ``resume_from`` names."""
@@ -214,7 +212,7 @@ class FedFewServer(FederatedRounds):
         for k in range(1, done + 1):
             if k in have:
                 if src.resolve() != self._stage_path(k).parent.resolve():
-                    copy_stage(src / STAGE_FILES[k], self._stage_path(k))
+                    link_or_copy(src / STAGE_FILES[k], self._stage_path(k))
                 self._keep(k)
         self.info(
             f"resume: stage(s) 1-{done} loaded from {src}; going on with stage {done + 1}"
@@ -367,20 +365,13 @@ class FedFewServer(FederatedRounds):
             if infos and len(infos) >= self.min_clients:
                 self.clock.succeeded()
                 return infos
-            waited = self.clock.failed()
-            if self.clock.expired:
-                who = f"only {sorted(infos)}" if infos else "no site"
-                raise RunStopped(
-                    f"stopping: {who} answered the info task (min_clients={self.min_clients}) for "
-                    f"{waited:.0f}s (min_clients_timeout={self.clock.timeout:g}); the others failed at "
-                    "start or are down: see their logs"
-                )
-            self.warning(
-                f"start: {len(infos)} site(s) answered the info task (min_clients={self.min_clients}); "
-                f"asking again in {self.clock.pause:g}s ({waited:.0f}s of min_clients_timeout={self.clock.timeout:g}s)"
+            who = f"only {sorted(infos)}" if infos else "no site"
+            self.retry_or_stop(
+                f"{who} answered the info task at the start (min_clients={self.min_clients})",
+                setting="min_clients_timeout",
+                kept="the others failed at start or are down: see their logs",
+                step=None,
             )
-            self.clock.wait(self.aborted)
-            self.check_abort()
 
     def _plan(self) -> ClassPlan:
         infos = self._infos()

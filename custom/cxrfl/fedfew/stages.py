@@ -166,14 +166,3 @@ def load_stages(folder: Path, done: int, site_config: ModelConfig, cc_classes: S
         _same_model(path, obj["model_config"], site_config)
         data["ssl_state"] = to_numpy(obj["ssl_state"])
     return data
-
-
-def copy_stage(src: Path, dst: Path) -> Path:
-    """Copy one stage file atomically (a crash leaves the old file or none, never a part).
-
-    Args:
-        src: the file.
-        dst: the copy.
-    """
-    data = src.read_bytes()
-    return atomic_write(dst, lambda f: f.write(data))

@@ -2,7 +2,7 @@
 
 The loop is :class:`cxrfl.fedeval.server.FedEvalServer`; this module finds the model and carries
 the loop's messages over NVFlare (:class:`cxrfl.fl.base.TaskController`). Sites answer with
-:class:`cxrfl.fl.surgical.SiteExecutor`, the executor every surgical-aggregation job deploys.
+:class:`cxrfl.fl.surgical.SurgicalExecutor`, the executor every surgical-aggregation job deploys.
 
 The model is a plain file name, never a path: the file shipped in the job's server app
 (``job.py --model FILE`` puts it in ``app_server/config``), else one in the folder the server's

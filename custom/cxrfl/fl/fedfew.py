@@ -3,7 +3,7 @@
 The workflow is :class:`cxrfl.fedfew.server.FedFewServer` (stage planning, FedAvg, margins,
 threshold, prototypes, resumable stage results, the final self-describing model), run by
 :class:`cxrfl.fl.base.TaskController` over NVFlare; a site answers through
-:class:`cxrfl.fedfew.protocol.SiteHost`, run by :class:`cxrfl.fl.base.TaskExecutor`. A site whose
+:class:`cxrfl.fedfew.protocol.FedFewSiteHost`, run by :class:`cxrfl.fl.base.TaskExecutor`. A site whose
 task fails or times out is left out of that task with a warning; a round with fewer than
 ``min_clients`` valid results is run again until ``min_clients_timeout``; the run stops
 (``panic``) with the reason when nothing is left to go on with.
@@ -29,7 +29,7 @@ from cxrfl.clinical.pooling import PooledEvaluation
 from cxrfl.data.site import SiteData
 from cxrfl.errors import ConfigError
 from cxrfl.fedfew.config import FedFewConfig
-from cxrfl.fedfew.protocol import SiteHost
+from cxrfl.fedfew.protocol import FedFewSiteHost
 from cxrfl.fedfew.server import FedFewServer
 from cxrfl.fl.base import Scalars, TaskController, TaskExecutor, mean_over_sites
 from cxrfl.nn.models import ModelConfig
@@ -123,5 +123,5 @@ class FedFewExecutor(TaskExecutor):
     the settings of every task come from the server.
     """
 
-    def make_host(self, data: SiteData, device: torch.device, state_root: Path) -> SiteHost:
-        return SiteHost(data, device, self.num_workers)
+    def make_host(self, data: SiteData, device: torch.device, state_root: Path) -> FedFewSiteHost:
+        return FedFewSiteHost(data, device, self.num_workers)

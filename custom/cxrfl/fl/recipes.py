@@ -57,7 +57,7 @@ from cxrfl.fl.fedeval import FederatedEvaluation
 from cxrfl.fl.fedfew import FedFew, FedFewExecutor
 from cxrfl.fl.job_settings import ANALYTIC_SENDER, JobSettings
 from cxrfl.fl.site_config import DEMO_SITES
-from cxrfl.fl.surgical import SiteExecutor, SurgicalAggregation
+from cxrfl.fl.surgical import SurgicalAggregation, SurgicalExecutor
 from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
@@ -267,7 +267,7 @@ class SurgicalAggregationRecipe(CxrflRecipe):
             weighting, robust, selection, resume_from, task_timeout ...).
     """
 
-    executor = SiteExecutor
+    executor = SurgicalExecutor
     tasks = SURGICAL_TASKS
 
     def __init__(
@@ -416,7 +416,7 @@ class FedEvalRecipe(CxrflRecipe):
         settings: :class:`JobSettings` fields and ``task_timeout``.
     """
 
-    executor = SiteExecutor
+    executor = SurgicalExecutor
     tasks = EVALUATION_TASKS
 
     def __init__(

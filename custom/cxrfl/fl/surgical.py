@@ -9,6 +9,7 @@ messages over NVFlare (:mod:`cxrfl.fl.base`). The baselines of the papers are ot
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,7 @@ class SurgicalAggregation(TaskController):
         return values, int(record["round"])
 
 
-class SiteExecutor(TaskExecutor):
+class SurgicalExecutor(TaskExecutor):
     """A surgical-aggregation site: answers ``train`` and ``validate`` with its own data.
 
     Args: see :class:`cxrfl.fl.base.TaskExecutor` (device, num_workers, num_threads, analytic_sender_id).
@@ -128,3 +129,15 @@ class SiteExecutor(TaskExecutor):
 
     def make_host(self, data: SiteData, device: torch.device, state_root: Path) -> SiteHost:
         return SurgicalSiteHost(data, state_root, device=device, num_workers=self.num_workers)
+
+
+class SiteExecutor(SurgicalExecutor):
+    """The old name of :class:`SurgicalExecutor`, for job configs exported before it was renamed; it works
+    for one more release and says so once."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        logging.getLogger(__name__).warning(
+            "cxrfl.fl.surgical.SiteExecutor is deprecated and goes in the next release: the job's "
+            "config_fed_client.json should name cxrfl.fl.surgical.SurgicalExecutor (export the job again)"
+        )

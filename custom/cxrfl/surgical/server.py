@@ -29,7 +29,8 @@ malformed results; or an aggregation error such as an overflow) keeps the previo
 and is run again after ``retry_pause`` seconds, until ``min_clients_timeout`` seconds have passed
 without a completed round: then the run stops with the reason (:class:`RunStopped`). After the
 warm-up and every completed round the state needed to go on is saved
-(:class:`cxrfl.common.resume.ResumeStore`); ``resume_from`` continues an interrupted run from its
+(:class:`cxrfl.common.resume.ResumeStore`: the round, classes, selection and curve, with links to
+the two checkpoints below rather than the models again); ``resume_from`` continues an interrupted run from its
 last completed round with its weights (mismatched settings are refused). An abort
 (:class:`RunAborted`) writes nothing more.
 
@@ -39,9 +40,13 @@ Written under ``out_dir`` (the server's app folder in a job):
 - ``best_FL_global_model.pt``: the selected global model (lowest mean validation loss);
 - ``cxrfl/rounds.jsonl``: one record per warm-up, round attempt and final validation (sites,
   contributors per class, rejections, per-site metrics, the evaluated model's mean validation
-  loss and AUROC); ``cxrfl/checkpoints/round_NNN.pt`` when kept;
+  loss and AUROC); ``cxrfl/checkpoints/round_NNN.pt`` when kept (a hard link to that round's
+  ``FL_global_model.pt``);
 - ``cxrfl/evaluation.json``: the selected model on every site's test split and the external set;
 - ``cxrfl/run_config.json``: the settings of this run.
+
+Model-sized writes per completed round: one (``FL_global_model.pt``), two when the scored model is
+the new best (``best_FL_global_model.pt``); the resume state and the round's checkpoint are links.
 """
 
 from __future__ import annotations
@@ -55,9 +60,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from cxrfl.common.io import to_numpy
+from cxrfl.common.io import link_or_copy, to_numpy
 from cxrfl.common.selection import EarlyStopping
-from cxrfl.common.server import RECORDS_DIR, RetryClock, RunStopped, ServerLoop
+from cxrfl.common.server import BEST_MODEL, CHECKPOINTS, GLOBAL_MODEL, RECORDS_DIR, RetryClock, ServerLoop
 from cxrfl.common.transport import Message, Send
 from cxrfl.errors import CxrflError
 from cxrfl.nn.evaluation import shared_classes
@@ -71,11 +76,6 @@ from cxrfl.surgical.records import curve_point, fmt, round_record
 from cxrfl.surgical.round_aggregator import RoundAggregator, RoundResult
 from cxrfl.surgical.state import RunState
 from cxrfl.surgical.tasks import SiteTasks
-
-GLOBAL_MODEL = "FL_global_model.pt"
-BEST_MODEL = "best_FL_global_model.pt"
-CHECKPOINTS = "checkpoints"
-"""Sub-folder of ``cxrfl/`` with every round's global model (``round_NNN.pt``)."""
 
 
 @dataclass
@@ -207,8 +207,7 @@ class SurgicalServer(ServerLoop):
                 f"results (answered {record['sites_answered']}, failed {record['sites_failed']}, rejected "
                 f"{rejected}); see the sites' logs"
             )
-            self.record({"round": 0, "phase": "stopped", "reason": reason})
-            raise RunStopped(reason)
+            self.stop(reason, {"round": 0, "phase": "stopped"})
         announced = {s: list(answers[s][1]["classes"]) for s in result.sites}
         state = RunState(
             0,
@@ -221,7 +220,7 @@ class SurgicalServer(ServerLoop):
             self.run_id,
         )
         self._save_model(GLOBAL_MODEL, state.params, state.classes, round=0)
-        self.resume.save({**state.to_dict(), "settings": self.config.to_dict()})
+        self._keep(state)
         self.info(
             f"warm-up: {len(announced)} of {len(self.sites)} site(s) announced their classes "
             f"({time.perf_counter() - start:.1f}s)"
@@ -264,7 +263,7 @@ class SurgicalServer(ServerLoop):
             state.joined.update({s: rnd for s in joined})
             state.stopper, state.best_params = EarlyStopping(self.config.patience, self.config.min_delta), None
             self._save_model(GLOBAL_MODEL, state.params, state.classes, round=state.round)
-            self.resume.save({**state.to_dict(), "settings": self.config.to_dict()})
+            self._keep(state)
             self.info(
                 f"round {rnd}: site(s) {sorted(joined)} joined late with their warm-up; {len(added)} new class(es) "
                 f"in the global head (now {len(state.classes)}); model selection starts again"
@@ -338,12 +337,10 @@ class SurgicalServer(ServerLoop):
             state.params.update(result.params)
             state.round = rnd
             self._save_model(GLOBAL_MODEL, state.params, state.classes, round=rnd)
-            if self.config.keep_round_checkpoints:
-                self._save_model(
-                    f"{RECORDS_DIR}/{CHECKPOINTS}/round_{rnd:03d}.pt", state.params, state.classes, round=rnd
-                )
+            if self.config.keep_round_checkpoints:  # the same file under a second name: no second write
+                link_or_copy(self.path(GLOBAL_MODEL), self.path(f"{RECORDS_DIR}/{CHECKPOINTS}/round_{rnd:03d}.pt"))
             self._consider(state, point, evaluated)
-            self.resume.save({**state.to_dict(), "settings": self.config.to_dict()})
+            self._keep(state)
             self.info(
                 f"round {rnd}: {len(result.sites)} of {len(state.announced)} site(s) aggregated; model of round "
                 f"{rnd - 1}: mean val loss {fmt(point['mean_val_loss'])}, mean val AUROC "
@@ -356,23 +353,14 @@ class SurgicalServer(ServerLoop):
 
     def _retry_or_stop(self, rnd: int, record: Mapping[str, Any]) -> None:
         """After a failed attempt: wait and try again, or stop once ``min_clients_timeout`` is spent."""
-        waited = self.clock.failed()
-        cfg = self.config
-        if self.clock.expired:
-            reason = (
-                f"stopping: round {rnd} had fewer than min_clients={cfg.min_clients} valid site results for "
-                f"{waited:.0f}s (min_clients_timeout={cfg.min_clients_timeout:g}); answered "
-                f"{record['sites_answered']}, failed {record['sites_failed']}, rejected {record['rejected']}. "
-                f"The last completed round ({rnd - 1}) is in {self.path(GLOBAL_MODEL)}; resume with "
-                f"resume_from={self.run_id!r} once enough sites are back"
-            )
-            self.record({"round": rnd, "phase": "stopped", "reason": reason})
-            raise RunStopped(reason)
-        self.warning(
-            f"round {rnd}: too few valid results; running it again in {cfg.retry_pause:g}s "
-            f"({waited:.0f}s of min_clients_timeout={cfg.min_clients_timeout:g}s)"
+        self.retry_or_stop(
+            f"round {rnd} had fewer than min_clients={self.config.min_clients} valid site results (answered "
+            f"{record['sites_answered']}, failed {record['sites_failed']}, rejected {record['rejected']})",
+            setting="min_clients_timeout",
+            kept=f"the last completed round ({rnd - 1}) is in {self.path(GLOBAL_MODEL)}; resume with "
+            f"resume_from={self.run_id!r} once enough sites are back",
+            step={"round": rnd, "phase": "stopped"},  # phase: how surgical records were told apart before
         )
-        self.clock.wait(self.aborted)
 
     def _aggregate(
         self,
@@ -436,7 +424,7 @@ class SurgicalServer(ServerLoop):
         self.check_abort()
         point = curve_point(state.round, answers, "loss", "mean_auroc")
         self._consider(state, point, state.params)
-        self.resume.save({**state.to_dict(), "settings": self.config.to_dict()})
+        self._keep(state)
         self.record(
             {
                 "round": state.round,
@@ -465,6 +453,14 @@ class SurgicalServer(ServerLoop):
         return state.stopper.best_step, state.best_params
 
     # ------------------------------------------------------------ files
+    def _keep(self, state: RunState) -> None:
+        """Save what a resumed run needs; the global and selected models are the checkpoints just
+        written (:data:`GLOBAL_MODEL`, :data:`BEST_MODEL`), linked rather than written again."""
+        models = {"params": self.path(GLOBAL_MODEL)}
+        if state.best_params is not None:
+            models["best_params"] = self.path(BEST_MODEL)
+        self.resume.save({**state.to_dict(), "settings": self.config.to_dict()}, models)
+
     def _save_model(self, name: str, params: Mapping[str, Any], classes: list[str], **extra: Any) -> Path:
         path = self.path(name)
         tensors = {k: torch.as_tensor(np.asarray(v)) for k, v in params.items()}
