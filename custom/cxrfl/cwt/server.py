@@ -55,6 +55,7 @@ from cxrfl.common.io import params_digest, to_numpy, write_json
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.common.server import RECORDS_DIR, RetryClock, RunStopped, ServerLoop
 from cxrfl.common.transport import Message, Send
+from cxrfl.core.updates import FLOAT_DTYPES, INT_DTYPES, dtype_name, expected_dtypes, validate_update
 from cxrfl.cwt.config import CWTConfig, RelayConfig
 from cxrfl.cwt.evaluation import evaluate_final
 from cxrfl.cwt.host import site_model_config
@@ -71,7 +72,6 @@ from cxrfl.cwt.site import global_classes, pooled_loss
 from cxrfl.cwt.state import CycleRun, RelayPlan, RelayState
 from cxrfl.errors import UpdateRejected
 from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
-from cxrfl.surgical.validation import FLOAT_DTYPES, INT_DTYPES, dtype_name, expected_dtypes, validate_update
 
 GLOBAL_MODEL = "FL_global_model.pt"
 BEST_MODEL = "best_FL_global_model.pt"
