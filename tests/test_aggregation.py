@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from cxrfl.core.updates import validate_update
 from cxrfl.errors import UpdateRejected
 from cxrfl.surgical.aggregation import surgical_aggregate
 from cxrfl.surgical.head_modes import site_payload
-from cxrfl.surgical.validation import validate_update
 from nvflare.app_common.aggregators.weighted_aggregation_helper import WeightedAggregationHelper
 
 W, B = "classifier.weight", "classifier.bias"
@@ -268,7 +268,7 @@ def test_mean_of_large_small_and_mixed_dtype_arrays_matches_the_plain_mean():
 
 
 def test_normalize_shapes_once_for_many_updates():
-    from cxrfl.surgical.validation import normalize_shapes
+    from cxrfl.core.updates import normalize_shapes
 
     shapes = normalize_shapes({"f": [np.int64(3)], W: torch.Size([1, 2])})
     assert dict(shapes) == {"f": (3,), W: (1, 2)} and all(type(d) is int for s in shapes.values() for d in s)

@@ -146,10 +146,12 @@ def test_aggregator_checks_before_summing_and_keeps_only_head_rows():
         assert agg.accept_model(results[0]) and not agg.accept_model(bad)
         assert agg.rejected["b"] == "site b: non-finite values (NaN or Inf) in 'body.w'"
         assert (
-            agg.core.running is not None and agg.core.running.usable and [s for s, _ in agg.core.running.added] == ["a"]
+            agg.core.stream.running is not None
+            and agg.core.stream.running.usable
+            and [s for s, _ in agg.core.stream.running.added] == ["a"]
         )
         assert agg.accept_model(results[2])
-        assert all(set(u["params"]) == {"classifier.weight", "classifier.bias"} for u in agg.core.updates)
+        assert all(set(p.params) == {"classifier.weight", "classifier.bias"} for p in agg.core.stream.accepted)
         out = agg.aggregate_model()
         ups = [
             {"site": r.meta["client_name"], "classes": ["x"], "params": r.params, "num_samples": r.meta["num_samples"]}
@@ -160,7 +162,7 @@ def test_aggregator_checks_before_summing_and_keeps_only_head_rows():
             np.testing.assert_array_equal(out.params[k], want[k], err_msg=k)
         clean = SurgicalAggregator(weighting=weighting)  # all valid: the sum fed at accept time is used
         clean.expect(shapes, {"a": ["x"], "b": ["x"], "c": ["x"]})
-        assert all(clean.accept_model(r) for r in results) and clean.core.running.usable
+        assert all(clean.accept_model(r) for r in results) and clean.core.stream.running.usable
         out = clean.aggregate_model()
         ups = [
             {"site": r.meta["client_name"], "classes": ["x"], "params": r.params, "num_samples": r.meta["num_samples"]}

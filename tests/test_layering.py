@@ -22,19 +22,20 @@ LAYERS: dict[str, int] = {
     "cxrfl.nn": 3,
     "cxrfl.clinical": 3,
     "cxrfl.synth": 3,
-    "cxrfl.surgical": 4,
-    "cxrfl.cwt": 5,
-    "cxrfl.fedfew": 5,
-    "cxrfl.fedeval": 5,
-    "cxrfl.bundle": 6,
-    "cxrfl.predict": 6,
-    "cxrfl.report": 6,
-    "cxrfl.fl": 7,
-    "cxrfl.job_folders": 8,
-    "cxrfl.jobs": 9,
-    "cxrfl.deploy": 10,
-    "cxrfl.bench": 11,
-    "cxrfl.cli": 12,
+    "cxrfl.core": 4,  # the shared federated core: update checks, streaming sum, head-agnostic FedAvg
+    "cxrfl.surgical": 5,
+    "cxrfl.cwt": 6,
+    "cxrfl.fedfew": 6,
+    "cxrfl.fedeval": 6,
+    "cxrfl.bundle": 7,
+    "cxrfl.predict": 7,
+    "cxrfl.report": 7,
+    "cxrfl.fl": 8,
+    "cxrfl.job_folders": 9,
+    "cxrfl.jobs": 10,
+    "cxrfl.deploy": 11,
+    "cxrfl.bench": 12,
+    "cxrfl.cli": 13,
 }
 """Unit (a package, or a module of the package root) -> layer. A unit imports its own modules and
 units of lower layers only: never one of its own layer or above."""
@@ -51,6 +52,9 @@ SYNTH_USERS: dict[str, str] = {
     "cxrfl.cli": "`cxrfl data synth` and `cxrfl report --external demo`: demo data asked for by name",
 }
 """The only product modules (outside ``cxrfl.bench``) that may import ``cxrfl.synth``."""
+
+CORE_ONLY = ("cxrfl.cwt", "cxrfl.fedfew")
+"""Methods that take the federated mechanisms from :mod:`cxrfl.core` only, never from :mod:`cxrfl.surgical`."""
 
 BENCH_USERS = frozenset({"cxrfl.cli"})
 """The only module outside ``cxrfl.bench`` that may import it (it dispatches ``cxrfl bench ...``)."""
@@ -183,3 +187,18 @@ def test_no_cycle_between_the_cli_and_the_bench_cli(graph):
                 todo.append(name)
     assert "cxrfl.cli" not in reached
     assert "cxrfl.bench.cli" in {name for name, _ in graph["cxrfl.cli"]}
+
+
+def test_cwt_and_fedfew_take_the_shared_mechanisms_from_the_core_not_from_surgical(graph):
+    # issue 43 point 1: one kernel; the methods share cxrfl.core, none borrows surgical aggregation's modules
+    bad = [
+        f"{m}:{line} imports {name}"
+        for m, found in graph.items()
+        if any(within(m, unit) for unit in CORE_ONLY)
+        for name, line in found
+        if within(name, "cxrfl.surgical")
+    ]
+    assert bad == [], "\n".join(bad)
+    for unit in CORE_ONLY:  # the scan sees their core imports: the check above is not vacuous
+        imported = {name for m, found in graph.items() if within(m, unit) for name, _ in found}
+        assert any(within(name, "cxrfl.core") for name in imported), unit

@@ -9,8 +9,7 @@ import weakref
 from types import SimpleNamespace
 
 import cxrfl.common.cores as cores
-import cxrfl.surgical.aggregation as aggregation_module
-import cxrfl.surgical.round_aggregator as round_module
+import cxrfl.core.fedavg as fedavg_module
 import numpy as np
 import pytest
 import torch
@@ -87,7 +86,7 @@ def test_streamed_answers_are_dropped_once_summed_and_aggregate_like_the_whole_r
     assert len(body_refs) == 3 * len(SHAPES) and all(r() is None for r in body_refs)
     result = agg.aggregate()
     gc.collect()
-    assert all(r() is None for r in head_refs) and agg.updates == [] and agg.running is None
+    assert all(r() is None for r in head_refs) and agg.stream.accepted == [] and agg.stream.running is None
     want, classes = surgical_aggregate(
         [
             {"site": s, "classes": CLASSES[s], "params": update(s, 1.0 + i), "num_samples": 10}
@@ -163,8 +162,8 @@ def test_validation_and_aggregation_run_on_one_thread(monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(round_module, "validate_update", spy(round_module.validate_update))
-    monkeypatch.setattr(aggregation_module, "_mean_body", spy(aggregation_module._mean_body))
+    monkeypatch.setattr(fedavg_module, "parse_update", spy(fedavg_module.parse_update))
+    monkeypatch.setattr(fedavg_module, "weighted_mean", spy(fedavg_module.weighted_mean))
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -176,7 +175,7 @@ def test_validation_and_aggregation_run_on_one_thread(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
-    assert seen == [("validate_update", 1)] * 3 + [("_mean_body", 1)]
+    assert seen == [("parse_update", 1)] * 3 + [("weighted_mean", 1)]
 
 
 def test_a_site_uses_the_cores_it_is_given(monkeypatch, tmp_path):
@@ -247,7 +246,7 @@ def test_the_surgical_server_streams_each_round_into_its_aggregator(tmp_path):
 
         def spy(site, answer):
             on_answer(site, answer)
-            held.append(set(server.aggregator.updates[-1]["params"]))
+            held.append(set(server.aggregator.stream.accepted[-1].params))
 
         return base(task, payloads, on_answer=spy)
 

@@ -44,12 +44,12 @@ from cxrfl.bench.inprocess import (
 from cxrfl.bench.protocol import code_label
 from cxrfl.bench.warmups import WarmupCache
 from cxrfl.common.server import BEST_MODEL, GLOBAL_MODEL, RunStopped
+from cxrfl.core.updates import RUNNING_VAR
 from cxrfl.errors import ConfigError
 from cxrfl.nn.models import model_from_checkpoint
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import TRAIN
 from cxrfl.surgical.inprocess import InProcessResult, global_model, make_hosts, run_surgical
-from cxrfl.surgical.validation import RUNNING_VAR
 
 Log = Callable[[str], None]
 

@@ -57,6 +57,7 @@ from cxrfl.common.io import link_or_copy, params_digest, to_numpy, write_json
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.common.server import BEST_MODEL, GLOBAL_MODEL, RECORDS_DIR, RetryClock, RunStopped, ServerLoop
 from cxrfl.common.transport import Message, Send
+from cxrfl.core.updates import FLOAT_DTYPES, INT_DTYPES, dtype_name, expected_dtypes, validate_update
 from cxrfl.cwt.config import CWTConfig, RelayConfig
 from cxrfl.cwt.evaluation import evaluate_final
 from cxrfl.cwt.host import site_model_config
@@ -73,7 +74,6 @@ from cxrfl.cwt.site import global_classes, pooled_loss
 from cxrfl.cwt.state import CycleRun, RelayPlan, RelayState
 from cxrfl.errors import UpdateRejected
 from cxrfl.nn.models import ModelConfig, build_model, save_checkpoint
-from cxrfl.surgical.validation import FLOAT_DTYPES, INT_DTYPES, dtype_name, expected_dtypes, validate_update
 
 RESUME_KEYS = ("cwt_config", "model_config", "site_order")
 """Settings a resumed run must share with the interrupted one."""

@@ -32,11 +32,11 @@ from cxrfl.clinical.pooling import Counts, count_at_sites, pooled, pooled_report
 from cxrfl.common.io import owner_only
 from cxrfl.common.server import RECORDS_DIR, RunStopped, ServerLoop
 from cxrfl.common.transport import Message, Send
+from cxrfl.core.updates import as_numpy
 from cxrfl.fedeval.config import FedEvalConfig
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, save_checkpoint
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.host import CLASSES, SITE_FIT, VALIDATE
-from cxrfl.surgical.validation import as_numpy
 
 CALIBRATED_MODEL = "calibrated_model.pt"
 """The model with its calibration maps and operating points, under ``cxrfl/`` (runs that fit them)."""

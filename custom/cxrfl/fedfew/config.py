@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from cxrfl.common.config import Config
+from cxrfl.core.fedavg import check_options
+from cxrfl.core.updates import MAX_NUM_SAMPLES
 from cxrfl.errors import ConfigError
 from cxrfl.nn.precision import LEGACY_AMP, channels_last_field, precision_field
-from cxrfl.surgical.aggregation import check_options
-from cxrfl.surgical.validation import MAX_NUM_SAMPLES
 
 ENERGY_OUTPUTS = ("all", "cc")
 """Which outputs the joint energy sums over: ``all`` (the CCs and the extra "no CC" output, so
@@ -109,7 +109,7 @@ class FedFewConfig(Config):
     Args:
         robust: None (FedAvg weighted by images), ``median`` (coordinate-wise, unweighted) or
             ``clip`` (each update's distance from the round's start clipped to ``clip_norm``); see
-            :func:`cxrfl.surgical.aggregation.surgical_aggregate`.
+            :func:`cxrfl.core.fedavg.fedavg_keys` (one norm over the whole update).
         clip_norm: the norm bound of ``clip``, and of a ``median`` of fewer than 3 sites; null: each round's
             lower median update norm (adaptive).
         max_num_samples: the largest image count a site may report; a site must also keep reporting
@@ -172,7 +172,7 @@ class FedFewConfig(Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         try:
-            check_options("uniform", "fedavg", self.robust, self.clip_norm)
+            check_options("uniform", self.robust, self.clip_norm)
         except ValueError as exc:
             raise ConfigError(f"{self.SECTION}: {exc}") from None
         if self.m_in is not None and self.m_out is not None and self.m_in >= self.m_out:

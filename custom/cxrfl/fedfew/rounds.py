@@ -4,11 +4,16 @@ early stopping and the state a resumed run goes on from.
 A stage runs as one or more :class:`Phase` s (stage 1: SimSiam; stage 2: warm-up, then energy
 rounds, or plain BCE rounds). :meth:`FederatedRounds.run_phase` runs a phase's rounds:
 
-- every result is checked as a whole (:func:`cxrfl.surgical.validation.validate_update`: shapes,
-  dtypes, missing or extra keys, NaN/Inf; :class:`cxrfl.surgical.validation.SampleCounts`: image
-  counts capped and fixed per stage); a malformed one is rejected with one warning line naming
-  the site and the reason (and in the round's ``rejected``), and the valid ones are averaged,
-  weighted by their images (``robust``: their median, or clipped updates);
+- every result streams through the shared core's aggregator
+  (:class:`cxrfl.core.fedavg.StreamingFedAvg`): it is checked as a whole (:mod:`cxrfl.core.updates`:
+  shapes, dtypes, missing or extra keys, NaN/Inf; :class:`cxrfl.core.updates.SampleCounts`: image
+  counts capped and fixed per stage) before it is added to the running sum; a malformed one is
+  rejected with one warning line naming the site and the reason (and in the round's ``rejected``),
+  and the valid ones are averaged over all their keys, weighted by their images (``robust``: their
+  median, or clipped updates). Stage 2's head is held whole by every site (the same classes), so it
+  is plain FedAvg too: ``clip`` bounds one norm over the whole update (feature extractor and head
+  together, as :func:`cxrfl.core.fedavg.fedavg_keys` does), not one per head row as surgical
+  aggregation does (before issue 43 FedFew clipped each head row on its own);
 - a round with fewer than ``min_clients`` valid results (at most the number of sites the phase
   trains: a warm-up round trains the CC sites only) changes nothing and is run again every
   ``retry_pause`` seconds (:class:`cxrfl.common.server.RetryClock`); after ``min_clients_timeout``
@@ -40,10 +45,9 @@ from cxrfl.common.resume import STATE_FILE, ResumeStore
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.common.server import RetryClock, ServerLoop
 from cxrfl.common.transport import Message
-from cxrfl.errors import ConfigError, UpdateRejected
-from cxrfl.surgical.aggregation import aggregate, surgical_aggregate
-from cxrfl.surgical.head_modes import PLACEHOLDER_CLASS, with_placeholder_head
-from cxrfl.surgical.validation import MAX_NUM_SAMPLES, SampleCounts, expected_dtypes, validate_update
+from cxrfl.core.fedavg import StreamingFedAvg
+from cxrfl.core.updates import MAX_NUM_SAMPLES, SampleCounts
+from cxrfl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -198,19 +202,20 @@ class FederatedRounds(ServerLoop):
         self,
         results: dict[str, Message],
         expected: Mapping[str, tuple],
-        classes: list[str] | None,
         needed: int,
         *,
         reference: Mapping[str, np.ndarray],
         task: str,
     ) -> tuple[dict[str, np.ndarray] | None, dict[str, str], list[str]]:
-        """Weighted FedAvg of the valid results (``classes``: a stage-2 head; None: no head); with
-        ``robust``, their median or their clipped updates (unweighted median).
+        """FedAvg of the valid results over all keys (stage 2's head too: every site holds every row),
+        weighted by images; with ``robust``, their median (unweighted) or their clipped updates.
+
+        Each result streams through the core's aggregator (:class:`cxrfl.core.fedavg.StreamingFedAvg`):
+        validated whole, then added to the running sum (plain mean) before the next one is read.
 
         Args:
             results: site -> its answer.
             expected: name -> shape of the weights.
-            classes: the stage-2 head's classes (None: stage 1).
             needed: fewest valid results.
             reference: the weights the round started from (dtypes; what ``robust`` clips from).
             task: the round's task (image counts are checked per task).
@@ -219,45 +224,20 @@ class FederatedRounds(ServerLoop):
             the average (None: fewer than ``needed`` valid results), site -> why it was
             rejected, the sites averaged.
         """
-        updates, rejected = [], {}
-        shapes = dict(expected)
-        ref = dict(reference) if classes else with_placeholder_head(reference)
-        if classes is None:
-            shapes.update({"classifier.weight": (1, 1), "classifier.bias": (1,)})
-        counts = self.counts.setdefault(task, SampleCounts(self.max_num_samples))
-        dtypes = expected_dtypes(ref)
+        stream = StreamingFedAvg(
+            weighting="uniform" if self.robust == "median" else "samples",
+            robust=self.robust,
+            clip_norm=self.clip_norm,
+            counts=self.counts.setdefault(task, SampleCounts(self.max_num_samples)),
+        )
+        stream.expect(expected, reference=reference)
         for site, (params, meta) in sorted(results.items()):
-            update = {
-                "site": site,
-                "classes": list(classes or [PLACEHOLDER_CLASS]),
-                "num_samples": meta.get("num_samples"),
-                "params": dict(params) if classes else with_placeholder_head(params),
-            }
-            try:
-                validate_update(update, expected_shapes=shapes, dtypes=dtypes)
-                counts.check(site, update["num_samples"])
-            except UpdateRejected as exc:
-                rejected[site] = str(exc)
-                self.warning(f"rejected the update of site {site}: {exc}")
-                continue
-            counts.note(site, update["num_samples"])
-            if classes is None:
-                update["params"] = dict(params)
-            updates.append(update)
-        used = [u["site"] for u in updates]
-        if len(updates) < needed:
+            if stream.accept({"site": site, "num_samples": meta.get("num_samples"), "params": params}) is None:
+                self.warning(f"rejected the update of site {site}: {stream.rejected[site]}")
+        rejected, used = dict(stream.rejected), stream.accepted_sites
+        if len(used) < needed:
             return None, rejected, used
-        robust = {
-            "robust": self.robust,
-            "clip_norm": self.clip_norm,
-            "reference": reference,
-            "weighting": "uniform" if self.robust == "median" else "samples",
-        }
-        if classes is None:
-            params, _ = aggregate(updates, head_mode="local", **robust)
-        else:
-            params, _ = surgical_aggregate(updates, classes=classes, **robust)
-        return {k: np.asarray(v) for k, v in params.items()}, rejected, used
+        return stream.aggregate(), rejected, used
 
     # ----------------------------------------------------------------- phases
     def run_phase(
@@ -266,7 +246,6 @@ class FederatedRounds(ServerLoop):
         progress: Progress,
         meta_for: Callable[[str, int], dict[str, Any]],
         expected: Mapping[str, tuple],
-        classes: list[str] | None,
     ) -> dict[str, np.ndarray]:
         """Run a phase's remaining rounds; returns its result (the best scored model, else the last).
 
@@ -275,7 +254,6 @@ class FederatedRounds(ServerLoop):
             progress: the stage's progress (updated and saved after every completed round).
             meta_for: (site, round) -> the task meta.
             expected: name -> shape of the weights.
-            classes: the stage-2 head's classes (None: stage 1).
         """
         stopper = None
         if phase.score is not None:
@@ -285,7 +263,7 @@ class FederatedRounds(ServerLoop):
                 else EarlyStopping(phase.patience, phase.min_delta)
             )
         while progress.phase_round < phase.max_rounds and not (stopper and stopper.should_stop):
-            self._round(phase, progress, meta_for, expected, classes, stopper)
+            self._round(phase, progress, meta_for, expected, stopper)
         if stopper is not None and stopper.should_stop:
             self.info(
                 f"stage {phase.stage} {phase.name}: early stop after {stopper.stale} round(s) without an "
@@ -306,7 +284,6 @@ class FederatedRounds(ServerLoop):
         progress: Progress,
         meta_for: Callable[[str, int], dict[str, Any]],
         expected: Mapping[str, tuple],
-        classes: list[str] | None,
         stopper: EarlyStopping | None,
     ) -> None:
         """One attempt at the phase's next round (a failed attempt waits or stops the run)."""
@@ -314,9 +291,8 @@ class FederatedRounds(ServerLoop):
         start = time.perf_counter()
         results = self.broadcast(phase.task, phase.sites, progress.params, lambda s: meta_for(s, rnd))
         self.check_abort()  # aborted mid-round: the round is not recorded, nothing is written
-        agg, rejected, used = self.fedavg(
-            results, expected, classes, self.needed(phase), reference=progress.params, task=phase.task
-        )
+        needed = self.needed(phase)
+        agg, rejected, used = self.fedavg(results, expected, needed, reference=progress.params, task=phase.task)
         metrics = {s: m.get("metrics") for s, (_, m) in results.items()}
         record: dict[str, Any] = {
             "stage": phase.stage,

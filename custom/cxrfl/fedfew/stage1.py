@@ -75,7 +75,7 @@ def run_stage1(
         if progress.round == 0 and rounds.on_round is not None:
             rounds.on_round(1, 0, progress.params)
         phase = Phase(1, "ssl", P.SSL, config.ssl_rounds, tuple(plan.ssl_sites))
-        rounds.run_phase(phase, progress, meta_for, expected, None)
+        rounds.run_phase(phase, progress, meta_for, expected)
     written = write_stage1(path, progress.params, site_config, config, progress.contributed)
     rounds.info(f"stage 1 done: {written}")
     return progress.params

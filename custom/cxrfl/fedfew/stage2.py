@@ -202,7 +202,7 @@ def run_stage2(
                 site, round=rnd, energy_weight=w, m_in=progress.margins["m_in"], m_out=progress.margins["m_out"]
             )
 
-        result = rounds.run_phase(phase, progress, meta_for, expected, classes)
+        result = rounds.run_phase(phase, progress, meta_for, expected)
         if i + 1 < len(phases):
             progress.next_phase(result)
     margins = dict(progress.margins)

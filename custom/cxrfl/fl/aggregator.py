@@ -1,11 +1,11 @@
 """Surgical aggregation as an NVFlare ``ModelAggregator``, for NVFlare's own workflows.
 
-A thin wrapper over :class:`cxrfl.surgical.aggregation.RoundAggregator` (validation, streaming
-mean, head stitching): usable inside NVFlare's standard ``FedAvg`` (``aggregator=``) or
-``ScatterAndGather`` workflows. Each site result must carry ``meta["classes"]`` (its head's row
-order) and ``meta["num_samples"]``. Invalid results are rejected with one log line naming the
-site and the reason; the others are aggregated. (cxrfl's own workflow,
-:class:`cxrfl.fl.surgical.SurgicalAggregation`, uses the core class directly.)
+A thin wrapper over :class:`cxrfl.surgical.round_aggregator.RoundAggregator` (validation and the
+streaming mean of the shared core, :mod:`cxrfl.core`; head stitching): usable inside NVFlare's
+standard ``FedAvg`` (``aggregator=``) or ``ScatterAndGather`` workflows. Each site result must
+carry ``meta["classes"]`` (its head's row order) and ``meta["num_samples"]``. Invalid results are
+rejected with one log line naming the site and the reason; the others are aggregated. (cxrfl's own
+workflow, :class:`cxrfl.fl.surgical.SurgicalAggregation`, uses ``RoundAggregator`` directly.)
 """
 
 from __future__ import annotations

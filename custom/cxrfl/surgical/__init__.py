@@ -2,8 +2,9 @@
 
 - :mod:`~cxrfl.surgical.config`: the server settings (:class:`SurgicalConfig`, defaults in one place).
 - :mod:`~cxrfl.surgical.head_modes`: the mode constants and what each site receives.
-- :mod:`~cxrfl.surgical.validation`, :mod:`~cxrfl.surgical.running_sum`, :mod:`~cxrfl.surgical.aggregation`:
-  checking site updates, the streaming mean, the class-wise aggregation of one round.
+- :mod:`~cxrfl.surgical.aggregation`, :mod:`~cxrfl.surgical.round_aggregator`: the class-wise aggregation of
+  one round (the feature extractor by the shared core's FedAvg, :mod:`cxrfl.core`; each head row from the sites
+  that have its class), at once or as the results arrive.
 - :mod:`~cxrfl.surgical.learner`, :mod:`~cxrfl.surgical.host`: the site side (training, the tasks).
 - :mod:`~cxrfl.surgical.server`: the round loop, run over NVFlare (:mod:`cxrfl.fl.surgical`) or in
   process (:mod:`~cxrfl.surgical.inprocess`: benchmarks and tests); :mod:`~cxrfl.surgical.tasks`: what

@@ -25,12 +25,13 @@ from typing import ClassVar
 
 from cxrfl.clinical.pooling import PooledEvaluation
 from cxrfl.common.config import Config
+from cxrfl.core.fedavg import WEIGHTINGS
+from cxrfl.core.updates import MAX_NUM_SAMPLES
 from cxrfl.errors import ConfigError
 from cxrfl.nn.models import ModelConfig
 from cxrfl.nn.training import TrainConfig
-from cxrfl.surgical.aggregation import WEIGHTINGS, check_options
+from cxrfl.surgical.aggregation import check_options
 from cxrfl.surgical.head_modes import BATCHNORM_MODES, HEAD_MODES, MISSING_POLICIES, SELECTION_RULES
-from cxrfl.surgical.validation import MAX_NUM_SAMPLES
 
 RESUME_KEYS = ("model_config", "batchnorm", "head_mode", "missing", "seed")
 """Settings a resumed run must share with the interrupted one (they decide the model)."""

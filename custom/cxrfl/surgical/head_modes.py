@@ -12,7 +12,8 @@ the answers with :mod:`cxrfl.surgical.aggregation`; the site side is
   class list; every site sends every row, so the head is plain FedAvg. Every site learns every
   class name (no longer private).
 - ``local`` (personalized FL): a site receives the feature extractor only and sends it only;
-  heads never leave the sites. The server averages the feature extractor alone.
+  heads never leave the sites. The server averages the feature extractor alone (the shared core's
+  head-agnostic FedAvg, :mod:`cxrfl.core.fedavg`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
+from cxrfl.core.updates import Array, shape_of, unique_names
 from cxrfl.nn.models import HEAD_PREFIX
-from cxrfl.surgical.validation import Array, shape_of, unique_names
 
 HEAD_MODES = ("surgical", "union", "local")
 """``surgical``: own head rows travel; ``union``: the full union head travels; ``local``: no head travels."""
@@ -41,10 +40,6 @@ the rule before issue 41)."""
 BATCHNORM_MODES = ("fedavg", "fedbn", "fedbn+")
 """``fedavg``: BatchNorm averaged like the rest; ``fedbn``: kept at each site; ``fedbn+``: frozen at
 the initial (pretrained) statistics everywhere."""
-
-PLACEHOLDER_CLASS = "__no_head__"
-"""Class name of the one-row stand-in head that lets the surgical aggregation average a feature
-extractor alone (``local`` mode); it never leaves the server."""
 
 
 def check_modes(head_mode: str, missing: str, batchnorm: str = "fedavg", selection: str = "annotated") -> None:
@@ -74,19 +69,6 @@ def drop_head(params: Mapping[str, Any], head_prefix: str = HEAD_PREFIX) -> dict
         head_prefix: state-dict prefix of the head.
     """
     return {k: v for k, v in params.items() if not k.startswith(head_prefix)}
-
-
-def with_placeholder_head(params: Mapping[str, Any], head_prefix: str = HEAD_PREFIX) -> dict[str, Any]:
-    """``params`` plus a one-row zero head (for aggregating a feature extractor alone).
-
-    Args:
-        params: name -> array without head entries.
-        head_prefix: state-dict prefix of the head.
-    """
-    out = dict(params)
-    out[head_prefix + "weight"] = np.zeros((1, 1), np.float32)
-    out[head_prefix + "bias"] = np.zeros((1,), np.float32)
-    return out
 
 
 def site_payload(

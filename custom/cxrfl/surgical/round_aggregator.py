@@ -1,13 +1,15 @@
 """What a server does with one round's results as they arrive: :class:`RoundAggregator`.
 
-Each result is validated as a whole (one rejection line per bad result, :mod:`cxrfl.surgical.validation`:
-fields, dtypes, shapes, sample counts) before any of it touches the sum;
-for the plain mean its feature extractor is added to a running sum
-(:class:`cxrfl.surgical.running_sum.RunningSum`) and dropped, and at the end the head rows are
-stitched by :func:`cxrfl.surgical.aggregation.surgical_aggregate`. Against the model it sent, the
-server also measures each accepted result's share of unchanged values: about the filter's
-percentile when a site's privacy filter zeroes small changes (:mod:`cxrfl.fl.privacy`), near 0
-after ordinary local training, 1 for the feature extractor of a head warm-up (frozen there). Used by
+Built on the shared core's streaming aggregator (:class:`cxrfl.core.fedavg.StreamingFedAvg`): each
+result is validated as a whole (one rejection line per bad result, :mod:`cxrfl.core.updates`:
+fields, dtypes, shapes, sample counts) before any of it touches the sum; for the plain mean its
+feature extractor is added to a running sum (:class:`cxrfl.core.running_sum.RunningSum`) and
+dropped, and at the end the head rows are stitched by
+:func:`cxrfl.surgical.aggregation.surgical_aggregate` (``local`` heads: the core's FedAvg of the
+feature extractor alone). Against the model it sent, the server also measures each accepted
+result's share of unchanged values: about the filter's percentile when a site's privacy filter
+zeroes small changes (:mod:`cxrfl.fl.privacy`), near 0 after ordinary local training, 1 for the
+feature extractor of a head warm-up (frozen there). Used by
 :class:`cxrfl.surgical.server.SurgicalServer` and, inside NVFlare's own workflows, by
 :class:`cxrfl.fl.aggregator.SurgicalAggregator`. Validation and aggregation run on one torch
 thread (:func:`cxrfl.nn.threads.single_threaded`).
@@ -22,21 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from cxrfl.core.fedavg import StreamingFedAvg
+from cxrfl.core.updates import HEAD_PREFIX, MAX_NUM_SAMPLES, Array, SampleCounts
 from cxrfl.errors import UpdateRejected
 from cxrfl.nn.threads import single_threaded
 from cxrfl.surgical.aggregation import check_options, surgical_aggregate
-from cxrfl.surgical.head_modes import PLACEHOLDER_CLASS, check_modes, drop_head, with_placeholder_head
-from cxrfl.surgical.running_sum import RunningSum
-from cxrfl.surgical.validation import (
-    HEAD_PREFIX,
-    MAX_NUM_SAMPLES,
-    Array,
-    SampleCounts,
-    expected_dtypes,
-    first_nonfinite,
-    normalize_shapes,
-    validate_update,
-)
+from cxrfl.surgical.head_modes import check_modes, drop_head
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +58,7 @@ class RoundAggregator:
     """One round's results, validated as they arrive and aggregated at the end.
 
     For the plain mean (``robust`` off) each accepted result's feature extractor is added to a
-    running sum while it is checked for NaN/Inf (:class:`RunningSum`) and then dropped: the
+    running sum while it is checked for NaN/Inf and then dropped (:class:`StreamingFedAvg`): the
     aggregator keeps one model-sized sum and the accepted head rows, however many sites answer
     (a server that streams its answers, :class:`cxrfl.common.transport.Send`, holds one site's
     update at a time); the head rows are stitched by :meth:`aggregate`.
@@ -80,7 +73,7 @@ class RoundAggregator:
         clip_norm: update norm bound for ``clip`` and ``median`` (groups of fewer than 3 sites); None:
             each round's lower median update norm.
         head_mode: ``surgical``/``union`` (results carry head rows) or ``local`` (results carry
-            the feature extractor only; the aggregate has no head).
+            the feature extractor only, head entries are ignored; the aggregate has no head).
         head_prefix: state-dict prefix of the classification head.
         max_num_samples: the largest ``num_samples`` accepted; a site's later results must also
             report about the count of its first accepted one (:class:`SampleCounts`).
@@ -110,16 +103,17 @@ class RoundAggregator:
         self.head_mode = head_mode
         self.head_prefix = head_prefix
         self.warning = warning
-        self.expected_shapes: Mapping[str, tuple[int, ...]] | None = None
-        self.announced: dict[str, list[str]] = {}
+        self.stream = StreamingFedAvg(
+            weighting=weighting,
+            robust=robust,
+            clip_norm=clip_norm,
+            head_prefix=None if head_mode == "local" else head_prefix,
+            drop=self.bn_keys if batchnorm != "fedavg" else (),
+            counts=SampleCounts(max_num_samples),  # for the whole run, not one round
+        )
         self.classes: list[str] | None = None
         self.reference: Mapping[str, Array] | None = None
-        self.dtypes: dict[str, str] | None = None  # key -> dtype every result must have
-        self.counts = SampleCounts(max_num_samples)  # for the whole run, not one round
-        self.rejected: dict[str, str] = {}
         self.unchanged: dict[str, float] = {}
-        self.updates: list[dict[str, Any]] = []
-        self.running: RunningSum | None = None  # the plain mean's sum, fed at accept time
 
     def expect(
         self,
@@ -138,15 +132,18 @@ class RoundAggregator:
                 warm-up's: the initial feature extractor); results must have its dtypes (without
                 it: those of the first accepted result).
         """
-        self.reset()
+        self.unchanged = {}
         local = self.head_mode == "local"
-        self.expected_shapes = normalize_shapes(shapes) if shapes is not None else None  # once, not per result
-        self.announced = {s: [PLACEHOLDER_CLASS] if local else list(c) for s, c in (announced or {}).items()}
-        self.classes = None if local or classes is None else list(classes)
         if local and reference is not None:
-            reference = with_placeholder_head(drop_head(reference, self.head_prefix), self.head_prefix)
+            reference = drop_head(reference, self.head_prefix)
+        self.stream.expect(shapes, reference=reference, announced=None if local else announced)
+        self.classes = None if local or classes is None else list(classes)
         self.reference = reference
-        self.dtypes = expected_dtypes(reference) if reference is not None else None
+
+    @property
+    def rejected(self) -> dict[str, str]:
+        """site -> why its result of the current round was rejected."""
+        return self.stream.rejected
 
     @single_threaded
     def accept(self, update: Mapping[str, Any]) -> bool:
@@ -163,69 +160,29 @@ class RoundAggregator:
         update = dict(update)
         site = str(update.get("site") or "unknown-site")
         if self.head_mode == "local" and isinstance(update.get("params"), Mapping):
-            update["params"] = with_placeholder_head(drop_head(update["params"], self.head_prefix), self.head_prefix)
-            update["classes"] = [PLACEHOLDER_CLASS]
+            update["params"] = drop_head(update["params"], self.head_prefix)
         update["classes"] = list(update.get("classes") or [])
         update["params"] = update.get("params") or {}
-        streaming = self.robust is None  # the plain mean: sum while checking, each array read once
-        try:  # the whole update is checked before any of it is summed
-            validate_update(
-                update,
-                expected_shapes=self.expected_shapes,
-                head_prefix=self.head_prefix,
-                announced_classes=self.announced.get(site) if self.announced else None,
-                check_finite=not streaming,
-                dtypes=self.dtypes,
-            )
-            self.counts.check(site, update["num_samples"])
-            if streaming:
-                self._add_checked(update)
-        except UpdateRejected as exc:
-            self.rejected[site] = str(exc)
-            self.warning(f"rejected result: {exc}")
+        if self.stream.accept(update) is None:
+            self.warning(f"rejected result: {self.stream.rejected[site]}")
             return False
-        self.counts.note(site, update["num_samples"])
         if self.reference is not None:
             share = unchanged_share(update["params"], self.reference)
             if share is not None:
                 self.unchanged[site] = share
-        if self.dtypes is None:
-            self.dtypes = expected_dtypes(update["params"])
-        if streaming and self.running is not None and self.running.usable:  # summed: keep the head rows only
-            update["params"] = {k: v for k, v in update["params"].items() if k.startswith(self.head_prefix)}
-        self.updates.append(update)
         return True
-
-    def _add_checked(self, update: dict[str, Any]) -> None:
-        """NaN/Inf check of a structurally valid update, adding it to the running sum on the way."""
-        params = update["params"]
-        drop = set(self.bn_keys) if self.batchnorm != "fedavg" else set()
-        keys = [k for k in params if not k.startswith(self.head_prefix) and k not in drop]
-        if self.running is None:
-            self.running = RunningSum(keys, self.head_prefix)
-        running = self.running
-        if running.usable and running.keys != keys:  # no expected shapes given: aggregation will say why
-            running.usable = False
-        weight = float(update["num_samples"]) if self.weighting == "samples" else 1.0
-        bad = (
-            running.add(update["site"], params, weight, check_finite=True)
-            if running.usable
-            else first_nonfinite(params.items())
-        )
-        if bad is not None:
-            raise UpdateRejected(f"site {update['site']}: non-finite values (NaN or Inf) in {bad!r}")
 
     @property
     def accepted_sites(self) -> list[str]:
         """The sites whose results were accepted since :meth:`expect`."""
-        return [u["site"] for u in self.updates]
+        return self.stream.accepted_sites
 
     def contributors(self) -> dict[str, list[str]]:
         """class -> the sites whose rows were averaged into it (accepted results only)."""
         out: dict[str, list[str]] = {}
-        for u in self.updates:
-            for c in u["classes"]:
-                out.setdefault(c, []).append(u["site"])
+        for p in self.stream.accepted:
+            for c in p.classes:
+                out.setdefault(c, []).append(p.site)
         return {c: sorted(s) for c, s in sorted(out.items())}
 
     @single_threaded
@@ -236,11 +193,17 @@ class RoundAggregator:
             UpdateRejected: no accepted result, or a site's values make the mean non-finite.
             ValueError: finite values whose mean overflows, or a class nobody sent and no reference.
         """
+        sites, unchanged = sorted(self.accepted_sites), dict(self.unchanged)
         try:
-            if not self.updates:
+            if not self.stream.accepted:
                 raise UpdateRejected("no valid site result to aggregate")
+            if self.head_mode == "local":
+                return RoundResult(dict(self.stream.aggregate()), [], {}, sites, unchanged)
             params, classes = surgical_aggregate(
-                self.updates,
+                [
+                    {"site": p.site, "classes": p.classes, "params": p.params, "num_samples": p.num_samples}
+                    for p in self.stream.accepted
+                ],
                 head_prefix=self.head_prefix,
                 classes=self.classes,
                 weighting=self.weighting,
@@ -249,22 +212,16 @@ class RoundAggregator:
                 robust=self.robust,
                 clip_norm=self.clip_norm,
                 reference=self.reference,
-                running=self.running,
+                running=self.stream.running,
             )
-            if self.head_mode == "local":
-                return RoundResult(
-                    drop_head(params, self.head_prefix), [], {}, sorted(self.accepted_sites), dict(self.unchanged)
-                )
-            return RoundResult(params, classes, self.contributors(), sorted(self.accepted_sites), dict(self.unchanged))
+            return RoundResult(params, classes, self.contributors(), sites, unchanged)
         finally:
             self.reset()
 
     def reset(self) -> None:
         """Forget the accepted results and rejections of the current round."""
-        self.updates = []
-        self.rejected = {}
+        self.stream.reset()
         self.unchanged = {}
-        self.running = None
 
 
 def unchanged_share(params: Mapping[str, Any], reference: Mapping[str, Any]) -> float | None:

@@ -13,7 +13,7 @@ tests (:mod:`cxrfl.surgical.inprocess`) run this same loop. Sites answer with
 2. Federated rounds: each site receives the feature extractor and only the head rows of its own
    classes (one task per site; never a name of another site's classes), evaluates the received
    model on its validation split, trains, and answers; results are validated (one rejection
-   line each) and aggregated by :class:`cxrfl.surgical.aggregation.RoundAggregator`. The
+   line each) and aggregated by :class:`cxrfl.surgical.round_aggregator.RoundAggregator`. The
    baselines differ only in ``head_mode`` (:mod:`cxrfl.surgical.head_modes`).
 3. Model selection (:class:`cxrfl.common.selection.EarlyStopping`): the model of round r is
    scored in round r + 1 by the mean of the sites' validation BCE; the best is the lowest, the

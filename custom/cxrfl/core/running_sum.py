@@ -1,7 +1,8 @@
-"""Streaming weighted sum of the feature extractor: each site update is read once, as it arrives.
+"""Streaming weighted sum of the parameters it is given: each site update is read once, as it arrives.
 
-Framework-free. Used by :func:`cxrfl.surgical.aggregation.surgical_aggregate` for the plain mean
-and fed at accept time by :class:`cxrfl.surgical.aggregation.RoundAggregator`.
+Part of the shared federated core (framework-free). Head-agnostic: it sums exactly the keys it is
+given. Fed at accept time by :class:`cxrfl.core.fedavg.StreamingFedAvg` and read by
+:func:`cxrfl.core.fedavg.weighted_mean` for the plain mean.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from cxrfl.surgical.validation import HEAD_PREFIX, SMALL, Array, as_tensor, first_nonfinite
+from cxrfl.core.updates import SMALL, Array, as_tensor, first_nonfinite
 
 
 def _flat(values: Sequence[Array]) -> torch.Tensor:
@@ -23,20 +24,18 @@ def _flat(values: Sequence[Array]) -> torch.Tensor:
 
 
 class RunningSum:
-    """Weighted sum of the non-head parameters, fed one update at a time (streaming FedAvg).
+    """Weighted sum of the given keys, fed one update at a time (streaming FedAvg).
 
     Large arrays are added one by one; small ones (BatchNorm vectors and counters, biases) as one
     flat array per dtype, so a DenseNet update is about 130 additions instead of 730. Floating
     keys are summed in float32 (float64 for float64 inputs), integer keys in float64.
 
     Args:
-        keys: the parameter names to sum, in output order.
-        head_prefix: state-dict prefix of the head (its arrays are checked, never summed).
+        keys: the parameter names to sum, in output order (other keys of an update are checked, never summed).
     """
 
-    def __init__(self, keys: Sequence[str], head_prefix: str = HEAD_PREFIX) -> None:
+    def __init__(self, keys: Sequence[str]) -> None:
         self.keys = list(keys)
-        self.head_prefix = head_prefix
         self.added: list[tuple[str, float]] = []  # (site, weight of its floating keys)
         self.usable = True  # False once its sums were consumed (or no longer match the updates)
         self._items: list[tuple[list[str], bool, bool]] | None = None  # (keys, flat, floating)
@@ -68,9 +67,16 @@ class RunningSum:
     ) -> str | None:
         """Add ``weight`` x the update's arrays (``int_weight`` for integer buffers, default ``weight``).
 
-        With ``check_finite``, every array of ``params`` (head and keys not summed included) is
+        With ``check_finite``, every array of ``params`` (keys not summed included) is
         checked for NaN/Inf before anything is added (one cheap sum per summed array), so a
         rejected update leaves the sum as it was.
+
+        Args:
+            site: whose update it is (kept in :attr:`added`).
+            params: the update's arrays (at least the summed keys).
+            weight: the weight of its floating-point keys.
+            int_weight: the weight of its integer keys (None: ``weight``).
+            check_finite: check every array for NaN/Inf first.
 
         Returns:
             None, or the first key in ``params`` order holding a NaN/Inf; the update is then
@@ -114,5 +120,9 @@ class RunningSum:
         return out
 
     def dtype(self, key: str) -> torch.dtype:
-        """The dtype of ``key`` in the first update added."""
+        """The dtype of ``key`` in the first update added.
+
+        Args:
+            key: a summed key.
+        """
         return self._dtypes[key]

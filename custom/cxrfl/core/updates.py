@@ -1,11 +1,16 @@
 """Checks of one site's update before it is aggregated: fields, classes, shapes, finite values, variances.
 
-Framework-free (no NVFlare import). An update is a mapping::
+Part of the shared federated core (:mod:`cxrfl.core`): framework-free, no NVFlare import. An update
+is a mapping::
 
     {"site": "hospital-a",                  # unique per round
      "classes": ["Atelectasis", "Edema"],   # row order of this site's head
      "params": {name: array},               # incl. classifier.weight [K, N], classifier.bias [K]
      "num_samples": 1234}                   # positive int (weights with weighting="samples")
+
+The head is optional: with ``head_prefix=None`` the update has no head (FedFew's rounds, the
+personalized ``local`` mode): every key is checked like any other, ``classes`` is
+neither needed nor read, and the parsed update has no classes.
 
 Every value must be a real number array: floating point, or integer for buffers (BatchNorm's
 ``num_batches_tracked``); head values floating point. With expected dtypes (the previous global
@@ -15,7 +20,7 @@ bounds ``num_samples`` (a hard cap, and the count a site reported first). BatchN
 (``*.running_var``) must not be negative.
 
 Finiteness checks (:func:`first_nonfinite`, and the sums of
-:class:`cxrfl.surgical.aggregation.RunningSum`) are one cheap pass: small arrays are concatenated
+:class:`cxrfl.core.running_sum.RunningSum`) are one cheap pass: small arrays are concatenated
 and summed together, large ones summed one by one; only a sum that is not finite (a NaN/Inf, or
 finite values whose sum overflows) leads to the exact element-wise check, so the verdict and the
 key named are those of checking every array on its own.
@@ -170,7 +175,7 @@ def parse_update(
     update: Mapping[str, Any],
     *,
     expected_shapes: Mapping[str, tuple[int, ...]] | None,
-    head_prefix: str,
+    head_prefix: str | None,
     announced_classes: Sequence[str] | None,
     check_finite: bool,
     drop: frozenset[str] = frozenset(),
@@ -181,7 +186,7 @@ def parse_update(
     Args:
         update: the mapping described in the module docstring.
         expected_shapes: as for :func:`validate_update` (already normalized).
-        head_prefix: state-dict prefix of the head.
+        head_prefix: state-dict prefix of the head; None: the update has no head (``classes`` not read).
         announced_classes: the classes this site may send rows for (None: any).
         check_finite: check every value for NaN/Inf.
         drop: keys left out of the parsed parameters (local BatchNorm under FedBN).
@@ -195,16 +200,18 @@ def parse_update(
     site = update.get("site")
     label = site if isinstance(site, str) and site else repr(site)
     try:
-        missing = [f for f in UPDATE_FIELDS if f not in update]
+        missing = [f for f in UPDATE_FIELDS if f not in update and (head_prefix is not None or f != "classes")]
         if missing:
             raise _Invalid(f"missing field(s) {missing}")
         if not isinstance(site, str) or not site:
             raise _Invalid("'site' must be a non-empty string")
-        classes = _classes(update["classes"], announced_classes)
+        classes = _classes(update["classes"], announced_classes) if head_prefix is not None else []
         n = update["num_samples"]
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0:
             raise _Invalid(f"num_samples must be a positive integer, got {n!r}")
-        params = _params(update["params"], len(classes), expected_shapes, head_prefix, drop, dtypes or {})
+        params = _params(update["params"], expected_shapes, head_prefix, drop, dtypes or {})
+        if head_prefix is not None:
+            _check_head(params, len(classes), expected_shapes, head_prefix)
         bad = first_nonfinite(params.items()) if check_finite else None
         if bad is not None:
             raise _Invalid(f"non-finite values (NaN or Inf) in {bad!r}")
@@ -239,39 +246,54 @@ def _classes(classes: Any, announced: Sequence[str] | None) -> list[str]:
 
 def _params(
     raw: Any,
-    n_classes: int,
     expected_shapes: Mapping[str, tuple[int, ...]] | None,
-    head_prefix: str,
+    head_prefix: str | None,
     drop: frozenset[str],
     dtypes: Mapping[str, str],
 ) -> dict[str, Array]:
-    """The update's parameters without ``drop``, checked: names, value kinds and dtypes, shapes, one head row per
-    class."""
+    """The update's parameters without ``drop``, checked: names, value kinds and dtypes, shapes (the head's
+    only in :func:`_check_head`)."""
     if not isinstance(raw, Mapping):
         raise _Invalid(f"'params' must be a mapping of name -> array, got {type(raw).__name__}")
     params = {k: v for k, v in raw.items() if k not in drop} if drop else dict(raw)
-    wkey, bkey = head_prefix + "weight", head_prefix + "bias"
-    for key in (wkey, bkey):
-        if key not in params:
-            raise _Invalid(f"missing head parameter {key!r}")
-    odd_head = [k for k in params if k.startswith(head_prefix) and k not in (wkey, bkey)]
-    if odd_head:
-        raise _Invalid(f"unexpected head parameter(s) {_listing(odd_head)}")
+    head = (head_prefix + "weight", head_prefix + "bias") if head_prefix is not None else ()
+    if head_prefix is not None:
+        for key in head:
+            if key not in params:
+                raise _Invalid(f"missing head parameter {key!r}")
+        odd_head = [k for k in params if k.startswith(head_prefix) and k not in head]
+        if odd_head:
+            raise _Invalid(f"unexpected head parameter(s) {_listing(odd_head)}")
     if expected_shapes is not None and params.keys() != expected_shapes.keys():  # names -> tuples of ints
-        absent = [k for k in expected_shapes if k not in params and not k.startswith(head_prefix) and k not in drop]
+        absent = [
+            k
+            for k in expected_shapes
+            if k not in params and not (head_prefix is not None and k.startswith(head_prefix)) and k not in drop
+        ]
         if absent:
             raise _Invalid(f"missing parameter(s) {_listing(absent)}")
-        extra = [k for k in params if k not in expected_shapes and k not in (wkey, bkey)]
+        extra = [k for k in params if k not in expected_shapes and k not in head]
         if extra:
             raise _Invalid(f"unexpected parameter(s) {_listing(extra)}")
     for k, v in params.items():  # one pass: the hot loop of a DenseNet update (~700 entries)
         if not isinstance(v, (np.ndarray, torch.Tensor)):
             raise _Invalid(f"value of {k!r} is a {type(v).__name__}, not a numpy array or torch tensor")
-        _check_dtype(k, dtype_name(v), dtypes.get(k), k in (wkey, bkey))
-        if expected_shapes is not None and v.shape != expected_shapes.get(k, v.shape) and k not in (wkey, bkey):
+        _check_dtype(k, dtype_name(v), dtypes.get(k), k in head)
+        if expected_shapes is not None and v.shape != expected_shapes.get(k, v.shape) and k not in head:
             raise _Invalid(f"parameter {k!r} has shape {shape_of(v)}, expected {expected_shapes[k]}")
         if k.endswith(RUNNING_VAR):
             _check_variance(k, v)
+    return params
+
+
+def _check_head(
+    params: Mapping[str, Array],
+    n_classes: int,
+    expected_shapes: Mapping[str, tuple[int, ...]] | None,
+    head_prefix: str,
+) -> None:
+    """One head row (weight and bias) per class, with the expected number of inputs."""
+    wkey, bkey = head_prefix + "weight", head_prefix + "bias"
     w_shape, b_shape = shape_of(params[wkey]), shape_of(params[bkey])
     if len(w_shape) != 2 or w_shape[0] != n_classes:
         raise _Invalid(f"head weight {wkey!r} has shape {w_shape}, expected ({n_classes}, N): one row per class")
@@ -280,7 +302,6 @@ def _params(
     n_in = (expected_shapes or {}).get(wkey, w_shape)[1:]
     if w_shape[1:] != n_in:
         raise _Invalid(f"head weight {wkey!r} has {w_shape[1]} inputs, expected {n_in[0]}")
-    return params
 
 
 def _check_variance(key: str, v: Array) -> None:
@@ -308,25 +329,26 @@ def validate_update(
     update: Mapping[str, Any],
     *,
     expected_shapes: Mapping[str, tuple[int, ...]] | None = None,
-    head_prefix: str = HEAD_PREFIX,
+    head_prefix: str | None = HEAD_PREFIX,
     announced_classes: Sequence[str] | None = None,
     check_finite: bool = True,
     dtypes: Mapping[str, str] | None = None,
 ) -> None:
     """Check one site's update before it is aggregated.
 
-    Checks: the four fields are present; ``site`` a non-empty string; ``classes`` non-empty,
-    unique, and (when ``announced_classes`` is given) all announced; ``num_samples`` a positive
-    int; head weight [len(classes), N] and bias [len(classes)], no other head keys; every value a
-    real number array (see the module docstring; exactly ``dtypes[key]`` where given); with
-    ``expected_shapes``: no missing or extra non-head keys, equal shapes, and the head's N; every
-    value finite.
+    Checks: the four fields are present (``classes`` only with a head); ``site`` a non-empty string;
+    ``classes`` non-empty, unique, and (when ``announced_classes`` is given) all announced;
+    ``num_samples`` a positive int; head weight [len(classes), N] and bias [len(classes)], no other
+    head keys; every value a real number array (see the module docstring; exactly ``dtypes[key]``
+    where given); with ``expected_shapes``: no missing or extra non-head keys, equal shapes, and the
+    head's N; every value finite.
 
     Args:
         update: the mapping described in the module docstring.
         expected_shapes: name -> shape of the global model; head entries only fix N (validating
             many updates against the same shapes: pass :func:`normalize_shapes` of them once).
-        head_prefix: state-dict prefix of the head.
+        head_prefix: state-dict prefix of the head; None: the update has no head (every key is checked
+            against ``expected_shapes``; ``classes`` is not read).
         announced_classes: the classes this site announced (it may not send rows for others).
         check_finite: False leaves the NaN/Inf check to the caller (:meth:`RunningSum.add`
             with ``check_finite=True`` does it while summing, or :func:`first_nonfinite`).
@@ -346,6 +368,54 @@ def validate_update(
         check_finite=check_finite,
         dtypes=dtypes,
     )
+
+
+def parse_round(
+    updates: Iterable[Mapping[str, Any]],
+    *,
+    head_prefix: str | None,
+    announced: Sequence[str] | None,
+    check_finite: bool,
+    drop: frozenset[str],
+    dtypes: Mapping[str, str],
+) -> list[ParsedUpdate]:
+    """One round's updates, all at once: each checked (:func:`parse_update`) against
+    ``dtypes`` and the first one's shapes and dtypes; one update per site.
+
+    Args:
+        updates: the round's update mappings (a one-shot iterator is read into a list).
+        head_prefix: state-dict prefix of the head; None: updates have no head.
+        announced: the classes any update may send head rows for (None: any).
+        check_finite: check every value for NaN/Inf here.
+        drop: keys left out of the parsed parameters (neither needed nor checked).
+        dtypes: name -> the dtype each value must have (keys not in it: the first update's).
+
+    Raises:
+        ValueError: no updates.
+        UpdateRejected: an update fails its checks, or two updates name the same site.
+    """
+    updates = updates if isinstance(updates, Sequence) else list(updates)
+    if not updates:
+        raise ValueError("no updates to aggregate")
+    parsed: list[ParsedUpdate] = []
+    expected: dict[str, tuple[int, ...]] | None = None
+    for update in updates:
+        p = parse_update(
+            update,
+            expected_shapes=expected,
+            head_prefix=head_prefix,
+            announced_classes=announced,
+            check_finite=check_finite,
+            drop=drop,
+            dtypes=dtypes,
+        )
+        if p.site in {q.site for q in parsed}:
+            raise UpdateRejected(f"site {p.site}: sent more than one update this round")
+        parsed.append(p)
+        if expected is None:
+            expected = {k: shape_of(v) for k, v in p.params.items()}
+            dtypes = {**expected_dtypes(p.params), **dtypes}
+    return parsed
 
 
 class SampleCounts:
@@ -370,12 +440,20 @@ class SampleCounts:
             site: the site.
             n: the count it reports now (checked to be a positive int by :func:`validate_update`).
         """
-        if isinstance(n, numbers.Integral) and n > self.cap:
-            raise UpdateRejected(f"site {site}: num_samples {n} is above the cap max_num_samples={self.cap}")
+        if not isinstance(n, numbers.Integral):
+            return  # not a count at all: the update's own checks reject it
+        count = int(n)
+        if count > self.cap:
+            raise UpdateRejected(f"site {site}: num_samples {count} is above the cap max_num_samples={self.cap}")
         first = self.first.get(site)
-        if first is not None and isinstance(n, numbers.Integral) and abs(n - first) > self.tolerance * first:
-            raise UpdateRejected(f"site {site}: num_samples changed from {first} to {n} (its split is fixed)")
+        if first is not None and abs(count - first) > self.tolerance * first:
+            raise UpdateRejected(f"site {site}: num_samples changed from {first} to {count} (its split is fixed)")
 
     def note(self, site: str, n: int) -> None:
-        """Keep the count of an accepted result (the first one of each site only)."""
+        """Keep the count of an accepted result (the first one of each site only).
+
+        Args:
+            site: the site.
+            n: its accepted count.
+        """
         self.first.setdefault(site, int(n))
