@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cxrfl.core.fedavg import StreamingFedAvg, fedavg
+from cxrfl.core.fedavg import fedavg
+from cxrfl.core.streaming import StreamingFedAvg
 from cxrfl.core.updates import SampleCounts, validate_update
 from cxrfl.errors import UpdateRejected
 from cxrfl.fedfew.config import FedFewConfig

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import cxrfl.common.cores as cores
 import cxrfl.core.fedavg as fedavg_module
+import cxrfl.core.streaming as streaming_module
 import numpy as np
 import pytest
 import torch
@@ -162,7 +163,7 @@ def test_validation_and_aggregation_run_on_one_thread(monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(fedavg_module, "parse_update", spy(fedavg_module.parse_update))
+    monkeypatch.setattr(streaming_module, "parse_update", spy(streaming_module.parse_update))
     monkeypatch.setattr(fedavg_module, "weighted_mean", spy(fedavg_module.weighted_mean))
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -4,7 +4,7 @@
   sample counts); the head is optional.
 - :mod:`~cxrfl.core.running_sum`: the streaming weighted sum (each update read once, as it arrives).
 - :mod:`~cxrfl.core.fedavg`: head-agnostic FedAvg (weighting, median, clipped updates) and
-  :class:`~cxrfl.core.fedavg.StreamingFedAvg`, one round's results validated and summed as they arrive.
+  :class:`~cxrfl.core.streaming.StreamingFedAvg`, one round's results validated and summed as they arrive.
 
 Used by surgical aggregation (which adds the per-class head), CWT, FedFew and the evaluation-only
 federation; imports only :mod:`cxrfl.nn` (one torch thread, the head prefix) and :mod:`cxrfl.errors`.

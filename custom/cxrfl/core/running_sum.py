@@ -1,7 +1,7 @@
 """Streaming weighted sum of the parameters it is given: each site update is read once, as it arrives.
 
 Part of the shared federated core (framework-free). Head-agnostic: it sums exactly the keys it is
-given. Fed at accept time by :class:`cxrfl.core.fedavg.StreamingFedAvg` and read by
+given. Fed at accept time by :class:`cxrfl.core.streaming.StreamingFedAvg` and read by
 :func:`cxrfl.core.fedavg.weighted_mean` for the plain mean.
 """
 

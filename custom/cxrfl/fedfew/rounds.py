@@ -5,7 +5,7 @@ A stage runs as one or more :class:`Phase` s (stage 1: SimSiam; stage 2: warm-up
 rounds, or plain BCE rounds). :meth:`FederatedRounds.run_phase` runs a phase's rounds:
 
 - every result streams through the shared core's aggregator
-  (:class:`cxrfl.core.fedavg.StreamingFedAvg`): it is checked as a whole (:mod:`cxrfl.core.updates`:
+  (:class:`cxrfl.core.streaming.StreamingFedAvg`): it is checked as a whole (:mod:`cxrfl.core.updates`:
   shapes, dtypes, missing or extra keys, NaN/Inf; :class:`cxrfl.core.updates.SampleCounts`: image
   counts capped and fixed per stage) before it is added to the running sum; a malformed one is
   rejected with one warning line naming the site and the reason (and in the round's ``rejected``),
@@ -45,7 +45,7 @@ from cxrfl.common.resume import STATE_FILE, ResumeStore
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.common.server import RetryClock, ServerLoop
 from cxrfl.common.transport import Message
-from cxrfl.core.fedavg import StreamingFedAvg
+from cxrfl.core.streaming import StreamingFedAvg
 from cxrfl.core.updates import MAX_NUM_SAMPLES, SampleCounts
 from cxrfl.errors import ConfigError
 
@@ -210,7 +210,7 @@ class FederatedRounds(ServerLoop):
         """FedAvg of the valid results over all keys (stage 2's head too: every site holds every row),
         weighted by images; with ``robust``, their median (unweighted) or their clipped updates.
 
-        Each result streams through the core's aggregator (:class:`cxrfl.core.fedavg.StreamingFedAvg`):
+        Each result streams through the core's aggregator (:class:`cxrfl.core.streaming.StreamingFedAvg`):
         validated whole, then added to the running sum (plain mean) before the next one is read.
 
         Args:

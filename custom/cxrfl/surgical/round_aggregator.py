@@ -1,6 +1,6 @@
 """What a server does with one round's results as they arrive: :class:`RoundAggregator`.
 
-Built on the shared core's streaming aggregator (:class:`cxrfl.core.fedavg.StreamingFedAvg`): each
+Built on the shared core's streaming aggregator (:class:`cxrfl.core.streaming.StreamingFedAvg`): each
 result is validated as a whole (one rejection line per bad result, :mod:`cxrfl.core.updates`:
 fields, dtypes, shapes, sample counts) before any of it touches the sum; for the plain mean its
 feature extractor is added to a running sum (:class:`cxrfl.core.running_sum.RunningSum`) and
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from cxrfl.core.fedavg import StreamingFedAvg
+from cxrfl.core.streaming import StreamingFedAvg
 from cxrfl.core.updates import HEAD_PREFIX, MAX_NUM_SAMPLES, Array, SampleCounts
 from cxrfl.errors import UpdateRejected
 from cxrfl.nn.threads import single_threaded
