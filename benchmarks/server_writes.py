@@ -38,19 +38,24 @@ from cxrfl.synth import demo_site_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-def demo_config(rounds: int) -> SurgicalConfig:
-    """The demo job's server settings, with ``rounds`` rounds and no early stop before them."""
+def demo_config(rounds: int, max_steps: int | None) -> SurgicalConfig:
+    """The demo job's server settings, with ``rounds`` rounds, no early stop before them and the sites'
+    local epochs capped at ``max_steps`` steps (None: the demo's; what the server writes does not depend on it)."""
     server = json.loads((REPO / "jobs" / "surgical_agg" / "app" / "config" / "config_fed_server.json").read_text())
     args = next(w["args"] for w in server["workflows"] if w["id"] == "controller")
     known = {f.name for f in dataclasses.fields(SurgicalConfig)}
     settings = {k: v for k, v in args.items() if k in known}
-    return SurgicalConfig.from_dict({**settings, "num_rounds": rounds, "patience": rounds + 1, "evaluate_test": False})
+    train = {**settings["train_config"], "max_steps_per_epoch": max_steps}
+    return SurgicalConfig.from_dict(
+        {**settings, "train_config": train, "num_rounds": rounds, "patience": rounds + 1, "evaluate_test": False}
+    )
 
 
 def main() -> None:
     """Run, count, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=None, help="cap of each local epoch (default: the demo's)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     written: dict[str, list[int]] = defaultdict(list)
@@ -79,7 +84,7 @@ def main() -> None:
     out = Path(tmp) / "server"
     try:
         sites = [load_site(demo_site_config(s)) for s in ("site-1", "site-2")]
-        run_surgical(sites, demo_config(args.rounds), out, run_id="demo")
+        run_surgical(sites, demo_config(args.rounds, args.max_steps), out, run_id="demo")
         rounds = [r for r in read_records(out / "cxrfl" / "rounds.jsonl") if r.get("phase") == "train"]
         model = (out / "FL_global_model.pt").stat().st_size
         server = {k[len(str(out)) + 1 :]: v for k, v in written.items() if k.startswith(str(out) + "/")}
@@ -94,6 +99,7 @@ def main() -> None:
     result = {
         "commit": commit,
         "rounds": len(rounds),
+        "max_steps_per_epoch": args.max_steps,
         "model_bytes": model,
         "server_bytes": total,
         "server_bytes_by_phase": dict(by_phase),

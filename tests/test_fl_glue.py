@@ -273,3 +273,25 @@ def test_a_late_answer_is_dropped_and_logged_not_handed_on(caplog):
         SurgicalAggregation().process_result_of_unknown_task(Client("hospital-c", "t"), "train", "id-1", late, ctx)
     assert ctx.get_prop(AppConstants.TRAINING_RESULT) is None
     assert "late answer from site hospital-c to task train dropped" in caplog.text
+
+
+def test_the_surgical_workflow_takes_exactly_the_config_settings_declared_once():
+    # issue 43 point 4: every SurgicalConfig setting was written out three times in fl/surgical.py (signature,
+    # docstring, dict); the workflow now takes **settings and shows SurgicalConfig's fields with their defaults
+    import dataclasses
+    import inspect
+
+    from cxrfl.errors import ConfigError
+    from cxrfl.fl.surgical import SurgicalAggregation
+    from cxrfl.surgical.config import SurgicalConfig
+
+    params = inspect.signature(SurgicalAggregation).parameters
+    fields = [f.name for f in dataclasses.fields(SurgicalConfig)]
+    assert list(params) == [*fields, "task_timeout", "analytic_sender_id"]
+    assert params["patience"].default == SurgicalConfig().patience and params["model_config"].default is None
+    built = SurgicalAggregation(num_rounds=3, train_config={"lr": 0.01}, task_timeout=5)
+    assert built.config == SurgicalConfig.from_dict({"num_rounds": 3, "train_config": {"lr": 0.01}})
+    with pytest.raises(
+        ConfigError, match=r"unknown surgical setting\(s\) \['num_round'\] \(in the SurgicalAggregation"
+    ):
+        SurgicalAggregation(num_round=3)

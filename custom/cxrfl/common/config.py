@@ -25,6 +25,7 @@ A renamed or replaced key stays readable for one release through ``LEGACY`` (old
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import types
@@ -268,3 +269,23 @@ class Config:
             changes: field -> new value.
         """
         return type(self).from_dict({**self.to_dict(), **changes})
+
+    @classmethod
+    def as_keywords(cls, *extra: inspect.Parameter) -> inspect.Signature:
+        """A constructor signature taking every setting as a keyword argument with its default (a settings
+        section: None, its defaults), then ``extra``: what a component whose ``__init__`` takes
+        ``**settings`` shows to NVFlare's job exporter and to readers, so the settings are declared once, here.
+
+        Args:
+            extra: further keyword-only parameters (the component's own).
+        """
+        hints = typing.get_type_hints(cls)
+        params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        for f in dataclasses.fields(cls):
+            section = _section_type(hints.get(f.name)) is not None
+            default = None if section or f.default is dataclasses.MISSING else f.default
+            annotation = "dict | None" if section else f.type
+            params.append(
+                inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+            )
+        return inspect.Signature([*params, *extra], return_annotation="None")

@@ -9,6 +9,7 @@ messages over NVFlare (:mod:`cxrfl.fl.base`). The baselines of the papers are ot
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,8 +25,6 @@ from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import SurgicalSiteHost
 from cxrfl.surgical.server import SurgicalServer
 
-_DEFAULTS = SurgicalConfig()
-
 
 class SurgicalAggregation(TaskController):
     """Surgical aggregation for class-heterogeneous federated multi-label learning (or a baseline:
@@ -37,69 +36,22 @@ class SurgicalAggregation(TaskController):
         analytic_sender_id: the server's analytics writer for the aggregated metrics
             (:meth:`record_scalars`; "": none).
         settings: every other argument is the :class:`cxrfl.surgical.config.SurgicalConfig` setting
-            of the same name (meaning and default there; ``model_config`` and ``train_config`` as
-            dicts of their fields): num_rounds, min_clients, model_config, train_config, batchnorm,
-            weighting, robust, clip_norm, max_num_samples, patience, min_delta, min_clients_timeout, resume_from,
-            seed, evaluate_test, external_test, pooled, keep_round_checkpoints, head_mode, missing, selection,
-            retry_pause.
+            of the same name (meaning, default and checks there; ``model_config``, ``train_config`` and
+            ``pooled`` as dicts of their fields); an unknown one stops the job with one line naming it.
     """
 
-    def __init__(
-        self,
-        *,
-        num_rounds: int = _DEFAULTS.num_rounds,
-        min_clients: int = _DEFAULTS.min_clients,
-        model_config: dict | None = None,
-        train_config: dict | None = None,
-        batchnorm: str = _DEFAULTS.batchnorm,
-        weighting: str = _DEFAULTS.weighting,
-        robust: str | None = _DEFAULTS.robust,
-        clip_norm: float | None = _DEFAULTS.clip_norm,
-        max_num_samples: int = _DEFAULTS.max_num_samples,
-        patience: int = _DEFAULTS.patience,
-        min_delta: float = _DEFAULTS.min_delta,
-        task_timeout: int = 0,
-        min_clients_timeout: float = _DEFAULTS.min_clients_timeout,
-        resume_from: str | None = _DEFAULTS.resume_from,
-        seed: int = _DEFAULTS.seed,
-        evaluate_test: bool = _DEFAULTS.evaluate_test,
-        external_test: str | None = _DEFAULTS.external_test,
-        pooled: dict | None = None,
-        keep_round_checkpoints: bool = _DEFAULTS.keep_round_checkpoints,
-        head_mode: str = _DEFAULTS.head_mode,
-        missing: str = _DEFAULTS.missing,
-        selection: str = _DEFAULTS.selection,
-        retry_pause: float = _DEFAULTS.retry_pause,
-        analytic_sender_id: str = "analytic_sender",
-    ) -> None:
+    def __init__(self, *, task_timeout: int = 0, analytic_sender_id: str = "analytic_sender", **settings: Any) -> None:
         super().__init__(task_timeout=task_timeout, analytic_sender_id=analytic_sender_id)
-        self.config = SurgicalConfig.from_dict(
-            {
-                "num_rounds": num_rounds,
-                "min_clients": min_clients,
-                "model_config": model_config,
-                "train_config": train_config,
-                "batchnorm": batchnorm,
-                "weighting": weighting,
-                "robust": robust,
-                "clip_norm": clip_norm,
-                "max_num_samples": max_num_samples,
-                "patience": patience,
-                "min_delta": min_delta,
-                "min_clients_timeout": min_clients_timeout,
-                "resume_from": resume_from,
-                "seed": seed,
-                "evaluate_test": evaluate_test,
-                "external_test": external_test,
-                "pooled": pooled,
-                "keep_round_checkpoints": keep_round_checkpoints,
-                "head_mode": head_mode,
-                "missing": missing,
-                "selection": selection,
-                "retry_pause": retry_pause,
-            },
-            where="the SurgicalAggregation arguments of the job's server config",
-        )
+        where = "the SurgicalAggregation arguments of the job's server config"
+        self.config = SurgicalConfig.from_dict(settings, where=where)
+
+    # the settings are SurgicalConfig's, declared there once; this is what the job exporter and readers see
+    __init__.__signature__ = SurgicalConfig.as_keywords(  # type: ignore[attr-defined]
+        inspect.Parameter("task_timeout", inspect.Parameter.KEYWORD_ONLY, default=0, annotation="int"),
+        inspect.Parameter(
+            "analytic_sender_id", inspect.Parameter.KEYWORD_ONLY, default="analytic_sender", annotation="str"
+        ),
+    )
 
     @property
     def discloses_class_names(self) -> bool:
