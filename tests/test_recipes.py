@@ -53,11 +53,29 @@ def test_recipes_are_nvflare_recipes_whose_arguments_land_in_the_job(tmp_path):
     assert args["train_config"]["lr"] == 1e-3 and args["train_config"]["warmup_epochs"] == 15
     assert job["meta"]["min_clients"] == 3 and job["meta"]["description"] == "d"
     assert job["client"]["executors"][0]["executor"]["args"]["num_threads"] == 2
-    cwt = export(CWTRecipe(name="c", cwt_config={"clr": True}, min_sites=2), tmp_path)["server"]["workflows"][0]["args"]
+    cwt = export(CWTRecipe(name="c", cwt_config={"clr": True}, min_results=2), tmp_path)["server"]["workflows"][0][
+        "args"
+    ]
     assert cwt["cwt_config"]["clr"] is True and cwt["min_sites"] == 2
     fedfew = export(FedFewRecipe(name="f", min_results=2, fedfew_config={"rounds": 3}), tmp_path)
     assert fedfew["server"]["workflows"][0]["args"]["min_clients"] == 2 and fedfew["meta"]["min_clients"] == 2
     assert fedfew["server"]["workflows"][0]["args"]["fedfew_config"]["rounds"] == 3
+
+
+def test_every_recipe_names_its_round_quorum_min_results(tmp_path, caplog):
+    # issue 43 point 4: the quorum was min_clients (surgical), min_sites (CWT) and min_results (FedFew)
+    def workflow(recipe):
+        return export(recipe, tmp_path)["server"]["workflows"][0]["args"]
+
+    surgical = workflow(SurgicalAggregationRecipe(name="s", min_clients=3, min_results=2))
+    assert surgical["min_clients"] == 2  # SurgicalAggregation's quorum (the job still needs 3 sites to start)
+    assert workflow(SurgicalAggregationRecipe(name="s", min_clients=3))["min_clients"] == 3  # None: min_clients
+    assert workflow(CWTRecipe(name="c", min_results=2))["min_sites"] == 2
+    assert workflow(FedFewRecipe(name="f", min_results=2))["min_clients"] == 2
+    assert workflow(CWTRecipe(name="c", min_sites=2))["min_sites"] == 2  # the old name, one more release
+    assert any(
+        "min_sites=...) is deprecated" in r.getMessage() and "min_results" in r.getMessage() for r in caplog.records
+    )
 
 
 @pytest.mark.parametrize(

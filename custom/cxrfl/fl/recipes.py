@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -43,7 +44,7 @@ from nvflare.recipe.utils import set_recipe_meta
 from cxrfl.clinical.pooling import PooledEvaluation
 from cxrfl.common.config import Config
 from cxrfl.common.privacy import privacy_args
-from cxrfl.cwt.config import CWTConfig
+from cxrfl.cwt.config import CWTConfig, RelayConfig
 from cxrfl.cwt.relay import TASKS as CWT_TASKS
 from cxrfl.errors import ConfigError
 from cxrfl.fedeval.config import FedEvalConfig
@@ -63,6 +64,8 @@ from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import EVALUATION_TASKS
 from cxrfl.surgical.host import TASKS as SURGICAL_TASKS
+
+log = logging.getLogger(__name__)
 
 CUSTOM_README = Path(__file__).with_name("job_custom") / "README.md"
 
@@ -253,7 +256,9 @@ class SurgicalAggregationRecipe(CxrflRecipe):
 
     Args:
         name: job name.
-        min_clients: sites needed to start, and fewest valid results that make a round.
+        min_clients: sites needed to start.
+        min_results: fewest valid site results that make a round (the same name in every recipe;
+            None: ``min_clients``).
         num_rounds: most federated rounds after the head warm-up.
         model_config: :class:`cxrfl.nn.models.ModelConfig` (or its fields; None: defaults).
         train_config: :class:`cxrfl.nn.training.TrainConfig` (or its fields), sent to the sites.
@@ -275,6 +280,7 @@ class SurgicalAggregationRecipe(CxrflRecipe):
         *,
         name: str = "surgical_agg",
         min_clients: int = _S.min_clients,
+        min_results: int | None = None,
         num_rounds: int = _S.num_rounds,
         model_config: ModelConfig | Mapping[str, Any] | None = None,
         train_config: TrainConfig | Mapping[str, Any] | None = None,
@@ -287,7 +293,7 @@ class SurgicalAggregationRecipe(CxrflRecipe):
         job, rest = JobSettings.split({"name": name, "min_clients": min_clients, **settings})
         given = {
             "num_rounds": num_rounds,
-            "min_clients": min_clients,
+            "min_clients": min_clients if min_results is None else min_results,
             "model_config": model_config,
             "train_config": train_config,
             "head_mode": head_mode,
@@ -320,10 +326,12 @@ class CWTRecipe(CxrflRecipe):
     Args:
         name: job name.
         min_clients: sites needed to start.
+        min_results: fewest sites that must train in a cycle for it to count (the same name in every
+            recipe; the workflow's ``min_sites``, an old name still taken here for one release, with a warning).
         cwt_config: :class:`cxrfl.cwt.config.CWTConfig` (or its fields; None: the paper's base recipe).
         model_config: :class:`cxrfl.nn.models.ModelConfig` (or its fields).
         settings: :class:`JobSettings` fields and every other argument of
-            :class:`cxrfl.fl.cwt.CyclicWeightTransfer` (site_order, min_sites, task_timeout ...).
+            :class:`cxrfl.fl.cwt.CyclicWeightTransfer` (site_order, task_timeout ...).
     """
 
     executor = CWTExecutor
@@ -334,12 +342,22 @@ class CWTRecipe(CxrflRecipe):
         *,
         name: str = "cwt",
         min_clients: int = 2,
+        min_results: int = RelayConfig().min_sites,
         cwt_config: CWTConfig | Mapping[str, Any] | None = None,
         model_config: ModelConfig | Mapping[str, Any] | None = None,
         **settings: Any,
     ) -> None:
+        if "min_sites" in settings:
+            log.warning(f"{name}: CWTRecipe(min_sites=...) is deprecated and goes in the next release: use min_results")
+            min_results = settings.pop("min_sites")
         job, rest = JobSettings.split({"name": name, "min_clients": min_clients, **settings})
-        given = {"cwt_config": cwt_config, "model_config": model_config, "analytic_sender_id": job.sender_id, **rest}
+        given = {
+            "cwt_config": cwt_config,
+            "model_config": model_config,
+            "min_sites": min_results,
+            "analytic_sender_id": job.sender_id,
+            **rest,
+        }
         sections = {"cwt_config": CWTConfig, "model_config": ModelConfig, "pooled": PooledEvaluation}
         args = controller_args(CyclicWeightTransfer, given, sections)
         super().__init__(job, CyclicWeightTransfer, args)
@@ -352,7 +370,8 @@ class FedFewRecipe(CxrflRecipe):
     Args:
         name: job name.
         min_clients: sites needed to start.
-        min_results: fewest valid site results that make a round (the workflow's ``min_clients``).
+        min_results: fewest valid site results that make a round (the same name in every recipe; the
+            workflow's ``min_clients``).
         sites: the client sites by name (required: FedFew's server config, e.g. ``fedfew_config.uc_classes``,
             must reach the server only, and NVFlare 2.9 can send a client app to all sites but the
             server only by naming them; see :class:`JobSettings`).
