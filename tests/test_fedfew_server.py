@@ -61,8 +61,10 @@ class ScriptedSites:
         self.val_calls = {"cc-1": 0, "cc-2": 0}
         self.fail = dict(fail or {})
         self.corrupt = dict(corrupt or {})
+        self.streamed: list[tuple[str, bool]] = []  # (task, whether the server took each answer as it came)
 
-    def __call__(self, task, payloads):
+    def __call__(self, task, payloads, *, on_answer=None):  # a Send (common/transport.py), streaming too
+        self.streamed.append((task, on_answer is not None))
         out = {}
         for site, (params, meta) in payloads.items():
             self.sent.append((task, site, params, meta))
@@ -72,6 +74,9 @@ class ScriptedSites:
             answer = self.answer(task, site, params, meta)
             fix = self.corrupt.pop((task, site), None)
             out[site] = fix(*answer) if fix else answer
+            if on_answer is not None:
+                on_answer(site, out[site])
+                out[site] = ({}, out[site][1])
         return out
 
     def answer(self, task, site, params, meta):
@@ -467,6 +472,16 @@ def test_round_hook_sees_the_initial_and_every_aggregated_model(tmp_path):
     server.run()
     assert [(s, r) for s, r, _ in seen] == [(1, 0), (1, 1), (1, 2), (2, 1), (2, 2)]
     assert np.array_equal(seen[0][2], sites.first(P.SSL)[W]) and np.allclose(seen[1][2], seen[0][2] + 10 / 3)
+
+
+def test_every_weight_round_streams_its_answers_into_the_average(tmp_path):
+    # issue 43 point 1: FedFew collected every site's weights and then averaged them; each answer of a stage-1 or
+    # stage-2 round now goes into the running sum as it arrives (the transport keeps only its meta)
+    sites = ScriptedSites()
+    server, _ = _server(tmp_path, sites)
+    server.run()
+    weight_rounds = [streamed for task, streamed in sites.streamed if task in (P.SSL, P.TRAIN)]
+    assert weight_rounds and all(weight_rounds)
 
 
 def test_workflow_stops_when_there_is_no_common_class(tmp_path):

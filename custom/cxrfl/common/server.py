@@ -271,7 +271,12 @@ class ServerLoop:
         return {s: a for s, a in answers.items() if s in payloads}
 
     def broadcast(
-        self, task: str, sites: Sequence[str], params: Mapping[str, Any], meta_for: Callable[[str], dict[str, Any]]
+        self,
+        task: str,
+        sites: Sequence[str],
+        params: Mapping[str, Any],
+        meta_for: Callable[[str], dict[str, Any]],
+        on_answer: OnAnswer | None = None,
     ) -> dict[str, Message]:
         """The same parameters to several sites, each with its own settings.
 
@@ -280,5 +285,6 @@ class ServerLoop:
             sites: the receivers.
             params: the parameters every site gets.
             meta_for: site -> its meta.
+            on_answer: streams the answers (see :meth:`exchange`).
         """
-        return self.exchange(task, {s: (dict(params), meta_for(s)) for s in sites})
+        return self.exchange(task, {s: (dict(params), meta_for(s)) for s in sites}, on_answer=on_answer)

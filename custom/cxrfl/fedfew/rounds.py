@@ -207,11 +207,7 @@ class FederatedRounds(ServerLoop):
         reference: Mapping[str, np.ndarray],
         task: str,
     ) -> tuple[dict[str, np.ndarray] | None, dict[str, str], list[str]]:
-        """FedAvg of the valid results over all keys (stage 2's head too: every site holds every row),
-        weighted by images; with ``robust``, their median (unweighted) or their clipped updates.
-
-        Each result streams through the core's aggregator (:class:`cxrfl.core.streaming.StreamingFedAvg`):
-        validated whole, then added to the running sum (plain mean) before the next one is read.
+        """FedAvg of results already collected (a round streams them instead: :meth:`round_stream`).
 
         Args:
             results: site -> its answer.
@@ -221,8 +217,25 @@ class FederatedRounds(ServerLoop):
             task: the round's task (image counts are checked per task).
 
         Returns:
-            the average (None: fewer than ``needed`` valid results), site -> why it was
-            rejected, the sites averaged.
+            see :meth:`finish`.
+        """
+        stream = self.round_stream(expected, reference=reference, task=task)
+        for site, answer in sorted(results.items()):
+            self.take(stream, site, answer)
+        return self.finish(stream, needed)
+
+    def round_stream(
+        self, expected: Mapping[str, tuple], *, reference: Mapping[str, np.ndarray], task: str
+    ) -> StreamingFedAvg:
+        """A round's aggregator (:class:`cxrfl.core.streaming.StreamingFedAvg`): FedAvg over all keys (stage 2's
+        head too: every site holds every row), weighted by images; with ``robust``, the median (unweighted)
+        or the clipped updates. Each answer handed to :meth:`take` is validated whole and, for the mean,
+        added to the running sum and dropped as it arrives.
+
+        Args:
+            expected: name -> shape of the weights.
+            reference: the weights the round started from (dtypes; what ``robust`` clips from).
+            task: the round's task (image counts are checked per task).
         """
         stream = StreamingFedAvg(
             weighting="uniform" if self.robust == "median" else "samples",
@@ -231,11 +244,21 @@ class FederatedRounds(ServerLoop):
             counts=self.counts.setdefault(task, SampleCounts(self.max_num_samples)),
         )
         stream.expect(expected, reference=reference)
-        for site, (params, meta) in sorted(results.items()):
-            if stream.accept({"site": site, "num_samples": meta.get("num_samples"), "params": params}) is None:
-                self.warning(f"rejected the update of site {site}: {stream.rejected[site]}")
+        return stream
+
+    def take(self, stream: StreamingFedAvg, site: str, answer: Message) -> None:
+        """One site's answer into the round's aggregator (a rejection: one warning line)."""
+        params, meta = answer
+        if stream.accept({"site": site, "num_samples": meta.get("num_samples"), "params": params}) is None:
+            self.warning(f"rejected the update of site {site}: {stream.rejected[site]}")
+
+    @staticmethod
+    def finish(stream: StreamingFedAvg, needed: int) -> tuple[dict[str, np.ndarray] | None, dict[str, str], list[str]]:
+        """The round's average (None: fewer than ``needed`` valid results), site -> why it was rejected,
+        the sites averaged."""
         rejected, used = dict(stream.rejected), stream.accepted_sites
         if len(used) < needed:
+            stream.reset()
             return None, rejected, used
         return stream.aggregate(), rejected, used
 
@@ -289,10 +312,16 @@ class FederatedRounds(ServerLoop):
         """One attempt at the phase's next round (a failed attempt waits or stops the run)."""
         rnd = progress.round + 1
         start = time.perf_counter()
-        results = self.broadcast(phase.task, phase.sites, progress.params, lambda s: meta_for(s, rnd))
+        stream = self.round_stream(expected, reference=progress.params, task=phase.task)
+        results = self.broadcast(
+            phase.task,
+            phase.sites,
+            progress.params,
+            lambda s: meta_for(s, rnd),
+            on_answer=lambda site, answer: self.take(stream, site, answer),  # validated and summed as it arrives
+        )
         self.check_abort()  # aborted mid-round: the round is not recorded, nothing is written
-        needed = self.needed(phase)
-        agg, rejected, used = self.fedavg(results, expected, needed, reference=progress.params, task=phase.task)
+        agg, rejected, used = self.finish(stream, self.needed(phase))
         metrics = {s: m.get("metrics") for s, (_, m) in results.items()}
         record: dict[str, Any] = {
             "stage": phase.stage,
