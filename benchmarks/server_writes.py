@@ -66,9 +66,12 @@ def main() -> None:
     def counting(path: Any, write: Any, mode: str = "wb") -> Path:
         result = original(path, write, mode)
         written[str(Path(path))].append(Path(path).stat().st_size)
-        if str(path).startswith(str(out) + "/"):
+        if is_server(str(path)):
             by_phase[phase[0]] += Path(path).stat().st_size
         return result
+
+    def is_server(path: str) -> bool:  # the sites keep their state under out/sites (in-process runs)
+        return path.startswith(str(out) + "/") and not path.startswith(str(out / "sites") + "/")
 
     def in_round(self: Any, state: Any, rnd: int, *a: Any, **k: Any) -> Any:
         phase[0] = f"round {rnd}"
@@ -87,8 +90,8 @@ def main() -> None:
         run_surgical(sites, demo_config(args.rounds, args.max_steps), out, run_id="demo")
         rounds = [r for r in read_records(out / "cxrfl" / "rounds.jsonl") if r.get("phase") == "train"]
         model = (out / "FL_global_model.pt").stat().st_size
-        server = {k[len(str(out)) + 1 :]: v for k, v in written.items() if k.startswith(str(out) + "/")}
-        site_bytes = sum(sum(v) for k, v in written.items() if not k.startswith(str(out) + "/"))
+        server = {k[len(str(out)) + 1 :]: v for k, v in written.items() if is_server(k)}
+        site_bytes = sum(sum(v) for k, v in written.items() if not is_server(k))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     total = sum(sum(v) for v in server.values())
