@@ -214,10 +214,10 @@ def test_a_tiny_benchmark_writes_its_outputs_and_goes_on_from_the_kept_runs(
     trained = []
     real = bench.run_cwt
 
-    def counting(sites, model_config, config, **kw):
+    def counting(sites, config, out_dir=None, *, model_config, **kw):
         assert model_config.arch == "densenet-tiny"  # the settings' network reaches every run
         trained.append((len(sites), config.method))
-        return real(sites, model_config, config, **kw)
+        return real(sites, config, out_dir, model_config=model_config, **kw)
 
     monkeypatch.setattr(bench, "run_cwt", counting)
     settings = BenchSettings(

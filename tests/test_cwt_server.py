@@ -50,7 +50,7 @@ def config(**changes) -> CWTConfig:
 
 
 def run(datas, cfg: CWTConfig, out=None, *, wrap=None, relay=None, **kw):
-    return run_cwt(make_sites(datas, cfg, MODEL), MODEL, cfg, out_dir=out, wrap=wrap, relay=relay, **kw)
+    return run_cwt(make_sites(datas, cfg, MODEL), cfg, out, model_config=MODEL, wrap=wrap, relay=relay, **kw)
 
 
 def recorder(log: list):

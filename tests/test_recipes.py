@@ -342,3 +342,25 @@ def test_bad_resource_requests_fail_at_construction_in_one_line_naming_the_key(m
     with pytest.raises(ConfigError, match=match) as caught:
         make()
     assert "\n" not in str(caught.value)
+
+
+def test_one_packaging_vocabulary_from_recipe_to_deployment(tmp_path, caplog):
+    # issue 43 point 4: recipes said readme/none, write_job readme/none/package, `cxrfl deploy job`
+    # readme/preinstalled/byoc: three vocabularies for one thing
+    from cxrfl.deploy.jobs import build_job
+    from cxrfl.fl.job_settings import JobSettings
+    from cxrfl.fl.packaging import PACKAGING
+
+    assert PACKAGING == ("readme", "preinstalled", "byoc")
+    assert JobSettings(name="j", custom="preinstalled").custom == "preinstalled"
+    assert JobSettings(name="j", custom="none").custom == "preinstalled"  # the old name, one more release
+    assert any("job.custom='none' is deprecated" in r.getMessage() for r in caplog.records)
+    for mode in PACKAGING:  # every value means the same app/custom in a recipe's export and a deployment folder
+        apps = app_dirs(build_job("surgical_agg", tmp_path / mode, mode=mode))
+        held = {
+            tuple(sorted(p.name for p in (a / "custom").iterdir())) if (a / "custom").is_dir() else None for a in apps
+        }
+        assert held == {{"readme": ("README.md",), "preinstalled": None, "byoc": ("cxrfl",)}[mode]}, mode
+    preinstalled = SurgicalAggregationRecipe(name="p", custom="preinstalled")
+    preinstalled.export(str(tmp_path / "recipe"))
+    assert not any((a / "custom").exists() for a in app_dirs(tmp_path / "recipe" / "p"))

@@ -5,9 +5,9 @@ exports it (NVFlare's own exporter, every argument written explicitly), and ``cx
 --out jobs`` writes them all; a test regenerates them and compares with the committed folders, so
 the two never drift. Jobs carry no site data: each site reads its own config at run time. The
 ``app/custom`` folder holds only a README: the code comes from the installed ``cxrfl`` package.
-:func:`write_job` also writes the two deployment variants (``cxrfl deploy job``): ``custom="none"``
+:func:`write_job` also writes the two deployment variants (``cxrfl deploy job``): ``custom="preinstalled"``
 (no ``app/custom``: sites pre-install cxrfl and allow ``cxrfl.`` in their ``class_allow_list``) and
-``custom="package"`` (bring-your-own-code: the package is copied into ``app/custom``). Privacy
+``custom="byoc"`` (bring-your-own-code: the package is copied into ``app/custom``). Privacy
 filters on site results and MLflow tracking are JobSpec options, off by default. This module
 imports NVFlare only when a job is written.
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cxrfl.fedfew.protocol import TASKS as FEDFEW_TASKS  # noqa: F401  (the fedfew job's tasks, for its tests)
+from cxrfl.fl.packaging import PACKAGING, packaging
 from cxrfl.fl.site_config import DEMO_SITES
 from cxrfl.job_folders import app_dirs
 from cxrfl.nn.models import ModelConfig
@@ -298,9 +299,6 @@ JOBS: tuple[JobSpec, ...] = (
 )
 
 
-CUSTOM_MODES = ("readme", "none", "package")
-
-
 def write_job(spec: JobSpec, out: Path, *, custom: str = "readme") -> Path:
     """Export one job's recipe.
 
@@ -308,19 +306,20 @@ def write_job(spec: JobSpec, out: Path, *, custom: str = "readme") -> Path:
         spec: the job.
         out: parent folder (the job goes to ``out/spec.name``; an earlier export of the same job
             there is replaced).
-        custom: what ``app/custom`` holds: ``readme`` (the committed jobs: only a README, the
-            code is the installed package; NVFlare counts it as bring-your-own-code), ``none``
-            (no ``app/custom``: the pre-installed deployment mode) or ``package`` (the ``cxrfl``
-            package copied in: the bring-your-own-code deployment mode).
+        custom: how the job carries its code (:data:`cxrfl.fl.packaging.PACKAGING`): ``readme``
+            (the committed jobs), ``preinstalled`` (no ``app/custom``) or ``byoc`` (the ``cxrfl``
+            package copied into ``app/custom``); the old names ``none`` and ``package`` for one more
+            release, with a warning.
 
     Raises:
         ConfigError: a bad job setting (one line naming it).
     """
-    if custom not in CUSTOM_MODES:
-        raise ValueError(f"custom must be one of {CUSTOM_MODES}, got {custom!r}")
-    spec.recipe(custom="readme" if custom == "readme" else "none").export(str(out))
+    custom = packaging(custom, "write_job(custom)")
+    if custom not in PACKAGING:
+        raise ValueError(f"custom must be one of {PACKAGING}, got {custom!r}")
+    spec.recipe(custom="readme" if custom == "readme" else "preinstalled").export(str(out))
     root = Path(out) / spec.name
-    if custom == "package":
+    if custom == "byoc":
         import cxrfl
 
         for app in app_dirs(root):

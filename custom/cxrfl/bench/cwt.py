@@ -331,7 +331,7 @@ class _Runner:
                     "seed": seed,
                     "split": split,
                     "method": method,
-                    **_evaluate(run_cwt(sites, self.model_config, cfg), self.test, self.where),
+                    **_evaluate(run_cwt(sites, cfg, model_config=self.model_config), self.test, self.where),
                 }
                 self.keep(r)
             if not r.get("same_as"):

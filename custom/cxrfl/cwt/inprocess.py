@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from cxrfl.common.inprocess import RunResult
 from cxrfl.common.transport import SiteHost, inprocess_transport
 from cxrfl.cwt.config import CWTConfig, RelayConfig
 from cxrfl.cwt.host import CWTSiteHost, site_model_config
@@ -36,8 +37,9 @@ and the sites' test splits are left to the caller."""
 
 
 @dataclass
-class CWTResult:
-    """Outcome of :func:`run_cwt`.
+class CWTResult(RunResult[CWTOutcome]):
+    """Outcome of :func:`run_cwt` (:class:`cxrfl.common.inprocess.RunResult`: ``outcome``, everything the
+    server returned, final weights, evaluation ...; ``seconds``).
 
     Args:
         model: the network with the best cycle's weights (on the sites' device).
@@ -49,8 +51,6 @@ class CWTResult:
         history: one record per completed cycle (order, visits, pooled validation loss).
         stopped_early: early stopping ended the run.
         cycles_run: the last completed cycle.
-        seconds: wall time.
-        outcome: everything the server returned (final weights, evaluation ...).
     """
 
     model: nn.Module
@@ -61,43 +61,41 @@ class CWTResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     stopped_early: bool = False
     cycles_run: int = 0
-    seconds: float = 0.0
-    outcome: CWTOutcome | None = None
 
 
 def run_cwt(
     sites: Sequence[CWTSite],
-    model_config: ModelConfig,
     config: CWTConfig,
-    *,
-    relay: RelayConfig | None = None,
     out_dir: str | Path | None = None,
-    wrap: Callable[[str, SiteHost], SiteHost] | None = None,
+    *,
     run_id: str = "run",
     resume_from: str | None = None,
     resume_root: str | Path | None = None,
     info: Callable[[str], None] = log.info,
     warning: Callable[[str], None] = log.warning,
     aborted: Callable[[], bool] = lambda: False,
+    model_config: ModelConfig,
+    relay: RelayConfig | None = None,
+    wrap: Callable[[str, SiteHost], SiteHost] | None = None,
 ) -> CWTResult:
-    """Run the relay over in-memory sites.
+    """Run the relay over in-memory sites (the signature every method's runner has: :mod:`cxrfl.common.inprocess`).
 
     Args:
         sites: the sites (built with the same classes, see :func:`cxrfl.cwt.site.make_sites`),
             in the fixed relay order.
-        model_config: the network.
         config: the run's settings (the sites are reconfigured to them).
-        relay: ``min_sites``, retry and evaluation settings (default :data:`INPROCESS_RELAY`);
-            without ``site_order``, the order of ``sites``.
         out_dir: where the job's files go (None: a temporary folder, removed at the end; give one to be
             able to resume an interrupted run).
-        wrap: ``(site name, host) -> host`` around each site's host (fault injection in tests).
         run_id: this run's id (names its resume state).
         resume_from: an interrupted run's id (its folder under ``resume_root``).
         resume_root: folder of resume states (default ``out_dir/cxrfl_resume``).
         info: progress logger.
         warning: problem logger.
         aborted: returns True when the run must stop.
+        model_config: the network.
+        relay: ``min_sites``, retry and evaluation settings (default :data:`INPROCESS_RELAY`);
+            without ``site_order``, the order of ``sites``.
+        wrap: ``(site name, host) -> host`` around each site's host (fault injection in tests).
     """
     start = time.perf_counter()
     if not sites:

@@ -53,6 +53,7 @@ from cxrfl.deploy.provision import (
     provision,
 )
 from cxrfl.deploy.workspace import DeployError, Deployment
+from cxrfl.fl.packaging import PACKAGING
 
 
 def _kv(items: list[str] | None) -> dict[str, Any]:
@@ -295,7 +296,7 @@ def _add_setup_commands(ds: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="parent folder of the job folder")
     p.add_argument(
         "--mode",
-        choices=["preinstalled", "byoc", "readme"],
+        choices=list(PACKAGING),
         default="preinstalled",
         help="preinstalled: no app/custom (sites allow cxrfl.); byoc: package in app/custom",
     )

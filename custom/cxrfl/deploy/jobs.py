@@ -10,6 +10,7 @@ from typing import Any
 
 from cxrfl.deploy.workspace import DeployError
 from cxrfl.errors import ConfigError
+from cxrfl.fl.packaging import PACKAGING
 
 
 def build_job(
@@ -50,9 +51,8 @@ def build_job(
     specs = {s.name: s for s in JOBS}
     if name not in specs:
         raise DeployError(f"unknown job {name!r}; jobs: {sorted(specs)}")
-    modes = {"preinstalled": "none", "byoc": "package", "readme": "readme"}
-    if mode not in modes:
-        raise DeployError(f"mode must be one of {sorted(modes)}, got {mode!r}")
+    if mode not in PACKAGING:
+        raise DeployError(f"mode must be one of {list(PACKAGING)}, got {mode!r}")
     spec = specs[name]
     args = {k: v for k, v in copy.deepcopy(spec.recipe().controller_args).items() if k != "analytic_sender_id"}
     for key, value in (overrides or {}).items():
@@ -75,7 +75,7 @@ def build_job(
     if (out / spec.name).exists():
         raise DeployError(f"{out / spec.name} exists; choose another --out")
     try:
-        return write_job(spec, out, custom=modes[mode])
+        return write_job(spec, out, custom=mode)
     except (ConfigError, ValueError) as exc:
         raise DeployError(str(exc)) from exc
 

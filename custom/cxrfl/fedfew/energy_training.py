@@ -14,7 +14,8 @@ from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.energy import hinge_in, hinge_out, no_cc_targets, output_energy
 from cxrfl.fedfew.roles import ENERGY_GROUPS
 from cxrfl.nn.losses import masked_bce
-from cxrfl.nn.precision import Compute, backward_step
+from cxrfl.nn.precision import Compute
+from cxrfl.nn.training import train_steps
 
 
 def stage2_loss(
@@ -84,43 +85,45 @@ def energy_epochs(
         energy ``train_energy_<group>`` (None without steps or such images).
     """
     k, device = n_cc, compute.device
-    opt = torch.optim.Adam(model.parameters(), lr=config.lr)
-    scaler = compute.scaler()
     model.train()
     sums = {"loss": 0.0, "bce": 0.0, "hinge_in": 0.0, "hinge_out": 0.0}
     energy_sums, energy_counts = dict.fromkeys(ENERGY_GROUPS, 0.0), dict.fromkeys(ENERGY_GROUPS, 0)
-    steps = skipped = 0
-    for _ in range(config.local_epochs):
-        for i, (x, y, m) in enumerate(loader):
-            if config.max_steps_per_epoch is not None and i >= config.max_steps_per_epoch:
-                break
-            y_cc, m_cc = y[:, :k], m[:, :k]
-            is_in, is_out = y[:, k] == 1, y[:, k + 1] == 1
-            target, mask = no_cc_targets(y_cc, m_cc)
-            has_bce = bool(mask.sum() > 0)
-            has_energy = energy_weight > 0 and bool(is_in.any() or is_out.any())
-            if not (has_bce or has_energy) or x.shape[0] < 2:
-                skipped += 1
-                continue
-            x, target, mask = compute.inputs(x), target.to(device), mask.to(device)
-            opt.zero_grad(set_to_none=True)
-            with compute.autocast():
-                logits = model(x)
-            logits = logits.float()
-            energy = output_energy(logits, k, config.energy_outputs, config.temperature)
-            parts = stage2_loss(
-                logits, target, mask, is_in.to(device), is_out.to(device), energy, energy_weight, m_in, m_out
-            )
-            if not torch.isfinite(parts["loss"]):
-                raise FloatingPointError(f"site {site}: stage-2 loss became {parts['loss'].item()} at step {steps}")
-            backward_step(parts["loss"], opt, scaler)
-            for name, v in parts.items():
-                sums[name] += float(v.detach())
-            for j, g in enumerate(ENERGY_GROUPS):
-                rows = (y[:, k + j] == 1).to(device)
-                energy_sums[g] += float(energy.detach()[rows].sum())
-                energy_counts[g] += int(rows.sum())
-            steps += 1
+
+    def stage2(batch: Any) -> torch.Tensor | None:
+        x, y, m = batch
+        y_cc, m_cc = y[:, :k], m[:, :k]
+        is_in, is_out = y[:, k] == 1, y[:, k + 1] == 1
+        target, mask = no_cc_targets(y_cc, m_cc)
+        has_bce = bool(mask.sum() > 0)
+        has_energy = energy_weight > 0 and bool(is_in.any() or is_out.any())
+        if not (has_bce or has_energy) or x.shape[0] < 2:
+            return None
+        x, target, mask = compute.inputs(x), target.to(device), mask.to(device)
+        with compute.autocast():
+            logits = model(x)
+        logits = logits.float()
+        energy = output_energy(logits, k, config.energy_outputs, config.temperature)
+        parts = stage2_loss(
+            logits, target, mask, is_in.to(device), is_out.to(device), energy, energy_weight, m_in, m_out
+        )
+        for name, v in parts.items():  # a non-finite loss stops the round: these sums are then never read
+            sums[name] += float(v.detach())
+        for j, g in enumerate(ENERGY_GROUPS):
+            rows = (y[:, k + j] == 1).to(device)
+            energy_sums[g] += float(energy.detach()[rows].sum())
+            energy_counts[g] += int(rows.sum())
+        return parts["loss"]
+
+    stats = train_steps(
+        loader,
+        torch.optim.Adam(model.parameters(), lr=config.lr),
+        compute,
+        stage2,
+        epochs=config.local_epochs,
+        max_steps=config.max_steps_per_epoch,
+        what=f"site {site}: stage-2 loss",
+    )
+    steps, skipped = stats.steps, stats.skipped
     means = {f"train_{name}": (v / steps if steps else None) for name, v in sums.items()}
     for g in ENERGY_GROUPS:
         means[f"train_energy_{g}"] = energy_sums[g] / energy_counts[g] if energy_counts[g] else None

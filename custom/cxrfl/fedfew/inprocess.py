@@ -8,11 +8,13 @@ exactly as a failing NVFlare site is).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
+from cxrfl.common.inprocess import RunResult
 from cxrfl.common.transport import inprocess_transport
 from cxrfl.data.site import SiteData
 from cxrfl.fedfew.config import FedFewConfig
@@ -25,52 +27,57 @@ log = logging.getLogger(__name__)
 
 
 def run_fedfew(
-    data: Mapping[str, SiteData],
-    *,
+    sites: Mapping[str, SiteData],
     config: FedFewConfig,
-    model_config: ModelConfig,
     out_dir: str | Path,
+    *,
+    run_id: str = "run",
+    resume_from: str | None = None,
+    resume_root: str | Path | None = None,
+    info: Callable[[str], None] = log.info,
+    warning: Callable[[str], None] = log.warning,
+    aborted: Callable[[], bool] = lambda: False,
+    model_config: ModelConfig,
     device: torch.device | None = None,
     min_clients: int = 1,
     min_clients_timeout: float = 0,
     retry_pause: float = 0,
-    resume_from: str | None = None,
-    resume_root: str | Path | None = None,
     evaluate_test: bool = False,
-    info: Callable[[str], None] = log.info,
-    warning: Callable[[str], None] = log.warning,
     site_info: Callable[[str], None] | None = None,
     hosts: Mapping[str, FedFewSiteHost] | None = None,
     on_round: RoundHook | None = None,
-    aborted: Callable[[], bool] = lambda: False,
-) -> FedFewOutcome:
-    """Run the three FedFew stages over in-memory sites.
+) -> RunResult[FedFewOutcome]:
+    """Run the three FedFew stages over in-memory sites (the signature every method's runner has:
+    :mod:`cxrfl.common.inprocess`).
 
     Args:
-        data: site name -> its data.
+        sites: site name -> its data.
         config: FedFew settings.
-        model_config: network settings.
         out_dir: where the stage results and the final model go.
+        run_id: this run's id (names its resume folder).
+        resume_from: an interrupted run's id (its resume folder under ``resume_root``; see
+            :mod:`cxrfl.fedfew.server`).
+        resume_root: folder of resume folders (default ``out_dir/cxrfl_resume``).
+        info: progress logger.
+        warning: problem logger.
+        aborted: returns True when the run must stop.
+        model_config: network settings.
         device: torch device of the sites.
         min_clients: fewest valid results per round.
         min_clients_timeout: seconds a round with fewer is retried before the run stops (in-process
             sites do not come back by themselves: 0 stops at once).
         retry_pause: seconds between two attempts.
-        resume_from: an interrupted run's id (its resume folder under ``resume_root``; see
-            :mod:`cxrfl.fedfew.server`).
-        resume_root: folder of resume folders (default ``out_dir/cxrfl_resume``).
         evaluate_test: evaluate the final model on the sites' test splits.
-        info: progress logger.
-        warning: problem logger.
         site_info: where the sites' one line per task goes (None: nowhere).
         hosts: reuse these site hosts (e.g. to keep their caches between runs).
         on_round: called after every completed round of stages 1-2 (:data:`cxrfl.fedfew.rounds.RoundHook`).
-        aborted: returns True when the run must stop.
     """
-    hosts = dict(hosts) if hosts is not None else {s: FedFewSiteHost(d, device) for s, d in data.items()}
+    start = time.perf_counter()
+    hosts = dict(hosts) if hosts is not None else {s: FedFewSiteHost(d, device) for s, d in sites.items()}
     server = FedFewServer(
         inprocess_transport(hosts, warning, site_info),
-        sites=list(data),
+        sites=list(sites),
+        run_id=run_id,
         config=config,
         model_config=model_config,
         out_dir=out_dir,
@@ -85,4 +92,5 @@ def run_fedfew(
         aborted=aborted,
         on_round=on_round,
     )
-    return server.run()
+    outcome = server.run()
+    return RunResult(outcome=outcome, seconds=time.perf_counter() - start)

@@ -328,7 +328,7 @@ class FederatedRounds(ServerLoop):
             "round": rnd,
             "phase": phase.name,
             "sites_answered": sorted(results),
-            "sites_aggregated": used if agg is not None else [],
+            "sites_aggregated": sorted(used) if agg is not None else [],  # answers arrive in any order
             "rejected": rejected,
             "site_metrics": metrics,
         }

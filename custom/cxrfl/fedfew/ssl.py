@@ -25,7 +25,8 @@ from torch import nn
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.ssl_views import BatchViews, TwoViewDataset
 from cxrfl.nn.models import CXRNet, ModelConfig
-from cxrfl.nn.precision import Compute, backward_step
+from cxrfl.nn.precision import Compute
+from cxrfl.nn.training import train_steps
 
 ENCODER_PREFIX = "backbone."
 """State-dict prefix of the encoder (the DenseNet feature extractor) in both SimSiam and CXRNet."""
@@ -146,27 +147,26 @@ def simsiam_epochs(
         num_workers=num_workers,
         generator=torch.Generator().manual_seed(config.seed + round_num),
     )
-    opt = torch.optim.Adam(model.parameters(), lr=config.ssl_lr)
-    scaler = compute.scaler()
     model.train()
-    total, steps = 0.0, 0
-    for _ in range(config.ssl_local_epochs):
-        for i, batch in enumerate(loader):
-            if config.ssl_max_steps is not None and i >= config.ssl_max_steps:
-                break
-            if batch[0].shape[0] < 2:  # BatchNorm needs two samples
-                continue
-            if views is not None:
-                x = batch[0].to(compute.device, non_blocking=True)
-                batch = [views(x), views(x)]
-            x1, x2 = compute.inputs(batch[0]), compute.inputs(batch[1])
-            opt.zero_grad(set_to_none=True)
-            with compute.autocast():
-                p1, p2, z1, z2 = model(x1, x2)
-            loss = simsiam_loss(p1.float(), p2.float(), z1.float(), z2.float())
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"site {site}: SimSiam loss became {loss.item()} at step {steps}")
-            backward_step(loss, opt, scaler)
-            total += float(loss.detach())
-            steps += 1
-    return (total / steps if steps else None), steps
+
+    def simsiam(batch: Any) -> torch.Tensor | None:
+        if batch[0].shape[0] < 2:  # BatchNorm needs two samples
+            return None
+        if views is not None:
+            x = batch[0].to(compute.device, non_blocking=True)
+            batch = [views(x), views(x)]
+        x1, x2 = compute.inputs(batch[0]), compute.inputs(batch[1])
+        with compute.autocast():
+            p1, p2, z1, z2 = model(x1, x2)
+        return simsiam_loss(p1.float(), p2.float(), z1.float(), z2.float())
+
+    stats = train_steps(
+        loader,
+        torch.optim.Adam(model.parameters(), lr=config.ssl_lr),
+        compute,
+        simsiam,
+        epochs=config.ssl_local_epochs,
+        max_steps=config.ssl_max_steps,
+        what=f"site {site}: SimSiam loss",
+    )
+    return (stats.loss if stats.steps else None), stats.steps

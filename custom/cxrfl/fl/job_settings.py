@@ -16,6 +16,7 @@ from cxrfl.common.config import Config
 from cxrfl.common.privacy import check_privacy
 from cxrfl.data.dataset import resolve_workers
 from cxrfl.errors import ConfigError
+from cxrfl.fl.packaging import PACKAGING, packaging
 from cxrfl.fl.resources import DEFAULT_KEY, PORTABLE_KEYS
 
 TRACKERS = ("tensorboard", "mlflow")
@@ -23,12 +24,6 @@ TRACKERS = ("tensorboard", "mlflow")
 
 QUANTIZE_TYPES = ("float16", "blockwise8", "float4", "normfloat4")
 """NVFlare's quantization formats a job's ``quantize`` may name (:mod:`cxrfl.fl.quantization`)."""
-
-CUSTOM_MODES = ("readme", "none")
-"""What a recipe's ``app/custom`` holds: ``readme`` (only a README: NVFlare counts the job as
-bring-your-own-code, so a simulator or a site without ``cxrfl.`` in its ``class_allow_list`` runs
-it; the code is the installed package) or ``none`` (no folder: for sites that pre-install cxrfl
-and allow ``cxrfl.``). ``cxrfl deploy job --mode byoc`` copies the package itself in."""
 
 ANALYTIC_SENDER = "analytic_sender"
 """Component id of the analytics writer on the server and on every site."""
@@ -61,7 +56,7 @@ class JobSettings(Config):
         quantize: None (off), or an NVFlare quantization format of :data:`QUANTIZE_TYPES` for what the
             server sends and the sites return, BatchNorm statistics and integer arrays kept exact
             (:mod:`cxrfl.fl.quantization`; needs ``pip install 'cxrfl[quantization]'``).
-        custom: what ``app/custom`` holds (:data:`CUSTOM_MODES`).
+        custom: how the job carries its code: ``readme`` or ``preinstalled`` (:data:`PACKAGING`).
         sites: the client sites by name. Named: the server's app (``config_fed_server.json``) goes to
             the server alone and each named site gets a client app; empty: one app to NVFlare's
             ``@ALL`` (the server and every site, so every site also receives the server's config).
@@ -80,10 +75,11 @@ class JobSettings(Config):
     tracking_uri: str | None = None
     privacy: dict[str, Any] | None = None
     quantize: str | None = field(default=None, metadata={"choices": QUANTIZE_TYPES})
-    custom: str = field(default="readme", metadata={"choices": CUSTOM_MODES})
+    custom: str = field(default="readme", metadata={"choices": PACKAGING[:2]})
     sites: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "custom", packaging(self.custom, "job.custom"))  # an old name: mapped, with a warning
         super().__post_init__()
         if len(set(self.sites)) != len(self.sites) or any(not s or s in ("server", ALL_SITES) for s in self.sites):
             self.fail(

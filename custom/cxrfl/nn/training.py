@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -69,19 +69,21 @@ class TrainConfig(Config):
 
 @dataclass
 class EpochStats:
-    """What one call of :func:`train_epochs` did.
+    """What one call of :func:`train_steps` (:func:`train_epochs`) did.
 
     Args:
         loss: mean training loss over all steps.
         steps: optimiser steps taken.
         images: images processed.
         seconds: wall time.
+        skipped: batches without a loss (no step).
     """
 
     loss: float
     steps: int
     images: int
     seconds: float
+    skipped: int = 0
 
     @property
     def images_per_second(self) -> float:
@@ -118,6 +120,61 @@ def _progress(iterable: Iterable, desc: str | None, total: int | None):
     return tqdm(iterable, desc=desc, total=total, leave=False, disable=desc is None or not sys.stderr.isatty())
 
 
+StepLoss = Callable[[Any], "torch.Tensor | None"]
+"""``step_loss(batch)``: one batch's loss, the forward pass included (None: skip the batch, no step)."""
+
+
+def train_steps(
+    loader: Batches,
+    optimizer: torch.optim.Optimizer,
+    compute: Compute,
+    step_loss: StepLoss,
+    *,
+    epochs: int = 1,
+    max_steps: int | None = None,
+    desc: str | None = None,
+    what: str = "training loss",
+) -> EpochStats:
+    """The one local training loop of every method: ``epochs`` passes over ``loader`` (at most ``max_steps``
+    batches each), one optimiser step per batch whose loss ``step_loss`` computes (masked BCE here,
+    SimSiam's and FedFew's stage-2 losses in :mod:`cxrfl.fedfew`).
+
+    Args:
+        loader: the batches (the first element of a batch: its images).
+        optimizer: the optimiser over the trainable parameters.
+        compute: device, precision and memory format (``step_loss`` runs its forward pass under its autocast).
+        step_loss: the loss hook.
+        epochs: number of passes over the loader.
+        max_steps: cap on batches per epoch.
+        desc: progress-bar label (None: no bar).
+        what: names the loss in the error of a non-finite one.
+
+    Raises:
+        FloatingPointError: a loss became NaN or infinite.
+    """
+    scaler = compute.scaler()
+    total_loss, steps, images, skipped = 0.0, 0, 0, 0
+    start = time.perf_counter()
+    for _ in range(epochs):
+        n = len(loader) if max_steps is None else min(len(loader), max_steps)
+        for i, batch in enumerate(_progress(loader, desc, n)):
+            if max_steps is not None and i >= max_steps:
+                break
+            optimizer.zero_grad(set_to_none=True)
+            loss = step_loss(batch)
+            if loss is None:
+                skipped += 1
+                continue
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"{what} became {loss.item()} at step {steps}")
+            backward_step(loss, optimizer, scaler)
+            total_loss += float(loss.detach())
+            steps += 1
+            images += int(batch[0].shape[0])
+    seconds = time.perf_counter() - start
+    return EpochStats(loss=total_loss / max(steps, 1), steps=steps, images=images, seconds=seconds, skipped=skipped)
+
+
 def train_epochs(
     model: nn.Module,
     loader: Batches,
@@ -131,7 +188,7 @@ def train_epochs(
     train_mode: bool = True,
     pos_weight: torch.Tensor | None = None,
 ) -> EpochStats:
-    """Run local epochs of masked-BCE training.
+    """Run local epochs of masked-BCE training (:func:`train_steps` with that loss).
 
     Args:
         model: the network (its forward returns logits [B, K]).
@@ -150,29 +207,18 @@ def train_epochs(
     compute = as_compute(compute)
     device = compute.device
     compute.prepare(model).train(train_mode)
-    scaler = compute.scaler()
-    total_loss, steps, images = 0.0, 0, 0
-    start = time.perf_counter()
     cw = class_weight.to(device) if class_weight is not None else None
     pw = pos_weight.to(device) if pos_weight is not None else None
-    for _ in range(epochs):
-        n = len(loader) if max_steps is None else min(len(loader), max_steps)
-        for i, (x, y, m) in enumerate(_progress(loader, desc, n)):
-            if max_steps is not None and i >= max_steps:
-                break
-            x = compute.inputs(x)
-            y, m = y.to(device, non_blocking=True), m.to(device, non_blocking=True)
-            optimizer.zero_grad(set_to_none=True)
-            with compute.autocast():
-                logits = model(x)
-            loss = masked_bce(logits.float(), y, m, class_weight=cw, pos_weight=pw)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"training loss became {loss.item()} at step {steps}")
-            backward_step(loss, optimizer, scaler)
-            total_loss += float(loss.detach())
-            steps += 1
-            images += int(x.shape[0])
-    return EpochStats(loss=total_loss / max(steps, 1), steps=steps, images=images, seconds=time.perf_counter() - start)
+
+    def bce(batch: Any) -> torch.Tensor:
+        x, y, m = batch
+        x = compute.inputs(x)
+        y, m = y.to(device, non_blocking=True), m.to(device, non_blocking=True)
+        with compute.autocast():
+            logits = model(x)
+        return masked_bce(logits.float(), y, m, class_weight=cw, pos_weight=pw)
+
+    return train_steps(loader, optimizer, compute, bce, epochs=epochs, max_steps=max_steps, desc=desc)
 
 
 @torch.no_grad()

@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from cxrfl.common.inprocess import RunResult
 from cxrfl.common.transport import Message, OnAnswer, Send, SiteHost, inprocess_transport
 from cxrfl.data.site import SiteData
 from cxrfl.nn.models import ModelConfig, build_model
@@ -31,23 +32,20 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class InProcessResult:
-    """A finished in-process run.
+class InProcessResult(RunResult[SurgicalOutcome]):
+    """A finished in-process run (:class:`cxrfl.common.inprocess.RunResult`: ``outcome``, what the server
+    returned: selected model, learning curve, evaluation; ``seconds``).
 
     Args:
-        outcome: what the server returned (selected model, learning curve, evaluation).
         site_states: local heads or FedBN: site -> its whole model (own head rows, own BatchNorm) at
             the selected round (None otherwise).
-        seconds: wall time.
         images_per_second: mean local training throughput over sites and rounds.
         comm: site -> bytes it received (``down``) and sent (``up``) in the last training round.
     """
 
-    outcome: SurgicalOutcome
-    site_states: dict[str, dict[str, torch.Tensor]] | None
-    seconds: float
-    images_per_second: float
-    comm: dict[str, dict[str, int]]
+    site_states: dict[str, dict[str, torch.Tensor]] | None = None
+    images_per_second: float = 0.0
+    comm: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def classes(self) -> list[str]:
@@ -152,20 +150,25 @@ def run_surgical(
     out_dir: str | Path,
     *,
     run_id: str = "run",
-    warmups: Warmups | None = None,
-    train_overrides: Mapping[str, Mapping[str, Any]] | None = None,
-    device: torch.device | None = None,
+    resume_from: str | None = None,
+    resume_root: str | Path | None = None,
     info: Callable[[str], None] = log.info,
     warning: Callable[[str], None] = log.warning,
     aborted: Callable[[], bool] = lambda: False,
+    warmups: Warmups | None = None,
+    train_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    device: torch.device | None = None,
 ) -> InProcessResult:
-    """Run the surgical-aggregation server over in-process sites.
+    """Run the surgical-aggregation server over in-process sites (the signature every method's runner
+    has: :mod:`cxrfl.common.inprocess`).
 
     Args:
         sites: the sites' data, or ready hosts by site name (e.g. wrapped by a test).
         config: the run's settings.
         out_dir: where the server writes (models, records); sites keep their state under ``out_dir/sites``.
-        run_id: this run's id (names its resume state under ``out_dir/cxrfl_resume``).
+        run_id: this run's id (names its resume state under ``resume_root``).
+        resume_from: an interrupted run's id (None: ``config.resume_from``).
+        resume_root: folder of resume states (default ``out_dir/cxrfl_resume``).
         warmups: warm-ups shared between runs.
         train_overrides: site -> train settings it replaces.
         device: torch device of the sites.
@@ -188,10 +191,11 @@ def run_surgical(
     send = _metered(inprocess_transport(hosts, warning=warning, info=info), comm, speeds)
     server = SurgicalServer(
         send,
-        config=config,
+        config=config if resume_from is None else config.replace(resume_from=resume_from),
         sites=list(hosts),
         out_dir=out_dir,
         run_id=run_id,
+        resume_root=resume_root,
         info=info,
         warning=warning,
         aborted=aborted,
@@ -204,7 +208,11 @@ def run_surgical(
         )
         site_states = {s: hosts[s].model_state(*messages[s]) for s in messages}
     return InProcessResult(
-        outcome, site_states, time.perf_counter() - start, float(np.mean(speeds)) if speeds else 0.0, comm
+        outcome=outcome,
+        seconds=time.perf_counter() - start,
+        site_states=site_states,
+        images_per_second=float(np.mean(speeds)) if speeds else 0.0,
+        comm=comm,
     )
 
 

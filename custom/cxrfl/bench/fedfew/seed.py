@@ -150,14 +150,14 @@ class SeedRun:
 
         outcome = run_fedfew(
             self.data.train,
-            config=self.config,
+            self.config,
+            out,
             model_config=self.model_config,
-            out_dir=out,
             device=torch.device(self.settings.device),
             info=lambda m: self.log("  " + m),
             warning=lambda m: self.log("  WARNING " + m),
             on_round=probe,
-        )
+        ).outcome
         if not evaluate:
             return {}
         result = eval_fedfew(outcome.final_path, self.data, self.settings)
@@ -182,15 +182,15 @@ class SeedRun:
             shutil.copy2(stages / STAGE_FILES[k], source / STAGE_FILES[k])
         outcome = run_fedfew(
             self.data.train,
-            config=self.config.replace(**changes),
+            self.config.replace(**changes),
+            out,
             model_config=self.model_config,
-            out_dir=out,
             device=torch.device(self.settings.device),
             resume_root=out,
             resume_from=source.name,
             info=lambda m: None,
             warning=lambda m: self.log("  WARNING " + m),
-        )
+        ).outcome
         result = eval_fedfew(outcome.final_path, self.data, self.settings)
         result.update(threshold_stats=outcome.threshold_stats, stage2=stage2_summary(out))
         return result
