@@ -39,12 +39,18 @@ pack() {
 (while sleep 30; do pack; done) &
 PACKER=$!
 start=$(date +%s)
-# setsid: the timeout ends the benchmark's worker processes with it
-timeout --kill-after=10 "$BENCH_TIMEOUT" setsid $PY -m cxrfl.cli bench fedfew --device "$DEVICE" --seeds "$SEEDS" \
+# its own session: the stop below ends the benchmark and its spawned worker processes together (a plain
+# `timeout` would end the parent alone, and `pkill -f` does not match the workers' command lines)
+setsid $PY -m cxrfl.cli bench fedfew --device "$DEVICE" --seeds "$SEEDS" \
   --jobs "$JOBS" --threads "$THREADS" --methods "$METHODS" --out "$WORK/out" --data-root "$WORK/data" $EXTRA \
-  > "$OUT/bench.log" 2>&1
+  > "$OUT/bench.log" 2>&1 &
+BENCH=$!
+(sleep "$BENCH_TIMEOUT"; kill -TERM -- "-$BENCH" 2>/dev/null; sleep 10; kill -KILL -- "-$BENCH" 2>/dev/null) &
+STOPPER=$!
+wait "$BENCH"
 echo "bench rc $? seconds $(( $(date +%s) - start ))" >> "$OUT/env.txt"
-pkill -f "cxrfl.cli bench fedfew" 2>/dev/null
+kill "$STOPPER" 2>/dev/null
+kill -KILL -- "-$BENCH" 2>/dev/null
 kill "$PACKER" 2>/dev/null
 [ -n "$SMI" ] && kill "$SMI" 2>/dev/null
 pack
