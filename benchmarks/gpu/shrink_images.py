@@ -15,9 +15,8 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
-
 from cxrfl.data.transforms import preprocess_transforms
+from PIL import Image
 
 
 def shrink(src: Path, dst: Path, size: int, bits: int) -> int:
