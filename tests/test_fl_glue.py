@@ -192,6 +192,7 @@ def test_every_surgical_job_builds_its_workflow_with_the_exported_settings(repo_
     import json
 
     from cxrfl.fl import controller
+    from cxrfl.fl.aggregator import AGGREGATION_POLICY
     from cxrfl.fl.surgical import SurgicalAggregation
     from cxrfl.jobs import JOBS, SURGICAL
 
@@ -202,8 +203,13 @@ def test_every_surgical_job_builds_its_workflow_with_the_exported_settings(repo_
         server = json.loads((repo_root / "jobs" / spec.name / "app" / "config" / "config_fed_server.json").read_text())
         args = server["workflows"][0]["args"]
         workflow = SurgicalAggregation(**args)
-        expected = {k: v for k, v in args.items() if k not in ("task_timeout", "analytic_sender_id")}
-        assert workflow.config.to_dict() == expected, spec.name
+        expected = {k: v for k, v in args.items() if k not in ("task_timeout", "analytic_sender_id", "aggregator_id")}
+        # the aggregation policy is the aggregator component's, declared there only (issue 43 point 7)
+        (component,) = [c for c in server["components"] if c["id"] == args["aggregator_id"]]
+        assert component["path"] == "cxrfl.fl.aggregator.SurgicalAggregator", spec.name
+        assert sorted(component["args"]) == sorted(AGGREGATION_POLICY) and not set(args) & set(AGGREGATION_POLICY)
+        config = workflow.config.to_dict()
+        assert {k: v for k, v in config.items() if k not in AGGREGATION_POLICY} == expected, spec.name
         assert workflow.task_timeout == args["task_timeout"]
 
 
@@ -287,7 +293,7 @@ def test_the_surgical_workflow_takes_exactly_the_config_settings_declared_once()
 
     params = inspect.signature(SurgicalAggregation).parameters
     fields = [f.name for f in dataclasses.fields(SurgicalConfig)]
-    assert list(params) == [*fields, "task_timeout", "analytic_sender_id"]
+    assert list(params) == [*fields, "task_timeout", "analytic_sender_id", "aggregator_id"]
     assert params["patience"].default == SurgicalConfig().patience and params["model_config"].default is None
     built = SurgicalAggregation(num_rounds=3, train_config={"lr": 0.01}, task_timeout=5)
     assert built.config == SurgicalConfig.from_dict({"num_rounds": 3, "train_config": {"lr": 0.01}})
@@ -295,3 +301,66 @@ def test_the_surgical_workflow_takes_exactly_the_config_settings_declared_once()
         ConfigError, match=r"unknown surgical setting\(s\) \['num_round'\] \(in the SurgicalAggregation"
     ):
         SurgicalAggregation(num_round=3)
+
+
+class _Components:
+    """The part of NVFlare's server engine a workflow asks for its components."""
+
+    def __init__(self, **components) -> None:
+        self.components = components
+
+    def get_component(self, name: str):
+        return self.components.get(name)
+
+
+def _surgical_server(workflow, tmp_path, **components):
+    workflow.engine = _Components(**components)
+    return workflow.make_server(
+        send=lambda *a, **kw: {}, sites=["a", "b"], out_dir=tmp_path, info=lambda _: None, warning=lambda _: None
+    )
+
+
+def test_the_surgical_workflow_aggregates_with_the_component_its_aggregator_id_names(tmp_path):
+    # issue 43 point 7: an operator sees the aggregation in config_fed_server.json and can swap it; the workflow's
+    # rounds run the round aggregator that component builds, with the component's policy
+    from conftest import TINY_MODEL
+    from cxrfl.fl.surgical import SurgicalAggregation
+
+    class Swapped(SurgicalAggregator):
+        def bind(self, **job):
+            core = super().bind(**job)
+            core.swapped = True
+            return core
+
+    component = Swapped(weighting="samples", robust="clip", clip_norm=2.0)
+    workflow = SurgicalAggregation(aggregator_id="agg", model_config=TINY_MODEL, batchnorm="fedbn")
+    server = _surgical_server(workflow, tmp_path, agg=component)
+    assert (server.config.weighting, server.config.robust, server.config.clip_norm) == ("samples", "clip", 2.0)
+    server._prepare()
+    agg = server.aggregator
+    assert agg is component.core and agg.swapped
+    assert (agg.weighting, agg.robust, agg.clip_norm, agg.batchnorm) == ("samples", "clip", 2.0, "fedbn")
+    assert set(agg.bn_keys) == server.bn_keys and agg.bn_keys and agg.head_mode == "surgical"
+
+
+def test_a_job_exported_before_the_aggregator_component_keeps_its_policy_in_the_workflow(tmp_path):
+    from conftest import TINY_MODEL
+    from cxrfl.fl.surgical import SurgicalAggregation
+    from cxrfl.surgical.round_aggregator import RoundAggregator
+
+    workflow = SurgicalAggregation(weighting="samples", robust="clip", clip_norm=2.0, model_config=TINY_MODEL)
+    server = _surgical_server(workflow, tmp_path)
+    server._prepare()
+    agg = server.aggregator
+    assert type(agg) is RoundAggregator and (agg.weighting, agg.robust, agg.clip_norm) == ("samples", "clip", 2.0)
+
+
+def test_an_aggregator_id_with_the_policy_twice_or_naming_no_aggregator_is_one_line(tmp_path):
+    from cxrfl.fl.surgical import SurgicalAggregation
+
+    with pytest.raises(ConfigError, match=r"robust, weighting set here and on the aggregator component 'agg'"):
+        SurgicalAggregation(aggregator_id="agg", weighting="samples", robust="clip")
+    with pytest.raises(ConfigError, match=r"'agg' of SurgicalAggregation names no component"):
+        _surgical_server(SurgicalAggregation(aggregator_id="agg"), tmp_path)
+    with pytest.raises(ConfigError, match=r"names a dict .* must name a cxrfl.fl.aggregator.SurgicalAggregator"):
+        _surgical_server(SurgicalAggregation(aggregator_id="agg"), tmp_path, agg={})

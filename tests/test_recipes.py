@@ -364,3 +364,17 @@ def test_one_packaging_vocabulary_from_recipe_to_deployment(tmp_path, caplog):
     preinstalled = SurgicalAggregationRecipe(name="p", custom="preinstalled")
     preinstalled.export(str(tmp_path / "recipe"))
     assert not any((a / "custom").exists() for a in app_dirs(tmp_path / "recipe" / "p"))
+
+
+def test_the_surgical_recipe_declares_the_aggregation_policy_on_the_aggregator_component_only(tmp_path):
+    # issue 43 point 7: the head stitching ran inside the workflow, invisible in the job; it is now the named
+    # component `aggregator` that the workflow looks up by aggregator_id, and weighting/robust/clip_norm are its
+    # arguments, not the workflow's as well
+    server = export(SurgicalAggregationRecipe(name="r", robust="clip", clip_norm=3.0), tmp_path)["server"]
+    args = server["workflows"][0]["args"]
+    (component,) = [c for c in server["components"] if c["id"] == args["aggregator_id"]]
+    assert component["path"] == "cxrfl.fl.aggregator.SurgicalAggregator"
+    assert component["args"] == {"weighting": "uniform", "robust": "clip", "clip_norm": 3.0}
+    assert not {"weighting", "robust", "clip_norm"} & set(args)
+    with pytest.raises(ConfigError, match="r aggregator"):  # checked when the job is made, as the workflow's are
+        SurgicalAggregationRecipe(name="r", robust="median", weighting="samples")

@@ -52,6 +52,7 @@ from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.protocol import SSL as FEDFEW_SSL
 from cxrfl.fedfew.protocol import TASKS as FEDFEW_TASKS
 from cxrfl.fedfew.protocol import TRAIN as FEDFEW_TRAIN
+from cxrfl.fl.aggregator import AGGREGATION_POLICY, SurgicalAggregator
 from cxrfl.fl.base import TaskController, TaskExecutor, write_every_arg
 from cxrfl.fl.cwt import CWTExecutor, CyclicWeightTransfer
 from cxrfl.fl.fedeval import FederatedEvaluation
@@ -71,6 +72,9 @@ CUSTOM_README = Path(__file__).with_name("job_custom") / "README.md"
 
 FED_EVENT = f"fed.{ANALYTIC_EVENT_TYPE}"
 
+AGGREGATOR_ID = "aggregator"
+"""The surgical job's aggregator component (NVFlare's own name for it in ``ScatterAndGather`` jobs)."""
+
 TRAIN_TASK = "train"
 """The training task of surgical aggregation and CWT (a recipe's :attr:`CxrflRecipe.update_tasks`)."""
 
@@ -88,7 +92,7 @@ def controller_args(
         given: the arguments set.
         sections: arguments that are settings sections (a ``Config``, its fields or None), written
             in full.
-        skip: deprecated arguments never written.
+        skip: arguments never written (deprecated ones, or those a job component declares instead).
 
     Raises:
         ConfigError: an argument the workflow does not take.
@@ -140,6 +144,8 @@ class CxrflRecipe(Recipe):
         args: its arguments (every one, as JSON values: :func:`controller_args`).
         result_filters: filters on every site's update results (:attr:`update_tasks`) before the privacy filter.
         server_config_files: files shipped in the server's app only (its ``config/`` folder).
+        server_components: component id -> (a component of the server's app that the workflow looks up by
+            that id, e.g. the surgical job's ``aggregator``; its arguments as JSON values, every one written).
     """
 
     executor: ClassVar[type[TaskExecutor]]
@@ -154,11 +160,14 @@ class CxrflRecipe(Recipe):
         args: dict[str, Any],
         result_filters: tuple[Any, ...] = (),
         server_config_files: tuple[Path, ...] = (),
+        server_components: Mapping[str, tuple[Any, dict[str, Any]]] | None = None,
     ) -> None:
         self.settings = job
         self.controller_args = args
         fed_job = FedJob(name=job.name, min_clients=job.min_clients, meta_props={"description": job.description})
         fed_job.set_app_packages(["cxrfl"])  # the code is the installed package, never copied piecemeal
+        for comp_id, (component, comp_args) in (server_components or {}).items():
+            fed_job.to_server(write_every_arg(component, comp_args), id=comp_id)
         fed_job.to_server(write_every_arg(controller(**args), args), id="controller")
         site = {
             "device": job.device,
@@ -269,7 +278,9 @@ class SurgicalAggregationRecipe(CxrflRecipe):
             entry, so none leaves a site (FedBN/FedBN+ only).
         settings: :class:`JobSettings` fields (device, tracking, privacy ...) and every other
             argument of :class:`cxrfl.fl.surgical.SurgicalAggregation` (patience, min_delta,
-            weighting, robust, selection, resume_from, task_timeout ...).
+            selection, resume_from, task_timeout ...). The aggregation policy (``weighting``,
+            ``robust``, ``clip_norm``) goes to the job's ``aggregator`` component
+            (:class:`cxrfl.fl.aggregator.SurgicalAggregator`), which the workflow looks up by id.
     """
 
     executor = SurgicalExecutor
@@ -291,7 +302,12 @@ class SurgicalAggregationRecipe(CxrflRecipe):
         **settings: Any,
     ) -> None:
         job, rest = JobSettings.split({"name": name, "min_clients": min_clients, **settings})
+        policy = SurgicalConfig.from_dict(
+            {k: rest.pop(k) for k in AGGREGATION_POLICY if k in rest}, where=f"{name} aggregator"
+        )
+        aggregator = {k: getattr(policy, k) for k in AGGREGATION_POLICY}
         given = {
+            "aggregator_id": AGGREGATOR_ID,
             "num_rounds": num_rounds,
             "min_clients": min_clients if min_results is None else min_results,
             "model_config": model_config,
@@ -306,6 +322,7 @@ class SurgicalAggregationRecipe(CxrflRecipe):
             SurgicalAggregation,
             given,
             {"model_config": ModelConfig, "train_config": TrainConfig, "pooled": PooledEvaluation},
+            skip=AGGREGATION_POLICY,
         )
         filters: tuple[Any, ...] = ()
         if exclude_batchnorm:
@@ -316,7 +333,8 @@ class SurgicalAggregationRecipe(CxrflRecipe):
                 )
             keys = batchnorm_state_keys(ModelConfig.from_dict(args["model_config"]))
             filters = (write_every_arg(ExcludeVars(exclude_vars=keys)),)
-        super().__init__(job, SurgicalAggregation, args, filters)
+        components = {AGGREGATOR_ID: (SurgicalAggregator(**aggregator), aggregator)}
+        super().__init__(job, SurgicalAggregation, args, filters, server_components=components)
 
 
 class CWTRecipe(CxrflRecipe):

@@ -20,6 +20,8 @@ import torch
 from cxrfl.common.server import ServerLoop
 from cxrfl.common.transport import SiteHost
 from cxrfl.data.site import SiteData
+from cxrfl.errors import ConfigError
+from cxrfl.fl.aggregator import AGGREGATION_POLICY, SurgicalAggregator
 from cxrfl.fl.base import Scalars, TaskController, TaskExecutor, mean_over_sites
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.host import SurgicalSiteHost
@@ -35,14 +37,34 @@ class SurgicalAggregation(TaskController):
             when NVFlare deems the site dead).
         analytic_sender_id: the server's analytics writer for the aggregated metrics
             (:meth:`record_scalars`; "": none).
+        aggregator_id: the job's aggregator component (a :class:`cxrfl.fl.aggregator.SurgicalAggregator`),
+            which then declares the aggregation policy (:data:`cxrfl.fl.aggregator.AGGREGATION_POLICY`);
+            "" (jobs exported before it existed): the policy is this workflow's own arguments.
         settings: every other argument is the :class:`cxrfl.surgical.config.SurgicalConfig` setting
             of the same name (meaning, default and checks there; ``model_config``, ``train_config`` and
             ``pooled`` as dicts of their fields); an unknown one stops the job with one line naming it.
+
+    Raises:
+        ConfigError: a bad setting, or a policy setting given here as well as on the aggregator component.
     """
 
-    def __init__(self, *, task_timeout: int = 0, analytic_sender_id: str = "analytic_sender", **settings: Any) -> None:
+    def __init__(
+        self,
+        *,
+        task_timeout: int = 0,
+        analytic_sender_id: str = "analytic_sender",
+        aggregator_id: str = "",
+        **settings: Any,
+    ) -> None:
         super().__init__(task_timeout=task_timeout, analytic_sender_id=analytic_sender_id)
         where = "the SurgicalAggregation arguments of the job's server config"
+        twice = sorted(set(settings) & set(AGGREGATION_POLICY))
+        if aggregator_id and twice:
+            raise ConfigError(
+                f"{where}: {', '.join(twice)} set here and on the aggregator component {aggregator_id!r}; "
+                "set them on the component only (it is the aggregation the job runs)"
+            )
+        self.aggregator_id = aggregator_id
         self.config = SurgicalConfig.from_dict(settings, where=where)
 
     # the settings are SurgicalConfig's, declared there once; this is what the job exporter and readers see
@@ -51,6 +73,7 @@ class SurgicalAggregation(TaskController):
         inspect.Parameter(
             "analytic_sender_id", inspect.Parameter.KEYWORD_ONLY, default="analytic_sender", annotation="str"
         ),
+        inspect.Parameter("aggregator_id", inspect.Parameter.KEYWORD_ONLY, default="", annotation="str"),
     )
 
     @property
@@ -59,7 +82,20 @@ class SurgicalAggregation(TaskController):
         return self.config.head_mode == "union"
 
     def make_server(self, **common: Any) -> ServerLoop:
-        return SurgicalServer(config=self.config, **common)
+        """The surgical server loop; with ``aggregator_id``, of the component's policy and round aggregator."""
+        if not self.aggregator_id:
+            return SurgicalServer(config=self.config, **common)
+        component = self.engine.get_component(self.aggregator_id)
+        if not isinstance(component, SurgicalAggregator):
+            raise ConfigError(
+                f"aggregator_id {self.aggregator_id!r} of SurgicalAggregation names "
+                f"{'no component' if component is None else 'a ' + type(component).__name__} in the job's "
+                "server config; it must name a cxrfl.fl.aggregator.SurgicalAggregator (or a subclass)"
+            )
+        where = f"the aggregator component {self.aggregator_id!r} of the job's server config"
+        # the run's record and checks see the policy the component declares
+        config = SurgicalConfig.from_dict({**self.config.to_dict(), **component.policy()}, where=where)
+        return SurgicalServer(config=config, aggregator_factory=component.bind, **common)
 
     def record_scalars(self, name: str, record: Mapping[str, Any]) -> Scalars | None:
         """Per warm-up or round: the sites' mean training and validation loss, mean AUROC and, per

@@ -52,7 +52,7 @@ the new best (``best_FL_global_model.pt``); the resume state and the round's che
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,13 +109,25 @@ class SurgicalServer(ServerLoop):
     Args:
         send: the transport.
         config: the run's settings (``resume_from`` among them).
+        aggregator_factory: builds the run's round aggregator from what the job decides (``batchnorm``,
+            ``bn_keys``, ``head_mode``, ``max_num_samples``, ``warning``) with a policy of its own (a job's
+            aggregator component: :meth:`cxrfl.fl.aggregator.SurgicalAggregator.bind`); None: a
+            :class:`RoundAggregator` of the config's ``weighting``, ``robust`` and ``clip_norm``.
         kwargs: :class:`cxrfl.common.server.ServerLoop` arguments (sites, out_dir, run_id,
             resume_root, info, warning, aborted).
     """
 
-    def __init__(self, send: Send, *, config: SurgicalConfig, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        send: Send,
+        *,
+        config: SurgicalConfig,
+        aggregator_factory: Callable[..., RoundAggregator] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(send, resume_from=config.resume_from, **kwargs)
         self.config = config
+        self.aggregator_factory = aggregator_factory
         self.clock = RetryClock(config.min_clients_timeout, config.retry_pause)
         self.state: RunState | None = None
         self.init_params: dict[str, np.ndarray] = {}
@@ -174,16 +186,19 @@ class SurgicalServer(ServerLoop):
         self.init_params = {k: v for k, v in to_numpy(init.state_dict()).items() if not k.startswith(HEAD_PREFIX)}
         local_bn = cfg.batchnorm != "fedavg"
         self.expected = {k: tuple(v.shape) for k, v in self.init_params.items() if not (local_bn and k in self.bn_keys)}
-        self.aggregator = RoundAggregator(
-            weighting=cfg.weighting,
-            batchnorm=cfg.batchnorm,
-            bn_keys=sorted(self.bn_keys),
-            robust=cfg.robust,
-            clip_norm=cfg.clip_norm,
-            head_mode=cfg.head_mode,
-            max_num_samples=cfg.max_num_samples,
-            warning=self.warning,
-        )
+        job = {
+            "batchnorm": cfg.batchnorm,
+            "bn_keys": sorted(self.bn_keys),
+            "head_mode": cfg.head_mode,
+            "max_num_samples": cfg.max_num_samples,
+            "warning": self.warning,
+        }
+        if self.aggregator_factory is not None:  # a job's aggregator component, which holds the policy
+            self.aggregator = self.aggregator_factory(**job)
+        else:
+            self.aggregator = RoundAggregator(
+                weighting=cfg.weighting, robust=cfg.robust, clip_norm=cfg.clip_norm, **job
+            )
 
     # ---------------------------------------------------------- warm-up
     def _warmup(self) -> RunState:
