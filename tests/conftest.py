@@ -215,3 +215,12 @@ def surgical_sim(tmp_path_factory, two_hospitals) -> dict[str, Any]:
     cmd = [nvflare_bin(), "simulator", str(job), "-w", str(tmp / "ws"), "-c", ",".join(TWO), "-t", str(len(TWO))]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     return {**_ran(tmp / "ws", f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"), "job": job}
+
+
+def fedfew_fedavg(server, results, expected, needed, *, reference, task):
+    """A FedFew round's FedAvg of answers already collected, streamed as a round streams them
+    (``FederatedRounds.round_stream``, ``take`` in site order, ``finish``): (aggregate or None, rejected, used)."""
+    stream = server.round_stream(expected, reference=reference, task=task)
+    for site, answer in sorted(results.items()):
+        server.take(stream, site, answer)
+    return server.finish(stream, needed)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import fedfew_fedavg
 from cxrfl.core.fedavg import fedavg
 from cxrfl.core.streaming import StreamingFedAvg
 from cxrfl.core.updates import SampleCounts, validate_update
@@ -126,12 +127,12 @@ def test_fedfew_fedavg_is_the_hand_computed_mean_over_every_key(tmp_path):
     server = fedfew_server(tmp_path)
     expected = {k: v.shape for k, v in stage2(0.0).items()}
     results = {"a": (stage2(1.0), {"num_samples": 1}), "b": (stage2(3.0), {"num_samples": 3})}
-    agg, rejected, used = server.fedavg(results, expected, 2, reference=stage2(0.0), task="stage2")
+    agg, rejected, used = fedfew_fedavg(server, results, expected, 2, reference=stage2(0.0), task="stage2")
     assert rejected == {} and used == ["a", "b"]
     for k, v in agg.items():  # weighted by images: (1 * 1 + 3 * 3) / 4 = 2.5, the head like the rest
         np.testing.assert_array_equal(v, np.full(expected[k], 2.5, np.float32), err_msg=k)
     results["c"] = (stage2(9.0), {"num_samples": 1})
-    agg, rejected, used = server.fedavg(results, expected, 4, reference=stage2(0.0), task="stage2")
+    agg, rejected, used = fedfew_fedavg(server, results, expected, 4, reference=stage2(0.0), task="stage2")
     assert agg is None and used == ["a", "b", "c"]  # fewer than needed: no average
 
 
@@ -141,7 +142,7 @@ def test_fedfew_clip_bounds_one_norm_over_the_whole_update(tmp_path):
     server = fedfew_server(tmp_path, robust="clip", clip_norm=1.0)
     expected = {k: v.shape for k, v in stage2(0.0).items()}
     results = {"a": (stage2(0.0), {"num_samples": 1}), "b": (stage2(1.0), {"num_samples": 1})}
-    agg, _, _ = server.fedavg(results, expected, 1, reference=stage2(0.0), task="stage2")
+    agg, _, _ = fedfew_fedavg(server, results, expected, 1, reference=stage2(0.0), task="stage2")
     norm_b = np.sqrt(3 + 6 + 2)  # b's update: 11 ones
     for k, v in agg.items():  # b clipped to norm 1 as a whole, averaged with a's zero update
         np.testing.assert_allclose(v, np.full(expected[k], 0.5 / norm_b), rtol=1e-6, err_msg=k)

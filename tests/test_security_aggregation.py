@@ -11,6 +11,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from conftest import fedfew_fedavg
 from cxrfl.common.io import read_records
 from cxrfl.cwt.config import CWTConfig
 from cxrfl.cwt.relay import Visit
@@ -330,7 +331,7 @@ def test_fedfew_rejects_a_complex_or_nan_update(tmp_path, bad):
         "b": ({"w": np.full(2, 1.5, np.float32)}, {"num_samples": 10}),
         "c": ({"w": bad}, {"num_samples": 10}),
     }
-    agg, rejected, used = server.fedavg(results, {"w": (2,)}, 1, reference=ref, task="ssl")
+    agg, rejected, used = fedfew_fedavg(server, results, {"w": (2,)}, 1, reference=ref, task="ssl")
     assert list(rejected) == ["c"] and used == ["a", "b"]
     torch.testing.assert_close(torch.as_tensor(agg["w"]), torch.ones(2), rtol=0, atol=0)
 
@@ -344,7 +345,7 @@ def test_fedfew_clip_and_count_cap(tmp_path):
         "b": ({"w": np.full(2, 1e6, np.float32)}, {"num_samples": 10}),
         "c": ({"w": np.full(2, 1e6, np.float32)}, {"num_samples": 10**12}),
     }
-    agg, rejected, used = server.fedavg(results, {"w": (2,)}, 1, reference=ref, task="ssl")
+    agg, rejected, used = fedfew_fedavg(server, results, {"w": (2,)}, 1, reference=ref, task="ssl")
     assert list(rejected) == ["c"] and "num_samples" in rejected["c"]
     assert np.linalg.norm(agg["w"]) <= 0.5 + 1e-6  # b's delta clipped to norm 1, averaged with a's 0
 

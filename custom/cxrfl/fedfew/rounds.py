@@ -198,32 +198,6 @@ class FederatedRounds(ServerLoop):
         self.progress_settings: dict[str, Any] = {}
 
     # ----------------------------------------------------------------- FedAvg
-    def fedavg(
-        self,
-        results: dict[str, Message],
-        expected: Mapping[str, tuple],
-        needed: int,
-        *,
-        reference: Mapping[str, np.ndarray],
-        task: str,
-    ) -> tuple[dict[str, np.ndarray] | None, dict[str, str], list[str]]:
-        """FedAvg of results already collected (a round streams them instead: :meth:`round_stream`).
-
-        Args:
-            results: site -> its answer.
-            expected: name -> shape of the weights.
-            needed: fewest valid results.
-            reference: the weights the round started from (dtypes; what ``robust`` clips from).
-            task: the round's task (image counts are checked per task).
-
-        Returns:
-            see :meth:`finish`.
-        """
-        stream = self.round_stream(expected, reference=reference, task=task)
-        for site, answer in sorted(results.items()):
-            self.take(stream, site, answer)
-        return self.finish(stream, needed)
-
     def round_stream(
         self, expected: Mapping[str, tuple], *, reference: Mapping[str, np.ndarray], task: str
     ) -> StreamingFedAvg:
