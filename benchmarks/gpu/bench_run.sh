@@ -19,6 +19,11 @@ gpu_setup() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
     $PY -c "import torch, monai; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-', 'capability', torch.backends.cpu.get_cpu_capability(), 'monai', monai.__version__)"
   } > "$OUT/env.txt" 2>&1
+  # MPS=1: NVIDIA's multi-process service, so the runs side by side share the GPU at once instead of taking
+  # turns (without it, 10 DenseNet121 runs at 64 px kept an H200 80-88 % busy at about 250 images/s each)
+  if [ -n "${MPS:-}" ] && command -v nvidia-cuda-mps-control >/dev/null; then
+    nvidia-cuda-mps-control -d && echo "MPS started" >> "$OUT/env.txt"
+  fi
   SMI=
   if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -l 2 > "$OUT/gpu.csv" &
