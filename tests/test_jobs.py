@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from cxrfl.data.labels import KNOWN_CLASSES
+from cxrfl.fl.aggregator import AGGREGATION_POLICY
 from cxrfl.jobs import JOBS, app_dirs, export_all, job_spec
 
 
@@ -67,8 +68,17 @@ def test_every_workflow_and_executor_argument_is_written(repo_root):
         client = json.loads((apps[-1] / "config" / "config_fed_client.json").read_text())
         for entry in (server["workflows"][0], client["executors"][0]["executor"]):
             cls = _class(entry["path"])
-            params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "resume")]
+            # a surgical job's aggregation policy is its aggregator component's, written there (issue 43 point 7)
+            declared_elsewhere = AGGREGATION_POLICY if entry["args"].get("aggregator_id") else ()
+            params = [
+                p
+                for p in inspect.signature(cls.__init__).parameters
+                if p not in ("self", "resume", *declared_elsewhere)
+            ]
             assert list(entry["args"]) == params, (spec.name, entry["path"])
+        for component in server["components"]:
+            if component["path"] == "cxrfl.fl.aggregator.SurgicalAggregator":  # batchnorm and bn_keys: the job's
+                assert list(component["args"]) == list(AGGREGATION_POLICY), spec.name
         assert client["executors"][0]["tasks"] == list(spec.tasks)
 
 
@@ -97,11 +107,10 @@ def test_gpu_job_states_its_gpu_need_and_trains_from_scratch_at_a_from_scratch_r
     )
     args = server["workflows"][0]["args"]
     assert args["model_config"]["image_size"] == 224 and args["model_config"]["pretrained"] is None
-    from cxrfl.surgical.config import FROM_SCRATCH_LR, SurgicalConfig
+    from cxrfl.fl.surgical import SurgicalAggregation
+    from cxrfl.surgical.config import FROM_SCRATCH_LR
 
-    config = SurgicalConfig.from_dict(
-        {k: v for k, v in args.items() if k not in ("task_timeout", "analytic_sender_id")}
-    )
+    config = SurgicalAggregation(**args).config
     assert config.train_config.lr == FROM_SCRATCH_LR and config.rate_warning() is None
 
 

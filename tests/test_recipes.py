@@ -107,7 +107,7 @@ def _components(part: dict) -> dict[str, dict]:
 
 def test_tracking_is_switched_in_the_recipe(tmp_path):
     off = export(SurgicalAggregationRecipe(name="off", tracking=()), tmp_path / "off")
-    assert _components(off["server"]) == {} and _components(off["client"]) == {}
+    assert set(_components(off["server"])) == {"aggregator"} and _components(off["client"]) == {}  # no tracking
     assert off["server"]["workflows"][0]["args"]["analytic_sender_id"] == ""
     assert off["client"]["executors"][0]["executor"]["args"]["analytic_sender_id"] == ""
 
@@ -378,3 +378,11 @@ def test_the_surgical_recipe_declares_the_aggregation_policy_on_the_aggregator_c
     assert not {"weighting", "robust", "clip_norm"} & set(args)
     with pytest.raises(ConfigError, match="r aggregator"):  # checked when the job is made, as the workflow's are
         SurgicalAggregationRecipe(name="r", robust="median", weighting="samples")
+    # a deployment's override of the policy reaches the component, as every other setting reaches the workflow
+    from cxrfl.deploy.jobs import build_job
+
+    job = build_job("surgical_agg", tmp_path / "deploy", overrides={"robust": "clip", "clip_norm": 2.0})
+    server = json.loads((app_dirs(job)[0] / "config" / "config_fed_server.json").read_text())
+    (component,) = [c for c in server["components"] if c["id"] == "aggregator"]
+    assert component["args"] == {"weighting": "uniform", "robust": "clip", "clip_norm": 2.0}
+    assert not {"weighting", "robust", "clip_norm"} & set(server["workflows"][0]["args"])

@@ -35,7 +35,8 @@ def build_job(
         mode: ``preinstalled`` (no ``app/custom``), ``byoc`` (package in ``app/custom``) or
             ``readme`` (as committed under ``jobs/``).
         overrides: workflow arguments to change, dotted for nested ones
-            (``{"num_rounds": 2, "train_config.batch_size": 16}``); any argument the job writes.
+            (``{"num_rounds": 2, "train_config.batch_size": 16}``); any argument the job writes (a
+            surgical job's ``weighting``, ``robust`` and ``clip_norm`` go to its aggregator component).
         privacy: ``{"method": "percentile" | "svt", "args": {...}}`` (see :class:`cxrfl.jobs.JobSpec`).
         exclude_batchnorm: add the ExcludeVars filter of every BatchNorm entry (FedBN/FedBN+).
         quantize: an NVFlare quantization format for what the server sends and the sites return
@@ -54,7 +55,7 @@ def build_job(
     if mode not in PACKAGING:
         raise DeployError(f"mode must be one of {list(PACKAGING)}, got {mode!r}")
     spec = specs[name]
-    args = {k: v for k, v in copy.deepcopy(spec.recipe().controller_args).items() if k != "analytic_sender_id"}
+    args = {k: v for k, v in copy.deepcopy(spec.recipe().job_arguments).items() if k != "analytic_sender_id"}
     for key, value in (overrides or {}).items():
         _set(args, key, value, name)
     # meta.json's min_clients (sites needed to schedule the job) follows an explicit min_clients override

@@ -164,6 +164,7 @@ class CxrflRecipe(Recipe):
     ) -> None:
         self.settings = job
         self.controller_args = args
+        self.component_args = {k: v for _, written in (server_components or {}).values() for k, v in written.items()}
         fed_job = FedJob(name=job.name, min_clients=job.min_clients, meta_props={"description": job.description})
         fed_job.set_app_packages(["cxrfl"])  # the code is the installed package, never copied piecemeal
         for comp_id, (component, comp_args) in (server_components or {}).items():
@@ -186,6 +187,13 @@ class CxrflRecipe(Recipe):
         super().__init__(fed_job)
         if job.resource_spec:  # NVFlare refuses an empty one here; the exporter then writes {}
             set_recipe_meta(self, JobMetaKey.RESOURCE_SPEC, job.resource_spec)
+
+    @property
+    def job_arguments(self) -> dict[str, Any]:
+        """Every setting the job writes, by the name the recipe takes it: the workflow's arguments and those of
+        the server components it looks up (the surgical job's aggregation policy), component ids left out."""
+        ids = {"aggregator_id"} if self.component_args else set()
+        return {**{k: v for k, v in self.controller_args.items() if k not in ids}, **self.component_args}
 
     @staticmethod
     def _add_tracking(fed_job: FedJob, job: JobSettings) -> None:
