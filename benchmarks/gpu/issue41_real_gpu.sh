@@ -26,6 +26,10 @@ if [ ! -e ../shared/data ] && [ -d "$DATA/data" ]; then
 fi
 . "$(dirname "$0")/bench_run.sh"
 gpu_setup
+# go on from the committed run store (a fresh GPU machine starts bare): only the runs not stored yet train
+if [ ! -d "$WORK/out/runs" ] && [ -d benchmarks/results/compare/real/runs ]; then
+  mkdir -p "$WORK/out" && cp -r benchmarks/results/compare/real/runs "$WORK/out/runs"
+fi
 ls -la ../shared/ >> "$OUT/env.txt" 2>&1
 gpu_bench real "$BENCH_TIMEOUT" $PY -m cxrfl.cli bench compare --profile real \
   --site-config site_configs/nih1000.yaml --site-config site_configs/real/kermany_pediatric.yaml \
