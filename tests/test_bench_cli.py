@@ -67,11 +67,11 @@ def test_bench_fedfew_options_reach_the_benchmark(tmp_path, fedfew_calls):
 
 
 def test_compare_method_fedfew_runs_the_fedfew_benchmark(tmp_path, fedfew_calls):
-    from cxrfl.bench.fedfew import BenchSettings
+    from cxrfl.bench.fedfew import FedFewBenchSettings
 
     for extra in ([], ["--profile", "fedfew"]):
         assert run(["bench", "compare", "--method", "fedfew", *extra, "--out", str(tmp_path), "--seeds", "2"]) == 0
-    assert [(c["out"], c["seeds"], c["settings"]) for c in fedfew_calls] == [(tmp_path, 2, BenchSettings())] * 2
+    assert [(c["out"], c["seeds"], c["settings"]) for c in fedfew_calls] == [(tmp_path, 2, FedFewBenchSettings())] * 2
     with pytest.raises(ConfigError, match="fedfew profile only"):
         run(["bench", "compare", "--method", "fedfew", "--profile", "two-hospitals", "--out", str(tmp_path)])
     with pytest.raises(ConfigError, match="--method must be 'cwt' or 'fedfew'"):
@@ -97,7 +97,7 @@ class FakeCWTSettings:
 def test_bench_cwt_and_compare_method_cwt_reach_the_cwt_benchmark(tmp_path, monkeypatch, capsys):
     calls = []
     fake = type(sys)("cxrfl.bench.cwt")
-    fake.BenchSettings = FakeCWTSettings
+    fake.CWTBenchSettings = FakeCWTSettings
     fake.run_cwt_benchmark = lambda out, seeds, **kw: calls.append({"out": out, "seeds": seeds, **kw})
     monkeypatch.setitem(sys.modules, "cxrfl.bench.cwt", fake)
     assert run(["bench", "cwt", "--out", str(tmp_path), "--seeds", "2", "--splits", "1,10", "--cycles", "5"]) == 0

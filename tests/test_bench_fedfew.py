@@ -16,7 +16,7 @@ from cxrfl.bench.fedfew import format_markdown
 from cxrfl.bench.fedfew import run as bench_run
 from cxrfl.bench.fedfew.methods import mean_uc_f1
 from cxrfl.bench.fedfew.seed import SeedRun, stage2_summary
-from cxrfl.bench.fedfew.settings import BenchSettings
+from cxrfl.bench.fedfew.settings import FedFewBenchSettings
 from cxrfl.bench.protocol import code_version
 from cxrfl.common.server import RECORDS_DIR
 from cxrfl.errors import ConfigError
@@ -116,7 +116,7 @@ def fake_methods(monkeypatch):
     return FakeSeedRun
 
 
-SETTINGS = BenchSettings(methods=("mlc", "fedfew", "fedfew-scorer"), jobs=1)
+SETTINGS = FedFewBenchSettings(methods=("mlc", "fedfew", "fedfew-scorer"), jobs=1)
 
 
 def _cauchy_p(t: float) -> float:
@@ -222,7 +222,7 @@ def test_results_name_the_code_and_machine_that_ran_and_results_written_before_s
 def test_other_settings_are_refused_or_start_over(tmp_path, fake_methods):
     out = tmp_path / "out"
     bench_run.run_fedfew_benchmark(out, 1, settings=SETTINGS, data_root=tmp_path / "data", log=lambda m: None)
-    other = BenchSettings(methods=("mlc", "fedfew"), jobs=1, mlc_rounds=1)
+    other = FedFewBenchSettings(methods=("mlc", "fedfew"), jobs=1, mlc_rounds=1)
     with pytest.raises(ConfigError, match="holds runs of other settings.*--no-resume"):
         bench_run.run_fedfew_benchmark(out, 1, settings=other, data_root=tmp_path / "data", log=lambda m: None)
     fake_methods.calls = []
@@ -240,7 +240,7 @@ def test_a_variant_added_to_a_finished_benchmark_runs_alone_and_joins_its_report
     marker = out / "runs" / "settings.json"
     marker.write_text(json.dumps(SETTINGS.to_dict()))
     fake_methods.calls = []
-    more = BenchSettings(methods=("fedfew-lambda1",), jobs=1)  # the stored methods are not named again
+    more = FedFewBenchSettings(methods=("fedfew-lambda1",), jobs=1)  # the stored methods are not named again
     result = bench_run.run_fedfew_benchmark(out, 2, settings=more, data_root=tmp_path / "data", log=lambda m: None)
     assert fake_methods.calls == [("fedfew-lambda1", 0), ("fedfew-lambda1", 1)]
     assert set(result["runs"]) == {"fedfew", "mlc", "fedfew-scorer", "fedfew-lambda1"} and result["complete"]
@@ -267,16 +267,16 @@ def test_the_work_folder_is_kept_for_other_methods_and_emptied_for_other_setting
 
     SeedRun(SETTINGS, 0, None, tmp_path, lambda m: None)
     (tmp_path / "seed0" / "stage.pt").write_bytes(b"x")
-    assert kept(BenchSettings(methods=("fedfew", "fedfew-neg-in"), jobs=2))
+    assert kept(FedFewBenchSettings(methods=("fedfew", "fedfew-neg-in"), jobs=2))
     (tmp_path / "seed0" / "settings.json").write_text(json.dumps(SETTINGS.to_dict(), sort_keys=True))  # an older marker
     assert kept(SETTINGS)
     stored = SETTINGS.to_dict()  # written before the ``uc_negatives`` option (default "none": the old behaviour)
     del stored["fedfew"]["uc_negatives"], stored["mlc_patience"], stored["arch"]  # and arch (DenseNet121)
     (tmp_path / "seed0" / "settings.json").write_text(json.dumps(stored))
     assert kept(SETTINGS)
-    assert not kept(BenchSettings(fedfew={**SETTINGS.fedfew, "uc_negatives": "in"}))
+    assert not kept(FedFewBenchSettings(fedfew={**SETTINGS.fedfew, "uc_negatives": "in"}))
     assert not kept(replace(SETTINGS, arch="densenet-tiny"))
-    assert not kept(BenchSettings(methods=("mlc", "fedfew"), jobs=1, mlc_rounds=1))
+    assert not kept(FedFewBenchSettings(methods=("mlc", "fedfew"), jobs=1, mlc_rounds=1))
 
 
 def test_stage2_summary_reads_the_sites_training_energies_per_round(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from cxrfl.bench.fedfew import methods
 from cxrfl.bench.fedfew.methods import MLC_CLASSES, _mlc_round
-from cxrfl.bench.fedfew.settings import BenchSettings
+from cxrfl.bench.fedfew.settings import FedFewBenchSettings
 from cxrfl.common.io import to_numpy
 from cxrfl.nn.models import HEAD_PREFIX, build_model
 from PIL import Image
@@ -45,7 +45,7 @@ def _round(sites, mode, monkeypatch):
         return real(updates, **kwargs)
 
     monkeypatch.setattr(methods, "surgical_aggregate", spy)
-    settings = BenchSettings(arch="densenet-tiny", image_size=32, data_image_size=32, mlc_batch_size=4)
+    settings = FedFewBenchSettings(arch="densenet-tiny", image_size=32, data_image_size=32, mlc_batch_size=4)
     torch.manual_seed(0)
     model = build_model(settings.model_config(), len(MLC_CLASSES))
     state = to_numpy(model.state_dict())
@@ -81,4 +81,4 @@ def test_fedavg_mode_dilutes_a_uc_row_with_the_sites_that_do_not_label_it(sites,
 
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="mode must be one of"):
-        methods.train_mlc(None, BenchSettings(arch="densenet-tiny"), 0, None, print, mode="median")  # type: ignore[arg-type]
+        methods.train_mlc(None, FedFewBenchSettings(arch="densenet-tiny"), 0, None, print, mode="median")  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ import cxrfl.bench.cwt as bench
 import numpy as np
 import pandas as pd
 import pytest
-from cxrfl.bench.cwt import BenchSettings, run_cwt_benchmark
+from cxrfl.bench.cwt import CWTBenchSettings, run_cwt_benchmark
 from cxrfl.bench.cwt_data import TABLE_1, TABLE_3, partition, prepare_data, scale_split
 from cxrfl.bench.cwt_report import CENTRAL, provenance, results_table, stopping, stopping_line, summarise
 from cxrfl.bench.protocol import code_version
@@ -56,7 +56,7 @@ def test_partition_meets_the_quotas_with_whole_patients():
 
 
 def test_real_nih_splits_use_every_usable_image_by_patient_and_exactly(shared_data, repo_root):
-    settings = BenchSettings()
+    settings = CWTBenchSettings()
     data = prepare_data(**settings.data_args("nih1000"), site_config=repo_root / "site_configs" / "nih1000.yaml")
     pt = {name: set(df["patient"]) for name, df in (("test", data.test), ("val", data.val), ("train", data.train))}
     assert not (pt["test"] & pt["val"]) and not (pt["test"] & pt["train"]) and not (pt["val"] & pt["train"])
@@ -177,7 +177,7 @@ def test_the_report_names_every_run_that_reached_the_cycle_cap_still_improving()
 
 
 def test_kept_runs_are_reused_under_a_higher_cycle_cap_only_where_early_stopping_ended_them(tmp_path):
-    key = BenchSettings(cycles=80).run_key("nih1000", 530)
+    key = CWTBenchSettings(cycles=80).run_key("nih1000", 530)
     old = {**key, "cycles": 40}
 
     def keep(name, settings, stopped_early, cycles_run):
@@ -220,7 +220,7 @@ def test_a_tiny_benchmark_writes_its_outputs_and_goes_on_from_the_kept_runs(
         return real(sites, config, out_dir, model_config=model_config, **kw)
 
     monkeypatch.setattr(bench, "run_cwt", counting)
-    settings = BenchSettings(
+    settings = CWTBenchSettings(
         image_size=32,
         arch="densenet-tiny",  # the network is not the subject: the protocol, outputs and resuming are
         per_class=24,

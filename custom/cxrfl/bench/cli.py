@@ -30,7 +30,7 @@ def _methods(text: str | None) -> list[str] | None:
 
 
 def _cmd_cwt(args: argparse.Namespace) -> int:
-    from cxrfl.bench.cwt import BenchSettings, run_cwt_benchmark
+    from cxrfl.bench.cwt import CWTBenchSettings, run_cwt_benchmark
 
     given = {
         "seeds": args.seeds,
@@ -48,7 +48,7 @@ def _cmd_cwt(args: argparse.Namespace) -> int:
         "synthetic_splits": tuple(int(x) for x in args.synthetic_splits.split(",")) if args.synthetic_splits else None,
     }
     try:
-        settings = BenchSettings(**{k: v for k, v in given.items() if v is not None})
+        settings = CWTBenchSettings(**{k: v for k, v in given.items() if v is not None})
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     run_cwt_benchmark(
@@ -58,9 +58,9 @@ def _cmd_cwt(args: argparse.Namespace) -> int:
 
 
 def _cmd_fedfew(args: argparse.Namespace) -> int:
-    from cxrfl.bench.fedfew import QUICK, BenchSettings, run_fedfew_benchmark
+    from cxrfl.bench.fedfew import QUICK, FedFewBenchSettings, run_fedfew_benchmark
 
-    base = QUICK if args.quick else BenchSettings()
+    base = QUICK if args.quick else FedFewBenchSettings()
     fedfew = dict(base.fedfew)
     for key in ("rounds", "ssl_rounds", "warmup_rounds", "patience"):
         if getattr(args, key) is not None:

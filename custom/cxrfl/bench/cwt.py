@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from cxrfl.bench.arch import check_arch, with_arch
-from cxrfl.bench.cwt_data import DEFAULT_SITE_CONFIG, REPO, BenchData, prepare_data, synthetic_site_config
+from cxrfl.bench.cwt_data import DEFAULT_SITE_CONFIG, REPO, CWTBenchData, prepare_data, synthetic_site_config
 from cxrfl.bench.cwt_report import (
     CENTRAL,
     DATASET_TITLES,
@@ -75,7 +75,7 @@ DATASETS = ("nih1000", "synthetic")
 
 
 @dataclass(frozen=True)
-class BenchSettings:
+class CWTBenchSettings:
     """What the benchmark trains.
 
     Args:
@@ -269,7 +269,7 @@ def load_runs(folder: Path, key: dict[str, Any]) -> dict[tuple[int, int, str], d
 
     Args:
         folder: the dataset's ``runs`` folder.
-        key: :meth:`BenchSettings.run_key` of this benchmark.
+        key: :meth:`CWTBenchSettings.run_key` of this benchmark.
     """
     done, cap = {}, key["cycles"]
     for path in sorted(folder.glob("*.json")):
@@ -289,9 +289,9 @@ class _Runner:
 
     def __init__(
         self,
-        settings: BenchSettings,
+        settings: CWTBenchSettings,
         dataset: str,
-        data: BenchData,
+        data: CWTBenchData,
         out: Path,
         log: Callable[[str], None],
         resume: bool = True,
@@ -347,7 +347,7 @@ class _Runner:
         write_json(run_file(self.folder, run["method"], run["split"], run["seed"]), {"settings": self.key, "run": run})
 
 
-def _data(settings: BenchSettings, dataset: str, site_config: Path) -> BenchData:
+def _data(settings: CWTBenchSettings, dataset: str, site_config: Path) -> CWTBenchData:
     return prepare_data(
         **settings.data_args(dataset),
         data_seed=settings.data_seed,
@@ -357,7 +357,7 @@ def _data(settings: BenchSettings, dataset: str, site_config: Path) -> BenchData
 
 
 def _seed_task(
-    settings: BenchSettings, dataset: str, site_config: Path, seed: int, out: Path, resume: bool
+    settings: CWTBenchSettings, dataset: str, site_config: Path, seed: int, out: Path, resume: bool
 ) -> list[dict]:
     """One (dataset, seed) in a worker process; its progress lines go to that process's stdout."""
     torch.set_num_threads(settings.threads)
@@ -373,7 +373,7 @@ def _seed_task(
 
 
 def _run_seeds(
-    settings: BenchSettings, pools: dict[str, Path], out: Path, log: Callable[[str], None], resume: bool
+    settings: CWTBenchSettings, pools: dict[str, Path], out: Path, log: Callable[[str], None], resume: bool
 ) -> dict[str, list[dict[str, Any]]]:
     """Every (dataset, seed), in ``jobs`` processes (one: in this process); the records per dataset."""
     tasks = [(d, s) for d in pools for s in range(settings.seeds)]
@@ -396,7 +396,7 @@ def _run_seeds(
 
 
 def _dataset_part(
-    settings: BenchSettings, dataset: str, site_config: Path, runs: list[dict[str, Any]], out: Path
+    settings: CWTBenchSettings, dataset: str, site_config: Path, runs: list[dict[str, Any]], out: Path
 ) -> dict[str, Any]:
     """One dataset's entry of ``results.json`` (its plots written)."""
     data = _data(settings, dataset, site_config)
@@ -423,7 +423,7 @@ def run_cwt_benchmark(
     out: str | Path = REPO / "benchmarks" / "results" / "cwt",
     seeds: int | None = None,
     *,
-    settings: BenchSettings | None = None,
+    settings: CWTBenchSettings | None = None,
     site_config: str | Path = DEFAULT_SITE_CONFIG,
     data_root: str | Path | None = None,
     log: Callable[[str], None] = logger.info,
@@ -438,7 +438,7 @@ def run_cwt_benchmark(
     Args:
         out: output folder.
         seeds: training seeds 0 .. seeds-1 (None: ``settings.seeds``).
-        settings: everything else (default: :class:`BenchSettings`).
+        settings: everything else (default: :class:`CWTBenchSettings`).
         site_config: the real images' site config (nih1000).
         data_root: where the synthetic cohort is written (default ``$CXRFL_DEMO_DIR`` or
             ``~/.cache/cxrfl``, then ``cwt-bench``); reused when already there.
@@ -449,9 +449,9 @@ def run_cwt_benchmark(
     Returns:
         The content of ``results.json``.
     """
-    settings = settings or BenchSettings()
+    settings = settings or CWTBenchSettings()
     if seeds is not None:
-        settings = BenchSettings(**{**asdict(settings), "seeds": seeds})
+        settings = CWTBenchSettings(**{**asdict(settings), "seeds": seeds})
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(settings.threads)

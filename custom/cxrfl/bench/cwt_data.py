@@ -214,7 +214,7 @@ def partition(
 
 
 @dataclass
-class BenchData:
+class CWTBenchData:
     """The benchmark's images: held-out test, validation and training sets, and per-split sites."""
 
     test: pd.DataFrame
@@ -266,7 +266,7 @@ def prepare_data(
     data_seed: int = 0,
     splits: Sequence[int] = tuple(PAPER_SPLITS),
     site_config: str | Path = DEFAULT_SITE_CONFIG,
-) -> BenchData:
+) -> CWTBenchData:
     """Draw the test, validation and training sets by patient and partition the training set per split.
 
     Args:
@@ -299,7 +299,7 @@ def prepare_data(
                 raise
             problem = exc
             continue
-        return BenchData(test=chosen["test"], val=chosen["val"], train=train, splits=quotas, assignment=assignment)
+        return CWTBenchData(test=chosen["test"], val=chosen["val"], train=train, splits=quotas, assignment=assignment)
     raise DataError(f"no balanced training set can be partitioned into the paper's splits: {problem}")
 
 

@@ -29,6 +29,6 @@ run goes on where it stopped.
 
 from cxrfl.bench.fedfew.report import code_text, format_markdown
 from cxrfl.bench.fedfew.run import run_fedfew_benchmark
-from cxrfl.bench.fedfew.settings import LABELS, METHODS, QUICK, BenchSettings
+from cxrfl.bench.fedfew.settings import LABELS, METHODS, QUICK, FedFewBenchSettings
 
-__all__ = ["LABELS", "METHODS", "QUICK", "BenchSettings", "code_text", "format_markdown", "run_fedfew_benchmark"]
+__all__ = ["LABELS", "METHODS", "QUICK", "FedFewBenchSettings", "code_text", "format_markdown", "run_fedfew_benchmark"]

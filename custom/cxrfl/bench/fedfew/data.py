@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from cxrfl.bench.fedfew.settings import BenchSettings
+from cxrfl.bench.fedfew.settings import FedFewBenchSettings
 from cxrfl.data.site import SiteData, load_site
 from cxrfl.data.site_config import SplitConfig, load_site_config
 from cxrfl.synth.fedfew_profile import FEDFEW_CCS, FEDFEW_UCS
@@ -34,7 +34,7 @@ class SeedData:
     uc_site: dict[str, str]
 
 
-def prepare_data(settings: BenchSettings, data_dir: Path, seed: int) -> SeedData:
+def prepare_data(settings: FedFewBenchSettings, data_dir: Path, seed: int) -> SeedData:
     """Write (or reuse) the seed's synthetic profile and load its sites.
 
     Args:

@@ -33,7 +33,7 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from cxrfl.bench.fedfew.data import SeedData, cc_training_rows
-from cxrfl.bench.fedfew.settings import BenchSettings
+from cxrfl.bench.fedfew.settings import FedFewBenchSettings
 from cxrfl.common.io import to_numpy
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.data.dataset import make_loader
@@ -55,7 +55,9 @@ MLC_CLASSES = sorted([*FEDFEW_CCS, *FEDFEW_UCS])
 
 
 @torch.no_grad()
-def _features_logits(model: CXRNet, table: pd.DataFrame, settings: BenchSettings) -> tuple[np.ndarray, np.ndarray]:
+def _features_logits(
+    model: CXRNet, table: pd.DataFrame, settings: FedFewBenchSettings
+) -> tuple[np.ndarray, np.ndarray]:
     """Features and logits of a table's images (in fp32, on the benchmark's device)."""
     model.to(settings.device).eval()
     bs = int(settings.fedfew.get("eval_batch_size", 128))
@@ -105,7 +107,7 @@ def _mlc_tables(data: SeedData, split: str, batch_size: int = 0) -> dict[str, pd
     return tables
 
 
-def _pooled_val_loss(model: CXRNet, tables: dict[str, pd.DataFrame], settings: BenchSettings) -> float | None:
+def _pooled_val_loss(model: CXRNet, tables: dict[str, pd.DataFrame], settings: FedFewBenchSettings) -> float | None:
     """The sites' validation BCE (unweighted) pooled over their known labels."""
     total = known = 0.0
     for t in tables.values():
@@ -134,7 +136,7 @@ def _mlc_round(
     model: CXRNet,
     state: dict[str, np.ndarray],
     tables: dict[str, pd.DataFrame],
-    settings: BenchSettings,
+    settings: FedFewBenchSettings,
     seed: int,
     mode: str,
 ) -> dict[str, Any]:
@@ -174,7 +176,7 @@ def _mlc_round(
 
 def train_mlc(
     data: SeedData,
-    settings: BenchSettings,
+    settings: FedFewBenchSettings,
     seed: int,
     ssl_state: dict[str, np.ndarray] | None,
     log: Callable[[str], None],
@@ -225,7 +227,7 @@ def train_mlc(
     return model, {"rounds": len(curve), "best_round": stopper.best_step, "val_loss": curve}
 
 
-def linear_probe(ssl_state: dict[str, Any], data: SeedData, settings: BenchSettings) -> dict[str, Any]:
+def linear_probe(ssl_state: dict[str, Any], data: SeedData, settings: FedFewBenchSettings) -> dict[str, Any]:
     """How well stage 1's encoder separates the CCs: a linear probe on its frozen features.
 
     One logistic regression per CC (scikit-learn, standardised features, L2 with C = 0.1) on the
@@ -258,7 +260,7 @@ def linear_probe(ssl_state: dict[str, Any], data: SeedData, settings: BenchSetti
     return {"mean_auroc": float(np.mean(defined)) if defined else None, "auroc": aurocs}
 
 
-def eval_mlc(model: CXRNet, data: SeedData, settings: BenchSettings) -> dict[str, Any]:
+def eval_mlc(model: CXRNet, data: SeedData, settings: FedFewBenchSettings) -> dict[str, Any]:
     """An MLC network on the test sets: mean CC AUROC, and each UC positive at probability >= 0.5.
 
     Args:
@@ -278,7 +280,7 @@ def eval_mlc(model: CXRNet, data: SeedData, settings: BenchSettings) -> dict[str
     return {"mean_cc_auroc": mean, "cc_auroc": aurocs, "uc": ucs}
 
 
-def eval_nn(model: CXRNet, data: SeedData, settings: BenchSettings) -> dict[str, Any]:
+def eval_nn(model: CXRNet, data: SeedData, settings: FedFewBenchSettings) -> dict[str, Any]:
     """Local 1-nearest-neighbour (cosine) per UC over the UC site's training images.
 
     Args:
@@ -300,7 +302,7 @@ def eval_nn(model: CXRNet, data: SeedData, settings: BenchSettings) -> dict[str,
     return {"mean_cc_auroc": None, "uc": ucs}
 
 
-def eval_fedfew(final: Path, data: SeedData, settings: BenchSettings) -> dict[str, Any]:
+def eval_fedfew(final: Path, data: SeedData, settings: FedFewBenchSettings) -> dict[str, Any]:
     """The final model file, read back as ``cxrfl predict`` reads it, on the test sets.
 
     Args:

@@ -26,7 +26,7 @@ from cxrfl.bench.fedfew.data import prepare_data, site_counts
 from cxrfl.bench.fedfew.plots import write_plots
 from cxrfl.bench.fedfew.report import format_markdown, summarise
 from cxrfl.bench.fedfew.seed import RUN_ORDER, SeedRun
-from cxrfl.bench.fedfew.settings import METHODS, BenchSettings, identity
+from cxrfl.bench.fedfew.settings import METHODS, FedFewBenchSettings, identity
 from cxrfl.bench.protocol import code_version, command_line, machine
 from cxrfl.common.io import write_json
 from cxrfl.errors import ConfigError
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 RESULTS, REPORT, RUNS = "results.json", "report.md", "runs"
 
 
-class RunStore:
+class FedFewRunStore:
     """The finished (method, seed) results of an output folder.
 
     Args:
@@ -46,7 +46,7 @@ class RunStore:
     def __init__(self, out: Path) -> None:
         self.root = Path(out) / RUNS
 
-    def open(self, settings: BenchSettings, resume: bool) -> None:
+    def open(self, settings: FedFewBenchSettings, resume: bool) -> None:
         """Keep the runs of these settings; refuse others (``resume``) or remove them (not ``resume``).
 
         Args:
@@ -99,7 +99,7 @@ class RunStore:
 
 
 def run_seed(
-    settings: BenchSettings,
+    settings: FedFewBenchSettings,
     seed: int,
     methods: Sequence[str],
     data_root: Path,
@@ -125,7 +125,7 @@ def run_seed(
     """
     torch.set_num_threads(settings.threads)
     start = time.perf_counter()
-    store = RunStore(out)
+    store = FedFewRunStore(out)
     data = prepare_data(settings, data_root / f"seed{seed}", seed)
     counts = site_counts(data)
     store.save(seed, "data", counts)
@@ -147,7 +147,7 @@ def run_seed(
 
 
 def _run_seed_in_worker(
-    settings: BenchSettings, seed: int, methods: Sequence[str], data_root: Path, work: Path, out: Path
+    settings: FedFewBenchSettings, seed: int, methods: Sequence[str], data_root: Path, work: Path, out: Path
 ) -> int:
     """:func:`run_seed` in a worker process; its lines go to that process's stdout, tagged with the seed."""
     return run_seed(settings, seed, methods, data_root, work, out, lambda m: print(f"[seed {seed}] {m}", flush=True))
@@ -187,7 +187,7 @@ def run_fedfew_benchmark(
     out: str | Path,
     seeds: int | Sequence[int] = 3,
     *,
-    settings: BenchSettings | None = None,
+    settings: FedFewBenchSettings | None = None,
     data_root: str | Path | None = None,
     work: str | Path | None = None,
     log: Callable[[str], None] = logger.info,
@@ -199,7 +199,7 @@ def run_fedfew_benchmark(
     Args:
         out: output folder.
         seeds: number of seeds (0, 1, ...) or the seeds themselves.
-        settings: everything else (default: :class:`BenchSettings`).
+        settings: everything else (default: :class:`FedFewBenchSettings`).
         data_root: where the synthetic data is written (default ``$CXRFL_DEMO_DIR`` or
             ``~/.cache/cxrfl``, then ``fedfew-bench``); reused when already there.
         work: where the runs' stage files and models go (default: ``DATA_ROOT/runs``).
@@ -207,7 +207,7 @@ def run_fedfew_benchmark(
         resume: go on with the finished (method, seed) runs in ``OUT`` (same settings only).
         command: the command line, for the report.
     """
-    settings = settings or BenchSettings()
+    settings = settings or FedFewBenchSettings()
     seeds = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -215,7 +215,7 @@ def run_fedfew_benchmark(
         data_root or Path(os.environ.get("CXRFL_DEMO_DIR") or Path.home() / ".cache" / "cxrfl") / "fedfew-bench"
     )
     work = Path(work) if work else data_root / "runs"
-    store = RunStore(out)
+    store = FedFewRunStore(out)
     store.open(settings, resume)
     earlier = json.loads((out / RESULTS).read_text()) if resume and (out / RESULTS).is_file() else {}
     base = {

@@ -3,7 +3,7 @@
 ``fedfew`` runs the three stages in-process (:func:`cxrfl.fedfew.inprocess.run_fedfew`: the job's
 own workflow and site code) in ``WORK/seed<k>/fedfew``, probing stage 1's encoder
 (:func:`~cxrfl.bench.fedfew.methods.linear_probe`) after the rounds of
-:attr:`~cxrfl.bench.fedfew.settings.BenchSettings.probe_rounds`; ``fedfew-balanced`` re-runs stage 3 on
+:attr:`~cxrfl.bench.fedfew.settings.FedFewBenchSettings.probe_rounds`; ``fedfew-balanced`` re-runs stage 3 on
 its stage-2 model with ``threshold_weighting: balanced``, ``fedfew-no-ebm`` stages 2-3 with
 lambda = 0 from its stage 1, and the energy variants stages 2-3 with lambda = 1 / ``uc_negatives: in``
 (all through ``resume_from``); ``nn-ssl`` and ``mlc-ssl`` start from
@@ -27,7 +27,7 @@ import torch
 
 from cxrfl.bench.fedfew.data import SeedData
 from cxrfl.bench.fedfew.methods import MLC_CLASSES, eval_fedfew, eval_mlc, eval_nn, linear_probe, mean_uc_f1, train_mlc
-from cxrfl.bench.fedfew.settings import BenchSettings, identity
+from cxrfl.bench.fedfew.settings import FedFewBenchSettings, identity
 from cxrfl.common.io import read_records, to_numpy
 from cxrfl.common.server import RECORDS_DIR
 from cxrfl.fedfew.config import FedFewConfig
@@ -74,7 +74,7 @@ class SeedRun:
     """
 
     def __init__(
-        self, settings: BenchSettings, seed: int, data: SeedData, work: Path, log: Callable[[str], None]
+        self, settings: FedFewBenchSettings, seed: int, data: SeedData, work: Path, log: Callable[[str], None]
     ) -> None:
         self.settings = settings
         self.seed = seed

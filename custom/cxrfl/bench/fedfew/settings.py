@@ -75,7 +75,7 @@ def _default_fedfew() -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class BenchSettings:
+class FedFewBenchSettings:
     """Everything that decides the numbers (stored with the results).
 
     Args:
@@ -165,19 +165,19 @@ class BenchSettings:
 
 
 def identity(settings: dict[str, Any]) -> dict[str, Any]:
-    """Stored settings (a :meth:`BenchSettings.to_dict`, as JSON) less :data:`IDENTITY_EXCLUDES`, with the
+    """Stored settings (a :meth:`FedFewBenchSettings.to_dict`, as JSON) less :data:`IDENTITY_EXCLUDES`, with the
     defaults of the fields added since they were stored (a new option's default keeps the old behaviour, so
     it does not invalidate earlier runs).
 
     Args:
         settings: the settings.
     """
-    full = {**BenchSettings().to_dict(), **settings}
+    full = {**FedFewBenchSettings().to_dict(), **settings}
     full["fedfew"] = FedFewConfig.from_dict(full["fedfew"]).to_dict()
     return json.loads(json.dumps({k: v for k, v in full.items() if k not in IDENTITY_EXCLUDES}))
 
 
-QUICK = BenchSettings(
+QUICK = FedFewBenchSettings(
     image_size=32,
     data_image_size=32,
     n_cc=120,
