@@ -11,8 +11,6 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-from cxrfl.errors import ConfigError
-
 BENCHES = ("compare", "cwt", "fedfew", "privacy", "hostile", "quantize", "clinical")
 """The ``cxrfl bench`` subcommands that take ``--arch`` (``speed``, ``load`` and ``pretrain`` measure DenseNet121)."""
 
@@ -31,18 +29,6 @@ def add_arch_option(bsub: argparse._SubParsersAction) -> None:
             help="network: densenet121 (default, the product's) or densenet-tiny (about 17 k parameters, for tests "
             "and smoke runs: its numbers mean nothing); recorded in results.json",
         )
-
-
-def check_arch(arch: str) -> None:
-    """Refuse an unknown network in one line.
-
-    Args:
-        arch: the ``arch`` setting.
-    """
-    from cxrfl.nn.models import ARCHS
-
-    if arch not in ARCHS:
-        raise ConfigError(f"arch must be one of {list(ARCHS)}, got {arch!r}")
 
 
 def with_arch(settings: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,8 +14,6 @@ import dataclasses
 import time
 from pathlib import Path
 
-from cxrfl.errors import ConfigError
-
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
@@ -47,10 +45,7 @@ def _cmd_cwt(args: argparse.Namespace) -> int:
         "splits": tuple(int(x) for x in args.splits.split(",")) if args.splits else None,
         "synthetic_splits": tuple(int(x) for x in args.synthetic_splits.split(",")) if args.synthetic_splits else None,
     }
-    try:
-        settings = CWTBenchSettings(**{k: v for k, v in given.items() if v is not None})
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    settings = CWTBenchSettings(**{k: v for k, v in given.items() if v is not None})
     run_cwt_benchmark(
         Path(args.out), settings.seeds, settings=settings, data_root=args.data_root, log=_say, resume=not args.no_resume
     )
@@ -83,10 +78,7 @@ def _cmd_fedfew(args: argparse.Namespace) -> int:
         changes["data_image_size"] = max(args.image_size, base.data_image_size)
     if args.methods:
         changes["methods"] = tuple(_methods(args.methods))
-    try:
-        settings = dataclasses.replace(base, fedfew=fedfew, **changes)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    settings = dataclasses.replace(base, fedfew=fedfew, **changes)
     run_fedfew_benchmark(
         Path(args.out),
         args.seeds,

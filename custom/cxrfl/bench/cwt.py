@@ -41,13 +41,13 @@ import os
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from cxrfl.bench.arch import check_arch, with_arch
+from cxrfl.bench.arch import with_arch
 from cxrfl.bench.cwt_data import DEFAULT_SITE_CONFIG, REPO, CWTBenchData, prepare_data, synthetic_site_config
 from cxrfl.bench.cwt_report import (
     CENTRAL,
@@ -62,12 +62,13 @@ from cxrfl.bench.cwt_report import (
     summarise,
 )
 from cxrfl.bench.protocol import code_version, command_line, machine
+from cxrfl.common.config import Config
 from cxrfl.common.io import write_json
 from cxrfl.cwt.config import CWTConfig
 from cxrfl.cwt.inprocess import CWTResult, run_cwt
 from cxrfl.cwt.relay import relay_plan
 from cxrfl.cwt.site import CWTSite, eval_summary
-from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.models import ARCHS, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ DATASETS = ("nih1000", "synthetic")
 
 
 @dataclass(frozen=True)
-class CWTBenchSettings:
+class CWTBenchSettings(Config):
     """What the benchmark trains.
 
     Args:
@@ -109,39 +110,40 @@ class CWTBenchSettings:
         synthetic_splits: the synthetic table's splits (None: ``splits``).
     """
 
-    seeds: int = 5
-    image_size: int = 64
-    arch: str = ModelConfig.arch
-    per_class: int | None = None
-    test_per_class: int = 100
-    val_per_class: int = 50
-    max_patient_images: int | None = 20
-    cycles: int = 80
-    patience: int = 10
-    batch_size: int = 32
-    lr: float = 1e-3
-    lr_decay: float = 0.99
-    lr_decay_every: int | None = None
-    weight_decay: float = 1e-4
+    SECTION: ClassVar[str] = "bench"
+    seeds: int = field(default=5, metadata={"ge": 1})
+    image_size: int = field(default=64, metadata={"ge": 32})
+    arch: str = field(default=ModelConfig.arch, metadata={"choices": ARCHS})
+    per_class: int | None = field(default=None, metadata={"ge": 1})
+    test_per_class: int = field(default=100, metadata={"ge": 1})
+    val_per_class: int = field(default=50, metadata={"ge": 1})
+    max_patient_images: int | None = field(default=20, metadata={"ge": 1})
+    cycles: int = field(default=80, metadata={"ge": 1})
+    patience: int = field(default=10, metadata={"ge": 1})
+    batch_size: int = field(default=32, metadata={"ge": 1})
+    lr: float = field(default=1e-3, metadata={"gt": 0})
+    lr_decay: float = field(default=0.99, metadata={"gt": 0, "le": 1})
+    lr_decay_every: int | None = field(default=None, metadata={"ge": 1})
+    weight_decay: float = field(default=1e-4, metadata={"ge": 0})
     augment: bool = True
-    threads: int = 1
-    jobs: int = 2
-    data_seed: int = 0
+    threads: int = field(default=1, metadata={"ge": 1})
+    jobs: int = field(default=2, metadata={"ge": 1})
+    data_seed: int = field(default=0, metadata={"ge": 0})
     splits: tuple[int, ...] = tuple(range(1, 11))
-    synthetic_images: int = 3000
-    synthetic_per_class: int = 400
-    synthetic_test_per_class: int = 500
-    synthetic_val_per_class: int = 100
+    synthetic_images: int = field(default=3000, metadata={"ge": 0})
+    synthetic_per_class: int = field(default=400, metadata={"ge": 1})
+    synthetic_test_per_class: int = field(default=500, metadata={"ge": 1})
+    synthetic_val_per_class: int = field(default=100, metadata={"ge": 1})
     synthetic_splits: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        check_arch(self.arch)
-        bad = [s for s in (*self.splits, *(self.synthetic_splits or ())) if not 1 <= s <= 10]
-        if bad or self.seeds < 1 or self.jobs < 1:
-            raise ValueError(f"splits must be among 1-10 (got {bad}), seeds and jobs >= 1")
-        object.__setattr__(self, "splits", tuple(self.splits))
-        if self.synthetic_splits is not None:
-            object.__setattr__(self, "synthetic_splits", tuple(self.synthetic_splits))
+        super().__post_init__()
+        for key in ("splits", "synthetic_splits"):
+            bad = [s for s in getattr(self, key) or () if not 1 <= s <= 10]
+            if bad:
+                self.fail(key, f"must be among the paper's splits 1-10, got {bad}")
+        if not self.synthetic_splits:  # none given: ``splits`` (stored as null, as before)
+            object.__setattr__(self, "synthetic_splits", None)
 
     @property
     def datasets(self) -> tuple[str, ...]:
@@ -191,13 +193,6 @@ class CWTBenchSettings:
             seed=seed,
             **flags,
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict."""
-        d = asdict(self)
-        d["splits"] = list(self.splits)
-        d["synthetic_splits"] = list(self.synthetic_splits) if self.synthetic_splits else None
-        return d
 
     def run_key(self, dataset: str, n_train: int) -> dict[str, Any]:
         """The settings a kept run of ``dataset`` must share to be reused (not seeds, splits, threads, jobs)."""
@@ -451,7 +446,7 @@ def run_cwt_benchmark(
     """
     settings = settings or CWTBenchSettings()
     if seeds is not None:
-        settings = CWTBenchSettings(**{**asdict(settings), "seeds": seeds})
+        settings = replace(settings, seeds=seeds)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(settings.threads)

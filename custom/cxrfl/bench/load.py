@@ -23,17 +23,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from cxrfl.common.config import Config
 from cxrfl.common.io import read_records, write_json
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class LoadSettings:
+class LoadSettings(Config):
     """What the load benchmark runs.
 
     Args:
@@ -44,11 +45,12 @@ class LoadSettings:
         threads: simulator threads (``-t``).
     """
 
-    sites: int = 10
-    rounds: int = 3
-    image_size: int = 32
-    steps: int = 2
-    threads: int = 2
+    SECTION: ClassVar[str] = "bench"
+    sites: int = field(default=10, metadata={"ge": 2})
+    rounds: int = field(default=3, metadata={"ge": 1})
+    image_size: int = field(default=32, metadata={"ge": 32})
+    steps: int = field(default=2, metadata={"ge": 1})
+    threads: int = field(default=2, metadata={"ge": 1})
 
 
 def site_data(root: Path, sites: int) -> list[str]:
@@ -293,7 +295,7 @@ def run_load(
         "wall_seconds": round(wall, 1),
         "machine": f"{psutil.cpu_count()} CPU cores, {round(psutil.virtual_memory().total / 2**30)} GiB, "
         f"Python {platform.python_version()}; load average at start {load_before[0]:.1f}",
-        "settings": {**asdict(s), "work": str(work), "out": str(out)},
+        "settings": {**s.to_dict(), "work": str(work), "out": str(out)},
     }
     path = write_json(Path(out) / f"load_{s.sites}.json", result)
     log(f"wrote {path}")

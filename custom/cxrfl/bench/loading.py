@@ -21,13 +21,14 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from cxrfl.bench.report import markdown_table
+from cxrfl.common.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ WORKER_STEPS = (0, 1, 2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
-class LoadingSettings:
+class LoadingSettings(Config):
     """What the loading part runs.
 
     Args:
@@ -52,15 +53,22 @@ class LoadingSettings:
         formats: some of :data:`FORMATS`.
     """
 
-    image_size: int = 224
-    batch_size: int = 64
-    n_images: int = 128
+    SECTION: ClassVar[str] = "bench"
+    image_size: int = field(default=224, metadata={"ge": 32})
+    batch_size: int = field(default=64, metadata={"ge": 1})
+    n_images: int = field(default=128, metadata={"ge": 1})
     workers: tuple[int, ...] = ()
-    warm_epochs: int = 2
-    model_steps: int = 3
-    threads: int = 2
+    warm_epochs: int = field(default=2, metadata={"ge": 1})
+    model_steps: int = field(default=3, metadata={"ge": 1})
+    threads: int = field(default=2, metadata={"ge": 0})
     device: str = "auto"
     formats: tuple[str, ...] = ("png", "dicom")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        unknown = sorted(set(self.formats) - set(FORMATS))
+        if unknown:
+            self.fail("formats", f"has unknown image format(s) {unknown}; use some of {sorted(FORMATS)}")
 
 
 def _smooth(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
@@ -226,12 +234,9 @@ def loading_benchmark(s: LoadingSettings, work: Path, log: Callable[[str], None]
     from cxrfl.nn.models import select_device
     from cxrfl.nn.threads import torch_threads
 
-    unknown = sorted(set(s.formats) - set(FORMATS))
-    if unknown:
-        raise ValueError(f"unknown image format(s) {unknown}; use some of {sorted(FORMATS)}")
     device = select_device(s.device)
     out: dict[str, Any] = {
-        "settings": {**asdict(s), "workers": worker_counts(s)},
+        "settings": {**s.to_dict(), "workers": worker_counts(s)},
         "device": str(device),
         "auto_workers": resolve_workers("auto"),
         "formats": {},

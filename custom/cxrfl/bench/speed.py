@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -41,12 +41,15 @@ from cxrfl.bench.protocol import command_line, machine
 from cxrfl.bench.speed_aggregation import aggregation_benchmark, aggregation_summary, model_state
 from cxrfl.bench.speed_report import format_speed, speed_verdicts
 from cxrfl.bench.speed_training import TrainingSpeedSettings, accuracy_benchmark, training_benchmark
+from cxrfl.common.config import Config
 from cxrfl.data.labels import CHEXPERT_CLASSES, NIH_CLASSES
-from cxrfl.errors import ConfigError
+
+PARTS = ("simulator", "training", "aggregation", "payload", "accuracy", "loading")
+"""The parts of ``cxrfl bench speed``, in the order they run."""
 
 
-@dataclass
-class SpeedSettings:
+@dataclass(frozen=True)
+class SpeedSettings(Config):
     """Settings of the speed benchmark.
 
     Args:
@@ -71,22 +74,32 @@ class SpeedSettings:
         loading: settings of the ``loading`` part (:mod:`cxrfl.bench.loading`; not in the default parts).
     """
 
-    image_size: int = 64
-    batch_size: int = 16
-    steps: int = 10
-    rounds: int = 3
-    threads: int = 2
+    SECTION: ClassVar[str] = "bench"
+    image_size: int = field(default=64, metadata={"ge": 32})
+    batch_size: int = field(default=16, metadata={"ge": 1})
+    steps: int = field(default=10, metadata={"ge": 1})
+    rounds: int = field(default=3, metadata={"ge": 1})
+    threads: int = field(default=2, metadata={"ge": 0})
     site_counts: tuple[int, ...] = (2, 4, 10, 20)
-    repeats: int = 5
+    repeats: int = field(default=5, metadata={"ge": 1})
     skip_simulator: bool = False
-    n_images: int = 300
+    n_images: int = field(default=300, metadata={"ge": 1})
     parts: tuple[str, ...] = ("simulator", "training", "aggregation", "payload")
-    busy: int = 0
-    training_batch_size: int = 32
-    epochs: int = 8
-    seeds: int = 3
+    busy: int = field(default=0, metadata={"ge": 0})
+    training_batch_size: int = field(default=32, metadata={"ge": 1})
+    epochs: int = field(default=8, metadata={"ge": 1})
+    seeds: int = field(default=3, metadata={"ge": 1})
     device: str = "cpu"
     loading: LoadingSettings = field(default_factory=LoadingSettings)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if sorted(set(self.parts) - set(PARTS)) or not self.measured():
+            self.fail("parts", f"must name some of {', '.join(PARTS)} (--only), got {','.join(self.parts)!r}")
+
+    def measured(self) -> list[str]:
+        """The parts this run measures, in :data:`PARTS` order (``simulator`` not when ``skip_simulator``)."""
+        return [p for p in PARTS if p in self.parts and not (p == "simulator" and self.skip_simulator)]
 
     def training(self) -> TrainingSpeedSettings:
         """The settings of the ``training`` and ``accuracy`` parts."""
@@ -101,9 +114,6 @@ class SpeedSettings:
             accuracy_image_size=self.image_size,
             device=self.device,
         )
-
-
-PARTS = ("simulator", "training", "aggregation", "payload", "accuracy", "loading")
 
 
 logger = logging.getLogger(__name__)
@@ -371,10 +381,7 @@ def run_speed(s: SpeedSettings, out: Path, log: Callable[[str], None] = logger.i
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    parts = [p for p in PARTS if p in s.parts and not (p == "simulator" and s.skip_simulator)]
-    unknown = sorted(set(s.parts) - set(PARTS))
-    if unknown or not parts:
-        raise ConfigError(f"--only must name some of {', '.join(PARTS)}, got {','.join(s.parts)!r}")
+    parts = s.measured()
     earlier = _earlier_results(out / "speed.json", [p for p in PARTS if p not in parts])
     default_threads = torch.get_num_threads()
     res: dict[str, Any] = {

@@ -16,15 +16,17 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+from cxrfl.common.config import Config
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class TrainingSpeedSettings:
+class TrainingSpeedSettings(Config):
     """What the two parts run.
 
     Args:
@@ -40,15 +42,16 @@ class TrainingSpeedSettings:
         device: ``cpu`` or ``cuda`` (a GPU: float32 NCHW against its own ``auto``).
     """
 
-    image_size: int = 64
-    batch_size: int = 32
-    steps: int = 10
-    repeats: int = 3
-    threads: int = 1
-    epochs: int = 8
-    seeds: int = 3
-    accuracy_image_size: int = 64
-    n_images: int | None = None
+    SECTION: ClassVar[str] = "bench"
+    image_size: int = field(default=64, metadata={"ge": 32})
+    batch_size: int = field(default=32, metadata={"ge": 1})
+    steps: int = field(default=10, metadata={"ge": 1})
+    repeats: int = field(default=3, metadata={"ge": 1})
+    threads: int = field(default=1, metadata={"ge": 0})
+    epochs: int = field(default=8, metadata={"ge": 1})
+    seeds: int = field(default=3, metadata={"ge": 1})
+    accuracy_image_size: int = field(default=64, metadata={"ge": 32})
+    n_images: int | None = field(default=None, metadata={"ge": 1})
     device: str = "cpu"
 
 
@@ -65,7 +68,13 @@ def settings_compared(device: str = "cpu") -> dict[str, Any]:
     return {"fp32": Compute(dev, "fp32", False), "default": resolve("auto", "auto", dev)}
 
 
-def _batches(s: TrainingSpeedSettings, k: int) -> list[tuple[Any, Any, Any]]:
+def synthetic_batches(s: TrainingSpeedSettings, k: int) -> list[tuple[Any, Any, Any]]:
+    """``s.steps`` seeded random batches (images, targets, masks) of ``s.batch_size`` RGB images, ``k`` classes.
+
+    Args:
+        s: settings (``steps``, ``batch_size``, ``image_size``).
+        k: number of classes.
+    """
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -93,7 +102,7 @@ def training_benchmark(s: TrainingSpeedSettings, log: Callable[[str], None] = lo
     from cxrfl.nn.training import adam, train_epochs
 
     computes = settings_compared(s.device)
-    batches = _batches(s, 14)
+    batches = synthetic_batches(s, 14)
     runs = {}
     with torch_threads(s.threads or torch.get_num_threads()):
         for name, compute in computes.items():

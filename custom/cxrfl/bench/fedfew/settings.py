@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from cxrfl.bench.arch import check_arch
+from cxrfl.common.config import Config
 from cxrfl.fedfew.config import FedFewConfig
-from cxrfl.nn.models import ModelConfig
+from cxrfl.nn.models import ARCHS, ModelConfig
 
 METHODS = (
     "mlc",
@@ -75,7 +75,7 @@ def _default_fedfew() -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class FedFewBenchSettings:
+class FedFewBenchSettings(Config):
     """Everything that decides the numbers (stored with the results).
 
     Args:
@@ -105,36 +105,32 @@ class FedFewBenchSettings:
         device: one of :data:`DEVICES` (recorded with each run).
     """
 
-    image_size: int = 64
-    arch: str = ModelConfig.arch
-    data_image_size: int = 64
-    n_cc: int = 1000
-    n_test: int = 600
-    cc_label_fraction: float = 0.75
-    train_fraction: float = 0.8
+    SECTION: ClassVar[str] = "bench"
+    image_size: int = field(default=64, metadata={"ge": 32})
+    arch: str = field(default=ModelConfig.arch, metadata={"choices": ARCHS})
+    data_image_size: int = field(default=64, metadata={"ge": 16})
+    n_cc: int = field(default=1000, metadata={"ge": 1})
+    n_test: int = field(default=600, metadata={"ge": 1})
+    cc_label_fraction: float = field(default=0.75, metadata={"gt": 0, "le": 1})
+    train_fraction: float = field(default=0.8, metadata={"gt": 0, "lt": 1})
     fedfew: dict[str, Any] = field(default_factory=_default_fedfew)
-    probe_every: int = 5
-    mlc_rounds: int = 40
-    mlc_patience: int = 5
-    mlc_local_epochs: int = 1
-    mlc_lr: float = 1e-3
-    mlc_batch_size: int = 64
-    test_per_class: int = 200
+    probe_every: int = field(default=5, metadata={"ge": 1})
+    mlc_rounds: int = field(default=40, metadata={"ge": 1})
+    mlc_patience: int = field(default=5, metadata={"ge": 1})
+    mlc_local_epochs: int = field(default=1, metadata={"ge": 1})
+    mlc_lr: float = field(default=1e-3, metadata={"gt": 0})
+    mlc_batch_size: int = field(default=64, metadata={"ge": 1})
+    test_per_class: int = field(default=200, metadata={"ge": 1})
     methods: tuple[str, ...] = ("mlc", "mlc-ssl", "nn-ssl", "nn-mlc-ssl", "fedfew", "fedfew-balanced")
-    threads: int = 1
-    jobs: int = 2
-    device: str = "cpu"
+    threads: int = field(default=1, metadata={"ge": 1})
+    jobs: int = field(default=2, metadata={"ge": 1})
+    device: str = field(default="cpu", metadata={"choices": DEVICES})
 
     def __post_init__(self) -> None:
-        check_arch(self.arch)
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
+        super().__post_init__()
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
-            raise ValueError(f"unknown method(s) {unknown}; available: {list(METHODS)}")
-        if self.probe_every < 1 or self.mlc_patience < 1:
-            raise ValueError("probe_every and mlc_patience must be >= 1")
-        object.__setattr__(self, "methods", tuple(self.methods))
+            self.fail("methods", f"has unknown method(s) {unknown}; available: {list(METHODS)}")
         FedFewConfig.from_dict(self.fedfew)
 
     def model_config(self) -> ModelConfig:
@@ -156,12 +152,6 @@ class FedFewBenchSettings:
         """The settings that decide a run's numbers (:meth:`to_dict` less :data:`IDENTITY_EXCLUDES`): runs and
         stage files of an equal identity are reused, so methods can be added to a finished benchmark."""
         return identity(self.to_dict())
-
-    def to_dict(self) -> dict[str, Any]:
-        """The settings as JSON-friendly values."""
-        d = asdict(self)
-        d["methods"] = list(self.methods)
-        return d
 
 
 def identity(settings: dict[str, Any]) -> dict[str, Any]:
