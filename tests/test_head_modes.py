@@ -140,7 +140,14 @@ def test_a_vanilla_site_is_selected_on_its_own_classes_unless_told_otherwise(sit
     by_hand = float(-(m * (y * np.log(p) + (1 - y) * np.log(1 - p))).sum() / m.sum())
     assert losses["annotated"].loss == pytest.approx(by_hand, rel=1e-4)
     assert losses["annotated"].mask[:, [union.index(c) for c in foreign]].sum() == 0
-    assert losses["head"].loss != pytest.approx(by_hand, rel=1e-3)  # the old rule counts the foreign zeros
+    # the old rule counts the foreign zeros too: by hand over the own labels and every foreign entry as a negative
+    far = [union.index(c) for c in foreign]
+    q = np.clip(res.scores[:, far].astype(np.float64), 1e-7, 1 - 1e-7)
+    by_hand_head = float(
+        (-(m * (y * np.log(p) + (1 - y) * np.log(1 - p))).sum() - np.log(1 - q).sum()) / (m.sum() + q.size)
+    )
+    assert losses["head"].loss == pytest.approx(by_hand_head, rel=1e-4)
+    assert res.mask[:, far].all() and by_hand_head != pytest.approx(by_hand, rel=1e-6)
     with pytest.raises(ValueError, match="selection must be one of"):
         SiteLearner(a, tmp_path / "bad", model_config=MODEL, train_config=TRAIN, selection="all")
 

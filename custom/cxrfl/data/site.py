@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from cxrfl.data.site_config import SiteConfig, load_site_config
 from cxrfl.data.splits import SPLITS, patient_split, resolve_overlap, val_from_train
 from cxrfl.data.subgroups import SUBGROUP_FIELDS
 from cxrfl.errors import DataError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,6 +91,45 @@ class SiteData:
         return {c: 1.0 if pos[c] else 0.0 for c in self.classes if (pos[c] == 0) != (neg[c] == 0)}
 
 
+def untrainable_classes(data: SiteData) -> list[str]:
+    """The classes a site leaves out of its training and validation loss: those whose training
+    images all carry one label value (logged in one line).
+
+    Trained on such labels, a head row learns a constant: with 1.0 (a registry of one disease) it
+    cannot learn to say no, with 0.0 it cannot learn to say yes. So a site never trains a row on one
+    value alone, whatever the method (individual model, personalized FL, vanilla FL, FL with partial
+    loss, surgical aggregation; issue 41): the row is trained where both values exist. A site cannot
+    see whether another site has the other value, so it leaves the class out even then; with the
+    same rule at every site, vanilla FL over identical label sets stays surgical aggregation. The
+    test split is evaluated as it is. Centralized training pools the images first: there a class
+    is one-sided only if it is so over all sites (another site's missing label counts as negative).
+    Cyclical weight transfer keeps its paper's protocol instead: a site trains the relay's one model
+    on whatever labels it has, and LWMS/CWL say when they cannot balance a one-sided class
+    (:func:`cxrfl.cwt.optimizations.label_warnings`).
+
+    Args:
+        data: the loaded site.
+
+    Raises:
+        DataError: every class of the site is such a class (it would train nothing).
+    """
+    found = data.one_sided_classes("train")
+    if not found:
+        return []
+    parts = [f"{c!r} ({'positive' if v == 1.0 else 'negative'} only)" for c, v in sorted(found.items())]
+    what = (
+        f"site {data.site}: class(es) {', '.join(parts)} have one label value in every training image here, so "
+        "their head row(s) cannot learn to tell the two apart"
+    )
+    if len(found) == len(data.classes):
+        raise DataError(
+            f"{what}; they are all its classes, so it has nothing to train: add images with the other value "
+            "or leave the site out of this job"
+        )
+    log.warning("%s: left out of this site's training and validation loss (add images with the other value)", what)
+    return sorted(found)
+
+
 def training_refusal(data: SiteData) -> str | None:
     """Why a federated job refuses this site at start-up (an empty train or val split), or None.
 
@@ -146,13 +188,18 @@ def _split_problems(table: pd.DataFrame, classes: list[str], expected: tuple[str
         for side, value in (("positive", 1.0), ("negative", 0.0)):
             hit = table[c] == value
             if not hit.any() and side == "positive":
-                problems.append(f"class {c!r} has no positive image at this site; its AUROC cannot be computed")
+                problems.append(
+                    f"class {c!r} has no positive image at this site; its AUROC cannot be computed and the "
+                    "methods that train a row on this site's own labels leave it out of this site's loss "
+                    "(cxrfl.data.site.untrainable_classes)"
+                )
                 break
             if not hit.any():
                 problems.append(
                     f"class {c!r} has no negative image at this site ({int((table[c] == 1.0).sum())} "
                     "labelled, all positive); its head row cannot learn to say no and its AUROC cannot "
-                    "be computed"
+                    "be computed; the methods that train a row on this site's own labels leave it out of "
+                    "this site's loss (cxrfl.data.site.untrainable_classes)"
                 )
                 break
             counts = {s: int(hit[table["split"] == s].sum()) for s in present}

@@ -44,7 +44,7 @@ from cxrfl.clinical.counts import count_classes
 from cxrfl.clinical.subgroups import memberships
 from cxrfl.common.transport import copy_params
 from cxrfl.data.dataset import DeviceLoader, make_loader, reseed
-from cxrfl.data.site import SiteData
+from cxrfl.data.site import SiteData, untrainable_classes
 from cxrfl.nn.models import (
     HEAD_PREFIX,
     ModelConfig,
@@ -118,6 +118,7 @@ class SiteLearner:
         self.selection = selection
         self.data = data
         self.own_classes = list(data.classes)
+        self.untrainable = untrainable_classes(data)  # one label value in training (issue 41): left out
         self.classes = list(data.classes)  # the head's row order (a union head: set_head_classes)
         self.state_dir = Path(state_dir)
         self.model_config = model_config
@@ -173,12 +174,15 @@ class SiteLearner:
         """One split with a column per head class; classes the site does not annotate (a union
         head) are 0.0 (``missing="negative"``) or NaN (``missing="ignore"``: masked out) in the
         training split, and in the others only with ``selection="head"`` (NaN otherwise: the
-        validation loss that selects the model counts the site's own classes).
+        validation loss that selects the model counts the site's own classes). The site's
+        :attr:`untrainable` classes are NaN outside the test split.
 
         Args:
             split: ``train``, ``val`` or ``test``.
         """
         table = self.data.split_table(split)
+        if self.untrainable and split != "test":
+            table = table.assign(**{c: np.nan for c in self.untrainable})
         extra = [c for c in self.classes if c not in table.columns]
         if extra:
             negative = self.missing == "negative" and (split == "train" or self.selection == "head")
