@@ -23,7 +23,7 @@ from cxrfl.nn.models import ModelConfig, build_model, load_checkpoint, save_chec
 from cxrfl.predict import predict_images
 from cxrfl.surgical.inprocess import make_hosts
 from cxrfl.synth import write_profile
-from pooling_helpers import central_auroc
+from pooling_helpers import central_auroc, scores_by_path
 from sklearn.metrics import roc_auc_score
 
 SITES = ["hospital-a", "hospital-b"]
@@ -65,10 +65,15 @@ def fp32_hosts(sites, root: Path):
     return make_hosts(sites, root, train_overrides={s.site: {"precision": "fp32"} for s in sites})
 
 
-def test_pooled_auroc_from_counts_equals_sklearn_on_the_pooled_scores(sites, densenet121_checkpoint, tmp_path):
-    report = run_fedeval(
-        fp32_hosts(sites, tmp_path / "sites"), densenet121_checkpoint, FedEvalConfig(min_cell=1), tmp_path
-    )
+@pytest.fixture(scope="module")
+def evaluated121(sites, densenet121_checkpoint, tmp_path_factory) -> tuple[dict, Path]:
+    """One evaluation of the DenseNet121 model with every cell sent (``min_cell=1``): its report and folder."""
+    out = tmp_path_factory.mktemp("fedeval121")
+    return run_fedeval(fp32_hosts(sites, out / "sites"), densenet121_checkpoint, FedEvalConfig(min_cell=1), out), out
+
+
+def test_pooled_auroc_from_counts_equals_sklearn_on_the_pooled_scores(sites, densenet121_checkpoint, evaluated121):
+    report, tmp_path = evaluated121
     evaluated = [c for c, e in report["classes"].items() if e["auroc"] is not None]
     shared = set(sites[0].classes) & set(sites[1].classes)
     assert len(evaluated) >= 6 and shared & set(evaluated), report["classes"].keys()
@@ -85,13 +90,10 @@ def test_pooled_auroc_from_counts_equals_sklearn_on_the_pooled_scores(sites, den
 
 
 def test_subgroups_pooled_from_counts_equal_sklearn_on_each_groups_pooled_scores(
-    sites, densenet121_checkpoint, tmp_path
+    sites, densenet121_checkpoint, evaluated121
 ):
     # issue 45 point 4: by sex, age band and view, from the sites' own metadata, nothing per image sent
-    report = run_fedeval(
-        fp32_hosts(sites, tmp_path / "sites"), densenet121_checkpoint, FedEvalConfig(min_cell=1), tmp_path
-    )
-    audit = report["subgroups"]
+    audit = evaluated121[0]["subgroups"]
     checked = 0
     for c, entry in audit.items():
         for group, member in (
@@ -109,8 +111,8 @@ def test_subgroups_pooled_from_counts_equal_sklearn_on_each_groups_pooled_scores
                     continue
                 table = site.split_table("test")
                 rows = table[member(table) & table[c].notna()]  # the group read from the site's own table
-                found = predict_images(densenet121_checkpoint, rows["path"].tolist(), device="cpu", precision="fp32")
-                scores += [r["probabilities"][c] for r in found]
+                found = scores_by_path(site, densenet121_checkpoint)
+                scores += [found[p][c] for p in rows["path"]]
                 labels += rows[c].tolist()
             assert abs(got["auroc"]["value"] - roc_auc_score(labels, scores)) <= 0.002, (c, group)
             checked += 1

@@ -80,6 +80,14 @@ def test_explicit_settings_win_and_fp16_on_cpu_falls_back_to_fp32(cpu_bf16, capl
 
 def test_cpu_capability_checks(monkeypatch):
     cpu = torch.cpu
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert precision.cpu_has_native_bf16()
+    # issue 44: PyTorch's kernels limited to AVX2 (an AVX2-only CPU, or ATEN_CPU_CAPABILITY=avx2 emulating one)
+    # cannot use the CPU's bfloat16 instructions, whatever the CPU has
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not precision.cpu_has_native_bf16()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     monkeypatch.setattr(cpu, "_is_amx_tile_supported", lambda: True, raising=False)
     assert precision.cpu_has_native_bf16()  # AMX alone is enough (Sapphire Rapids)

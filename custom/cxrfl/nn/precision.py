@@ -60,7 +60,14 @@ def channels_last_field() -> Any:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX tiles)."""
+    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX tiles) and PyTorch's kernels use it.
+
+    False where PyTorch dispatches below AVX-512 (``torch.backends.cpu.get_cpu_capability()``), also when
+    ``ATEN_CPU_CAPABILITY`` limits it, as ``benchmarks/cpu_isa_training.py`` does to emulate an AVX2-only CPU.
+    """
+    capability = torch.backends.cpu.get_cpu_capability()
+    if "AVX512" not in capability and "AMX" not in capability:
+        return False
     cpu = getattr(torch, "cpu", None)
     checks = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     if any(callable(c) for c in checks):
