@@ -10,6 +10,7 @@ import torch
 from cxrfl.common.io import to_numpy
 from cxrfl.data.site import SiteData, load_site
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, batchnorm_keys, build_model, load_checkpoint, save_checkpoint
+from cxrfl.nn.threads import torch_threads
 from cxrfl.nn.training import TrainConfig
 from cxrfl.surgical.aggregation import aggregate
 from cxrfl.surgical.config import SurgicalConfig
@@ -246,22 +247,24 @@ def test_personalized_fl_sends_only_the_feature_extractor(sites, tmp_path):
 
 
 def test_one_site_run_is_local_training_and_selects_the_lowest_validation_loss(sites, tmp_path):
-    res = _run(sites[:1], tmp_path, rounds=3, train=TRAIN.replace(lr=3e-2), min_delta=0.0, patience=5)
+    with torch_threads(1):  # the trajectory below is this arithmetic's (2 threads sum in another order)
+        res = _run(sites[:1], tmp_path, rounds=3, train=TRAIN.replace(lr=5e-2), min_delta=0.0, patience=5)
     assert res.classes == sorted(sites[0].classes)
     losses = res.curve("mean_val_loss")
     assert [p["round"] for p in res.outcome.curve] == [0, 1, 2, 3]  # the models of rounds 0 to 3 were scored
     assert res.best_round == int(np.argmin(losses))
-    # issue 44 point 3: the weights were compared only if best_round > 0. This run is deterministic (seed 0) and
-    # its large learning rate lowers the validation loss in rounds 1 and 2 and overshoots in round 3, so the
-    # lowest is neither the warm-up's nor the last round's: keeping the first or the last model fails
-    assert res.best_round == 2
+    # issue 44 point 3: the weights were compared only if best_round > 0. Seed 0's large learning rate lowers
+    # the validation loss in round 1 and overshoots far from round 2 on (measured 0.62, 0.56, 1.3, 5.1 here;
+    # 0.62, 0.50, 3.0, 13.9 with 2 threads): the lowest is neither the warm-up's nor the last round's, so
+    # keeping the first or the last model fails
+    assert res.best_round == 1 and losses[1] < losses[0] - 0.02 and min(losses[2:]) > losses[1] + 0.2
     best = load_checkpoint(tmp_path / "best_FL_global_model.pt")
-    assert best["round"] == 2 and best["mean_val_loss"] == pytest.approx(losses[2])
+    assert best["round"] == 1 and best["mean_val_loss"] == pytest.approx(losses[1])
     rounds = {r: load_checkpoint(tmp_path / "cxrfl" / "checkpoints" / f"round_{r:03d}.pt")["model"] for r in (1, 2, 3)}
-    assert best["model"].keys() == rounds[2].keys()
-    for k, v in rounds[2].items():
+    assert best["model"].keys() == rounds[1].keys()
+    for k, v in rounds[1].items():
         assert torch.equal(best["model"][k], v), k
-    for r in (1, 3):  # the rounds' weights tell apart
+    for r in (2, 3):  # the rounds' weights tell apart
         assert not all(torch.equal(best["model"][k], rounds[r][k]) for k in rounds[r]), r
 
 
