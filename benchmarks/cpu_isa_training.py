@@ -79,9 +79,15 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(*map(int, sizes))))
         return
+    import torch
     from cxrfl.bench.protocol import code_version, machine
 
-    results = {"machine": machine(), "code": code_version(), "settings": vars(a) | {"out": str(a.out)}, "isas": {}}
+    results = {
+        "machine": machine(torch.device("cpu")),
+        "code": code_version(),
+        "settings": vars(a) | {"out": str(a.out)},
+        "isas": {},
+    }
     for isa, env in ISAS.items():
         print(f"{isa}: {env or 'this CPU as it is'}", file=sys.stderr, flush=True)
         done = subprocess.run(

@@ -57,7 +57,7 @@ def test_auto_on_cuda_is_low_precision_autocast_and_channels_last(cuda_bf16, gpu
     assert c.dtype is {"bf16": torch.bfloat16, "fp16": torch.float16}[want]
 
 
-@pytest.mark.parametrize("native, want", [(True, ("bf16", True)), (False, ("fp32", False))])
+@pytest.mark.parametrize("native, want", [(True, ("bf16", True)), (False, ("fp32", True))])
 def test_auto_on_cpu_depends_on_native_bfloat16(cpu_bf16, native, want):
     cpu_bf16(native)
     c = resolve("auto", "auto", "cpu")

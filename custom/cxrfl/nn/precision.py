@@ -9,7 +9,8 @@ turns them into a :class:`Compute` for the device a site actually has:
   gradient scaler; channels-last.
 - ``auto`` on a CPU with native bfloat16 (AVX-512 BF16 or AMX: Intel Sapphire Rapids and later,
   AMD Zen 4/5): bfloat16 autocast and channels-last (1.9x float32 NCHW measured on Zen 5; see
-  BENCHMARKS.md); on other CPUs float32, NCHW.
+  BENCHMARKS.md); on other CPUs float32, channels-last (issue 44: 1.16x float32 NCHW with PyTorch and
+  oneDNN limited to AVX2, 1.29x with AVX-512; ``benchmarks/cpu_isa_training.py``).
 - ``fp16`` asked for on a CPU falls back to float32 (with a warning): CPU float16 autocast is
   slower than float32 there. ``bf16`` on a CPU without native support is honoured (emulated, slow).
 
@@ -191,8 +192,8 @@ def resolve(precision: str = "auto", channels_last: str | bool = "auto", device:
         precision = "fp32"
     elif precision == "bf16" and not cuda and not fast_cpu:
         _warn_once("precision bf16 on a CPU without native bfloat16 is emulated and slow; consider fp32")
-    if channels_last == "auto":
-        channels_last = cuda or fast_cpu
+    if channels_last == "auto":  # emulated bfloat16 (asked for on a CPU without it) was not measured: NCHW
+        channels_last = cuda or fast_cpu or precision == "fp32"
     return Compute(device=device, precision=precision, channels_last=bool(channels_last))
 
 
