@@ -189,17 +189,16 @@ def _split_problems(table: pd.DataFrame, classes: list[str], expected: tuple[str
             hit = table[c] == value
             if not hit.any() and side == "positive":
                 problems.append(
-                    f"class {c!r} has no positive image at this site; its AUROC cannot be computed and the "
-                    "methods that train a row on this site's own labels leave it out of this site's loss "
-                    "(cxrfl.data.site.untrainable_classes)"
+                    f"class {c!r} has no positive image at this site; its AUROC cannot be computed and every "
+                    "federated method leaves it out of this site's loss (cxrfl.data.site.untrainable_classes)"
                 )
                 break
             if not hit.any():
                 problems.append(
                     f"class {c!r} has no negative image at this site ({int((table[c] == 1.0).sum())} "
                     "labelled, all positive); its head row cannot learn to say no and its AUROC cannot "
-                    "be computed; the methods that train a row on this site's own labels leave it out of "
-                    "this site's loss (cxrfl.data.site.untrainable_classes)"
+                    "be computed; every federated method leaves it out of this site's loss "
+                    "(cxrfl.data.site.untrainable_classes)"
                 )
                 break
             counts = {s: int(hit[table["split"] == s].sum()) for s in present}
