@@ -17,6 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cxrfl.common.cores import available_cores
+
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    # each xdist worker, and the NVFlare processes it starts, gets its share of the cores (set before torch is
+    # imported): two workers with two torch threads each on 2 cores run 5-20x slower than one thread each
+    os.environ["OMP_NUM_THREADS"] = str(max(1, available_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 import torch
 from cxrfl.jobs import JobSpec, job_spec, write_job
 from cxrfl.synth import write_profile
@@ -137,6 +144,62 @@ def names_in(path: Path, names: list[str]) -> list[str]:
                 )
             match = any_spelling.search(text, at + 1)
     return [s for both in spellings for s in both if s.encode() in found]
+
+
+MAX_WORKERS = 4
+"""xdist workers for ``-n auto`` at most: the deployment tests start a server and three sites each."""
+
+SHARED_RUNS = {"test_simulator.py": "surgical_sim", "test_recipes_sim.py": "surgical_sim"}
+"""Modules that read the same session-scoped NVFlare run: one xdist work unit, so the run happens once."""
+
+
+LONGEST_FIRST = ("tests/test_deploy.py", "tests/test_reliability_deploy.py", "surgical_sim")
+"""The work units that take 3-5 minutes (measured with 2 workers, 2026-11-27), started first so that no worker
+begins one when the others are nearly done."""
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per core this process is given (a container's CPU quota included)."""
+    return min(MAX_WORKERS, available_cores())
+
+
+def _unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its module, or the shared run's name for the modules in SHARED_RUNS."""
+    module = nodeid.split("::", 1)[0]
+    return SHARED_RUNS.get(Path(module).name, module)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadscope`` by module, the modules of SHARED_RUNS in one unit: a module's fixtures (an NVFlare
+    run, a deployment) run once, on one worker. (xdist's own ``loadgroup`` does not group on pytest 9.2,
+    whose node ids ignore the group suffix xdist writes.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ModuleScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each work unit's tests together: LONGEST_FIRST, then the other units with slow tests, then the rest, so
+    that the xdist workers finish together (``--no-loadscope-reorder`` keeps this order).
+
+    Runs after pytest-randomly's shuffle (a wrapper); the sort is stable, so the shuffled order stands within
+    each unit and among the slow and among the fast units.
+    """
+    units = [_unit(item.nodeid) for item in items]
+    slow = {u for u, item in zip(units, items, strict=True) if item.get_closest_marker("slow")}
+    first: dict[str, int] = {}
+    for u in units:
+        first.setdefault(u, len(first))
+    rank = {u: LONGEST_FIRST.index(u) if u in LONGEST_FIRST else len(LONGEST_FIRST) + (u not in slow) for u in first}
+    order = sorted(range(len(items)), key=lambda i: (rank[units[i]], first[units[i]]))
+    items[:] = [items[i] for i in order]
 
 
 _SESSION_DIRS: set[Path] = set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -229,10 +230,12 @@ def test_cli_options_reach_the_benchmark(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_smoke_two_formats_one_round(tmp_path):
-    """The whole benchmark, tiny: two-hospitals at 32 px, 1 round of 1 step, unquantized and 8-bit, 1 seed."""
+def test_smoke_two_formats_one_round(tmp_path, monkeypatch):
+    """The whole benchmark, tiny: two-hospitals at 32 px (150 images a site, 100 external), 1 round of 1 step,
+    unquantized and 8-bit, 1 seed."""
     from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, build_model
 
+    monkeypatch.setattr(quantize, "load_profile", partial(quantize.load_profile, n_per_site=150, n_external=100))
     settings = QuantizeBenchSettings(  # the network is not the subject: the benchmark's path and outputs are
         seeds=1, formats=("none", "blockwise8"), rounds=1, patience=1, image_size=32, arch="densenet-tiny", steps=1
     )
