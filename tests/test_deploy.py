@@ -840,22 +840,6 @@ def test_prod_hospital_b_never_sees_hospital_a_only_classes(prod):
     assert leaks([Path(prod["tmp"]) / "data" / "hospital-a"], NIH_ONLY_SPELLINGS)
 
 
-def _runs_in(pid: int, ws: Path) -> bool:
-    """Whether ``pid`` is a live (not zombie) process whose command line names ``ws``.
-
-    A recorded process may exit between two psutil calls, and its pid may be reused by an unrelated
-    process, so "gone", "zombie" and "someone else's pid" all count as stopped.
-    """
-    import psutil
-
-    try:
-        p = psutil.Process(pid)
-        cmd = " ".join(p.cmdline())
-        return p.status() != psutil.STATUS_ZOMBIE and (str(ws) in cmd or str(ws.resolve()) in cmd)
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
-
-
 @pytest.mark.slow
 def test_prod_every_process_is_stopped_and_nothing_written_outside(deployment):
     stop = deployment["stop"]
@@ -864,8 +848,9 @@ def test_prod_every_process_is_stopped_and_nothing_written_outside(deployment):
     assert stop["left_after"] == []
     recorded = json.loads((deployment["ws"] / "cxrfl_processes.json").read_text())
     assert {e["name"] for e in recorded} == {deployment["dep"].server, "hospital-a", "hospital-b"}
-    for e in recorded:
-        assert not _runs_in(e["pid"], deployment["ws"]), e
+    # a recorded pid counts as stopped when it is gone, a zombie, or reused by a process outside the workspace
+    live = {int(line.split(":", 1)[0]) for line in live_processes_under(deployment["ws"])}
+    assert not live & {e["pid"] for e in recorded}, live_processes_under(deployment["ws"])
     assert not (Path(deployment["tmp"]) / "userhome").exists()
 
 
