@@ -32,6 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 TWO = ["hospital-a", "hospital-b"]  # NIH labels at a, CheXpert labels at b
+DEMO = ["site-1", "site-2"]  # the simulator's demo sites: hospital-a's and hospital-b's data
+DEMO_IMAGES = 200
+"""Images per demo site (and of the external set) in the simulator runs of the demo sites: a 20-image
+validation split, so that most classes have a defined validation AUROC."""
 TINY_MODEL = {"arch": "densenet-tiny", "image_size": 32}
 """A job's ``model_config`` changes where the network is not the subject (one job keeps DenseNet121:
 ``tests/test_simulator_baselines.py``'s vanilla_fl run, so the product's 28 MB messages still cross NVFlare)."""
@@ -252,6 +256,15 @@ def two_hospitals(tmp_path_factory) -> Path:
     return data
 
 
+@pytest.fixture(scope="session")
+def demo_env(tmp_path_factory) -> dict[str, str]:
+    """Where the simulator's demo sites find their data: the embedded demo hospitals, generated on first use with
+    ``DEMO_IMAGES`` images each (the external set too) into a session folder; a fresh ``HOME``; no site config."""
+    tmp = session_tmp(tmp_path_factory, "demo")
+    env = {k: v for k, v in os.environ.items() if k not in ("CXRFL_SITE_CONFIG", "CXRFL_SITE_CONFIG_DIR")}
+    return {**env, "CXRFL_DEMO_DIR": str(tmp / "data"), "CXRFL_DEMO_IMAGES": str(DEMO_IMAGES), "HOME": str(tmp)}
+
+
 def _ran(ws: Path, output: str = "") -> dict[str, Any]:
     """A finished run's folders and settings; fails the fixture (with the run's output) where it left no model."""
     if not (app_of(ws) / "FL_global_model.pt").is_file():
@@ -260,29 +273,45 @@ def _ran(ws: Path, output: str = "") -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def surgical_simenv(tmp_path_factory, two_hospitals) -> dict[str, Any]:
-    """SURGICAL as a recipe in NVFlare's SimEnv on ``two_hospitals``: ``ws`` (its workspace), ``app`` (the
-    server's app folder), ``args`` (the job's settings)."""
+def surgical_simenv(tmp_path_factory, demo_env) -> dict[str, Any]:
+    """SURGICAL as a recipe in NVFlare's SimEnv on the demo sites (``demo_env``): ``ws`` (its workspace), ``app``
+    (the server's app folder), ``args`` (the job's settings)."""
     from nvflare.recipe import SimEnv
 
     tmp = session_tmp(tmp_path_factory, "surgical_simenv")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CXRFL_SITE_CONFIG_DIR", str(two_hospitals))
-        mp.setenv("HOME", str(tmp / "home"))
-        SURGICAL.recipe().execute(SimEnv(clients=TWO, num_threads=len(TWO), workspace_root=str(tmp / "sim")))
+        for key in ("CXRFL_SITE_CONFIG", "CXRFL_SITE_CONFIG_DIR"):
+            mp.delenv(key, raising=False)
+        for key in ("CXRFL_DEMO_DIR", "CXRFL_DEMO_IMAGES", "HOME"):
+            mp.setenv(key, demo_env[key])
+        SURGICAL.recipe().execute(SimEnv(clients=DEMO, num_threads=len(DEMO), workspace_root=str(tmp / "sim")))
     return _ran(tmp / "sim" / SURGICAL.name)
 
 
+def readme_demo_command(job: Path, ws: Path) -> str:
+    """The README's first command after its set-up (the simulator run and the report), run with this Python's
+    environment on ``job`` (instead of jobs/surgical_agg) into ``ws``."""
+    first = re.search(r"```bash\n(.*?)\n```", (REPO / "README.md").read_text(), re.S)
+    assert first, "README.md has no bash block"
+    steps = [s for s in first.group(1).split(" && ") if not s.startswith("python3 -m venv") and "pip install" not in s]
+    assert len(steps) == 2 and steps[0].startswith(".venv/bin/nvflare simulator jobs/surgical_agg -w workspace/demo ")
+    assert steps[1].startswith(".venv/bin/cxrfl report workspace/demo "), steps
+    command = " && ".join(steps).replace("jobs/surgical_agg", str(job)).replace("workspace/demo", str(ws))
+    return command.replace(".venv/bin/", f"{Path(sys.executable).parent}/")
+
+
 @pytest.fixture(scope="session")
-def surgical_sim(tmp_path_factory, two_hospitals) -> dict[str, Any]:
-    """SURGICAL's exported job folder (``job``) run as the README runs jobs/surgical_agg, ``nvflare simulator``
-    with a thread per site, on ``two_hospitals``: ``ws``, ``app``, ``args`` as for ``surgical_simenv``."""
+def surgical_sim(tmp_path_factory, demo_env) -> dict[str, Any]:
+    """The README's demo command (``readme_demo_command``: ``nvflare simulator`` with ``-n 2``, whose site-1 and
+    site-2 fall back to the demo data, then ``cxrfl report --external demo``) on SURGICAL's exported job folder
+    (``job``) and ``demo_env``: ``ws``, ``app``, ``args`` as for ``surgical_simenv``, and the command's ``rc`` and
+    ``stdout``."""
     tmp = session_tmp(tmp_path_factory, "surgical_sim")
     job = write_job(SURGICAL, tmp / "exported")
-    env = {**os.environ, "CXRFL_SITE_CONFIG_DIR": str(two_hospitals), "HOME": str(tmp / "home")}
-    cmd = [nvflare_bin(), "simulator", str(job), "-w", str(tmp / "ws"), "-c", ",".join(TWO), "-t", str(len(TWO))]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    return {**_ran(tmp / "ws", f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"), "job": job}
+    cmd = readme_demo_command(job, tmp / "ws")
+    proc = subprocess.run(["bash", "-c", cmd], env=demo_env, cwd=tmp, capture_output=True, text=True, timeout=900)
+    output = f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return {**_ran(tmp / "ws", output), "job": job, "rc": proc.returncode, "stdout": proc.stdout, "output": output}
 
 
 def fedfew_fedavg(server, results, expected, needed, *, reference, task):

@@ -78,6 +78,29 @@ def test_num_workers_auto_is_sized_from_the_cores_and_ints_pass(monkeypatch) -> 
             resolve_workers(bad)
 
 
+def test_a_last_training_batch_of_one_image_is_left_out_so_batchnorm_can_train(tmp_path: Path) -> None:
+    from cxrfl.nn.models import ModelConfig, build_model
+    from cxrfl.nn.training import adam, train_epochs
+
+    (tmp_path / "images").mkdir()
+    for i in range(5):
+        write_png(tmp_path / "images" / f"{i}.png", i % N, size=48)
+    rows = [{"path": str(tmp_path / "images" / f"{i}.png"), "A": float(i % 2)} for i in range(5)]
+
+    def sizes(n: int, train: bool) -> list[int]:
+        loader = make_loader(pd.DataFrame(rows[:n]), ["A"], image_size=16, train=train, batch_size=2)
+        return [len(x) for x in epoch(loader)]
+
+    assert sizes(5, train=True) == [2, 2] and sizes(4, train=True) == [2, 2]  # 5 = 2 + 2 + 1: the 1 is left out
+    assert sizes(5, train=False) == [2, 2, 1]  # evaluation scores every image
+    # DenseNet121 at 48 px ends on a 1x1 map: BatchNorm in training mode cannot take a batch of one image there
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(image_size=48), 1)
+    loader = make_loader(pd.DataFrame(rows), ["A"], image_size=48, train=True, batch_size=2)
+    stats = train_epochs(model, loader, adam(model, 1e-3), torch.device("cpu"))
+    assert stats.images == 4
+
+
 def test_workers_persist_and_prefetch(table: pd.DataFrame) -> None:
     loader = make_loader(table, ["A"], image_size=16, train=False, batch_size=2, num_workers=2)
     assert loader.num_workers == 2 and loader.persistent_workers and loader.prefetch_factor == 2
@@ -452,7 +475,7 @@ def test_loading_benchmark_reports_rates_per_worker_count_and_the_cache_size(tmp
     s = LoadingSettings(
         image_size=32,
         batch_size=2,
-        n_images=3,
+        n_images=4,  # whole batches: a last training batch of one image would be left out
         workers=(0, 1),
         warm_epochs=1,
         model_steps=2,
@@ -469,8 +492,8 @@ def test_loading_benchmark_reports_rates_per_worker_count_and_the_cache_size(tmp
     png = res["formats"]["png"]
     assert set(png["workers"]) == {"0", "1"}
     assert res["model"]["images_per_second"] == 2 * 2 / 0.5  # 2 steps of batch 2
-    for r in png["workers"].values():  # 3 images per epoch
-        assert (r["files"], r["cold"], r["warm"], r["warm_mean"]) == (6.0, 6.0, [6.0], 6.0)
+    for r in png["workers"].values():  # 4 images per epoch
+        assert (r["files"], r["cold"], r["warm"], r["warm_mean"]) == (8.0, 8.0, [8.0], 8.0)
     per_image = png["cache_mb_per_1000_images"] * 1e6 / 1000
     assert 32 * 32 * 4 < per_image < 32 * 32 * 4 + 4096  # one float32 [1, 32, 32] tensor and its file header
     report = "\n".join(format_loading({"loading": res}))

@@ -24,6 +24,7 @@ from cxrfl.common.server import RunAborted, RunStopped
 from cxrfl.data.site import load_site
 from cxrfl.nn.models import HEAD_PREFIX, ModelConfig, load_checkpoint
 from cxrfl.nn.training import EvalResult, TrainConfig
+from cxrfl.report import format_report, load_run
 from cxrfl.surgical.config import SurgicalConfig
 from cxrfl.surgical.head_modes import site_payload
 from cxrfl.surgical.host import SurgicalSiteHost
@@ -185,6 +186,56 @@ def test_no_finite_validation_loss_keeps_the_last_model(sites, tmp_path):
     res = run_surgical(scripted(sites, tmp_path, {0: math.nan, 1: math.nan}), settings(num_rounds=1), out)
     assert res.best_round == 1
     assert_same_model(out / "best_FL_global_model.pt", out / "FL_global_model.pt")
+
+
+class FakeClock:
+    """The server's clock (``time`` in :mod:`cxrfl.surgical.server`): it moves only when a site trains."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+
+def test_a_time_budget_starts_no_round_that_would_end_after_it(sites, tmp_path, monkeypatch):
+    import cxrfl.surgical.server as server_module
+
+    clock = FakeClock()
+    monkeypatch.setattr(server_module, "time", clock)
+
+    def runs(budget, out):  # each train task (warm-up or round) takes 10 s of the clock: 20 s per round
+        hosts = scripted(sites, tmp_path / out.name, {r: 1.0 - r / 10 for r in range(9)})
+        for host in hosts.values():
+            handle = host.handle
+            host.handle = lambda task, p, m, handle=handle: (
+                setattr(clock, "now", clock.now + (10 if task == "train" else 1)),
+                handle(task, p, m),
+            )[1]
+        lines: list[str] = []
+        clock.now = 0.0
+        return run_surgical(hosts, settings(num_rounds=6, time_budget=budget), out, info=lines.append), lines
+
+    # warm-up ends at 20 s; rounds 1 and 2 end at 40 and 60 s; round 3 would end at 80 s > 75 s
+    res, lines = runs(75, tmp_path / "budget")
+    assert [r["round"] for r in train_records(tmp_path / "budget")] == [1, 2]
+    assert not res.outcome.stopped_early and res.rounds == 2 and res.best_round == 2  # scored by a validate task
+    assert [r["phase"] for r in read_records(tmp_path / "budget" / "cxrfl" / "rounds.jsonl")][-1] == "validate"
+    assert [line for line in lines if "time budget" in line] == [
+        "time budget: round 3 would end after time_budget=75s (60s spent, the slowest round took 20s); no more "
+        "rounds, the last model is scored and the best selected"
+    ]
+    budget = [r for r in read_records(tmp_path / "budget" / "cxrfl" / "rounds.jsonl") if r["phase"] == "time_budget"]
+    assert [(r["round"], r["time_budget"], r["seconds"]) for r in budget] == [(3, 75, 60)]
+    assert "run: 2 round(s) (then the time budget of 75s was spent); the best model is the last one scored" in (
+        format_report(load_run(tmp_path / "budget"), None, workspace=str(tmp_path / "budget"))
+    )
+    res, lines = runs(80, tmp_path / "exact")  # a round that would end on the budget still runs
+    assert res.rounds == 3
+    res, lines = runs(None, tmp_path / "none")  # no budget: every round
+    assert res.rounds == 6 and not any("time budget" in line for line in lines)
 
 
 # ------------------------------------------------------------------ warm-up

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from cxrfl.data.labels import CHEXPERT_CLASSES, KNOWN_CLASSES, NIH_CLASSES, NIH_COLUMN_NAMES
+from cxrfl.data.site import load_site
 from cxrfl.data.site_config import load_site_config
 from cxrfl.errors import ConfigError
 from cxrfl.synth import PROFILES, SHARED_CLASSES, demo_site_config, render_cxr, sample_cohort, write_profile
@@ -278,8 +279,6 @@ def test_site_configs_are_valid(demo: Path) -> None:
 
 
 def test_load_site_reads_every_site_with_its_classes(demo: Path, tmp_path: Path) -> None:
-    from cxrfl.data.site import load_site
-
     sites = {name: load_site(demo / f"{name}.yaml") for name in ("hospital-a", "hospital-b", "external")}
     assert set(sites["hospital-a"].classes) == set(NIH_CLASSES)
     assert set(sites["hospital-b"].classes) == set(CHEXPERT_CLASSES)
@@ -303,6 +302,20 @@ def test_demo_site_config_maps_nvflare_names(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown demo profile"):
         demo_site_config("site-1", root=tmp_path, profile="nope")
     assert set(PROFILES) >= {"two-hospitals", "two-hospitals-shared"}
+
+
+def test_cxrfl_demo_images_sizes_every_demo_site_and_names_itself_when_bad(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("CXRFL_DEMO_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXRFL_DEMO_IMAGES", "7")
+    for site in ("site-1", "external"):
+        cfg = demo_site_config(site, image_size=32)
+        assert cfg.parent == tmp_path / "cache" / "two-hospitals-n7-s32-seed0"  # its own folder: no mix of sizes
+        assert len(load_site(cfg).table) == 7
+    assert len(load_site(demo_site_config("site-1", root=tmp_path / "own", n_per_site=5, image_size=32)).table) == 5
+    for bad in ("0", "-3", "many", "2.5"):
+        monkeypatch.setenv("CXRFL_DEMO_IMAGES", bad)
+        with pytest.raises(ConfigError, match=rf"\$CXRFL_DEMO_IMAGES='{re.escape(bad)}': set it to a whole number"):
+            demo_site_config("site-2", image_size=32)
 
 
 def test_demo_site_config_is_safe_from_two_processes(tmp_path: Path) -> None:

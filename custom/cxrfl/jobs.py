@@ -113,6 +113,8 @@ class JobSpec:
         }
         if self.controller == FEDFEW:
             args["min_results"] = args.pop("min_clients", 1)
+        elif self.controller == CWT and "min_sites" in args:  # the workflow's name; the recipe's is min_results
+            args["min_results"] = args.pop("min_sites")
         elif self.controller == SURGICAL and args.pop("min_clients", self.min_clients) != self.min_clients:
             raise ConfigError(
                 f"{self.name}: min_clients {self.min_clients} (sites to start) and the workflow's "
@@ -194,6 +196,11 @@ DEMO_MODEL = ModelConfig(image_size=64)
 DEMO_TRAIN = TrainConfig(lr=1e-3, warmup_lr=5e-3, warmup_epochs=2, local_epochs=1, batch_size=32)
 """CPU demo setting: from-scratch learning rates, short warm-up."""
 
+DEMO_TIME_BUDGET = 450.0
+"""The README demo's seconds for the sites' data, the warm-up and the rounds: with the simulator's start, the
+final evaluation and ``cxrfl report`` the first command ends within 10 minutes on a 2-core CPU without
+native bfloat16 (BENCHMARKS.md, README demo run); a fast CPU ends on ``patience`` first."""
+
 CLINICAL_MODEL = ModelConfig(image_size=224)
 """The papers' clinical input size; no pretrained weights (none can be downloaded here)."""
 
@@ -225,8 +232,8 @@ JOBS: tuple[JobSpec, ...] = (
     JobSpec(
         name="surgical_agg",
         controller=SURGICAL,
-        controller_args=surgical_args(DEMO_MODEL, DEMO_TRAIN, num_rounds=20, patience=3),
-        description="Surgical aggregation (FedAvg feature extractor), CPU-sized demo settings",
+        controller_args=surgical_args(DEMO_MODEL, DEMO_TRAIN, num_rounds=20, patience=3, time_budget=DEMO_TIME_BUDGET),
+        description="Surgical aggregation (FedAvg feature extractor), CPU-sized demo settings within a time budget",
     ),
     JobSpec(
         name="surgical_agg_fedbn",

@@ -117,13 +117,14 @@ def _stop_reason(rounds: Sequence[Mapping[str, Any]], curve: Sequence[Mapping[st
         return f"stopped: {stopped[-1].get('reason', 'see the log')}"
     trained = [r["round"] for r in rounds if r.get("phase") == "train" and r.get("aggregated")]
     last = max(trained, default=0)
+    budget = [r["time_budget"] for r in rounds if r.get("phase") == "time_budget"]
+    ran = f"{last} round(s)" + (f" (then the time budget of {budget[-1]:g}s was spent)" if budget else "")
     after_best = (curve[-1]["model"] - best) if curve and best is not None else 0
     if curve and after_best > 0 and curve[-1]["model"] >= last:
-        return (
-            f"{last} round(s); the validation loss did not improve in the last {after_best} scored model(s): "
-            "it has flattened"
-        )
-    return f"{last} round(s); the best model is the last one scored (the loss may still fall: more rounds could help)"
+        if budget:  # stopped by the clock, not by patience: a flat stretch this short proves nothing
+            return f"{ran}; the last {after_best} scored model(s) did not improve on the selected one"
+        return f"{ran}; the validation loss did not improve in the last {after_best} scored model(s): it has flattened"
+    return f"{ran}; the best model is the last one scored (the loss may still fall: more rounds could help)"
 
 
 def site_classes(evaluation: Mapping[str, Any]) -> dict[str, list[str]]:

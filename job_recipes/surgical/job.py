@@ -30,6 +30,13 @@ def define_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--patience", type=int, default=SETTINGS["patience"], help="rounds without improvement before stopping"
     )
+    p.add_argument(
+        "--time_budget",
+        type=float,
+        default=SETTINGS["time_budget"],
+        help="seconds for the sites' data, the warm-up and the rounds; no round starts that would end after it "
+        "(0: no budget)",
+    )
     p.add_argument("--head_mode", choices=HEAD_MODES, default=SETTINGS["head_mode"])
     p.add_argument("--missing", choices=MISSING_POLICIES, default=SETTINGS["missing"])
     p.add_argument("--batchnorm", choices=BATCHNORM_MODES, default=SETTINGS["batchnorm"])
@@ -58,6 +65,7 @@ def main() -> None:
         missing=args.missing,
         batchnorm=args.batchnorm,
         patience=args.patience,
+        time_budget=args.time_budget or None,
         task_timeout=SETTINGS["task_timeout"],
         num_threads=args.num_threads,
         tracking=args.tracking,

@@ -206,6 +206,9 @@ def make_loader(
         batch_size=batch_size,
         shuffle=train and sampler is None,
         sampler=sampler,
+        # a last training batch of one image cannot train BatchNorm where the last feature map is 1x1 (48 px
+        # inputs): it is left out, a different image each shuffled epoch
+        drop_last=train and len(sampler if sampler is not None else dataset) % batch_size == 1,
         num_workers=workers,
         generator=torch.Generator().manual_seed(seed),
         collate_fn=torch.utils.data.default_collate,

@@ -62,6 +62,10 @@ class SurgicalConfig(Config):
             reporting about the count of its first accepted result (its split is fixed).
         patience: rounds without improvement of the mean validation loss before stopping.
         min_delta: improvement smaller than this does not count.
+        time_budget: seconds the warm-up and the rounds may take, counted from the run's start; no
+            round starts that would, at the pace of the slowest round so far, end after it. The last
+            model is then scored and the best selected as usual. null: no budget (rounds stop on
+            ``patience`` or ``num_rounds``).
         min_clients_timeout: seconds without a completed round (fewer than ``min_clients`` valid
             results: the round is run again) before the run stops with the reason.
         retry_pause: seconds between two attempts at a round.
@@ -94,6 +98,7 @@ class SurgicalConfig(Config):
     max_num_samples: int = field(default=MAX_NUM_SAMPLES, metadata={"ge": 1})
     patience: int = field(default=5, metadata={"ge": 1})
     min_delta: float = field(default=1e-4, metadata={"ge": 0})
+    time_budget: float | None = field(default=None, metadata={"gt": 0})
     min_clients_timeout: float = field(default=600, metadata={"ge": 0})
     retry_pause: float = field(default=10, metadata={"ge": 0})
     resume_from: str | None = None

@@ -19,7 +19,9 @@ tests (:mod:`cxrfl.surgical.inprocess`) run this same loop. Sites answer with
    scored in round r + 1 by the mean of the sites' validation BCE; the best is the lowest, the
    run stops after ``patience`` rounds without an improvement of ``min_delta``. A run that ends
    without stopping early also scores its last model (a ``validate`` task on the validation
-   splits), so the last round can be selected too.
+   splits), so the last round can be selected too. With a ``time_budget`` no round starts that
+   would end after it (at the pace of the slowest round so far): a run on a slow machine ends on
+   time with the best model it reached.
 4. Evaluation of the selected model on every site's test split (``validate`` tasks; with local
    heads each site uses its own head of the selected round) and on an external test set
    (:mod:`cxrfl.surgical.evaluation`).
@@ -38,7 +40,7 @@ Written under ``out_dir`` (the server's app folder in a job):
 
 - ``FL_global_model.pt``: the latest global model (a self-describing cxrfl checkpoint);
 - ``best_FL_global_model.pt``: the selected global model (lowest mean validation loss);
-- ``cxrfl/rounds.jsonl``: one record per warm-up, round attempt and final validation (sites,
+- ``cxrfl/rounds.jsonl``: one record per warm-up, round attempt, time-budget stop and final validation (sites,
   contributors per class, rejections, per-site metrics, the evaluated model's mean validation
   loss and AUROC); ``cxrfl/checkpoints/round_NNN.pt`` when kept (a hard link to that round's
   ``FL_global_model.pt``);
@@ -135,6 +137,8 @@ class SurgicalServer(ServerLoop):
         self.aggregator: RoundAggregator | None = None
         self.tasks: SiteTasks | None = None
         self.expected: dict[str, tuple[int, ...]] = {}
+        self.started = time.monotonic()
+        self.slowest_round = 0.0
 
     # ------------------------------------------------------------------ run
     def run(self) -> SurgicalOutcome:
@@ -152,6 +156,7 @@ class SurgicalServer(ServerLoop):
         if cfg.rate_warning():
             self.warning(cfg.rate_warning())
         self.write_run_config(cfg.to_dict())
+        self.started = time.monotonic()
         self._prepare()
         state = self.state = self._resume() if self.resume_from else self._warmup()
         shared = shared_classes(state.announced)
@@ -301,6 +306,8 @@ class SurgicalServer(ServerLoop):
         """Rounds until ``num_rounds`` or early stopping (True); a failed round is run again."""
         rnd = state.round + 1
         while rnd <= self.config.num_rounds and not state.stopper.should_stop:
+            if self._out_of_time(rnd):
+                break
             waiting, joins = waiting_sites(self.sites, state.announced), {}
             record = self._round(state, rnd, waiting, joins)
             self._join(state, rnd, waiting, joins)
@@ -316,6 +323,20 @@ class SurgicalServer(ServerLoop):
             )
             return True
         return False
+
+    def _out_of_time(self, rnd: int) -> bool:
+        """Whether round ``rnd`` would end after ``time_budget`` (logged and recorded once, when it does)."""
+        budget = self.config.time_budget
+        elapsed = time.monotonic() - self.started
+        if budget is None or elapsed + self.slowest_round <= budget:
+            return False
+        line = (
+            f"time budget: round {rnd} would end after time_budget={budget:g}s ({elapsed:.0f}s spent, the slowest "
+            f"round took {self.slowest_round:.0f}s); no more rounds, the last model is scored and the best selected"
+        )
+        self.info(line)
+        self.record({"round": rnd, "phase": "time_budget", "time_budget": budget, "seconds": elapsed, "reason": line})
+        return True
 
     def _round(
         self, state: RunState, rnd: int, waiting: Sequence[str] = (), joins: dict[str, Message] | None = None
@@ -363,6 +384,8 @@ class SurgicalServer(ServerLoop):
                 f"({time.perf_counter() - start:.1f}s)"
             )
         record["seconds"] = time.perf_counter() - start
+        if result is not None:
+            self.slowest_round = max(self.slowest_round, record["seconds"])
         self.record(record)  # after the resume state: a recorded round is a round a resumed run does not redo
         return record
 

@@ -400,6 +400,24 @@ def write_profile(
     return paths
 
 
+DEMO_IMAGES_ENV = "CXRFL_DEMO_IMAGES"
+"""Images per demo site when a caller names no number (default: the profile's own): a smaller demo."""
+
+
+def demo_images() -> int | None:
+    """``$CXRFL_DEMO_IMAGES`` as a number of images per demo site (None where unset).
+
+    Raises:
+        ConfigError: it is set but not a whole number >= 1.
+    """
+    value = os.environ.get(DEMO_IMAGES_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"${DEMO_IMAGES_ENV}={value!r}: set it to a whole number of images >= 1 or unset it")
+    return int(value)
+
+
 def default_demo_root(profile: str, n_per_site: int | None, image_size: int | None, seed: int) -> Path:
     """Where :func:`demo_site_config` writes: ``$CXRFL_DEMO_DIR`` (default ``~/.cache/cxrfl/demo``)
     / ``<profile>-n<N>-s<S>-seed<K>``."""
@@ -427,13 +445,14 @@ def demo_site_config(
         site: the site name or ``site-N``.
         root: output folder (default: :func:`default_demo_root`).
         profile: demo profile.
-        n_per_site: images per site (default: the profile's numbers).
+        n_per_site: images per site (default: ``$CXRFL_DEMO_IMAGES``, else the profile's numbers).
         image_size: image width in pixels (default 128).
         seed: random seed.
 
     Raises:
-        ConfigError: unknown profile or site name.
+        ConfigError: unknown profile or site name, or a bad ``$CXRFL_DEMO_IMAGES``.
     """
     spec = get_profile(profile).resolve(site)
+    n_per_site = n_per_site or demo_images()
     root = Path(root) if root is not None else default_demo_root(profile, n_per_site, image_size, seed)
     return write_profile(profile, root, n_per_site=n_per_site, image_size=image_size, seed=seed, sites=[spec.name])[0]
