@@ -163,13 +163,14 @@ begins one when the others are nearly done."""
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one worker more than the cores this process is given (a container's CPU quota included).
+    """``-n auto``: two workers more than the cores this process is given (a container's CPU quota included).
 
     With one worker per core the 2-core machine was busy 64 % of the time (user + sys over wall, 2026-11-27):
     the deployment tests wait on NVFlare (task timeouts, scheduling, process starts). A third worker filled
-    that (14.0 -> 12.1 minutes); every worker's torch runs one thread, so no core is oversubscribed by threads.
+    that (14.0 -> 12.1 minutes); a fourth: see the README. Every worker's torch runs one thread, so no core is
+    oversubscribed by threads.
     """
-    return min(MAX_WORKERS, available_cores() + 1)
+    return min(MAX_WORKERS, available_cores() + 2)
 
 
 def _unit(nodeid: str) -> str:
