@@ -157,8 +157,12 @@ SHARED_RUNS = {"test_simulator.py": "surgical_sim", "test_recipes_sim.py": "surg
 """Modules that read the same session-scoped NVFlare run: one xdist work unit, so the run happens once."""
 
 
-LONGEST_FIRST = ("tests/test_deploy.py", "tests/test_reliability_deploy.py", "surgical_sim")
-"""The work units that take 3-5 minutes (measured with 2 workers, 2026-11-27), started first so that no worker
+SPLIT_UNITS = {("test_deploy.py", "test_poc_"): "poc_deployment"}
+"""Tests of a module that read a module fixture of their own (``test_deploy.py``'s POC deployment, beside its
+provisioned one): their own work unit, so that the two deployments run side by side."""
+
+LONGEST_FIRST = ("tests/test_deploy.py", "tests/test_reliability_deploy.py", "surgical_sim", "poc_deployment")
+"""The work units that take 2-6 minutes (measured with 2-4 workers, 2026-11-27), started first so that no worker
 begins one when the others are nearly done."""
 
 
@@ -174,8 +178,12 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def _unit(nodeid: str) -> str:
-    """The xdist work unit of a test: its module, or the shared run's name for the modules in SHARED_RUNS."""
-    module = nodeid.split("::", 1)[0]
+    """The xdist work unit of a test: its module, the shared run's name for the modules in SHARED_RUNS, or the
+    unit SPLIT_UNITS gives its name."""
+    module, _, name = nodeid.partition("::")
+    for (file, prefix), unit in SPLIT_UNITS.items():
+        if Path(module).name == file and name.startswith(prefix):
+            return unit
     return SHARED_RUNS.get(Path(module).name, module)
 
 
