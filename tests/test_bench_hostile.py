@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cxrfl.bench.hostile import CLAIMED, HostileBenchSettings, HostileHost, format_report, summarise
+from cxrfl.bench.hostile import CLAIMED, HostileBenchSettings, HostileHost, format_report, robust_effects, summarise
 from cxrfl.errors import ConfigError
 
 
@@ -105,3 +105,75 @@ def test_a_run_the_attack_stops_is_recorded_and_scored_not_fatal(tmp_path, monke
         }
     )
     assert "1 of 1 stopped" in report
+
+
+def _runs(table):
+    return {
+        f"{attack}/{robust}/{seed}": {
+            "attack": attack,
+            "robust": robust,
+            "seed": seed,
+            "mean_auroc": auroc,
+            "rejected": 0,
+            "best_round": 3,
+            "rounds": 6,
+            "seconds": 60.0,
+        }
+        for (attack, robust), aurocs in table.items()
+        for seed, auroc in enumerate(aurocs)
+    }
+
+
+def test_robust_options_are_compared_with_none_paired_by_seed_and_holm_adjusted():
+    from scipy import stats
+
+    table = {
+        ("none", "none"): [0.70, 0.72, 0.68],
+        ("none", "median"): [0.69, 0.70, 0.69],  # -0.01, -0.02, +0.01
+        ("scale", "none"): [0.50, 0.49, 0.51],
+        ("scale", "median"): [0.68, 0.65, 0.71],  # +0.18, +0.16, +0.20
+    }
+    settings = HostileBenchSettings(seeds=3, attacks=("none", "scale"), robust=("none", "median"))
+    results = {"settings": vars(settings), "profile": "p", "hostile": "site-1", "runs": _runs(table)}
+    effects = robust_effects(results)
+    p_none = stats.ttest_rel([0.69, 0.70, 0.69], [0.70, 0.72, 0.68]).pvalue
+    p_scale = stats.ttest_rel([0.68, 0.65, 0.71], [0.50, 0.49, 0.51]).pvalue
+    assert p_scale < p_none
+    assert effects["scale/median"]["difference"] == pytest.approx(0.18)
+    assert effects["none/median"]["difference"] == pytest.approx(-0.02 / 3)
+    # Holm by hand: the smaller p times 2; the larger times 1, never below the first
+    assert effects["scale/median"]["holm_p"] == pytest.approx(2 * p_scale)
+    assert effects["none/median"]["holm_p"] == pytest.approx(max(p_none, 2 * p_scale))
+    assert effects["scale/median"]["detectable"] > 0
+    report = format_report(results)
+    assert "| scale | median | +0.180 (+0.180, +0.160, +0.200) | " in report
+    assert "| none | median | 2 | 0.690 | 3 / 6 | 0 | 1.0 | ? |" in report  # every run, with its machine
+
+
+def test_attacks_that_reach_the_model_run_for_every_seed_first_each_run_stamped(tmp_path, monkeypatch):
+    # a benchmark resumed over sessions first decides the robust options (none, scale, sign), then repeats
+    # the four-site runs of the attacks validation rejects (nan, count); each run records its machine
+    import cxrfl.bench.hostile as hostile
+
+    data = type("Data", (), {"profile": "p", "notes": [], "sites": [type("Site", (), {"site": "site-1"})()]})()
+    monkeypatch.setattr(hostile, "load_profile", lambda *a, **k: (data, {}))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    order = []
+
+    def run_one(settings, data, tests, attack, robust, seed, work, *, warmups):
+        order.append((attack, robust, seed))
+        return {"attack": attack, "robust": robust, "seed": seed, "mean_auroc": 0.6, "rejected": 0, "best_round": 1}
+
+    monkeypatch.setattr(hostile, "_run_one", run_one)
+    settings = HostileBenchSettings(seeds=2, attacks=("none", "nan", "sign"), robust=("none", "clip"))
+    results = hostile.run_hostile(settings, tmp_path, log=lambda _: None)
+    assert order == [
+        *[(a, r, 0) for a in ("none", "sign") for r in ("none", "clip")],
+        *[(a, r, 1) for a in ("none", "sign") for r in ("none", "clip")],
+        ("nan", "none", 0),
+        ("nan", "clip", 0),
+        ("nan", "none", 1),
+        ("nan", "clip", 1),
+    ]
+    assert all(run["machine"]["cpu_capability"] and run["code"]["commit"] for run in results["runs"].values())
+    assert "| nan | clip | 1 | 0.600 | 1 / None |" in (tmp_path / "report.md").read_text()

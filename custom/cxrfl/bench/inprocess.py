@@ -180,12 +180,13 @@ def run_pending(
 ) -> None:
     """Run each planned run whose key ``results["runs"]`` lacks; record and save each as it finishes.
 
-    An interrupted benchmark resumes with the runs not saved yet. Each run is stamped with the code that
-    ran it (a run resumed in a later session may run other code) and logged as one line with the time.
+    An interrupted benchmark resumes with the runs not saved yet. Each run is stamped with the code and
+    the machine that ran it (a run resumed in a later session may run other code, on another CPU) and
+    logged as one line with the time.
 
     Args:
         path: ``results.json``.
-        results: :func:`open_results`' results, with :func:`provenance`'s ``code``.
+        results: :func:`open_results`' results, with :func:`provenance`'s ``code`` and ``machine``.
         plan: (key, run) in order; a generator may set up what a group of runs shares as it goes.
         describe: a finished run's log line (after its elapsed time).
         log: progress callback.
@@ -198,7 +199,7 @@ def run_pending(
             if key in results["runs"]:
                 continue
             run = run_one(work)
-            run["code"] = results["code"]
+            run["code"], run["machine"] = results["code"], results.get("machine")
             results["runs"][key] = run
             save_results(path, results)
             log(f"[{time.perf_counter() - start:7.0f}s] {describe(run)}")
