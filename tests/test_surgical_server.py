@@ -189,7 +189,8 @@ def test_no_finite_validation_loss_keeps_the_last_model(sites, tmp_path):
 
 
 class FakeClock:
-    """The server's clock (``time`` in :mod:`cxrfl.surgical.server`): it moves only when a site trains."""
+    """The server's clock (``time`` in :mod:`cxrfl.surgical.server` and :mod:`cxrfl.common.server`): it moves only
+    when a site trains."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -201,10 +202,12 @@ class FakeClock:
 
 
 def test_a_time_budget_starts_no_round_that_would_end_after_it(sites, tmp_path, monkeypatch):
+    import cxrfl.common.server as loop_module
     import cxrfl.surgical.server as server_module
 
     clock = FakeClock()
-    monkeypatch.setattr(server_module, "time", clock)
+    monkeypatch.setattr(server_module, "time", clock)  # round lengths
+    monkeypatch.setattr(loop_module, "time", clock)  # the budget's clock (no retry here: nothing sleeps)
 
     def runs(budget, out):  # each train task (warm-up or round) takes 10 s of the clock: 20 s per round
         hosts = scripted(sites, tmp_path / out.name, {r: 1.0 - r / 10 for r in range(9)})

@@ -1,4 +1,4 @@
-"""What every transport-free server loop shares: output files, resuming, sending, aborting, retrying.
+"""What every transport-free server loop shares: output files, resuming, sending, aborting, retrying, time.
 
 A method's server (:class:`cxrfl.surgical.server.SurgicalServer`, :class:`cxrfl.cwt.server.CWTServer`,
 :class:`cxrfl.fedfew.server.FedFewServer`) derives from :class:`ServerLoop`. It talks to the
@@ -83,6 +83,33 @@ class RetryClock:
         end = time.monotonic() + self.pause
         while time.monotonic() < end and not aborted():
             time.sleep(min(0.2, max(end - time.monotonic(), 0)))
+
+
+class TimeBudget:
+    """Whether one more step (a round) fits a time budget, judged at the pace of the slowest step so far.
+
+    Args:
+        seconds: the budget, counted from :meth:`start` (None: no budget).
+    """
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.started = time.monotonic()
+        self.slowest = 0.0
+
+    def start(self) -> None:
+        """Start counting (the run's start)."""
+        self.started = time.monotonic()
+
+    def took(self, seconds: float) -> None:
+        """Note the length of a completed step."""
+        self.slowest = max(self.slowest, seconds)
+
+    def overrun(self) -> float | None:
+        """The seconds spent when a step as slow as the slowest so far would end after the budget, else None
+        (a step that would end exactly on the budget still fits)."""
+        elapsed = time.monotonic() - self.started
+        return None if self.seconds is None or elapsed + self.slowest <= self.seconds else elapsed
 
 
 class ServerLoop:

@@ -1,54 +1,39 @@
 """The server of surgical aggregation and its baselines, over any transport.
 
-:class:`SurgicalServer` talks to the sites only through ``send`` (:mod:`cxrfl.common.transport`):
-the NVFlare workflow (:class:`cxrfl.fl.surgical.SurgicalAggregation`), the benchmark and the
-tests (:mod:`cxrfl.surgical.inprocess`) run this same loop. Sites answer with
-:class:`cxrfl.surgical.host.SurgicalSiteHost`.
+:class:`SurgicalServer` talks to the sites only through ``send`` (:mod:`cxrfl.common.transport`); the
+NVFlare workflow (:class:`cxrfl.fl.surgical.SurgicalAggregation`), the benchmarks and the tests
+(:mod:`cxrfl.surgical.inprocess`) run this same loop. Sites answer with :class:`cxrfl.surgical.host.SurgicalSiteHost`.
 
-1. Head warm-up (round 0): every site trains the head rows of its own classes on the initial
-   feature extractor and announces its classes with them; the rows are stitched into the global
-   head. A site without a valid warm-up (failed, timed out, down) gets it again in every round's
-   exchange and joins after the round in which it answers (:mod:`cxrfl.surgical.join`; a
-   ``join`` record; model selection starts again, since earlier models lack its classes).
+1. Head warm-up (round 0): every site trains the head rows of its own classes on the initial feature
+   extractor and announces its classes with them; the rows are stitched into the global head. A site
+   without a valid warm-up gets it again in every round's exchange and joins after the round in which
+   it answers (:mod:`cxrfl.surgical.join`; a ``join`` record; model selection starts again).
 2. Federated rounds: each site receives the feature extractor and only the head rows of its own
-   classes (one task per site; never a name of another site's classes), evaluates the received
-   model on its validation split, trains, and answers; results are validated (one rejection
-   line each) and aggregated by :class:`cxrfl.surgical.round_aggregator.RoundAggregator`. The
-   baselines differ only in ``head_mode`` (:mod:`cxrfl.surgical.head_modes`).
-3. Model selection (:class:`cxrfl.common.selection.EarlyStopping`): the model of round r is
-   scored in round r + 1 by the mean of the sites' validation BCE; the best is the lowest, the
-   run stops after ``patience`` rounds without an improvement of ``min_delta``. A run that ends
-   without stopping early also scores its last model (a ``validate`` task on the validation
-   splits), so the last round can be selected too. With a ``time_budget`` no round starts that
-   would end after it (at the pace of the slowest round so far): a run on a slow machine ends on
-   time with the best model it reached.
-4. Evaluation of the selected model on every site's test split (``validate`` tasks; with local
-   heads each site uses its own head of the selected round) and on an external test set
-   (:mod:`cxrfl.surgical.evaluation`).
+   classes (never a name of another site's classes), evaluates the received model on its validation
+   split, trains and answers; results are validated (one rejection line each) and aggregated by
+   :class:`cxrfl.surgical.round_aggregator.RoundAggregator`. The baselines differ only in ``head_mode``.
+3. Model selection (:class:`cxrfl.common.selection.EarlyStopping`): the model of round r is scored in
+   round r + 1 by the mean of the sites' validation BCE; the lowest is selected; the run stops after
+   ``patience`` rounds without an improvement of ``min_delta``. A run that does not stop early scores
+   its last model with a ``validate`` task. With a ``time_budget`` no round starts that would end after
+   it (at the pace of the slowest round so far).
+4. Evaluation of the selected model on every site's test split (local heads: each site's own head of
+   the selected round) and on an external test set (:mod:`cxrfl.surgical.evaluation`).
 
-Faults: a round with fewer than ``min_clients`` valid results (sites failed, timed out, or sent
-malformed results; or an aggregation error such as an overflow) keeps the previous global model
-and is run again after ``retry_pause`` seconds, until ``min_clients_timeout`` seconds have passed
-without a completed round: then the run stops with the reason (:class:`RunStopped`). After the
-warm-up and every completed round the state needed to go on is saved
-(:class:`cxrfl.common.resume.ResumeStore`: the round, classes, selection and curve, with links to
-the two checkpoints below rather than the models again); ``resume_from`` continues an interrupted run from its
-last completed round with its weights (mismatched settings are refused). An abort
-(:class:`RunAborted`) writes nothing more.
+Faults: a round with fewer than ``min_clients`` valid results (failed, timed out or malformed; or an
+aggregation error) keeps the previous global model and is run again after ``retry_pause`` seconds,
+until ``min_clients_timeout`` seconds pass without a completed round: then :class:`RunStopped` says
+why. After the warm-up and every completed round the state to go on from is saved
+(:class:`cxrfl.common.resume.ResumeStore`, linking the checkpoints below); ``resume_from`` continues
+from the last completed round (mismatched settings are refused). An abort (:class:`RunAborted`)
+writes nothing more.
 
-Written under ``out_dir`` (the server's app folder in a job):
-
-- ``FL_global_model.pt``: the latest global model (a self-describing cxrfl checkpoint);
-- ``best_FL_global_model.pt``: the selected global model (lowest mean validation loss);
-- ``cxrfl/rounds.jsonl``: one record per warm-up, round attempt, time-budget stop and final validation (sites,
-  contributors per class, rejections, per-site metrics, the evaluated model's mean validation
-  loss and AUROC); ``cxrfl/checkpoints/round_NNN.pt`` when kept (a hard link to that round's
-  ``FL_global_model.pt``);
-- ``cxrfl/evaluation.json``: the selected model on every site's test split and the external set;
-- ``cxrfl/run_config.json``: the settings of this run.
-
-Model-sized writes per completed round: one (``FL_global_model.pt``), two when the scored model is
-the new best (``best_FL_global_model.pt``); the resume state and the round's checkpoint are links.
+Written under ``out_dir`` (the server's app folder in a job): ``FL_global_model.pt`` (the latest
+global model, one model-sized write per round), ``best_FL_global_model.pt`` (the selected one),
+``cxrfl/rounds.jsonl`` (one record per warm-up, round attempt, join, time-budget stop and final
+validation: sites, contributors per class, rejections, per-site metrics, mean validation loss and
+AUROC), ``cxrfl/checkpoints/round_NNN.pt`` when kept (hard links), ``cxrfl/evaluation.json`` and
+``cxrfl/run_config.json``.
 """
 
 from __future__ import annotations
@@ -64,7 +49,7 @@ import torch
 
 from cxrfl.common.io import link_or_copy, to_numpy
 from cxrfl.common.selection import EarlyStopping
-from cxrfl.common.server import BEST_MODEL, CHECKPOINTS, GLOBAL_MODEL, RECORDS_DIR, RetryClock, ServerLoop
+from cxrfl.common.server import BEST_MODEL, CHECKPOINTS, GLOBAL_MODEL, RECORDS_DIR, RetryClock, ServerLoop, TimeBudget
 from cxrfl.common.transport import Message, Send
 from cxrfl.errors import CxrflError
 from cxrfl.nn.evaluation import shared_classes
@@ -137,8 +122,7 @@ class SurgicalServer(ServerLoop):
         self.aggregator: RoundAggregator | None = None
         self.tasks: SiteTasks | None = None
         self.expected: dict[str, tuple[int, ...]] = {}
-        self.started = time.monotonic()
-        self.slowest_round = 0.0
+        self.budget = TimeBudget(config.time_budget)
 
     # ------------------------------------------------------------------ run
     def run(self) -> SurgicalOutcome:
@@ -156,7 +140,7 @@ class SurgicalServer(ServerLoop):
         if cfg.rate_warning():
             self.warning(cfg.rate_warning())
         self.write_run_config(cfg.to_dict())
-        self.started = time.monotonic()
+        self.budget.start()
         self._prepare()
         state = self.state = self._resume() if self.resume_from else self._warmup()
         shared = shared_classes(state.announced)
@@ -326,13 +310,12 @@ class SurgicalServer(ServerLoop):
 
     def _out_of_time(self, rnd: int) -> bool:
         """Whether round ``rnd`` would end after ``time_budget`` (logged and recorded once, when it does)."""
-        budget = self.config.time_budget
-        elapsed = time.monotonic() - self.started
-        if budget is None or elapsed + self.slowest_round <= budget:
+        budget, elapsed = self.budget.seconds, self.budget.overrun()
+        if elapsed is None:
             return False
         line = (
             f"time budget: round {rnd} would end after time_budget={budget:g}s ({elapsed:.0f}s spent, the slowest "
-            f"round took {self.slowest_round:.0f}s); no more rounds, the last model is scored and the best selected"
+            f"round took {self.budget.slowest:.0f}s); no more rounds, the last model is scored and the best selected"
         )
         self.info(line)
         self.record({"round": rnd, "phase": "time_budget", "time_budget": budget, "seconds": elapsed, "reason": line})
@@ -385,7 +368,7 @@ class SurgicalServer(ServerLoop):
             )
         record["seconds"] = time.perf_counter() - start
         if result is not None:
-            self.slowest_round = max(self.slowest_round, record["seconds"])
+            self.budget.took(record["seconds"])
         self.record(record)  # after the resume state: a recorded round is a round a resumed run does not redo
         return record
 
