@@ -29,6 +29,8 @@ ROUND_COMMON = {
     "contributors": dict,
     "rejected": dict,
     "aggregated": bool,
+    "unchanged_share": dict,
+    "update_norm": dict,
     "site_metrics": dict,
     "seconds": Real,
 }

@@ -208,6 +208,31 @@ def test_median_of_three_or_more_is_the_median():
     assert_honest(agg.aggregate().params)
 
 
+def test_each_update_norm_is_recorded_and_a_scaled_site_is_named_in_a_warning():
+    # issue 40 point 3 ("nothing records it"): without a robust option a x100 update is averaged in (the
+    # hostile-site benchmark: every site failed in the next round); the round record now keeps each site's
+    # update norm and one warning line names the site whose norm passes 10x the round's median
+    from cxrfl.surgical.records import round_record
+
+    lines: list[str] = []
+    agg = aggregator()
+    agg.warning = lines.append
+    accept_all(agg, [site("a", 1.0), site("b", 1.0), site("c", 1.0), site("d", 100.0)])
+    result = agg.aggregate()
+    honest = np.sqrt(64 * 64 + 2 + 2 + 1)  # every float value moved by 1 (the int counter is not a weight)
+    norms = round_record(1, "train", list("abcd"), {}, result, {})["update_norm"]
+    assert norms == pytest.approx({"a": honest, "b": honest, "c": honest, "d": 100 * honest})
+    assert lines == [
+        f"site d: its update norm {100 * honest:.4g} is 100x the round's median ({honest:.4g}); a scaled or broken "
+        "update: check that site (robust: median or clip bounds it)"
+    ]
+    agg = aggregator()
+    agg.warning = lines.append
+    accept_all(agg, [site("a", 1.0), site("b", 2.0), site("c", 9.0)])  # 9x the median: spread, not an outlier
+    agg.aggregate()
+    assert len(lines) == 1
+
+
 # -------------------------------------------------------------- server: warm-up and late join
 class ScriptedSites:
     """Answers the surgical tasks without training: each site returns what it received plus its own

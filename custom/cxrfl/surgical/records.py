@@ -65,6 +65,7 @@ def round_record(
         "rejected": dict(rejected),
         "aggregated": result is not None,
         "unchanged_share": {s: round(v, 6) for s, v in sorted(result.unchanged.items())} if result else {},
+        "update_norm": {s: round(v, 6) for s, v in sorted(result.norms.items())} if result else {},
         "site_metrics": {s: dict(m.get("metrics") or {}) for s, (_, m) in sorted(answers.items())},
     }
 

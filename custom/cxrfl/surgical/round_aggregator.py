@@ -45,6 +45,7 @@ class RoundResult:
         sites: the sites whose results were aggregated.
         unchanged: site -> share of its result's floating-point values equal to the model it was sent
             (the parameters both hold with the same shape; none without a reference).
+        norms: site -> the L2 norm of its result's change from the model it was sent (the same parameters).
     """
 
     params: dict[str, Array]
@@ -52,6 +53,7 @@ class RoundResult:
     contributors: dict[str, list[str]]
     sites: list[str]
     unchanged: dict[str, float] = field(default_factory=dict)
+    norms: dict[str, float] = field(default_factory=dict)
 
 
 class RoundAggregator:
@@ -114,6 +116,7 @@ class RoundAggregator:
         self.classes: list[str] | None = None
         self.reference: Mapping[str, Array] | None = None
         self.unchanged: dict[str, float] = {}
+        self.norms: dict[str, float] = {}
 
     def expect(
         self,
@@ -132,7 +135,7 @@ class RoundAggregator:
                 warm-up's: the initial feature extractor); results must have its dtypes (without
                 it: those of the first accepted result).
         """
-        self.unchanged = {}
+        self.unchanged, self.norms = {}, {}
         local = self.head_mode == "local"
         if local and reference is not None:
             reference = drop_head(reference, self.head_prefix)
@@ -167,9 +170,9 @@ class RoundAggregator:
             self.warning(f"rejected result: {self.stream.rejected[site]}")
             return False
         if self.reference is not None:
-            share = unchanged_share(update["params"], self.reference)
-            if share is not None:
-                self.unchanged[site] = share
+            change = compare_to_sent(update["params"], self.reference)
+            if change is not None:
+                self.unchanged[site], self.norms[site] = change
         return True
 
     @property
@@ -193,12 +196,14 @@ class RoundAggregator:
             UpdateRejected: no accepted result, or a site's values make the mean non-finite.
             ValueError: finite values whose mean overflows, or a class nobody sent and no reference.
         """
-        sites, unchanged = sorted(self.accepted_sites), dict(self.unchanged)
+        sites, unchanged, norms = sorted(self.accepted_sites), dict(self.unchanged), dict(self.norms)
         try:
             if not self.stream.accepted:
                 raise UpdateRejected("no valid site result to aggregate")
+            for line in outlying_norms(norms):
+                self.warning(line)
             if self.head_mode == "local":
-                return RoundResult(dict(self.stream.aggregate()), [], {}, sites, unchanged)
+                return RoundResult(dict(self.stream.aggregate()), [], {}, sites, unchanged, norms)
             params, classes = surgical_aggregate(
                 [
                     {"site": p.site, "classes": p.classes, "params": p.params, "num_samples": p.num_samples}
@@ -214,24 +219,33 @@ class RoundAggregator:
                 reference=self.reference,
                 running=self.stream.running,
             )
-            return RoundResult(params, classes, self.contributors(), sites, unchanged)
+            return RoundResult(params, classes, self.contributors(), sites, unchanged, norms)
         finally:
             self.reset()
 
     def reset(self) -> None:
         """Forget the accepted results and rejections of the current round."""
         self.stream.reset()
-        self.unchanged = {}
+        self.unchanged, self.norms = {}, {}
 
 
-def unchanged_share(params: Mapping[str, Any], reference: Mapping[str, Any]) -> float | None:
-    """Share of a result's floating-point values equal to the sent model's (None: nothing to compare).
+OUTLIER_FACTOR = 10.0
+"""An update whose norm passes this multiple of the round's median update norm gets a warning line."""
+
+
+def compare_to_sent(params: Mapping[str, Any], reference: Mapping[str, Any]) -> tuple[float, float] | None:
+    """How a result differs from the model it was sent, over the floating-point parameters both hold
+    with the same shape: the share of values left equal, and the L2 norm of the change.
 
     Args:
         params: a site's validated result.
         reference: the parameters it was sent.
+
+    Returns:
+        (unchanged share, update norm), or None when nothing can be compared.
     """
     same = total = 0
+    squares = 0.0
     for k, v in params.items():
         ref = reference.get(k)
         a = np.asarray(v)
@@ -242,4 +256,23 @@ def unchanged_share(params: Mapping[str, Any], reference: Mapping[str, Any]) -> 
             continue
         same += int(np.count_nonzero(a == r))
         total += a.size
-    return same / total if total else None
+        squares += float(np.square(a.astype(np.float64) - r).sum())
+    return (same / total, float(np.sqrt(squares))) if total else None
+
+
+def outlying_norms(norms: Mapping[str, float]) -> list[str]:
+    """One warning line per site whose update norm passes :data:`OUTLIER_FACTOR` times the round's median
+    (with 3 or more sites: a scaled update is named even where nothing else stops it).
+
+    Args:
+        norms: site -> update norm (:func:`compare_to_sent`).
+    """
+    if len(norms) < 3:
+        return []
+    median = float(np.median(list(norms.values())))
+    return [
+        f"site {site}: its update norm {norm:.4g} is {norm / median:.0f}x the round's median ({median:.4g}); "
+        "a scaled or broken update: check that site (robust: median or clip bounds it)"
+        for site, norm in sorted(norms.items())
+        if median > 0 and norm > OUTLIER_FACTOR * median
+    ]
