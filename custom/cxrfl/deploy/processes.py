@@ -215,7 +215,7 @@ def stop(workspace: str | Path, *, timeout: float = 120) -> dict[str, Any]:
     """Stop everything a workspace runs, gracefully first, and check that nothing is left.
 
     Aborts running jobs and shuts the system down through the project admin's FLARE API session
-    (POC: ``nvflare poc stop``), waits for the processes to end, then terminates what is left
+    (POC: ``nvflare poc stop --no-wait``), waits for the processes to end, then terminates what is left
     (process groups recorded at start and any NVFlare process naming the workspace).
 
     Args:
@@ -239,9 +239,10 @@ def stop(workspace: str | Path, *, timeout: float = 120) -> dict[str, Any]:
                         sess.abort_job(job["job_id"])
         finally:
             sess.close()
-        if dep.mode == "poc":
+        if dep.mode == "poc":  # --no-wait: NVFlare's own wait is a fixed 30 s (seen too short on a loaded
+            # 2-core machine while the processes ended on their own soon after); the wait below has ``timeout``
             run_command(
-                [nvflare_command(), "poc", "stop"],
+                [nvflare_command(), "poc", "stop", "--no-wait"],
                 process_env(ws, "cli", poc_workspace=ws / "poc"),
                 "nvflare poc stop",
                 timeout=timeout,
