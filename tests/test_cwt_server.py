@@ -150,6 +150,38 @@ def test_an_unusable_result_is_skipped_and_the_model_goes_on_unchanged(datas, tm
     assert visits[1]["sent_digest"] == visits[0]["sent_digest"]  # site-b got the model site-a was sent
 
 
+def _norm(received: dict, returned: dict) -> float:
+    """Hand-computed L2 change over the float weights (Adam's travelling state is not the model)."""
+    received, returned = weights(received), weights(returned)
+    floats = [k for k in received if received[k].dtype.kind == "f"]
+    return math.sqrt(sum(np.sum((returned[k].astype(np.float64) - received[k]) ** 2) for k in floats))
+
+
+def test_each_visit_records_its_update_norm_and_a_scaled_site_is_named_in_a_warning(datas, tmp_path, caplog):
+    # issue 40 point 3 for CWT: the model a site returns goes on to the next site whatever its scale; the
+    # visit record keeps the norm of the site's change and a warning names a site 10x above the cycle's median
+    class Scaled(Recorder):
+        def handle(self, task, params, meta):
+            out, answer = self.host.handle(task, params, meta)
+            if task == "train":
+                scale = {k: v.dtype.kind == "f" and "running_" not in k for k, v in out.items()}  # variances stay >= 0
+                out = {k: params[k] + 1e4 * (v - params[k]) if scale[k] else v for k, v in out.items()}
+            return out, answer
+
+    splits = ["train"] * 6 + ["val"] * 2 + ["test"] * 2
+    third = tiny_site(tmp_path, "site-c", {"Mass": [0, 1, 1, 0, 0, 1, 0, 0, 1, 0]}, splits)
+    log: list = []
+    out = tmp_path / "out"
+    scaled = lambda n, h: Scaled(h, n, []) if n == "site-c" else h  # noqa: E731
+    run([*datas, third], config(num_cycles=1), out, wrap=chain(scaled, recorder(log)))
+    norms = {v["site"]: v["update_norm"] for v in records(out, "visits.jsonl")}
+    assert norms == pytest.approx({site: _norm(received, returned) for _, site, received, returned in log}, rel=1e-5)
+    median = sorted(norms.values())[1]
+    assert norms["site-c"] > 10 * median
+    lines = [r.getMessage() for r in caplog.records if "update norm" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("cycle 1: site site-c: its update norm")
+
+
 def test_shuffled_multilabel_relay_with_evaluation(datas, tmp_path):
     out = tmp_path / "out"
     cfg = config(task="multilabel", order="shuffled", num_cycles=2, seed=4)  # seed 4 draws b > a, then a > b

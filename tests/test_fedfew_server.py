@@ -310,6 +310,29 @@ def test_malformed_results_are_rejected_one_line_each_and_the_valid_ones_average
     assert "num_samples" in recs[1]["rejected"]["cc-2"] and recs[1]["sites_aggregated"] == ["cc-1"]
 
 
+def _scaled(params, meta):  # cc-1's change (+1) made 100x larger
+    return _shift(params, 99.0), meta
+
+
+def test_each_update_norm_is_recorded_and_a_scaled_site_is_named_in_a_warning(tmp_path):
+    # issue 40 point 3 for FedFew: a scaled update is averaged in without a robust option; the round record
+    # keeps each site's update norm (the L2 change from the weights it was sent) and a warning names the site
+    sites = ScriptedSites(corrupt={(P.SSL, "cc-1"): _scaled})
+    server, msgs = _server(tmp_path, sites)
+    server.run()
+    sent = sites.first(P.SSL)
+    root = np.sqrt(sum(v.size for v in sent.values() if np.issubdtype(v.dtype, np.floating)))
+    ssl, train = _records(tmp_path)[:2]
+    assert ssl["update_norm"] == pytest.approx({"cc-1": 100 * root, "cc-2": 3 * root, "uc-1": 5 * root})
+    assert ssl["unchanged_share"] == {"cc-1": 0.0, "cc-2": 0.0, "uc-1": 0.0}
+    assert set(train["update_norm"]) == set(train["sites_aggregated"])  # every round of every stage records it
+    lines = [m for m in msgs if "update norm" in m]
+    assert lines == [
+        f"stage 1 round 1: site cc-1: its update norm {100 * root:.4g} is 20x the round's median ({5 * root:.4g}); "
+        "a scaled or broken update: check that site (robust: median or clip bounds it)"
+    ]
+
+
 def _abort_after(app: Path, stage: int, rnd: int | None = None):
     """Abort once ``stage`` finished (``rnd`` None) or its round ``rnd`` is recorded."""
 

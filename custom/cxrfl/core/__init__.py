@@ -3,6 +3,8 @@
 - :mod:`~cxrfl.core.updates`: checking one site's update whole (fields, dtypes, shapes, finite values,
   sample counts); the head is optional.
 - :mod:`~cxrfl.core.running_sum`: the streaming weighted sum (each update read once, as it arrives).
+- :mod:`~cxrfl.core.update_change`: how a result differs from the model it was sent (update norm,
+  unchanged share; the warning line naming an outlying norm).
 - :mod:`~cxrfl.core.fedavg`: head-agnostic FedAvg (weighting, median, clipped updates) and
   :class:`~cxrfl.core.streaming.StreamingFedAvg`, one round's results validated and summed as they arrive.
 

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from cxrfl.core.running_sum import RunningSum
+from cxrfl.core.update_change import change_sq
 from cxrfl.core.updates import (
     Array,
     ParsedUpdate,
@@ -118,7 +119,7 @@ def _update_norm(p: ParsedUpdate, keys: Sequence[str], ref: Mapping[str, torch.T
     for k in keys:
         t = as_tensor(p.params[k])
         if t.is_floating_point():
-            part = float(torch.linalg.vector_norm(t - ref[k], dtype=torch.float64)) ** 2
+            part = change_sq(t, ref[k])
             if not math.isfinite(part):
                 raise UpdateRejected(f"site {p.site}: non-finite values (NaN or Inf) in {k!r}")
             sq += part

@@ -2,8 +2,9 @@
 
 Part of the shared federated core (framework-free). Used by
 :class:`cxrfl.surgical.round_aggregator.RoundAggregator` (which stitches the head rows itself) and
-FedFew's rounds (:meth:`cxrfl.fedfew.rounds.FederatedRounds.fedavg`); the averaging is
-:func:`cxrfl.core.fedavg.fedavg_keys`.
+FedFew's rounds (:meth:`cxrfl.fedfew.rounds.FederatedRounds.round_stream`); the averaging is
+:func:`cxrfl.core.fedavg.fedavg_keys`. Each accepted result is also compared with the model it was sent
+(:func:`cxrfl.core.update_change.compare_to_sent`): :attr:`StreamingFedAvg.changes`, for the round record.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from cxrfl.core.fedavg import check_options, clipping_reference, fedavg_keys, site_weights
 from cxrfl.core.running_sum import RunningSum
+from cxrfl.core.update_change import compare_to_sent
 from cxrfl.core.updates import (
     Array,
     ParsedUpdate,
@@ -40,6 +42,8 @@ class StreamingFedAvg:
     is added to a running sum while it is checked for NaN/Inf and its summed arrays are dropped, so
     the aggregator holds one model-sized sum however many sites answer; a robust mode keeps the
     results whole and takes their median or clips them at the end (:func:`cxrfl.core.fedavg.fedavg_keys`).
+    With a reference (:meth:`expect`), :attr:`changes` keeps, per accepted site, its result's share of
+    unchanged values and the L2 norm of its change from that reference, until :meth:`reset`.
 
     Args:
         weighting: one of :data:`cxrfl.core.fedavg.WEIGHTINGS`.
@@ -72,6 +76,7 @@ class StreamingFedAvg:
         self.dtypes: dict[str, str] | None = None  # key -> dtype every result must have
         self.accepted: list[ParsedUpdate] = []
         self.rejected: dict[str, str] = {}
+        self.changes: dict[str, tuple[float, float]] = {}  # site -> (unchanged share, update norm)
         self.running: RunningSum | None = None
         self.dropped = False  # some accepted result's summed arrays were dropped
 
@@ -137,6 +142,9 @@ class StreamingFedAvg:
             self.dtypes = expected_dtypes(parsed.params)
         if self.expected_shapes is None:
             self.expected_shapes = normalize_shapes({k: shape_of(v) for k, v in parsed.params.items()})
+        change = compare_to_sent(parsed.params, self.reference) if self.reference is not None else None
+        if change is not None:
+            self.changes[site] = change
         if streaming and self.running is not None and self.running.usable:  # summed: keep the head only
             summed = set(self.running.keys)
             kept = {k: v for k, v in parsed.params.items() if k not in summed}
@@ -217,5 +225,6 @@ class StreamingFedAvg:
         """Forget the accepted results and rejections of the current round."""
         self.accepted = []
         self.rejected = {}
+        self.changes = {}
         self.running = None
         self.dropped = False

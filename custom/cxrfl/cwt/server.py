@@ -32,9 +32,11 @@ Written under ``out_dir`` (the server's app folder in a job):
 - ``best_FL_global_model.pt``: the model of the cycle with the lowest pooled validation loss;
 - ``cxrfl/plan.json``: the classes and per site its training size, steps and learning rate;
 - ``cxrfl/visits.jsonl``: one record per visit, in relay order: site, status (trained or
-  skipped and why), SHA-256 of the weights sent and received by the server, and of the weights
-  the site loaded and returned as the site computed them, so anyone can check that the weights
-  that left site k are the weights site k+1 started from;
+  skipped and why), the L2 norm of the site's change (``update_norm``; over 10x the cycle's median:
+  a warning line naming the site) and its share of unchanged values (``unchanged_share``), SHA-256
+  of the weights sent and received by the server, and of the weights the site loaded and returned
+  as the site computed them, so anyone can check that the weights that left site k are the weights
+  site k+1 started from;
 - ``cxrfl/cycles.jsonl``: one record per cycle attempt (``completed``, ``too_few_sites``,
   ``stopped``, ``resumed``): order, sites trained and skipped, pooled validation loss;
 - ``cxrfl/evaluation.json``: the best model on every site's test split (:mod:`cxrfl.cwt.evaluation`);
@@ -57,6 +59,7 @@ from cxrfl.common.io import link_or_copy, params_digest, to_numpy, write_json
 from cxrfl.common.selection import EarlyStopping
 from cxrfl.common.server import BEST_MODEL, GLOBAL_MODEL, RECORDS_DIR, RetryClock, RunStopped, ServerLoop
 from cxrfl.common.transport import Message, Send
+from cxrfl.core.update_change import compare_to_sent, outlying_norms
 from cxrfl.core.updates import FLOAT_DTYPES, INT_DTYPES, dtype_name, expected_dtypes, validate_update
 from cxrfl.cwt.config import CWTConfig, RelayConfig
 from cxrfl.cwt.evaluation import evaluate_final
@@ -320,6 +323,9 @@ class CWTServer(ServerLoop):
         for position, site in enumerate(order):
             self._visit(plan, run, site, position)
         run.seconds = time.perf_counter() - start
+        norms = {v["site"]: v["update_norm"] for v in run.visits if "update_norm" in v}
+        for line in outlying_norms(norms, advice="check that site (a relay passes on what each site returns)"):
+            self.warning(f"cycle {cycle}: {line}")
         return run
 
     def _visit(self, plan: RelayPlan, run: CycleRun, site: str, position: int) -> None:
@@ -346,6 +352,9 @@ class CWTServer(ServerLoop):
         else:
             params, opt = split_params(answer[0])
             metrics = dict(answer[1].get("metrics") or {})
+            change = compare_to_sent(params, run.weights)  # the norm of what this site changed
+            if change is not None:
+                record.update(unchanged_share=round(change[0], 6), update_norm=round(change[1], 6))
             run.weights = {k: np.asarray(v) for k, v in params.items()}
             run.optimizer = (
                 {k: np.asarray(v) for k, v in opt.items()} if self.config.optimizer_state == "travel" else {}

@@ -6,14 +6,16 @@ rounds, or plain BCE rounds). :meth:`FederatedRounds.run_phase` runs a phase's r
 
 - every result streams through the shared core's aggregator
   (:class:`cxrfl.core.streaming.StreamingFedAvg`): it is checked as a whole (:mod:`cxrfl.core.updates`:
-  shapes, dtypes, missing or extra keys, NaN/Inf; :class:`cxrfl.core.updates.SampleCounts`: image
-  counts capped and fixed per stage) before it is added to the running sum; a malformed one is
-  rejected with one warning line naming the site and the reason (and in the round's ``rejected``),
-  and the valid ones are averaged over all their keys, weighted by their images (``robust``: their
-  median, or clipped updates). Stage 2's head is held whole by every site (the same classes), so it
-  is plain FedAvg too: ``clip`` bounds one norm over the whole update (feature extractor and head
-  together, as :func:`cxrfl.core.fedavg.fedavg_keys` does), not one per head row as surgical
-  aggregation does (before issue 43 FedFew clipped each head row on its own);
+  shapes, dtypes, missing or extra keys, NaN/Inf; :class:`cxrfl.core.updates.SampleCounts`: image counts
+  capped and fixed per stage) before it is added to the running sum; a malformed one is rejected with
+  one warning line naming the site and the reason (and in the round's ``rejected``); each accepted
+  result's update norm and unchanged share go in the round's record (``update_norm``,
+  ``unchanged_share``) and a norm far above the round's median is named in a warning line
+  (:mod:`cxrfl.core.update_change`); the valid ones are averaged over all their keys, weighted by their
+  images (``robust``: their median, or clipped updates). Stage 2's head is held whole by every site (the
+  same classes), so it is plain FedAvg too: ``clip`` bounds one norm over the whole update (feature
+  extractor and head together, as :func:`cxrfl.core.fedavg.fedavg_keys` does), not one per head row as
+  surgical aggregation does (before issue 43 FedFew clipped each head row on its own);
 - a round with fewer than ``min_clients`` valid results (at most the number of sites the phase
   trains: a warm-up round trains the CC sites only) changes nothing and is run again every
   ``retry_pause`` seconds (:class:`cxrfl.common.server.RetryClock`); after ``min_clients_timeout``
@@ -46,6 +48,7 @@ from cxrfl.common.selection import EarlyStopping
 from cxrfl.common.server import RetryClock, ServerLoop
 from cxrfl.common.transport import Message
 from cxrfl.core.streaming import StreamingFedAvg
+from cxrfl.core.update_change import change_fields, outlying_norms
 from cxrfl.core.updates import MAX_NUM_SAMPLES, SampleCounts
 from cxrfl.errors import ConfigError
 
@@ -295,6 +298,7 @@ class FederatedRounds(ServerLoop):
             on_answer=lambda site, answer: self.take(stream, site, answer),  # validated and summed as it arrives
         )
         self.check_abort()  # aborted mid-round: the round is not recorded, nothing is written
+        changes = dict(stream.changes)  # read before finish() forgets the round
         agg, rejected, used = self.finish(stream, self.needed(phase))
         metrics = {s: m.get("metrics") for s, (_, m) in results.items()}
         record: dict[str, Any] = {
@@ -304,6 +308,7 @@ class FederatedRounds(ServerLoop):
             "sites_answered": sorted(results),
             "sites_aggregated": sorted(used) if agg is not None else [],  # answers arrive in any order
             "rejected": rejected,
+            **change_fields(changes if agg is not None else {}),
             "site_metrics": metrics,
         }
         if phase.stage == 2:
@@ -313,6 +318,8 @@ class FederatedRounds(ServerLoop):
             self._retry_or_stop(phase, rnd, record)
             return
         self.clock.succeeded()
+        for line in outlying_norms({s: norm for s, (_, norm) in changes.items()}):
+            self.warning(f"stage {phase.stage} round {rnd}: {line}")
         progress.params, progress.round, progress.contributed = agg, rnd, True
         progress.phase_round += 1
         if stopper is not None:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from cxrfl.common.transport import Message
+from cxrfl.core.update_change import change_fields
 from cxrfl.surgical.round_aggregator import RoundResult
 
 
@@ -64,8 +65,7 @@ def round_record(
         "contributors": result.contributors if result else {},
         "rejected": dict(rejected),
         "aggregated": result is not None,
-        "unchanged_share": {s: round(v, 6) for s, v in sorted(result.unchanged.items())} if result else {},
-        "update_norm": {s: round(v, 6) for s, v in sorted(result.norms.items())} if result else {},
+        **change_fields(result.changes if result else {}),
         "site_metrics": {s: dict(m.get("metrics") or {}) for s, (_, m) in sorted(answers.items())},
     }
 

@@ -6,10 +6,10 @@ fields, dtypes, shapes, sample counts) before any of it touches the sum; for the
 feature extractor is added to a running sum (:class:`cxrfl.core.running_sum.RunningSum`) and
 dropped, and at the end the head rows are stitched by
 :func:`cxrfl.surgical.aggregation.surgical_aggregate` (``local`` heads: the core's FedAvg of the
-feature extractor alone). Against the model it sent, the server also measures each accepted
-result's share of unchanged values: about the filter's percentile when a site's privacy filter
-zeroes small changes (:mod:`cxrfl.fl.privacy`), near 0 after ordinary local training, 1 for the
-feature extractor of a head warm-up (frozen there). Used by
+feature extractor alone). Against the model it sent, the core measures each accepted result's update
+norm and share of unchanged values (:mod:`cxrfl.core.update_change`); the share is about the filter's
+percentile when a site's privacy filter zeroes small changes (:mod:`cxrfl.fl.privacy`), near 0 after
+ordinary local training, 1 for the feature extractor of a head warm-up (frozen there). Used by
 :class:`cxrfl.surgical.server.SurgicalServer` and, inside NVFlare's own workflows, by
 :class:`cxrfl.fl.aggregator.SurgicalAggregator`. Validation and aggregation run on one torch
 thread (:func:`cxrfl.nn.threads.single_threaded`).
@@ -22,9 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from cxrfl.core.streaming import StreamingFedAvg
+from cxrfl.core.update_change import outlying_norms
 from cxrfl.core.updates import HEAD_PREFIX, MAX_NUM_SAMPLES, Array, SampleCounts
 from cxrfl.errors import UpdateRejected
 from cxrfl.nn.threads import single_threaded
@@ -43,17 +42,16 @@ class RoundResult:
         classes: the global head's class order ([] for ``local`` heads).
         contributors: class -> the sites whose rows were averaged into it.
         sites: the sites whose results were aggregated.
-        unchanged: site -> share of its result's floating-point values equal to the model it was sent
-            (the parameters both hold with the same shape; none without a reference).
-        norms: site -> the L2 norm of its result's change from the model it was sent (the same parameters).
+        changes: site -> (share of its result's floating-point values equal to the model it was sent, the
+            L2 norm of its change from that model), over the parameters both hold with the same shape
+            (:func:`cxrfl.core.update_change.compare_to_sent`; none without a reference).
     """
 
     params: dict[str, Array]
     classes: list[str]
     contributors: dict[str, list[str]]
     sites: list[str]
-    unchanged: dict[str, float] = field(default_factory=dict)
-    norms: dict[str, float] = field(default_factory=dict)
+    changes: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 class RoundAggregator:
@@ -115,8 +113,6 @@ class RoundAggregator:
         )
         self.classes: list[str] | None = None
         self.reference: Mapping[str, Array] | None = None
-        self.unchanged: dict[str, float] = {}
-        self.norms: dict[str, float] = {}
 
     def expect(
         self,
@@ -135,7 +131,6 @@ class RoundAggregator:
                 warm-up's: the initial feature extractor); results must have its dtypes (without
                 it: those of the first accepted result).
         """
-        self.unchanged, self.norms = {}, {}
         local = self.head_mode == "local"
         if local and reference is not None:
             reference = drop_head(reference, self.head_prefix)
@@ -169,10 +164,6 @@ class RoundAggregator:
         if self.stream.accept(update) is None:
             self.warning(f"rejected result: {self.stream.rejected[site]}")
             return False
-        if self.reference is not None:
-            change = compare_to_sent(update["params"], self.reference)
-            if change is not None:
-                self.unchanged[site], self.norms[site] = change
         return True
 
     @property
@@ -196,14 +187,14 @@ class RoundAggregator:
             UpdateRejected: no accepted result, or a site's values make the mean non-finite.
             ValueError: finite values whose mean overflows, or a class nobody sent and no reference.
         """
-        sites, unchanged, norms = sorted(self.accepted_sites), dict(self.unchanged), dict(self.norms)
+        sites, changes = sorted(self.accepted_sites), dict(self.stream.changes)
         try:
             if not self.stream.accepted:
                 raise UpdateRejected("no valid site result to aggregate")
-            for line in outlying_norms(norms):
+            for line in outlying_norms({s: norm for s, (_, norm) in changes.items()}):
                 self.warning(line)
             if self.head_mode == "local":
-                return RoundResult(dict(self.stream.aggregate()), [], {}, sites, unchanged, norms)
+                return RoundResult(dict(self.stream.aggregate()), [], {}, sites, changes)
             params, classes = surgical_aggregate(
                 [
                     {"site": p.site, "classes": p.classes, "params": p.params, "num_samples": p.num_samples}
@@ -219,60 +210,10 @@ class RoundAggregator:
                 reference=self.reference,
                 running=self.stream.running,
             )
-            return RoundResult(params, classes, self.contributors(), sites, unchanged, norms)
+            return RoundResult(params, classes, self.contributors(), sites, changes)
         finally:
             self.reset()
 
     def reset(self) -> None:
         """Forget the accepted results and rejections of the current round."""
         self.stream.reset()
-        self.unchanged, self.norms = {}, {}
-
-
-OUTLIER_FACTOR = 10.0
-"""An update whose norm passes this multiple of the round's median update norm gets a warning line."""
-
-
-def compare_to_sent(params: Mapping[str, Any], reference: Mapping[str, Any]) -> tuple[float, float] | None:
-    """How a result differs from the model it was sent, over the floating-point parameters both hold
-    with the same shape: the share of values left equal, and the L2 norm of the change.
-
-    Args:
-        params: a site's validated result.
-        reference: the parameters it was sent.
-
-    Returns:
-        (unchanged share, update norm), or None when nothing can be compared.
-    """
-    same = total = 0
-    squares = 0.0
-    for k, v in params.items():
-        ref = reference.get(k)
-        a = np.asarray(v)
-        if ref is None or not np.issubdtype(a.dtype, np.floating):
-            continue
-        r = np.asarray(ref)
-        if r.shape != a.shape:
-            continue
-        same += int(np.count_nonzero(a == r))
-        total += a.size
-        squares += float(np.square(a.astype(np.float64) - r).sum())
-    return (same / total, float(np.sqrt(squares))) if total else None
-
-
-def outlying_norms(norms: Mapping[str, float]) -> list[str]:
-    """One warning line per site whose update norm passes :data:`OUTLIER_FACTOR` times the round's median
-    (with 3 or more sites: a scaled update is named even where nothing else stops it).
-
-    Args:
-        norms: site -> update norm (:func:`compare_to_sent`).
-    """
-    if len(norms) < 3:
-        return []
-    median = float(np.median(list(norms.values())))
-    return [
-        f"site {site}: its update norm {norm:.4g} is {norm / median:.0f}x the round's median ({median:.4g}); "
-        "a scaled or broken update: check that site (robust: median or clip bounds it)"
-        for site, norm in sorted(norms.items())
-        if median > 0 and norm > OUTLIER_FACTOR * median
-    ]
