@@ -113,7 +113,26 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``cxrfl`` command."""
     p = argparse.ArgumentParser(prog="cxrfl", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
+    _add_data(sub)
+    _add_predict(sub)
+    _add_report(sub)
+    _add_jobs_and_export(sub)
+    from cxrfl.deploy.cli import add_parser as add_deploy_parser  # stdlib + yaml only; NVFlare loads per command
 
+    add_deploy_parser(sub)
+
+    from cxrfl.bench.cli import add_parser as add_bench_parser  # argparse only; benchmarks load per command
+
+    add_bench_parser(sub)
+    return p
+
+
+def _add_data(sub: argparse._SubParsersAction) -> None:
+    """``cxrfl data synth | summary``.
+
+    Args:
+        sub: the ``cxrfl`` command's subparsers.
+    """
     data = sub.add_parser("data", help="site data: synthesize demo data, summarise and validate")
     dsub = data.add_subparsers(dest="data_command", required=True)
     s = dsub.add_parser("synth", help="write a synthetic demo profile (images, labels, site configs)")
@@ -134,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-image-check", action="store_true", help="do not open every image")
     m.set_defaults(func=_cmd_summary)
 
+
+def _add_predict(sub: argparse._SubParsersAction) -> None:
+    """``cxrfl predict``.
+
+    Args:
+        sub: the ``cxrfl`` command's subparsers.
+    """
     pr = sub.add_parser(
         "predict",
         help="predict every class of a model for PNG/JPEG/DICOM images",
@@ -160,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pr.set_defaults(func=_cmd_predict)
 
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    """``cxrfl report``.
+
+    Args:
+        sub: the ``cxrfl`` command's subparsers.
+    """
     rp = sub.add_parser("report", help="where a finished run's models are and how it went")
     rp.add_argument("workspace", help="simulator workspace (-w), downloaded job result or server app folder")
     rp.add_argument(
@@ -176,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.set_defaults(func=_cmd_report)
 
+
+def _add_jobs_and_export(sub: argparse._SubParsersAction) -> None:
+    """``cxrfl jobs export`` and ``cxrfl export bundle``.
+
+    Args:
+        sub: the ``cxrfl`` command's subparsers.
+    """
     jobs = sub.add_parser("jobs", help="NVFlare job folders")
     jsub = jobs.add_subparsers(dest="jobs_command", required=True)
     je = jsub.add_parser("export", help="write every job folder defined in cxrfl.jobs")
@@ -195,15 +235,6 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--out", required=True, help="the bundle folder")
     eb.add_argument("--name", default=None, help="the model's name in the metadata (default: the checkpoint's)")
     eb.set_defaults(func=_cmd_export_bundle)
-
-    from cxrfl.deploy.cli import add_parser as add_deploy_parser  # stdlib + yaml only; NVFlare loads per command
-
-    add_deploy_parser(sub)
-
-    from cxrfl.bench.cli import add_parser as add_bench_parser  # argparse only; benchmarks load per command
-
-    add_bench_parser(sub)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -125,6 +125,24 @@ def _collect_first(send: Callable[..., dict[str, Any]]) -> Callable[..., dict[st
     return wrapped
 
 
+def _stub_sites(sites: int, n_in: int) -> dict[str, _StubSite]:
+    """``sites`` stub sites, alternately NIH's and CheXpert's classes, each without two of them (partial overlap).
+
+    Args:
+        sites: how many.
+        n_in: the head's input features.
+    """
+    from cxrfl.data.labels import CHEXPERT_CLASSES, NIH_CLASSES
+
+    hosts = {}
+    for k in range(sites):
+        classes = sorted(NIH_CLASSES if k % 2 == 0 else CHEXPERT_CLASSES)
+        hosts[f"site-{k + 1:02d}"] = _StubSite(
+            [c for i, c in enumerate(classes) if i not in (k % len(classes), (k + 5) % len(classes))], n_in
+        )
+    return hosts
+
+
 def measure(sites: int, rounds: int, streaming: bool) -> dict[str, Any]:
     """Run the server loop over ``sites`` stub sites in this process; its peak memory.
 
@@ -137,20 +155,13 @@ def measure(sites: int, rounds: int, streaming: bool) -> dict[str, Any]:
 
     import torch
 
-    from cxrfl.data.labels import CHEXPERT_CLASSES, NIH_CLASSES
     from cxrfl.nn.models import ModelConfig, build_model
     from cxrfl.surgical.config import SurgicalConfig
     from cxrfl.surgical.server import SurgicalServer
 
     torch.set_num_threads(1)
     model = ModelConfig(image_size=32)  # DenseNet121's parameters do not depend on the image size
-    n_in = build_model(model, 1).classifier.in_features
-    hosts = {}
-    for k in range(sites):
-        classes = sorted(NIH_CLASSES if k % 2 == 0 else CHEXPERT_CLASSES)
-        hosts[f"site-{k + 1:02d}"] = _StubSite(
-            [c for i, c in enumerate(classes) if i not in (k % len(classes), (k + 5) % len(classes))], n_in
-        )
+    hosts = _stub_sites(sites, build_model(model, 1).classifier.in_features)
     send = _fobs_transport(hosts)
     cfg = SurgicalConfig.from_dict(
         {

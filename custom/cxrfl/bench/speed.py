@@ -147,21 +147,16 @@ def _plain_throughput(config: Path, s: SpeedSettings) -> dict[str, Any]:
     return {"images_per_second": rates, "mean": float(np.mean(rates))}
 
 
-def simulator_vs_plain(s: SpeedSettings, work: Path, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
-    """Part 1: throughput of the same local training inside the NVFlare simulator and in a plain loop.
+def _one_site_job(s: SpeedSettings, out: Path) -> Path:
+    """The README demo job (``surgical_agg``) for one site, with the benchmark's rounds, steps and threads.
 
     Args:
         s: settings.
-        work: scratch folder.
-        log: progress callback.
+        out: the parent folder of the job folder.
     """
     from cxrfl.jobs import DEMO_TRAIN, JOBS, write_job
     from cxrfl.nn.models import ModelConfig
-    from cxrfl.synth import write_profile
 
-    (config,) = write_profile(
-        "two-hospitals", work / "data", n_per_site=s.n_images, image_size=s.image_size, sites=["hospital-a"]
-    )
     base = next(j for j in JOBS if j.name == "surgical_agg")
     train = replace(DEMO_TRAIN, batch_size=s.batch_size, max_steps_per_epoch=s.steps, warmup_epochs=1)
     args = {
@@ -181,7 +176,23 @@ def simulator_vs_plain(s: SpeedSettings, work: Path, log: Callable[[str], None] 
         min_clients=1,
         executor_args={**base.executor_args, "num_threads": s.threads, "device": s.device},
     )
-    job = write_job(spec, work / "jobs")
+    return write_job(spec, out)
+
+
+def simulator_vs_plain(s: SpeedSettings, work: Path, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
+    """Part 1: throughput of the same local training inside the NVFlare simulator and in a plain loop.
+
+    Args:
+        s: settings.
+        work: scratch folder.
+        log: progress callback.
+    """
+    from cxrfl.synth import write_profile
+
+    (config,) = write_profile(
+        "two-hospitals", work / "data", n_per_site=s.n_images, image_size=s.image_size, sites=["hospital-a"]
+    )
+    job = _one_site_job(s, work / "jobs")
     log("plain loop (before the simulator)")
     before = _plain_throughput(config, s)
     ws = work / "ws"
@@ -202,12 +213,12 @@ def simulator_vs_plain(s: SpeedSettings, work: Path, log: Callable[[str], None] 
         raise RuntimeError(
             f"the simulator left no round records (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         )
-    rates = []
-    for line in records.read_text().splitlines():
-        rec = json.loads(line)
-        for m in rec.get("site_metrics", {}).values():
-            if m.get("images_per_second"):
-                rates.append(float(m["images_per_second"]))
+    rates = [
+        float(m["images_per_second"])
+        for line in records.read_text().splitlines()
+        for m in json.loads(line).get("site_metrics", {}).values()
+        if m.get("images_per_second")
+    ]
     log("plain loop (after the simulator)")
     after = _plain_throughput(config, s)
     plain = float(np.mean(before["images_per_second"] + after["images_per_second"]))

@@ -157,74 +157,118 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     site_views = [v for v, d in views.items() if d["kind"] == "site"]
     ext_views = [v for v, d in views.items() if d["kind"] == "external"]
     found = [learned_target(results, e, v) for v in site_views for e in (f"individual:{v}", "centralized")]
+    heterogeneous = any(len(views[v]["shared"] or []) < len(views[v]["classes"]) for v in site_views)
+    compared = (
+        _site_comparisons(results, ref, site_views) + _external_comparisons(results, ref, ext_views)
+        if heterogeneous
+        else _no_heterogeneity_comparisons(results, ref, site_views + ext_views)
+    )
+    return [t for t in found if t is not None] + judge([c for c in compared if c is not None])
+
+
+def _site_comparisons(
+    results: dict[str, Any], ref: str, site_views: list[str]
+) -> list[tuple[dict[str, Any], Rule] | None]:
+    """Each site's test split: SA against its individual model, and on its unique classes against vanilla FL
+    and partial loss.
+
+    Args:
+        results: the results dict.
+        ref: the reference method (surgical aggregation).
+        site_views: the sites' test splits.
+    """
     compared: list[tuple[dict[str, Any], Rule] | None] = []
-    if any(len(views[v]["shared"] or []) < len(views[v]["classes"]) for v in site_views):  # class-heterogeneous
-        for v in site_views:
-            compared += [
-                comparison_target(
-                    results,
-                    "site test split: within 0.02 of the individually trained model",
-                    v,
-                    ref,
-                    f"individual:{v}",
-                    "SA - individual >= -0.02",
-                    lambda d, p: d >= -0.02,
-                ),
-                comparison_target(
-                    results,
-                    "unique classes: at least 0.05 above vanilla FL, p < 0.05",
-                    v,
-                    ref,
-                    "vanilla-fedavg",
-                    "SA - vanilla >= 0.05 and Holm-adjusted p (t-test over the classes) < 0.05",
-                    lambda d, p: d >= 0.05 and p is not None and p < 0.05,
-                    "unique",
-                ),
-                comparison_target(
-                    results,
-                    "unique classes: above FL with partial loss",
-                    v,
-                    ref,
-                    "partial-fedavg",
-                    "SA - partial > 0",
-                    lambda d, p: d > 0,
-                    "unique",
-                ),
-            ]
-        for v in ext_views:
-            compared.append(
-                comparison_target(
-                    results,
-                    "external set: above vanilla FL, p < 0.05",
-                    v,
-                    ref,
-                    "vanilla-fedavg",
-                    "SA - vanilla > 0 and Holm-adjusted p (t-test over the classes) < 0.05",
-                    lambda d, p: d > 0 and p is not None and p < 0.05,
-                )
-            )
-            compared += [
-                comparison_target(
-                    results, "external set: the best single global model", v, a, b, "SA - other > 0", lambda d, p: d > 0
-                )
-                for a, b in (
-                    (ref, "centralized"),
-                    (ref, "partial-fedavg"),
-                    ("surgical-fedbn+", "vanilla-fedbn+"),
-                    ("surgical-fedbn+", "partial-fedbn+"),
-                )
-            ]
-    else:
+    for v in site_views:
         compared += [
             comparison_target(
                 results,
-                "no class heterogeneity: matches FedAvg (vanilla FL) within 0.01",
+                "site test split: within 0.02 of the individually trained model",
+                v,
+                ref,
+                f"individual:{v}",
+                "SA - individual >= -0.02",
+                lambda d, p: d >= -0.02,
+            ),
+            comparison_target(
+                results,
+                "unique classes: at least 0.05 above vanilla FL, p < 0.05",
                 v,
                 ref,
                 "vanilla-fedavg",
-                "|SA - FedAvg| <= 0.01",
-                lambda d, p: abs(d) <= 0.01,
-            )
-            for v in site_views + ext_views
+                "SA - vanilla >= 0.05 and Holm-adjusted p (t-test over the classes) < 0.05",
+                lambda d, p: d >= 0.05 and p is not None and p < 0.05,
+                "unique",
+            ),
+            comparison_target(
+                results,
+                "unique classes: above FL with partial loss",
+                v,
+                ref,
+                "partial-fedavg",
+                "SA - partial > 0",
+                lambda d, p: d > 0,
+                "unique",
+            ),
         ]
-    return [t for t in found if t is not None] + judge([c for c in compared if c is not None])
+    return compared
+
+
+def _external_comparisons(
+    results: dict[str, Any], ref: str, ext_views: list[str]
+) -> list[tuple[dict[str, Any], Rule] | None]:
+    """Each external set: SA against vanilla FL (p < 0.05) and as the best single global model.
+
+    Args:
+        results: the results dict.
+        ref: the reference method (surgical aggregation).
+        ext_views: the external sets.
+    """
+    compared: list[tuple[dict[str, Any], Rule] | None] = []
+    for v in ext_views:
+        compared.append(
+            comparison_target(
+                results,
+                "external set: above vanilla FL, p < 0.05",
+                v,
+                ref,
+                "vanilla-fedavg",
+                "SA - vanilla > 0 and Holm-adjusted p (t-test over the classes) < 0.05",
+                lambda d, p: d > 0 and p is not None and p < 0.05,
+            )
+        )
+        compared += [
+            comparison_target(
+                results, "external set: the best single global model", v, a, b, "SA - other > 0", lambda d, p: d > 0
+            )
+            for a, b in (
+                (ref, "centralized"),
+                (ref, "partial-fedavg"),
+                ("surgical-fedbn+", "vanilla-fedbn+"),
+                ("surgical-fedbn+", "partial-fedbn+"),
+            )
+        ]
+    return compared
+
+
+def _no_heterogeneity_comparisons(
+    results: dict[str, Any], ref: str, views: list[str]
+) -> list[tuple[dict[str, Any], Rule] | None]:
+    """Without class heterogeneity: SA within 0.01 of FedAvg on every test set.
+
+    Args:
+        results: the results dict.
+        ref: the reference method (surgical aggregation).
+        views: every test set.
+    """
+    return [
+        comparison_target(
+            results,
+            "no class heterogeneity: matches FedAvg (vanilla FL) within 0.01",
+            v,
+            ref,
+            "vanilla-fedavg",
+            "|SA - FedAvg| <= 0.01",
+            lambda d, p: abs(d) <= 0.01,
+        )
+        for v in views
+    ]

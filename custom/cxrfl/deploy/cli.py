@@ -257,7 +257,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 
 
 def _add_setup_commands(ds: argparse._SubParsersAction) -> None:
-    """``provision``, ``prepare-kit``, ``site-gpus``, ``site-config``, ``job``."""
+    """``provision``, ``prepare-kit``, ``site-gpus``, ``site-config``."""
     p = ds.add_parser("provision", help="provision every participant of a project.yml into a workspace")
     p.add_argument("--project", default="poc/project.yml", help="NVFlare project file (default poc/project.yml)")
     p.add_argument("--workspace", required=True, help="deployment workspace (everything is written under it)")
@@ -291,6 +291,9 @@ def _add_setup_commands(ds: argparse._SubParsersAction) -> None:
     p.add_argument("--workspace")
     p.set_defaults(func=_quiet(_cmd_site_config))
 
+
+def _add_job_command(ds: argparse._SubParsersAction) -> None:
+    """``job``: a deployable job folder."""
     p = ds.add_parser("job", help="write a deployable job folder (pre-installed or bring-your-own-code)")
     p.add_argument("name", help="a job of cxrfl.jobs.JOBS: the folder names under jobs/ (surgical_agg, ...)")
     p.add_argument("--out", required=True, help="parent folder of the job folder")
@@ -386,4 +389,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("deploy", help="real deployment: provision, prepare kits, start, submit, stop")
     ds = d.add_subparsers(dest="deploy_command", required=True)
     _add_setup_commands(ds)
+    _add_job_command(ds)
     _add_run_commands(ds)
