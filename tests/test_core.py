@@ -10,6 +10,7 @@ import torch
 from conftest import fedfew_fedavg
 from cxrfl.core.fedavg import fedavg
 from cxrfl.core.streaming import StreamingFedAvg
+from cxrfl.core.update_change import change_sq, compare_to_sent
 from cxrfl.core.updates import SampleCounts, validate_update
 from cxrfl.errors import UpdateRejected
 from cxrfl.fedfew.config import FedFewConfig
@@ -146,3 +147,16 @@ def test_fedfew_clip_bounds_one_norm_over_the_whole_update(tmp_path):
     norm_b = np.sqrt(3 + 6 + 2)  # b's update: 11 ones
     for k, v in agg.items():  # b clipped to norm 1 as a whole, averaged with a's zero update
         np.testing.assert_allclose(v, np.full(expected[k], 0.5 / norm_b), rtol=1e-6, err_msg=k)
+
+
+@pytest.mark.filterwarnings("error")  # torch warns once per process about read-only arrays: none may reach it
+def test_the_change_of_a_received_read_only_result_is_measured_in_float64():
+    sent = {"w": np.array([1.0, 2.0, 3.0, 4.0], np.float32), "n": np.array(5, np.int64)}
+    raw = np.array([1.0, 2.5, 3.0, 1e8 + 1.0], np.float32).tobytes()
+    received = {"w": np.frombuffer(raw, np.float32), "n": np.array(6, np.int64)}  # as decoded: read-only
+    assert not received["w"].flags.writeable
+    delta = np.array([0.0, 0.5, 0.0, np.float64(np.float32(1e8 + 1.0)) - 4.0])  # exact in float64
+    share, norm = compare_to_sent(received, sent)
+    assert share == 0.5 and norm == pytest.approx(float(np.sqrt(np.sum(delta**2))), rel=1e-15)
+    bf16 = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)  # a dtype numpy lacks
+    assert change_sq(bf16, torch.zeros(2, dtype=torch.bfloat16)) == pytest.approx(5.0, rel=1e-12)

@@ -20,6 +20,12 @@ OUTLIER_FACTOR = 10.0
 """An update whose norm passes this multiple of the round's median update norm gets a warning line."""
 
 
+def _float64(x: Any) -> torch.Tensor:
+    """A float64 tensor of an array or tensor (an array is copied: received arrays are often read-only,
+    which torch warns about; bfloat16 tensors, which numpy lacks, stay in torch)."""
+    return x.to(torch.float64) if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x, dtype=np.float64))
+
+
 def change_sq(value: Any, reference: Any) -> float:
     """Squared L2 norm of ``value - reference``, the difference taken in float64 (exact for float32 inputs).
 
@@ -27,8 +33,7 @@ def change_sq(value: Any, reference: Any) -> float:
         value: an array or CPU tensor.
         reference: an array or CPU tensor of the same shape.
     """
-    a, r = torch.as_tensor(value), torch.as_tensor(reference)
-    return float(torch.linalg.vector_norm(a.to(torch.float64) - r.to(torch.float64))) ** 2
+    return float(torch.linalg.vector_norm(_float64(value) - _float64(reference))) ** 2
 
 
 def compare_to_sent(params: Mapping[str, Any], reference: Mapping[str, Any]) -> tuple[float, float] | None:
