@@ -45,11 +45,13 @@ def _part_mean(cell: dict[str, Any], part: str | None) -> float | None:
 
 Rule = Callable[[float, "float | None"], bool]
 """(difference, Holm-adjusted p of the t-test over classes) -> met."""
+Comparison = tuple[dict[str, Any], Rule]
+"""A target's numbers (:func:`comparison_target`) and the rule that judges them."""
 
 
 def comparison_target(
     results: dict[str, Any], name: str, view: str, a: str, b: str, rule: str, ok: Rule, part: str | None = None
-) -> tuple[dict[str, Any], Rule] | None:
+) -> Comparison | None:
     """A target comparing entry ``a`` with entry ``b`` on a view, with its rule (None: one of them was not
     run); its verdict (``met``) is set by :func:`judge` once the profile's p-values are adjusted.
 
@@ -86,7 +88,7 @@ def comparison_target(
     }, ok
 
 
-def judge(comparisons: list[tuple[dict[str, Any], Rule]], alpha: float = 0.05) -> list[dict[str, Any]]:
+def judge(comparisons: list[Comparison], alpha: float = 0.05) -> list[dict[str, Any]]:
     """Adjust the comparisons' p-values (t-test over classes) by Holm over the family, add each one's
     detectable difference, and set the verdicts on the adjusted p.
 
@@ -166,9 +168,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     return [t for t in found if t is not None] + judge([c for c in compared if c is not None])
 
 
-def _site_comparisons(
-    results: dict[str, Any], ref: str, site_views: list[str]
-) -> list[tuple[dict[str, Any], Rule] | None]:
+def _site_comparisons(results: dict[str, Any], ref: str, site_views: list[str]) -> list[Comparison | None]:
     """Each site's test split: SA against its individual model, and on its unique classes against vanilla FL
     and partial loss.
 
@@ -177,7 +177,7 @@ def _site_comparisons(
         ref: the reference method (surgical aggregation).
         site_views: the sites' test splits.
     """
-    compared: list[tuple[dict[str, Any], Rule] | None] = []
+    compared: list[Comparison | None] = []
     for v in site_views:
         compared += [
             comparison_target(
@@ -213,9 +213,7 @@ def _site_comparisons(
     return compared
 
 
-def _external_comparisons(
-    results: dict[str, Any], ref: str, ext_views: list[str]
-) -> list[tuple[dict[str, Any], Rule] | None]:
+def _external_comparisons(results: dict[str, Any], ref: str, ext_views: list[str]) -> list[Comparison | None]:
     """Each external set: SA against vanilla FL (p < 0.05) and as the best single global model.
 
     Args:
@@ -223,7 +221,7 @@ def _external_comparisons(
         ref: the reference method (surgical aggregation).
         ext_views: the external sets.
     """
-    compared: list[tuple[dict[str, Any], Rule] | None] = []
+    compared: list[Comparison | None] = []
     for v in ext_views:
         compared.append(
             comparison_target(
@@ -250,9 +248,7 @@ def _external_comparisons(
     return compared
 
 
-def _no_heterogeneity_comparisons(
-    results: dict[str, Any], ref: str, views: list[str]
-) -> list[tuple[dict[str, Any], Rule] | None]:
+def _no_heterogeneity_comparisons(results: dict[str, Any], ref: str, views: list[str]) -> list[Comparison | None]:
     """Without class heterogeneity: SA within 0.01 of FedAvg on every test set.
 
     Args:
