@@ -43,7 +43,7 @@ from cxrfl.bench.speed import format_speed
 from cxrfl.bench.targets import TARGET_PROFILES, evaluate_targets
 from cxrfl.common.io import write_json
 
-ORDER = ("two-hospitals", "two-hospitals-shared", "nih1000", "ablation-sites", "two-hospitals-gpu")
+ORDER = ("two-hospitals", "two-hospitals-shared", "nih1000", "real", "ablation-sites", "two-hospitals-gpu")
 SPEED_ROWS = "<!-- speed verdict rows -->"
 TARGET_ROWS = "<!-- comparison verdict rows -->"
 
@@ -133,6 +133,13 @@ def _p_text(stats: dict[str, Any] | None, over: str) -> str:
     return f"p {stats['p']:.2g}{holm} over {stats['n']} {over}"
 
 
+def _old_rule_text(old: dict[str, Any] | None) -> str:
+    """How far the difference moved from the old selection rule (empty: not run under it)."""
+    if not old:
+        return ""
+    return f"; from the old {old['rule']!r} rule: {old['difference_change']:+.3f}"
+
+
 def retarget(path: Path) -> dict[str, Any]:
     """A comparison's ``results.json`` with its targets evaluated by the current rules, written back with its
     ``report.md`` (results of the earlier short-budget protocol are returned as they are)."""
@@ -154,7 +161,9 @@ def target_verdict_rows(name: str, res: dict[str, Any]) -> list[str]:
         where = f"`{t['view']}`" + (f", {t['part']} classes" if t.get("part") else "")
         verdict = "not measurable" if t["met"] is None else _met(t["met"])
         a = methods[t["method"]]["label"]
-        if t["met"] is None:
+        if "statement" in t:
+            measured = t["statement"]
+        elif t["met"] is None:
             measured = ""
         elif t["against"] is None:
             lo, hi = t.get("value_ci") or (None, None)
@@ -163,7 +172,7 @@ def target_verdict_rows(name: str, res: dict[str, Any]) -> list[str]:
             tests = "; ".join(x for x in (_p_text(t.get("classes"), "classes"), _p_text(t.get("seeds"), "seeds")) if x)
             measured = (
                 f"{a} {t['value']:.3f} vs {methods[t['against']]['label']} {t['other']:.3f}: "
-                f"{t['difference']:+.3f}" + (f" ({tests})" if tests else "")
+                f"{t['difference']:+.3f}" + (f" ({tests})" if tests else "") + _old_rule_text(t.get("old_rule"))
             )
         rows.append(f"| `{name}` | {t['target']} | {where} | {verdict} | {measured} |")
     return rows

@@ -51,13 +51,24 @@ def demo_config(rounds: int, max_steps: int | None) -> SurgicalConfig:
     )
 
 
-def main() -> None:
-    """Run, count, write the JSON."""
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=None, help="cap of each local epoch (default: the demo's)")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def _commit() -> str:
+    """The short commit of the checkout the measured code comes from."""
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=Path(io_module.__file__).parent, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def main() -> None:
+    """Run, count, write the JSON."""
+    args = _arguments()
     written: dict[str, list[int]] = defaultdict(list)
     by_phase: dict[str, int] = defaultdict(int)
     phase = ["outside rounds"]
@@ -96,11 +107,8 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     total = sum(sum(v) for v in server.values())
     per_round = [v for k, v in by_phase.items() if k.startswith("round ")]
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=Path(io_module.__file__).parent, capture_output=True, text=True
-    ).stdout.strip()
     result = {
-        "commit": commit,
+        "commit": _commit(),
         "rounds": len(rounds),
         "max_steps_per_epoch": args.max_steps,
         "model_bytes": model,

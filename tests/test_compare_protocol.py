@@ -223,7 +223,14 @@ def test_runs_selected_by_the_other_rule_are_set_aside_where_the_rule_matters(tm
     assert set(deltas) == {"vanilla-fedavg"}  # centralized's seed 0 was not trained again yet
     d = deltas["vanilla-fedavg"]
     assert d["before_rule"] == "head" and d["seeds"] == [0] and d["best_round"] == {"before": 3, "after": 9}
-    assert d["mean_auroc"]["hospital-a"] == pytest.approx({"before": 0.65, "after": 0.75, "change": 0.10})
+    a = d["mean_auroc"]["hospital-a"]
+    assert {k: a[k] for k in ("before", "after", "change")} == pytest.approx(
+        {"before": 0.65, "after": 0.75, "change": 0.1}
+    )
+    # per class too (the real federation's targets take the unique classes' share of the change from them)
+    assert a["classes"]["x"] == pytest.approx({"before": 0.6, "after": 0.7})
+    assert a["classes"]["y"] == pytest.approx({"before": 0.7, "after": 0.8})
+    assert a["classes"]["z"] == {"before": None, "after": None}  # undefined under the new rule, absent before
     assert d["mean_auroc"]["external"]["change"] == pytest.approx(0.1)
     section = "\n".join(format_deltas(deltas, "annotated"))
     assert "| vanilla-fedavg (before: `head`) | hospital-a | 0.6500 | 0.7500 | +0.1000 | 3.0 → 9.0 |" in section

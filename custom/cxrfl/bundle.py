@@ -190,6 +190,21 @@ def metadata(classes: list[str], config: ModelConfig, name: str, run: Mapping[st
     }
 
 
+def _preprocessing(config: ModelConfig) -> dict[str, Any]:
+    """The bundle's preprocessing: keep the file name, then read the image as ``cxrfl predict`` does."""
+    return {
+        "_target_": "Compose",
+        "transforms": [
+            {"_target_": "CopyItemsd", "keys": "@image", "names": "filename_or_obj"},
+            {
+                "_target_": "Lambdad",
+                "keys": "@image",
+                "func": f"$build_transforms({config.image_size}, train=False, in_channels={config.in_channels})",
+            },
+        ],
+    }
+
+
 def inference_config(classes: list[str], config: ModelConfig, fit: ClinicalFit | None = None) -> dict[str, Any]:
     """``configs/inference.json``: a MONAI bundle config that predicts a folder of images.
 
@@ -222,17 +237,7 @@ def inference_config(classes: list[str], config: ModelConfig, fit: ClinicalFit |
         "network": "$@network_def.to(@device).eval()",
         "datalist": "$[{@image: f} for f in sorted(glob.glob(os.path.join(@dataset_dir, '*'))) "
         "if f.lower().endswith(tuple(@image_suffixes))]",
-        "preprocessing": {
-            "_target_": "Compose",
-            "transforms": [
-                {"_target_": "CopyItemsd", "keys": "@image", "names": "filename_or_obj"},
-                {
-                    "_target_": "Lambdad",
-                    "keys": "@image",
-                    "func": f"$build_transforms({config.image_size}, train=False, in_channels={config.in_channels})",
-                },
-            ],
-        },
+        "preprocessing": _preprocessing(config),
         "dataset": {"_target_": "Dataset", "data": "@datalist", "transform": "@preprocessing"},
         "dataloader": {
             "_target_": "DataLoader",
@@ -377,34 +382,41 @@ def model_card(classes: list[str], config: ModelConfig, name: str, model_path: P
         f"torch {torch.__version__}).",
         "",
     ]
-    settings = run.get("run_config")
-    if settings:
-        lines += [
-            "Settings of the training run (`cxrfl/run_config.json`):",
-            "",
-            "```json",
-            json.dumps(settings, indent=2),
-            "```",
-            "",
-        ]
-    else:
-        lines += ["The checkpoint's folder holds no `cxrfl/run_config.json`: the run's settings are unknown.", ""]
-    lines += ["## Evaluation", ""]
-    summary = evaluation_summary(run.get("evaluation"))
-    if summary:
-        lines += [
-            f"Selected model (round {summary['selected_round']}) on the test splits of {summary['sites']} site(s): "
-            f"mean AUROC {_num(summary['mean_site_auroc'])} ± {_num(summary['sd_site_auroc'])} (SD over sites).",
-            "",
-            "| finding | test AUROC (mean over the sites that label it) |",
-            "| --- | --- |",
-            *[f"| {c} | {_num(v)} |" for c, v in summary["class_auroc"].items()],
-            "",
-        ]
-    else:
-        lines += ["No evaluation was found beside the checkpoint (`cxrfl/evaluation.json`).", ""]
+    lines += _training_settings(run.get("run_config")) + _evaluation_lines(run.get("evaluation"))
     return "\n".join(lines)
 
 
 def _num(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.3f}"
+
+
+def _training_settings(settings: Mapping[str, Any] | None) -> list[str]:
+    """The model card's lines on the training run's settings (``cxrfl/run_config.json``)."""
+    if not settings:
+        return ["The checkpoint's folder holds no `cxrfl/run_config.json`: the run's settings are unknown.", ""]
+    return [
+        "Settings of the training run (`cxrfl/run_config.json`):",
+        "",
+        "```json",
+        json.dumps(settings, indent=2),
+        "```",
+        "",
+    ]
+
+
+def _evaluation_lines(evaluation: Mapping[str, Any] | None) -> list[str]:
+    """The model card's "Evaluation" section: the selected model's test AUROC overall and per finding."""
+    summary = evaluation_summary(evaluation)
+    if not summary:
+        return ["## Evaluation", "", "No evaluation was found beside the checkpoint (`cxrfl/evaluation.json`).", ""]
+    return [
+        "## Evaluation",
+        "",
+        f"Selected model (round {summary['selected_round']}) on the test splits of {summary['sites']} site(s): "
+        f"mean AUROC {_num(summary['mean_site_auroc'])} ± {_num(summary['sd_site_auroc'])} (SD over sites).",
+        "",
+        "| finding | test AUROC (mean over the sites that label it) |",
+        "| --- | --- |",
+        *[f"| {c} | {_num(v)} |" for c, v in summary["class_auroc"].items()],
+        "",
+    ]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from cxrfl.bench.report import effect_row, markdown_table, num_text, stars
+from cxrfl.bench.report import effect_row, markdown_table, stars
+from cxrfl.bench.report_text import num_text
 
 
 def format_ablation(summary: dict[str, Any]) -> str:

@@ -14,7 +14,11 @@ from typing import Any
 
 from cxrfl.bench.arch import arch_label
 from cxrfl.bench.protocol import code_label
+from cxrfl.bench.report_text import ci_text as _ci
+from cxrfl.bench.report_text import num_text
+from cxrfl.bench.report_text import p_text as _p
 from cxrfl.bench.reselection import format_deltas
+from cxrfl.bench.target_text import targets_section
 
 
 def stars(p: float | None) -> str:
@@ -26,24 +30,6 @@ def stars(p: float | None) -> str:
     if p is None:
         return ""
     return "***" if p <= 0.001 else "**" if p <= 0.01 else "*" if p <= 0.05 else "ns"
-
-
-def num_text(v: float | None, digits: int = 3) -> str:
-    """A number for a table cell or a sentence (``-`` where not defined).
-
-    Args:
-        v: the number (None: not defined).
-        digits: decimals.
-    """
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
-def _p(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2g}" if v < 0.001 else f"{v:.3f}"
-
-
-def _ci(ci: Any, digits: int = 3) -> str:
-    return "-" if not ci else f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
 
 
 def _cell(summary: dict[str, Any] | None, test: dict[str, Any] | None = None, *, with_p: bool = True) -> str:
@@ -406,7 +392,7 @@ def format_report(results: dict[str, Any], *, summary: bool = False, heading: st
     out = _header(results) + _data(results) + _convergence(results) + _papers_tables(results) + _effects(results)
     if not summary:
         out += _intervals(results) + _per_class(results)
-    out += _targets_section(results)
+    out += targets_section(results)
     out += format_deltas(results.get("selection_deltas") or {}, results["settings"].get("selection", "head"))
     if results.get("plots") and not summary:
         out += ["## Plots", ""] + [f"![{p}]({p})" for p in results["plots"]] + [""]
@@ -418,58 +404,3 @@ def format_report(results: dict[str, Any], *, summary: bool = False, heading: st
 def _shift(lines: list[str], heading: str) -> str:
     extra = "#" * (len(heading) - 1)
     return "\n".join(extra + line if line.startswith("#") else line for line in lines)
-
-
-def _targets_section(results: dict[str, Any]) -> list[str]:
-    targets = results.get("targets") or []
-    if not targets:
-        return []
-    out = ["## Targets", ""]
-    if not targets[0].get("binding"):
-        out += ["(The issue sets these targets for the two-hospitals profiles; shown here for information.)", ""]
-    out += ["- " + target_sentence(t, results["methods"]) for t in targets]
-    return out + [""]
-
-
-def _stats_text(t: dict[str, Any]) -> str:
-    c, s = t.get("classes") or {}, t.get("seeds") or {}
-    parts = []
-    if c.get("n"):
-        parts.append(
-            f"over {c['n']} classes: 95% CI {_ci(c.get('ci'))}, d_z {num_text(c.get('d_z'), 2)}, "
-            f"t-test p {_p(c.get('p'))} (Holm-adjusted {_p(c.get('p_holm'))}), Wilcoxon p {_p(c.get('wilcoxon_p'))}, "
-            f"detectable difference (80 % power) {num_text(c.get('detectable'))}"
-        )
-    if (s.get("n") or 0) >= 2:
-        parts.append(
-            f"over {s['n']} seeds: {num_text(s.get('difference'))} {_ci(s.get('ci'))}, "
-            f"d_z {num_text(s.get('d_z'), 2)}, p {_p(s.get('p'))}"
-        )
-    return "; ".join(parts)
-
-
-def target_sentence(t: dict[str, Any], methods: dict[str, Any]) -> str:
-    """One sentence per target: met or not, by how much, with effect sizes and p-values.
-
-    Args:
-        t: a target record from :func:`cxrfl.bench.targets.evaluate_targets`.
-        methods: the results' methods (for labels).
-    """
-    a = methods[t["method"]]["label"]
-    part = f" ({t['part']} classes)" if t.get("part") else ""
-    where = f"on `{t['view']}`{part}"
-    if t["against"] is None:
-        if t["met"] is None:
-            return f"{t['target']}, {a} {where}: not measurable."
-        return (
-            f"{t['target']}, {a} {where}: **{'MET' if t['met'] else 'NOT MET'}** — {t['value']:.3f} "
-            f"(95% CI over seeds {_ci(t.get('value_ci'))})."
-        )
-    b = methods[t["against"]]["label"]
-    if t["met"] is None:
-        return f"{t['target']} {where}: not measurable ({a} {num_text(t['value'])}, {b} {num_text(t['other'])})."
-    stats = _stats_text(t)
-    return (
-        f"{t['target']} {where}: **{'MET' if t['met'] else 'NOT MET'}** — {a} {t['value']:.3f} "
-        f"vs {b} {t['other']:.3f}, difference {t['difference']:+.3f} (rule {t['rule']}){'; ' + stats if stats else ''}."
-    )

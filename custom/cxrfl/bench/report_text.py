@@ -1,4 +1,5 @@
-"""Phrases the in-process benchmarks' reports share: the provenance line, local steps, a target's verdict."""
+"""Phrases the benchmarks' reports share: numbers, p-values and intervals, the provenance line, local steps,
+a target's verdict."""
 
 from __future__ import annotations
 
@@ -39,3 +40,23 @@ def verdict(met: bool | None) -> str:
         met: whether the target is met (None: not measured).
     """
     return "not measured" if met is None else "MET" if met else "NOT MET"
+
+
+def num_text(v: float | None, digits: int = 3) -> str:
+    """A number for a table cell or a sentence (``-`` where not defined).
+
+    Args:
+        v: the number (None: not defined).
+        digits: decimals.
+    """
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def p_text(v: float | None) -> str:
+    """A p-value for a table cell or a sentence (``-``: no test)."""
+    return "-" if v is None else f"{v:.2g}" if v < 0.001 else f"{v:.3f}"
+
+
+def ci_text(ci: Any, digits: int = 3) -> str:
+    """An interval ``[low, high]`` (``-``: none)."""
+    return "-" if not ci else f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"

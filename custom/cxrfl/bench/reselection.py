@@ -26,9 +26,26 @@ def _mean_auroc(record: dict[str, Any], test: str) -> float | None:
     return float(np.mean(values)) if values else None
 
 
+def _class_means(pairs: list[tuple[dict[str, Any], dict[str, Any]]], test: str) -> dict[str, dict[str, Any]]:
+    """Per class of ``test``: its AUROC under each rule, averaged over the seeds both ran."""
+
+    def aurocs(record: dict[str, Any]) -> dict[str, Any]:
+        return ((record.get("auroc") or {}).get(test) or {}).get(GLOBAL, {})
+
+    classes = sorted({c for old, new in pairs for c in (*aurocs(old), *aurocs(new))})
+    return {
+        c: {
+            "before": finite_mean([aurocs(old).get(c) for old, _ in pairs]),
+            "after": finite_mean([aurocs(new).get(c) for _, new in pairs]),
+        }
+        for c in classes
+    }
+
+
 def selection_deltas(store: RunStore, entries: Sequence[Entry], seeds: Sequence[int]) -> dict[str, Any]:
     """Per affected entry: the rule its set-aside runs were selected by, the seeds both rules ran,
-    the mean selected round under each, and per test set the mean AUROC under each and the change.
+    the mean selected round under each, and per test set the mean AUROC under each and the change
+    (and under ``classes`` each class's AUROC under each rule).
 
     Args:
         store: the comparison's runs.
@@ -54,7 +71,7 @@ def selection_deltas(store: RunStore, entries: Sequence[Entry], seeds: Sequence[
                 before = finite_mean([_mean_auroc(old, t) for old, _ in pairs])
                 after = finite_mean([_mean_auroc(new, t) for _, new in pairs])
                 change = None if before is None or after is None else after - before
-                per_test[t] = {"before": before, "after": after, "change": change}
+                per_test[t] = {"before": before, "after": after, "change": change, "classes": _class_means(pairs, t)}
             out[e.name] = {
                 "label": e.label,
                 "before_rule": rule,

@@ -23,9 +23,12 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from cxrfl.surgical.server import SurgicalServer
 
 logger = logging.getLogger(__name__)
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -143,23 +146,19 @@ def _stub_sites(sites: int, n_in: int) -> dict[str, _StubSite]:
     return hosts
 
 
-def measure(sites: int, rounds: int, streaming: bool) -> dict[str, Any]:
-    """Run the server loop over ``sites`` stub sites in this process; its peak memory.
+def _server(sites: int, rounds: int, streaming: bool, out_dir: str) -> SurgicalServer:
+    """A :class:`~cxrfl.surgical.server.SurgicalServer` over ``sites`` stub sites (DenseNet121 at 32 px).
 
     Args:
         sites: stub sites.
         rounds: federated rounds after the warm-up.
         streaming: answers streamed into the aggregator (False: all collected first).
+        out_dir: the server's folder.
     """
-    import gc
-
-    import torch
-
     from cxrfl.nn.models import ModelConfig, build_model
     from cxrfl.surgical.config import SurgicalConfig
     from cxrfl.surgical.server import SurgicalServer
 
-    torch.set_num_threads(1)
     model = ModelConfig(image_size=32)  # DenseNet121's parameters do not depend on the image size
     hosts = _stub_sites(sites, build_model(model, 1).classifier.in_features)
     send = _fobs_transport(hosts)
@@ -173,15 +172,31 @@ def measure(sites: int, rounds: int, streaming: bool) -> dict[str, Any]:
             "train_config": {"warmup_epochs": 1},
         }
     )
+    return SurgicalServer(
+        send if streaming else _collect_first(send),
+        config=cfg,
+        sites=list(hosts),
+        out_dir=out_dir,
+        run_id="harness",
+        info=lambda m: None,
+    )
+
+
+def measure(sites: int, rounds: int, streaming: bool) -> dict[str, Any]:
+    """Run the server loop over ``sites`` stub sites in this process; its peak memory.
+
+    Args:
+        sites: stub sites.
+        rounds: federated rounds after the warm-up.
+        streaming: answers streamed into the aggregator (False: all collected first).
+    """
+    import gc
+
+    import torch
+
+    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="cxrfl-server-memory-") as tmp:
-        server = SurgicalServer(
-            send if streaming else _collect_first(send),
-            config=cfg,
-            sites=list(hosts),
-            out_dir=tmp,
-            run_id="harness",
-            info=lambda m: None,
-        )
+        server = _server(sites, rounds, streaming, tmp)
         gc.collect()
         base = _rss()
         tracemalloc.start()

@@ -8,19 +8,19 @@ issue's wording on point estimates; where a target asks for p < 0.05 the paired 
 classes (the papers' test) decides, after Holm's adjustment over every comparison of the profile
 (``classes.p_holm``). ``classes.detectable`` is the smallest difference that comparison could
 detect (80 % power at the family's first Holm level), so "not met" can be told from "too few
-classes". Binding on ``two-hospitals`` and ``two-hospitals-shared``;
-elsewhere shown for information.
+classes". Binding on ``two-hospitals`` and ``two-hospitals-shared``, and on ``real`` with that
+profile's own targets (:mod:`cxrfl.bench.real_targets`); elsewhere shown for information.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from cxrfl.bench.intervals import detectable_difference, holm
+from cxrfl.bench.real_targets import REAL_PROFILE, real_targets
 from cxrfl.bench.statistics import compare_cells
+from cxrfl.bench.verdicts import Comparison, Rule, judge, target_record
 
-TARGET_PROFILES = ("two-hospitals", "two-hospitals-shared")
+TARGET_PROFILES = ("two-hospitals", "two-hospitals-shared", REAL_PROFILE)
 """The profiles the issue sets targets for (elsewhere they are shown for information only)."""
 
 LEARNED = 0.72
@@ -41,12 +41,6 @@ def _classes(results: dict[str, Any], view: str, part: str | None) -> list[str]:
 
 def _part_mean(cell: dict[str, Any], part: str | None) -> float | None:
     return (cell[part] if part else cell)["mean"]
-
-
-Rule = Callable[[float, "float | None"], bool]
-"""(difference, Holm-adjusted p of the t-test over classes) -> met."""
-Comparison = tuple[dict[str, Any], Rule]
-"""A target's numbers (:func:`comparison_target`) and the rule that judges them."""
 
 
 def comparison_target(
@@ -71,41 +65,9 @@ def comparison_target(
     va, vb = _part_mean(ca, part), _part_mean(cb, part)
     diff = None if va is None or vb is None else va - vb
     stats = compare_cells(ca, cb, _classes(results, view, part)) or {"classes": None, "seeds": None}
-    return {
-        "target": name,
-        "view": view,
-        "method": a,
-        "against": b,
-        "part": part,
-        "rule": rule,
-        "value": va,
-        "other": vb,
-        "difference": diff,
-        "classes": stats["classes"],
-        "seeds": stats["seeds"],
-        "met": None,
-        "binding": results.get("profile") in TARGET_PROFILES,
-    }, ok
-
-
-def judge(comparisons: list[Comparison], alpha: float = 0.05) -> list[dict[str, Any]]:
-    """Adjust the comparisons' p-values (t-test over classes) by Holm over the family, add each one's
-    detectable difference, and set the verdicts on the adjusted p.
-
-    Args:
-        comparisons: the profile's comparison targets with their rules.
-        alpha: the family-wise level.
-    """
-    family = {i: (t["classes"] or {}).get("p") for i, (t, _) in enumerate(comparisons)}
-    adjusted = holm(family)
-    size = sum(p is not None for p in family.values())
-    for i, (t, ok) in enumerate(comparisons):
-        c = t["classes"]
-        if c is not None:
-            c["p_holm"] = adjusted[i]
-            c["detectable"] = detectable_difference(c.get("n") or 0, c.get("sd"), alpha=alpha / max(size, 1))
-        t["met"] = None if t["difference"] is None else bool(ok(t["difference"], adjusted[i]))
-    return [t for t, _ in comparisons]
+    t = target_record(name, view, a, b, rule, part, binding=results.get("profile") in TARGET_PROFILES)
+    t.update(value=va, other=vb, difference=diff, classes=stats["classes"], seeds=stats["seeds"])
+    return t, ok
 
 
 def learned_target(results: dict[str, Any], entry: str, view: str) -> dict[str, Any] | None:
@@ -120,22 +82,16 @@ def learned_target(results: dict[str, Any], entry: str, view: str) -> dict[str, 
     if cell is None:
         return None
     value = cell["mean"]
-    return {
-        "target": f"the model learned: mean AUROC >= {LEARNED}",
-        "view": view,
-        "method": entry,
-        "against": None,
-        "part": None,
-        "rule": f"mean >= {LEARNED}",
-        "value": value,
-        "other": None,
-        "difference": None,
-        "value_ci": cell.get("mean_seed_ci"),
-        "classes": None,
-        "seeds": None,
-        "met": None if value is None else bool(value >= LEARNED),
-        "binding": results.get("profile") in TARGET_PROFILES,
-    }
+    t = target_record(
+        f"the model learned: mean AUROC >= {LEARNED}",
+        view,
+        entry,
+        None,
+        f"mean >= {LEARNED}",
+        binding=results.get("profile") in TARGET_PROFILES,
+    )
+    t.update(value=value, value_ci=cell.get("mean_seed_ci"), met=None if value is None else bool(value >= LEARNED))
+    return t
 
 
 def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -152,6 +108,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     Args:
         results: the results dict (methods, views, reference, profile).
     """
+    if results.get("profile") == REAL_PROFILE:
+        return real_targets(results)
     ref = results.get("reference")
     if ref is None:
         return []

@@ -1,0 +1,65 @@
+"""A profile's comparison targets judged together: Holm's adjustment over the family, then each rule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cxrfl.bench.intervals import detectable_difference, holm
+
+Rule = Callable[[float, "float | None"], bool]
+"""(difference, Holm-adjusted p of the paired t-test) -> met."""
+Comparison = tuple[dict[str, Any], Rule]
+"""A target's numbers (:func:`cxrfl.bench.targets.comparison_target`) and the rule that judges them."""
+
+
+def target_record(
+    name: str, view: str, a: str, b: str | None, rule: str, part: str | None = None, *, binding: bool
+) -> dict[str, Any]:
+    """A target's record before its numbers and verdict are filled in.
+
+    Args:
+        name: the target's wording.
+        view: the test set (view) it is judged on.
+        a: the entry held to the target.
+        b: the entry it is compared with (None: a target on ``a`` alone).
+        rule: the rule, in words.
+        part: ``shared`` or ``unique`` classes only (None: all of the view's).
+        binding: an issue sets this target for this profile (else: shown for information).
+    """
+    return {
+        "target": name,
+        "view": view,
+        "method": a,
+        "against": b,
+        "part": part,
+        "rule": rule,
+        "value": None,
+        "other": None,
+        "difference": None,
+        "classes": None,
+        "seeds": None,
+        "met": None,
+        "binding": binding,
+    }
+
+
+def judge(comparisons: list[Comparison], alpha: float = 0.05, unit: str = "classes") -> list[dict[str, Any]]:
+    """Adjust the comparisons' p-values (the paired t-test over ``unit``) by Holm over the family, add
+    each one's detectable difference, and set the verdicts on the adjusted p.
+
+    Args:
+        comparisons: the profile's comparison targets with their rules.
+        alpha: the family-wise level.
+        unit: ``classes`` (per-class AUROC averaged over seeds) or ``seeds`` (each seed's mean AUROC).
+    """
+    family = {i: (t[unit] or {}).get("p") for i, (t, _) in enumerate(comparisons)}
+    adjusted = holm(family)
+    size = sum(p is not None for p in family.values())
+    for i, (t, ok) in enumerate(comparisons):
+        c = t[unit]
+        if c is not None:
+            c["p_holm"] = adjusted[i]
+            c["detectable"] = detectable_difference(c.get("n") or 0, c.get("sd"), alpha=alpha / max(size, 1))
+        t["met"] = None if t["difference"] is None else bool(ok(t["difference"], adjusted[i]))
+    return [t for t, _ in comparisons]
