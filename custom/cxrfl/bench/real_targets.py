@@ -37,6 +37,7 @@ GLOBAL_WITHIN = 0.02
 """How far below Kermany's own model the federation's global model may score on pneumonia."""
 
 VANILLA = "vanilla-fedavg"
+GAIN = "the site gains from the federation over its own model"
 
 
 def _cell(results: dict[str, Any], entry: str, view: str) -> dict[str, Any] | None:
@@ -111,13 +112,14 @@ def real_comparisons(results: dict[str, Any], ref: str) -> list[Comparison]:
         f"individual:{PNEUMONIA_SITE}",
         f"SA - individual >= -{GLOBAL_WITHIN} ({PNEUMONIA} AUROC)",
     )
+    pneumonia["class"] = PNEUMONIA
     found: list[Comparison | None] = [
         _with_rule(_compared(results, pneumonia, [PNEUMONIA], lambda c: c["auroc"].get(PNEUMONIA)), _within)
     ]
     sites = [v for v, d in results["views"].items() if d["kind"] == "site"]
     for v in sites:
         gain = _record(
-            "the site gains from the federation over its own model",
+            GAIN,
             v,
             ref,
             f"individual:{v}",
@@ -164,7 +166,7 @@ def any_site_gains(judged: list[dict[str, Any]]) -> dict[str, Any] | None:
     Args:
         judged: the judged comparisons (:func:`cxrfl.bench.targets.judge`).
     """
-    gains = [t for t in judged if t["target"].startswith("the site gains")]
+    gains = [t for t in judged if t["target"] == GAIN]
     if not gains:
         return None
     t = _record(
@@ -237,8 +239,7 @@ def real_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     for t in judged:
         if t["against"] == VANILLA:
             t["old_rule"] = old_rule_change(results, t)
-    near = [t for t in judged if t["view"] == PNEUMONIA_SITE and t["against"] == f"individual:{PNEUMONIA_SITE}"]
-    near = [t for t in near if t["rule"].endswith(f"({PNEUMONIA} AUROC)")]
-    rest = [t for t in judged if t not in near]
+    near = [t for t in judged if t.get("class") == PNEUMONIA]
+    rest = [t for t in judged if t.get("class") != PNEUMONIA]
     out = [own_pneumonia_target(results), *near, any_site_gains(judged), *rest]
     return [t for t in out if t is not None]
