@@ -40,7 +40,7 @@ def _stats_text(t: dict[str, Any]) -> str:
     """A comparison's tests over classes and over seeds, and its move from the old selection rule."""
     c, s = t.get("classes") or {}, t.get("seeds") or {}
     parts = []
-    if c.get("n"):
+    if (c.get("n") or 0) >= 2:
         parts.append(
             f"over {c['n']} classes: 95% CI {ci_text(c.get('ci'))}, d_z {num_text(c.get('d_z'), 2)}, "
             f"t-test p {p_text(c.get('p'))}{_judged(c)}, Wilcoxon p {p_text(c.get('wilcoxon_p'))}"
