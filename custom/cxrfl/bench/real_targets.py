@@ -208,8 +208,8 @@ def old_rule_change(results: dict[str, Any], t: dict[str, Any]) -> dict[str, Any
         results: the results dict (``selection_deltas`` with per-class means).
         t: the comparison record.
     """
-    delta = (results.get("selection_deltas") or {}).get(t["against"])
-    per_class = ((delta or {}).get("mean_auroc") or {}).get(results["views"][t["view"]]["test"], {}).get("classes")
+    delta: dict[str, Any] = (results.get("selection_deltas") or {}).get(t["against"]) or {}
+    per_class = (delta.get("mean_auroc") or {}).get(results["views"][t["view"]]["test"], {}).get("classes")
     if not per_class:
         return None
     unique = site_classes(results, t["view"], "unique")
