@@ -23,7 +23,7 @@ from typing import Any
 
 from cxrfl.bench.intervals import finite_mean, mean_ci
 from cxrfl.bench.statistics import compare_cells
-from cxrfl.bench.verdicts import Comparison, judge, target_record
+from cxrfl.bench.verdicts import Comparison, judge, part_mean, target_record, view_cell, view_classes
 
 REAL_PROFILE = "real"
 """The profile these targets belong to."""
@@ -40,10 +40,6 @@ VANILLA = "vanilla-fedavg"
 GAIN = "the site gains from the federation over its own model"
 
 
-def _cell(results: dict[str, Any], entry: str, view: str) -> dict[str, Any] | None:
-    return results["methods"].get(entry, {}).get("test", {}).get(view)
-
-
 def _record(name: str, view: str, a: str, b: str | None, rule: str, part: str | None = None) -> dict[str, Any]:
     return target_record(name, view, a, b, rule, part, binding=True)
 
@@ -51,7 +47,7 @@ def _record(name: str, view: str, a: str, b: str | None, rule: str, part: str | 
 def own_pneumonia_target(results: dict[str, Any]) -> dict[str, Any] | None:
     """Kermany's individually trained model: pneumonia AUROC >= :data:`OWN_PNEUMONIA` (None: not run)."""
     entry = f"individual:{PNEUMONIA_SITE}"
-    cell = _cell(results, entry, PNEUMONIA_SITE)
+    cell = view_cell(results, entry, PNEUMONIA_SITE)
     if cell is None:
         return None
     t = _record(
@@ -70,12 +66,22 @@ def own_pneumonia_target(results: dict[str, Any]) -> dict[str, Any] | None:
     return t
 
 
-def _compared(results: dict[str, Any], t: dict[str, Any], classes: list[str], value: Any) -> dict[str, Any] | None:
-    """Fill ``t`` with the two entries' means over ``classes`` and their paired comparison (None: not run)."""
-    ca, cb = _cell(results, t["method"], t["view"]), _cell(results, t["against"], t["view"])
+def _compared(
+    results: dict[str, Any], t: dict[str, Any], classes: list[str] | None = None, value: Any = None
+) -> dict[str, Any] | None:
+    """Fill ``t`` with the two entries' means over ``classes`` and their paired comparison (None: not run).
+
+    Args:
+        results: the results dict.
+        t: the target record (entries, view and ``part``).
+        classes: the classes compared (default: the view's classes of ``t["part"]``).
+        value: a view cell -> the mean compared (default: the cell's mean over ``t["part"]``).
+    """
+    classes = view_classes(results, t["view"], t["part"]) if classes is None else classes
+    ca, cb = view_cell(results, t["method"], t["view"]), view_cell(results, t["against"], t["view"])
     if ca is None or cb is None or not classes:
         return None
-    va, vb = value(ca), value(cb)
+    va, vb = (value(ca), value(cb)) if value else (part_mean(ca, t["part"]), part_mean(cb, t["part"]))
     stats = compare_cells(ca, cb, classes) or {"classes": None, "seeds": None}
     t.update(
         value=va,
@@ -85,17 +91,6 @@ def _compared(results: dict[str, Any], t: dict[str, Any], classes: list[str], va
         seeds=stats["seeds"],
     )
     return t
-
-
-def site_classes(results: dict[str, Any], view: str, part: str | None) -> list[str]:
-    """A site view's classes: all, or its ``shared`` / ``unique`` ones."""
-    d = results["views"][view]
-    shared = set(d.get("shared") or [])
-    return [c for c in d["classes"] if part is None or (c in shared) == (part == "shared")]
-
-
-def _part_value(part: str | None) -> Any:
-    return lambda cell: (cell[part] if part else cell)["mean"]
 
 
 def real_comparisons(results: dict[str, Any], ref: str) -> list[Comparison]:
@@ -125,7 +120,7 @@ def real_comparisons(results: dict[str, Any], ref: str) -> list[Comparison]:
             f"individual:{v}",
             "SA - individual > 0 and Holm-adjusted p (t-test over seeds) < 0.05",
         )
-        found.append(_with_rule(_compared(results, gain, site_classes(results, v, None), _part_value(None)), _gains))
+        found.append(_with_rule(_compared(results, gain), _gains))
     for v in sites:
         unique = _record(
             "unique classes: SA at least as high as vanilla FL (fair selection)",
@@ -135,11 +130,7 @@ def real_comparisons(results: dict[str, Any], ref: str) -> list[Comparison]:
             "SA - vanilla >= 0 (the Holm-adjusted p reported)",
             "unique",
         )
-        found.append(
-            _with_rule(
-                _compared(results, unique, site_classes(results, v, "unique"), _part_value("unique")), _not_below
-            )
-        )
+        found.append(_with_rule(_compared(results, unique), _not_below))
     return [c for c in found if c is not None]
 
 
@@ -212,7 +203,7 @@ def old_rule_change(results: dict[str, Any], t: dict[str, Any]) -> dict[str, Any
     per_class = (delta.get("mean_auroc") or {}).get(results["views"][t["view"]]["test"], {}).get("classes")
     if not per_class:
         return None
-    unique = site_classes(results, t["view"], "unique")
+    unique = view_classes(results, t["view"], "unique")
     before = finite_mean([per_class.get(c, {}).get("before") for c in unique])
     after = finite_mean([per_class.get(c, {}).get("after") for c in unique])
     if before is None or after is None:

@@ -21,22 +21,23 @@ from cxrfl.bench.intervals import finite_mean
 from cxrfl.bench.runs import GLOBAL, Entry, RunStore, safe_name
 
 
+def _aurocs(record: dict[str, Any], test: str) -> dict[str, Any]:
+    """A run's per-class AUROC of its global model on ``test`` (None: undefined)."""
+    return ((record.get("auroc") or {}).get(test) or {}).get(GLOBAL, {})
+
+
 def _mean_auroc(record: dict[str, Any], test: str) -> float | None:
-    values = [v for v in ((record.get("auroc") or {}).get(test) or {}).get(GLOBAL, {}).values() if v is not None]
+    values = [v for v in _aurocs(record, test).values() if v is not None]
     return float(np.mean(values)) if values else None
 
 
 def _class_means(pairs: list[tuple[dict[str, Any], dict[str, Any]]], test: str) -> dict[str, dict[str, Any]]:
     """Per class of ``test``: its AUROC under each rule, averaged over the seeds both ran."""
-
-    def aurocs(record: dict[str, Any]) -> dict[str, Any]:
-        return ((record.get("auroc") or {}).get(test) or {}).get(GLOBAL, {})
-
-    classes = sorted({c for old, new in pairs for c in (*aurocs(old), *aurocs(new))})
+    classes = sorted({c for old, new in pairs for c in (*_aurocs(old, test), *_aurocs(new, test))})
     return {
         c: {
-            "before": finite_mean([aurocs(old).get(c) for old, _ in pairs]),
-            "after": finite_mean([aurocs(new).get(c) for _, new in pairs]),
+            "before": finite_mean([_aurocs(old, test).get(c) for old, _ in pairs]),
+            "after": finite_mean([_aurocs(new, test).get(c) for _, new in pairs]),
         }
         for c in classes
     }

@@ -18,29 +18,13 @@ from typing import Any
 
 from cxrfl.bench.real_targets import REAL_PROFILE, real_targets
 from cxrfl.bench.statistics import compare_cells
-from cxrfl.bench.verdicts import Comparison, Rule, judge, target_record
+from cxrfl.bench.verdicts import Comparison, Rule, judge, part_mean, target_record, view_cell, view_classes
 
 TARGET_PROFILES = ("two-hospitals", "two-hospitals-shared", REAL_PROFILE)
 """The profiles the issue sets targets for (elsewhere they are shown for information only)."""
 
 LEARNED = 0.72
 """Mean AUROC every individually trained and centralized model must reach on its test split(s)."""
-
-
-def _cell(results: dict[str, Any], entry: str, view: str) -> dict[str, Any] | None:
-    return results["methods"].get(entry, {}).get("test", {}).get(view)
-
-
-def _classes(results: dict[str, Any], view: str, part: str | None) -> list[str]:
-    d = results["views"][view]
-    if part is None:
-        return list(d["classes"])
-    shared = set(d.get("shared") or [])
-    return [c for c in d["classes"] if (c in shared) == (part == "shared")]
-
-
-def _part_mean(cell: dict[str, Any], part: str | None) -> float | None:
-    return (cell[part] if part else cell)["mean"]
 
 
 def comparison_target(
@@ -59,12 +43,12 @@ def comparison_target(
         ok: decides the verdict.
         part: ``shared`` or ``unique`` classes only (None: all of the view's).
     """
-    ca, cb = _cell(results, a, view), _cell(results, b, view)
+    ca, cb = view_cell(results, a, view), view_cell(results, b, view)
     if ca is None or cb is None:
         return None
-    va, vb = _part_mean(ca, part), _part_mean(cb, part)
+    va, vb = part_mean(ca, part), part_mean(cb, part)
     diff = None if va is None or vb is None else va - vb
-    stats = compare_cells(ca, cb, _classes(results, view, part)) or {"classes": None, "seeds": None}
+    stats = compare_cells(ca, cb, view_classes(results, view, part)) or {"classes": None, "seeds": None}
     t = target_record(name, view, a, b, rule, part, binding=results.get("profile") in TARGET_PROFILES)
     t.update(value=va, other=vb, difference=diff, classes=stats["classes"], seeds=stats["seeds"])
     return t, ok
@@ -78,7 +62,7 @@ def learned_target(results: dict[str, Any], entry: str, view: str) -> dict[str, 
         entry: the entry (an individually trained or the centralized model).
         view: a site's test split.
     """
-    cell = _cell(results, entry, view)
+    cell = view_cell(results, entry, view)
     if cell is None:
         return None
     value = cell["mean"]

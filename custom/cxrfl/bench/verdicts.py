@@ -13,6 +13,23 @@ Comparison = tuple[dict[str, Any], Rule]
 """A target's numbers (:func:`cxrfl.bench.targets.comparison_target`) and the rule that judges them."""
 
 
+def view_cell(results: dict[str, Any], entry: str, view: str) -> dict[str, Any] | None:
+    """An entry's statistics on a view in a results dict (None: the entry did not run or lacks the view)."""
+    return results["methods"].get(entry, {}).get("test", {}).get(view)
+
+
+def view_classes(results: dict[str, Any], view: str, part: str | None) -> list[str]:
+    """A view's classes: all (``part`` None), or its ``shared`` / ``unique`` ones."""
+    d = results["views"][view]
+    shared = set(d.get("shared") or [])
+    return [c for c in d["classes"] if part is None or (c in shared) == (part == "shared")]
+
+
+def part_mean(cell: dict[str, Any], part: str | None) -> float | None:
+    """A view cell's mean AUROC over all its classes, or over its ``shared`` / ``unique`` ones."""
+    return (cell[part] if part else cell)["mean"]
+
+
 def target_record(
     name: str, view: str, a: str, b: str | None, rule: str, part: str | None = None, *, binding: bool
 ) -> dict[str, Any]:
