@@ -22,8 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from cxrfl.bench.intervals import finite_mean, mean_ci
-from cxrfl.bench.statistics import compare_cells
-from cxrfl.bench.verdicts import Comparison, judge, part_mean, target_record, view_cell, view_classes
+from cxrfl.bench.verdicts import Comparison, compared, judge, target_record, view_cell, view_classes
 
 REAL_PROFILE = "real"
 """The profile these targets belong to."""
@@ -66,33 +65,6 @@ def own_pneumonia_target(results: dict[str, Any]) -> dict[str, Any] | None:
     return t
 
 
-def _compared(
-    results: dict[str, Any], t: dict[str, Any], classes: list[str] | None = None, value: Any = None
-) -> dict[str, Any] | None:
-    """Fill ``t`` with the two entries' means over ``classes`` and their paired comparison (None: not run).
-
-    Args:
-        results: the results dict.
-        t: the target record (entries, view and ``part``).
-        classes: the classes compared (default: the view's classes of ``t["part"]``).
-        value: a view cell -> the mean compared (default: the cell's mean over ``t["part"]``).
-    """
-    classes = view_classes(results, t["view"], t["part"]) if classes is None else classes
-    ca, cb = view_cell(results, t["method"], t["view"]), view_cell(results, t["against"], t["view"])
-    if ca is None or cb is None or not classes:
-        return None
-    va, vb = (value(ca), value(cb)) if value else (part_mean(ca, t["part"]), part_mean(cb, t["part"]))
-    stats = compare_cells(ca, cb, classes) or {"classes": None, "seeds": None}
-    t.update(
-        value=va,
-        other=vb,
-        difference=None if va is None or vb is None else va - vb,
-        classes=stats["classes"],
-        seeds=stats["seeds"],
-    )
-    return t
-
-
 def real_comparisons(results: dict[str, Any], ref: str) -> list[Comparison]:
     """Targets 1 (the global model near Kermany's own), 2 (each site's gain) and 3 (against vanilla FL).
 
@@ -109,7 +81,7 @@ def real_comparisons(results: dict[str, Any], ref: str) -> list[Comparison]:
     )
     pneumonia["class"] = PNEUMONIA
     found: list[Comparison | None] = [
-        _with_rule(_compared(results, pneumonia, [PNEUMONIA], lambda c: c["auroc"].get(PNEUMONIA)), _within)
+        _with_rule(compared(results, pneumonia, [PNEUMONIA], lambda c: c["auroc"].get(PNEUMONIA)), _within)
     ]
     sites = [v for v, d in results["views"].items() if d["kind"] == "site"]
     for v in sites:
@@ -120,7 +92,7 @@ def real_comparisons(results: dict[str, Any], ref: str) -> list[Comparison]:
             f"individual:{v}",
             "SA - individual > 0 and Holm-adjusted p (t-test over seeds) < 0.05",
         )
-        found.append(_with_rule(_compared(results, gain), _gains))
+        found.append(_with_rule(compared(results, gain), _gains))
     for v in sites:
         unique = _record(
             "unique classes: SA at least as high as vanilla FL (fair selection)",
@@ -130,7 +102,7 @@ def real_comparisons(results: dict[str, Any], ref: str) -> list[Comparison]:
             "SA - vanilla >= 0 (the Holm-adjusted p reported)",
             "unique",
         )
-        found.append(_with_rule(_compared(results, unique), _not_below))
+        found.append(_with_rule(compared(results, unique), _not_below))
     return [c for c in found if c is not None]
 
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from cxrfl.bench.real_targets import REAL_PROFILE, real_targets
-from cxrfl.bench.statistics import compare_cells
-from cxrfl.bench.verdicts import Comparison, Rule, judge, part_mean, target_record, view_cell, view_classes
+from cxrfl.bench.verdicts import Comparison, Rule, compared, judge, target_record, view_cell
 
 TARGET_PROFILES = ("two-hospitals", "two-hospitals-shared", REAL_PROFILE)
 """The profiles the issue sets targets for (elsewhere they are shown for information only)."""
@@ -43,15 +42,9 @@ def comparison_target(
         ok: decides the verdict.
         part: ``shared`` or ``unique`` classes only (None: all of the view's).
     """
-    ca, cb = view_cell(results, a, view), view_cell(results, b, view)
-    if ca is None or cb is None:
-        return None
-    va, vb = part_mean(ca, part), part_mean(cb, part)
-    diff = None if va is None or vb is None else va - vb
-    stats = compare_cells(ca, cb, view_classes(results, view, part)) or {"classes": None, "seeds": None}
-    t = target_record(name, view, a, b, rule, part, binding=results.get("profile") in TARGET_PROFILES)
-    t.update(value=va, other=vb, difference=diff, classes=stats["classes"], seeds=stats["seeds"])
-    return t, ok
+    binding = results.get("profile") in TARGET_PROFILES
+    t = compared(results, target_record(name, view, a, b, rule, part, binding=binding))
+    return None if t is None else (t, ok)
 
 
 def learned_target(results: dict[str, Any], entry: str, view: str) -> dict[str, Any] | None:

@@ -6,11 +6,12 @@ from collections.abc import Callable
 from typing import Any
 
 from cxrfl.bench.intervals import detectable_difference, holm
+from cxrfl.bench.statistics import compare_cells
 
 Rule = Callable[[float, "float | None"], bool]
 """(difference, Holm-adjusted p of the paired t-test) -> met."""
 Comparison = tuple[dict[str, Any], Rule]
-"""A target's numbers (:func:`cxrfl.bench.targets.comparison_target`) and the rule that judges them."""
+"""A target's numbers (:func:`compared`) and the rule that judges them."""
 
 
 def view_cell(results: dict[str, Any], entry: str, view: str) -> dict[str, Any] | None:
@@ -28,6 +29,33 @@ def view_classes(results: dict[str, Any], view: str, part: str | None) -> list[s
 def part_mean(cell: dict[str, Any], part: str | None) -> float | None:
     """A view cell's mean AUROC over all its classes, or over its ``shared`` / ``unique`` ones."""
     return (cell[part] if part else cell)["mean"]
+
+
+def compared(
+    results: dict[str, Any], t: dict[str, Any], classes: list[str] | None = None, value: Any = None
+) -> dict[str, Any] | None:
+    """Fill ``t`` with the two entries' means over ``classes`` and their paired comparison (None: not run).
+
+    Args:
+        results: the results dict.
+        t: the target record (entries, view and ``part``).
+        classes: the classes compared (default: the view's classes of ``t["part"]``).
+        value: a view cell -> the mean compared (default: the cell's mean over ``t["part"]``).
+    """
+    classes = view_classes(results, t["view"], t["part"]) if classes is None else classes
+    ca, cb = view_cell(results, t["method"], t["view"]), view_cell(results, t["against"], t["view"])
+    if ca is None or cb is None or not classes:
+        return None
+    va, vb = (value(ca), value(cb)) if value else (part_mean(ca, t["part"]), part_mean(cb, t["part"]))
+    stats = compare_cells(ca, cb, classes) or {"classes": None, "seeds": None}
+    t.update(
+        value=va,
+        other=vb,
+        difference=None if va is None or vb is None else va - vb,
+        classes=stats["classes"],
+        seeds=stats["seeds"],
+    )
+    return t
 
 
 def target_record(
