@@ -38,7 +38,8 @@ from typing import Any
 from cxrfl.bench.ablation_report import format_ablation
 from cxrfl.bench.cwt_report import report_markdown as cwt_markdown
 from cxrfl.bench.fedfew import code_text, format_markdown
-from cxrfl.bench.report import format_report, markdown_table
+from cxrfl.bench.report import format_report
+from cxrfl.bench.report_text import markdown_table
 from cxrfl.bench.speed import format_speed
 from cxrfl.bench.targets import TARGET_PROFILES, evaluate_targets
 from cxrfl.common.io import write_json

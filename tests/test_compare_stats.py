@@ -227,6 +227,14 @@ def test_ablation_summary_pairs_settings_as_the_papers():
         "6": res([0.76, 0.78], [0.75, 0.73]),
         "10": res([0.75, 0.75], [0.70, 0.70]),
     }
+    runs["4"]["selection_deltas"] = {  # vanilla FL's seed 0 trained again under the other rule
+        "vanilla-fedavg": {
+            "label": "FL",
+            "before_rule": "head",
+            "best_round": {"before": 2, "after": 6},
+            "mean_auroc": {"nih-test": {"before": 0.70, "after": 0.72, "change": 0.02}},
+        }
+    }
     got = ablation_summary("sites", runs, "surgical-fedavg")
     vs = got["methods"]["vanilla-fedavg"]["vs_reference"]
     sa, fl = [0.81, 0.79, 0.77, 0.75], [0.72, 0.72, 0.74, 0.70]  # seed-averaged means per setting
@@ -238,6 +246,9 @@ def test_ablation_summary_pairs_settings_as_the_papers():
     assert got["methods"]["vanilla-fedavg"]["by_value"]["2"]["over_seeds"]["mean"] == pytest.approx(0.72)
     text = format_ablation({**got, "profile": "synth-nih"})
     assert "| FL | 0.720 ± 0.028" in text and "smallest two-sided Wilcoxon p is 0.125" in text
+    assert list(got["selection_deltas"]) == ["4"]  # the other settings set nothing aside
+    assert "| 4 | FL (before: `head`) | nih-test | 0.7000 | 0.7200 | +0.0200 | 2.0 → 6.0 |" in text
+    assert "## Selection rule" not in format_ablation({**got, "selection_deltas": {}, "profile": "synth-nih"})
 
 
 # ------------------------------------------------------------------ method selection and settings rules

@@ -20,7 +20,7 @@ import numpy as np
 from cxrfl.bench.cwt_data import TABLE_1, TABLE_3
 from cxrfl.bench.paired import against, format_stats, paired
 from cxrfl.bench.protocol import code_label, load_text
-from cxrfl.bench.report import markdown_table
+from cxrfl.bench.report_text import markdown_table
 
 CENTRAL = "Central hosting"
 CENTRAL_SPLIT = "all"

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from cxrfl.bench.report import markdown_table
+from cxrfl.bench.report_text import markdown_table
 from cxrfl.common.config import Config
 
 logger = logging.getLogger(__name__)

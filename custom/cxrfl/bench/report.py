@@ -15,7 +15,7 @@ from typing import Any
 from cxrfl.bench.arch import arch_label
 from cxrfl.bench.protocol import code_label
 from cxrfl.bench.report_text import ci_text as _ci
-from cxrfl.bench.report_text import num_text
+from cxrfl.bench.report_text import markdown_table, num_text
 from cxrfl.bench.report_text import p_text as _p
 from cxrfl.bench.reselection import format_deltas
 from cxrfl.bench.target_text import targets_section
@@ -43,18 +43,6 @@ def _cell(summary: dict[str, Any] | None, test: dict[str, Any] | None = None, *,
     if with_p and test is not None:
         mark = stars(test["p"]) if test.get("p") is not None else "=" if test.get("n", 0) >= 2 else ""
     return f"{text} {mark}".strip()
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    """A Markdown table.
-
-    Args:
-        header: the column names.
-        rows: the cells of each row, as text.
-    """
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def _vs(cell: dict[str, Any], part: str = "all", over: str = "classes") -> dict[str, Any] | None:

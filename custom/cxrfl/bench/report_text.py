@@ -60,3 +60,15 @@ def p_text(v: float | None) -> str:
 def ci_text(ci: Any, digits: int = 3) -> str:
     """An interval ``[low, high]`` (``-``: none)."""
     return "-" if not ci else f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table.
+
+    Args:
+        header: the column names.
+        rows: the cells of each row, as text.
+    """
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from cxrfl.bench.intervals import finite_mean
+from cxrfl.bench.report_text import markdown_table
 from cxrfl.bench.runs import GLOBAL, Entry, RunStore, safe_name
 
 
@@ -86,6 +87,30 @@ def selection_deltas(store: RunStore, entries: Sequence[Entry], seeds: Sequence[
     return out
 
 
+DELTA_HEADER = ["method", "test set", "mean AUROC before", "after", "change", "selected round before → after"]
+"""The columns of :func:`delta_rows`."""
+
+
+def delta_rows(deltas: dict[str, Any]) -> list[list[str]]:
+    """One row per affected method and test set: mean AUROC under each rule, the change, the selected rounds.
+
+    Args:
+        deltas: :func:`selection_deltas`.
+    """
+
+    def f(v: float | None, sign: bool = False) -> str:
+        return "-" if v is None else (f"{v:+.4f}" if sign else f"{v:.4f}")
+
+    rows = []
+    for d in deltas.values():
+        br = d["best_round"]
+        rounds = " → ".join("-" if v is None else f"{v:.1f}" for v in (br["before"], br["after"]))
+        for t, v in d["mean_auroc"].items():
+            label = f"{d['label']} (before: `{d['before_rule']}`)"
+            rows.append([label, t, f(v["before"]), f(v["after"]), f(v["change"], sign=True), rounds])
+    return rows
+
+
 def format_deltas(deltas: dict[str, Any], rule: str) -> list[str]:
     """The report section (empty when no run was set aside).
 
@@ -95,26 +120,13 @@ def format_deltas(deltas: dict[str, Any], rule: str) -> list[str]:
     """
     if not deltas:
         return []
-    out = [
+    return [
         "## Selection rule",
         "",
         f"Runs selected by the `{rule}` rule against the same seeds' runs set aside from the other rule (mean AUROC "
         "over the classes each model predicts on a test set, then over the seeds both ran). Only these methods' "
         "validation depends on the rule, so each of their gaps to any other method moved by the change shown.",
         "",
-        "| method | test set | mean AUROC before | after | change | selected round before → after |",
-        "| --- | --- | --- | --- | --- | --- |",
+        markdown_table(DELTA_HEADER, delta_rows(deltas)),
+        "",
     ]
-
-    def f(v: float | None, sign: bool = False) -> str:
-        return "-" if v is None else (f"{v:+.4f}" if sign else f"{v:.4f}")
-
-    for d in deltas.values():
-        br = d["best_round"]
-        rounds = " → ".join("-" if v is None else f"{v:.1f}" for v in (br["before"], br["after"]))
-        for t, v in d["mean_auroc"].items():
-            out.append(
-                f"| {d['label']} (before: `{d['before_rule']}`) | {t} | {f(v['before'])} | {f(v['after'])} | "
-                f"{f(v['change'], sign=True)} | {rounds} |"
-            )
-    return [*out, ""]

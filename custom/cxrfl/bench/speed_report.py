@@ -6,7 +6,7 @@ from typing import Any
 
 from cxrfl.bench.loading import format_loading, loading_verdicts
 from cxrfl.bench.protocol import load_text
-from cxrfl.bench.report import markdown_table
+from cxrfl.bench.report_text import markdown_table
 
 
 def _settings_of(res: dict[str, Any], part: str) -> dict[str, Any]:

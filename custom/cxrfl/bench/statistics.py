@@ -256,7 +256,8 @@ def versus(cell: Mapping[str, Any], ref: Mapping[str, Any], view: View) -> dict[
 def ablation_summary(kind: str, runs: Mapping[str, Mapping[str, Any]], reference: str) -> dict[str, Any]:
     """Mean AUROC on the held-out fully annotated test set per ablation setting and method, and the
     papers' test: surgical aggregation against each method (differences reference - method), paired
-    over settings (each setting's mean over seeds), and paired over every (setting, seed).
+    over settings (each setting's mean over seeds), and paired over every (setting, seed); and each
+    setting's selection deltas (:func:`cxrfl.bench.reselection.selection_deltas`), where runs were set aside.
 
     Args:
         kind: ``sites`` or ``shared``.
@@ -289,4 +290,5 @@ def ablation_summary(kind: str, runs: Mapping[str, Mapping[str, Any]], reference
             ),
             "setting_seeds": paired_comparison(pairs_b, pairs_a),
         }
-    return {"ablation": kind, "values": values, "reference": reference, "methods": per}
+    deltas = {v: res["selection_deltas"] for v, res in runs.items() if res.get("selection_deltas")}
+    return {"ablation": kind, "values": values, "reference": reference, "methods": per, "selection_deltas": deltas}
