@@ -105,8 +105,8 @@ def delta_rows(deltas: dict[str, Any]) -> list[list[str]]:
     for d in deltas.values():
         br = d["best_round"]
         rounds = " → ".join("-" if v is None else f"{v:.1f}" for v in (br["before"], br["after"]))
+        label = f"{d['label']} (before: `{d['before_rule']}`)"
         for t, v in d["mean_auroc"].items():
-            label = f"{d['label']} (before: `{d['before_rule']}`)"
             rows.append([label, t, f(v["before"]), f(v["after"]), f(v["change"], sign=True), rounds])
     return rows
 

@@ -32,7 +32,10 @@ def part_mean(cell: dict[str, Any], part: str | None) -> float | None:
 
 
 def compared(
-    results: dict[str, Any], t: dict[str, Any], classes: list[str] | None = None, value: Any = None
+    results: dict[str, Any],
+    t: dict[str, Any],
+    classes: list[str] | None = None,
+    value: Callable[[dict[str, Any]], float | None] | None = None,
 ) -> dict[str, Any] | None:
     """Fill ``t`` with the two entries' means over ``classes`` and their paired comparison (None: not run).
 
