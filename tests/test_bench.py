@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from cxrfl.bench.profiles import partition_classes, pooled_site
 from cxrfl.bench.report import format_report
+from cxrfl.bench.report_text import num_text
+from cxrfl.bench.selection_cost import run_cost
 from cxrfl.data.labels import NIH_CLASSES
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -147,6 +149,13 @@ def test_report_has_the_papers_tables(compare_run):
     assert "external, hospital-b classes" in text
     assert "## Convergence" in text and "## Against surgical aggregation: effect sizes and tests" in text
     assert "Wilcoxon p" in text and "d_z" in text
+    # each method's validation AUROC given up by the selection rule, from its runs' stored curves
+    convergence = text.split("## Convergence")[1].split("\n## ")[0]
+    runs = json.loads((compare_run / "results.json").read_text())["methods"]["surgical-fedavg"]["runs"]
+    costs = [max(r["val_auroc"]) - r["val_auroc"][r["curve_rounds"].index(r["best_round"])] for r in runs]
+    assert costs == [run_cost(r) for r in runs]
+    (row,) = [line for line in convergence.splitlines() if line.startswith("| FL + SA (FedAvg) |")]
+    assert row.endswith(f"| {num_text(sum(costs) / len(costs))} |")
 
 
 def test_plots_are_non_empty_pngs(compare_run):

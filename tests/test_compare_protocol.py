@@ -213,16 +213,20 @@ def test_runs_selected_by_the_other_rule_are_set_aside_where_the_rule_matters(tm
     assert len(lines) == 2 and "vanilla-fedavg seed 0: selected by the 'head' rule" in lines[0]
     # retrained under the new rule: how far the model moved, per test set, over the seeds both rules ran
     old = {"best_round": 3, "auroc": {"hospital-a": {"*": {"x": 0.6, "y": 0.7}}, "external": {"*": {"x": 0.5}}}}
+    old |= {"curve_rounds": [2, 3, 4], "val_auroc": [0.6, 0.7, 0.72]}  # the head rule gave up 0.02
     (aside / "vanilla-fedavg" / "seed-0.json").write_text(json.dumps(old))
     new = {
         "best_round": 9,
         "auroc": {"hospital-a": {"*": {"x": 0.7, "y": 0.8, "z": None}}, "external": {"*": {"x": 0.6}}},
+        "curve_rounds": [8, 9, 10],
+        "val_auroc": [0.5, 0.55, 0.8],  # the fair rule gave up 0.25
     }
     store.record_path("vanilla-fedavg", 0).write_text(json.dumps(new))
     deltas = selection_deltas(store, entries, [0, 1])
     assert set(deltas) == {"vanilla-fedavg"}  # centralized's seed 0 was not trained again yet
     d = deltas["vanilla-fedavg"]
     assert d["before_rule"] == "head" and d["seeds"] == [0] and d["best_round"] == {"before": 3, "after": 9}
+    assert d["cost"] == pytest.approx({"before": 0.02, "after": 0.25})
     a = d["mean_auroc"]["hospital-a"]
     assert {k: a[k] for k in ("before", "after", "change")} == pytest.approx(
         {"before": 0.65, "after": 0.75, "change": 0.1}
@@ -233,7 +237,8 @@ def test_runs_selected_by_the_other_rule_are_set_aside_where_the_rule_matters(tm
     assert a["classes"]["z"] == {"before": None, "after": None}  # undefined under the new rule, absent before
     assert d["mean_auroc"]["external"]["change"] == pytest.approx(0.1)
     section = "\n".join(format_deltas(deltas, "annotated"))
-    assert "| vanilla-fedavg (before: `head`) | hospital-a | 0.6500 | 0.7500 | +0.1000 | 3.0 → 9.0 |" in section
+    row = "| vanilla-fedavg (before: `head`) | hospital-a | 0.6500 | 0.7500 | +0.1000 | 3.0 → 9.0 | 0.0200 → 0.2500 |"
+    assert row in section
     store.set_aside_selection(entries, 2, "head", lines.append)  # and back: the annotated runs move aside
     assert not store.done("vanilla-fedavg", 1) and (tmp_path / "runs" / "superseded-selection-annotated").is_dir()
 

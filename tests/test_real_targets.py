@@ -168,3 +168,30 @@ def test_other_profiles_keep_their_targets_and_the_real_one_is_binding():
     other = evaluate_targets({**res, "profile": "nih1000"})
     assert other and not any(t["binding"] for t in other)
     assert not any(t["target"].startswith("Kermany") for t in other)
+
+
+def curve_run(seed: int, val_auroc: list[float], best_round: int) -> dict:
+    return {"seed": seed, "curve_rounds": list(range(len(val_auroc))), "val_auroc": val_auroc, "best_round": best_round}
+
+
+def test_a_comparison_whose_selection_gave_up_more_than_005_of_validation_auroc_is_not_a_result():
+    res, _ = real_results({NIH: 0.06, KERMANY: 0.0, HANNOVER: 0.0}, vanilla_unique=-0.08)
+    # vanilla FL's rule kept round 0 (0.52) while its validation AUROC later reached 0.74 and 0.70: it gave up
+    # 0.22 and 0.20, 0.21 on average; SA's selection kept its best round in one seed and gave up 0.02 in the other
+    res["methods"]["vanilla-fedavg"]["runs"] = [curve_run(0, [0.52, 0.6, 0.74], 0), curve_run(1, [0.5, 0.70, 0.6], 0)]
+    res["methods"]["surgical-fedavg"]["runs"] = [curve_run(0, [0.6, 0.8, 0.78], 1), curve_run(1, [0.6, 0.8, 0.82], 1)]
+    targets = evaluate_targets(res)
+    versus = [t for t in targets if t["target"].startswith("unique classes")]
+    assert len(versus) == 3
+    for t in versus:
+        assert t["selection_cost"] == {"vanilla-fedavg": pytest.approx(0.21)}
+        assert t["rule_met"] is True and t["met"] is None  # SA 0.08 above: the numbers alone would meet it
+        text = target_sentence(t, res["methods"])
+        assert "**NOT A RESULT**" in text and "would say met" in text and "vanilla-fedavg 0.210" in text
+    # the gains compare SA with the sites' own models, whose selections cost nothing here: still results
+    gains = [t for t in targets if t["target"].startswith("the site gains")]
+    assert all(t["selection_cost"] == {} for t in gains) and gains[0]["met"] is True
+    # the same comparison is a result again once vanilla FL's rule gives up 0.05 or less
+    res["methods"]["vanilla-fedavg"]["runs"] = [curve_run(0, [0.52, 0.6, 0.64], 2), curve_run(1, [0.5, 0.70, 0.65], 1)]
+    again = [t for t in evaluate_targets(res) if t["target"].startswith("unique classes")]
+    assert all(t["met"] is True and t["selection_cost"] == {} for t in again)

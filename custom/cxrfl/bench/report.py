@@ -18,6 +18,7 @@ from cxrfl.bench.report_text import ci_text as _ci
 from cxrfl.bench.report_text import markdown_table, num_text
 from cxrfl.bench.report_text import p_text as _p
 from cxrfl.bench.reselection import format_deltas
+from cxrfl.bench.selection_cost import COST_LIMIT, mean_cost
 from cxrfl.bench.target_text import targets_section
 
 
@@ -129,16 +130,28 @@ def _convergence(results: dict[str, Any]) -> list[str]:
                 ", ".join(str(r["best_round"]) for r in runs),
                 f"{early} of {len(runs)}",
                 ", ".join(f"{r['seconds'] / 60:.1f}" for r in runs),
+                num_text(mean_cost(runs)),
             ]
         )
     return [
         "## Convergence",
         "",
         "Every run trains until its validation loss stops improving; a run that reached the max_rounds guard "
-        "instead is not converged and is counted below. Learning curves: `learning_curves.png`.",
+        "instead is not converged and is counted below. Learning curves: `learning_curves.png`. The last column "
+        "is the validation AUROC the selection rule gave up (the best round's mean validation AUROC minus the "
+        f"selected round's, mean over seeds); a comparison with a method above {COST_LIMIT:g} is not a result "
+        "(see Targets).",
         "",
         markdown_table(
-            ["method", "rounds (epochs) per seed", "selected round per seed", "stopped early", "minutes per seed"], rows
+            [
+                "method",
+                "rounds (epochs) per seed",
+                "selected round per seed",
+                "stopped early",
+                "minutes per seed",
+                "val AUROC given up",
+            ],
+            rows,
         ),
         "",
     ]

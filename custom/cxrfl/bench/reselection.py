@@ -20,6 +20,7 @@ import numpy as np
 from cxrfl.bench.intervals import finite_mean
 from cxrfl.bench.report_text import markdown_table
 from cxrfl.bench.runs import GLOBAL, Entry, RunStore, safe_name
+from cxrfl.bench.selection_cost import mean_cost
 
 
 def _aurocs(record: dict[str, Any], test: str) -> dict[str, Any]:
@@ -83,16 +84,26 @@ def selection_deltas(store: RunStore, entries: Sequence[Entry], seeds: Sequence[
                     "after": finite_mean([new.get("best_round") for _, new in pairs]),
                 },
                 "mean_auroc": per_test,
+                "cost": {"before": mean_cost([old for old, _ in pairs]), "after": mean_cost([new for _, new in pairs])},
             }
     return out
 
 
-DELTA_HEADER = ["method", "test set", "mean AUROC before", "after", "change", "selected round before → after"]
+DELTA_HEADER = [
+    "method",
+    "test set",
+    "mean AUROC before",
+    "after",
+    "change",
+    "selected round before → after",
+    "val AUROC given up before → after",
+]
 """The columns of :func:`delta_rows`."""
 
 
 def delta_rows(deltas: dict[str, Any]) -> list[list[str]]:
-    """One row per affected method and test set: mean AUROC under each rule, the change, the selected rounds.
+    """One row per affected method and test set: mean AUROC under each rule, the change, the selected rounds and
+    the validation AUROC each rule gave up (:func:`cxrfl.bench.selection_cost.mean_cost`).
 
     Args:
         deltas: :func:`selection_deltas`.
@@ -105,9 +116,11 @@ def delta_rows(deltas: dict[str, Any]) -> list[list[str]]:
     for d in deltas.values():
         br = d["best_round"]
         rounds = " → ".join("-" if v is None else f"{v:.1f}" for v in (br["before"], br["after"]))
+        cost = d.get("cost") or {}
+        given_up = " → ".join(f(cost.get(k)) for k in ("before", "after"))
         label = f"{d['label']} (before: `{d['before_rule']}`)"
         for t, v in d["mean_auroc"].items():
-            rows.append([label, t, f(v["before"]), f(v["after"]), f(v["change"], sign=True), rounds])
+            rows.append([label, t, f(v["before"]), f(v["after"]), f(v["change"], sign=True), rounds, given_up])
     return rows
 
 

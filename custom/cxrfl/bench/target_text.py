@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from cxrfl.bench.report_text import ci_text, num_text, p_text
+from cxrfl.bench.selection_cost import COST_LIMIT
 
 
 def targets_section(results: dict[str, Any]) -> list[str]:
@@ -80,10 +81,27 @@ def target_sentence(t: dict[str, Any], methods: dict[str, Any]) -> str:
             f"(95% CI over seeds {ci_text(t.get('value_ci'))})."
         )
     b = methods[t["against"]]["label"]
+    if t.get("selection_cost") and t["difference"] is not None:
+        return _not_a_result(t, methods, a, b, where)
     if t["met"] is None:
         return f"{t['target']} {where}: not measurable ({a} {num_text(t['value'])}, {b} {num_text(t['other'])})."
     stats = _stats_text(t)
     return (
         f"{t['target']} {where}: **{'MET' if t['met'] else 'NOT MET'}** — {a} {t['value']:.3f} "
         f"vs {b} {t['other']:.3f}, difference {t['difference']:+.3f} (rule {t['rule']}){'; ' + stats if stats else ''}."
+    )
+
+
+def _not_a_result(t: dict[str, Any], methods: dict[str, Any], a: str, b: str, where: str) -> str:
+    """A comparison whose selection gave up more validation AUROC than the targets' smallest meaningful gap."""
+    costs = ", ".join(
+        f"{methods[e]['label']} {c:.3f}" for e, c in sorted(t["selection_cost"].items(), key=lambda kv: -kv[1])
+    )
+    stats = _stats_text(t)
+    return (
+        f"{t['target']} {where}: **NOT A RESULT** — {a} {t['value']:.3f} vs {b} {t['other']:.3f}, difference "
+        f"{t['difference']:+.3f} (rule {t['rule']}: the numbers alone would say "
+        f"{'met' if t.get('rule_met') else 'not met'}); the selection rule gave up more than "
+        f"{COST_LIMIT:g} of mean validation AUROC (best round minus selected round, mean over seeds: {costs}), "
+        f"so the difference measures the rule, not the method{'; ' + stats if stats else ''}."
     )

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cxrfl.bench.intervals import detectable_difference, holm
+from cxrfl.bench.selection_cost import costly_entries
 from cxrfl.bench.statistics import compare_cells
 
 Rule = Callable[[float, "float | None"], bool]
@@ -37,7 +38,8 @@ def compared(
     classes: list[str] | None = None,
     value: Callable[[dict[str, Any]], float | None] | None = None,
 ) -> dict[str, Any] | None:
-    """Fill ``t`` with the two entries' means over ``classes`` and their paired comparison (None: not run).
+    """Fill ``t`` with the two entries' means over ``classes``, their paired comparison and the entries whose
+    selection gave up too much validation AUROC for the comparison to be a result (None: not run).
 
     Args:
         results: the results dict.
@@ -57,6 +59,7 @@ def compared(
         difference=None if va is None or vb is None else va - vb,
         classes=stats["classes"],
         seeds=stats["seeds"],
+        selection_cost=costly_entries(results, [t["method"], t["against"]]),
     )
     return t
 
@@ -88,13 +91,15 @@ def target_record(
         "classes": None,
         "seeds": None,
         "met": None,
+        "selection_cost": {},
         "binding": binding,
     }
 
 
 def judge(comparisons: list[Comparison], alpha: float = 0.05, unit: str = "classes") -> list[dict[str, Any]]:
     """Adjust the comparisons' p-values (the paired t-test over ``unit``) by Holm over the family, add
-    each one's detectable difference, and set the verdicts on the adjusted p.
+    each one's detectable difference, and set the verdicts on the adjusted p. A comparison with a
+    ``selection_cost`` is not a result: its verdict stays None and the rule's is kept as ``rule_met``.
 
     Args:
         comparisons: the profile's comparison targets with their rules.
@@ -109,5 +114,7 @@ def judge(comparisons: list[Comparison], alpha: float = 0.05, unit: str = "class
         if c is not None:
             c["p_holm"] = adjusted[i]
             c["detectable"] = detectable_difference(c.get("n") or 0, c.get("sd"), alpha=alpha / max(size, 1))
-        t["met"] = None if t["difference"] is None else bool(ok(t["difference"], adjusted[i]))
+        rule_met = None if t["difference"] is None else bool(ok(t["difference"], adjusted[i]))
+        t["rule_met"] = rule_met
+        t["met"] = None if t.get("selection_cost") else rule_met
     return [t for t, _ in comparisons]
