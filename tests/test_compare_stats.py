@@ -206,17 +206,22 @@ def test_shared_profile_target_is_equality_with_fedavg():
 
 
 def test_ablation_summary_pairs_settings_as_the_papers():
-    def res(sa: list[float], other: list[float]) -> dict:
+    def res(sa: list[float], other: list[float], fl_cost: float = 0.0) -> dict:
+        def runs(cost: float) -> list[dict]:  # one run per seed, its selected round ``cost`` below its best
+            return [{"curve_rounds": [0, 1], "val_auroc": [0.6, 0.6 + cost], "best_round": 0} for _ in sa]
+
         return {
             "views": {"nih-test": {"kind": "external"}},
             "methods": {
                 "surgical-fedavg": {
                     "label": "SA",
                     "test": {"nih-test": {"mean": float(np.mean(sa)), "mean_by_seed": sa}},
+                    "runs": runs(0.01),
                 },
                 "vanilla-fedavg": {
                     "label": "FL",
                     "test": {"nih-test": {"mean": float(np.mean(other)), "mean_by_seed": other, "vs_reference": None}},
+                    "runs": runs(fl_cost),
                 },
             },
         }
@@ -225,7 +230,7 @@ def test_ablation_summary_pairs_settings_as_the_papers():
         "2": res([0.80, 0.82], [0.70, 0.74]),
         "4": res([0.78, 0.80], [0.72, 0.72]),
         "6": res([0.76, 0.78], [0.75, 0.73]),
-        "10": res([0.75, 0.75], [0.70, 0.70]),
+        "10": res([0.75, 0.75], [0.70, 0.70], fl_cost=0.24),  # FL gave up 0.24 here: 0.06 over the settings
     }
     runs["4"]["selection_deltas"] = {  # vanilla FL's seed 0 trained again under the other rule
         "vanilla-fedavg": {
@@ -249,6 +254,9 @@ def test_ablation_summary_pairs_settings_as_the_papers():
     assert list(got["selection_deltas"]) == ["4"]  # the other settings set nothing aside
     assert "| 4 | FL (before: `head`) | nih-test | 0.7000 | 0.7200 | +0.0200 | 2.0 → 6.0 |" in text
     assert "## Selection rule" not in format_ablation({**got, "selection_deltas": {}, "profile": "synth-nih"})
+    assert got["methods"]["vanilla-fedavg"]["by_value"]["10"]["selection_cost"] == pytest.approx(0.24)
+    assert "| FL | 0.000 | 0.000 | 0.000 | 0.240 |" in text and "| SA | 0.010 | 0.010 | 0.010 | 0.010 |" in text
+    assert "| FL (NOT A RESULT: selection gave up 0.060) | 0.060 |" in text  # its row of the effect table
 
 
 # ------------------------------------------------------------------ method selection and settings rules

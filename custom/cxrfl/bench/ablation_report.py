@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from cxrfl.bench.intervals import finite_mean
 from cxrfl.bench.report import effect_row, stars
 from cxrfl.bench.report_text import markdown_table, num_text
 from cxrfl.bench.reselection import DELTA_HEADER, delta_rows
+from cxrfl.bench.selection_cost import COST_LIMIT
 
 
 def format_ablation(summary: dict[str, Any]) -> str:
@@ -34,7 +36,7 @@ def format_ablation(summary: dict[str, Any]) -> str:
         rows.append(row)
     ref = summary["methods"].get(summary["reference"], {}).get("label", summary["reference"])
     tests = [
-        effect_row(d["label"], d["vs_reference"].get("settings"), d["vs_reference"].get("setting_seeds"))
+        effect_row(_effect_label(d, values), d["vs_reference"].get("settings"), d["vs_reference"].get("setting_seeds"))
         for d in summary["methods"].values()
         if d.get("vs_reference")
     ]
@@ -71,9 +73,44 @@ def format_ablation(summary: dict[str, Any]) -> str:
             "",
             markdown_table(header, tests) if tests else "(no other method)",
             "",
+            *_selection_costs(summary),
             *_selection_deltas(summary),
         ]
     )
+
+
+def _mean_cost(d: dict[str, Any], values: list[Any]) -> float | None:
+    """A method's selection cost averaged over the settings."""
+    return finite_mean([d["by_value"][v].get("selection_cost") for v in values])
+
+
+def _effect_label(d: dict[str, Any], values: list[Any]) -> str:
+    """A method's row label, marked when its selection gave up more than :data:`COST_LIMIT` on average."""
+    cost = _mean_cost(d, values)
+    return (
+        d["label"]
+        if cost is None or cost <= COST_LIMIT
+        else f"{d['label']} (NOT A RESULT: selection gave up {cost:.3f})"
+    )
+
+
+def _selection_costs(summary: dict[str, Any]) -> list[str]:
+    """The validation AUROC each method's selection gave up per setting (none: no run has a curve)."""
+    values = summary["values"]
+    methods = summary["methods"].values()
+    if all(_mean_cost(d, values) is None for d in methods):
+        return []
+    rows = [[d["label"], *(num_text(d["by_value"][v].get("selection_cost")) for v in values)] for d in methods]
+    return [
+        "## Validation AUROC given up by the selection rule",
+        "",
+        "Per setting, mean over seeds of each run's best mean validation AUROC minus its selected round's. A method "
+        f"above {COST_LIMIT:g} on average over the settings is marked in the table above: its differences measure "
+        "the selection rule, not the method.",
+        "",
+        markdown_table(["method", *(str(v) for v in values)], rows),
+        "",
+    ]
 
 
 def _selection_deltas(summary: dict[str, Any]) -> list[str]:

@@ -30,6 +30,7 @@ from cxrfl.bench.evaluate import TestSet
 from cxrfl.bench.intervals import bootstrap_aurocs, mean_ci, paired_comparison, percentile_ci
 from cxrfl.bench.profiles import BenchData
 from cxrfl.bench.runs import GLOBAL
+from cxrfl.bench.selection_cost import mean_cost
 from cxrfl.nn.evaluation import shared_classes
 from cxrfl.nn.metrics import summarise_auroc
 
@@ -275,6 +276,7 @@ def ablation_summary(kind: str, runs: Mapping[str, Mapping[str, Any]], reference
                 "mean_by_seed": cell["mean_by_seed"],
                 "over_seeds": mean_ci(cell["mean_by_seed"]),
                 "vs_reference": (cell.get("vs_reference") or {}).get("all"),
+                "selection_cost": mean_cost(m.get("runs") or []),
             }
     for name, d in per.items():
         if name == reference or reference not in per:
