@@ -8,7 +8,9 @@
    or "too few seeds to tell".
 3. Surgical aggregation at least as high as vanilla FL on each site's unique classes under the fair
    selection rule, with the adjusted p; where vanilla FL also ran under the old rule (its runs set
-   aside in ``superseded-selection-<rule>/``), how far this difference moved.
+   aside in ``superseded-selection-<rule>/``), how far this difference moved. Like every comparison, it is not a
+   result where either model's selection gave up more than 0.05 validation AUROC
+   (:mod:`cxrfl.bench.selection_cost`).
 
 The paired tests here are over seeds (each seed's mean AUROC over the classes compared), not over
 classes as in the synthetic profiles: Kermany has three classes, Hannover one with both label values
