@@ -243,6 +243,22 @@ def test_runs_selected_by_the_other_rule_are_set_aside_where_the_rule_matters(tm
     assert not store.done("vanilla-fedavg", 1) and (tmp_path / "runs" / "superseded-selection-annotated").is_dir()
 
 
+def test_the_selection_rules_coincide_only_where_every_site_labels_every_class():
+    """two-hospitals-shared: both sites label all classes, so a site's own classes are the whole head and the
+    rules select the same model; its runs are kept, not trained again. A site lacking one class is enough to
+    make the rules differ."""
+    from types import SimpleNamespace
+
+    from cxrfl.bench.profiles import BenchData
+
+    def data(*classes: list[str]) -> BenchData:
+        return BenchData("p", [SimpleNamespace(classes=c) for c in classes])  # type: ignore[misc]
+
+    assert data(["a", "b"], ["b", "a"]).every_site_labels_every_class
+    assert not data(["a", "b"], ["a"]).every_site_labels_every_class
+    assert not data(["a"], ["b"]).every_site_labels_every_class
+
+
 @pytest.mark.slow
 def test_jobs_train_the_same_runs_in_worker_processes(tmp_path):
     """``--jobs 2``: the (method, seed) runs trained side by side in spawned workers (each repeating its

@@ -65,6 +65,13 @@ def _print(msg: str) -> None:
     print(msg, flush=True)
 
 
+SAME_RULES = (
+    "Every site labels every class of the union head, so the selection rules (each site's own classes or the whole "
+    "head) count the same classes: runs selected by either stand for both and none was trained again."
+)
+"""The report's note where the selection rule cannot change a run."""
+
+
 def default_data_dir() -> Path:
     """Where profile data is written unless told (regenerated identically when lost)."""
     return Path(tempfile.gettempdir()) / "cxrfl-bench-data"
@@ -157,7 +164,9 @@ def run_compare(
     entries = entries_for(methods, data)
     store = RunStore(out)
     store.check(settings.protocol(), data_shape(data, tests), restart=restart and not report_only, log=clock)
-    if not report_only:
+    if data.every_site_labels_every_class:
+        data.notes.append(SAME_RULES)  # set nothing aside: a run selected by either rule stands for both
+    elif not report_only:
         store.set_aside_selection(entries, settings.seeds, settings.selection, clock)
     clock(
         f"{data.profile}: {len(data.sites)} sites, test sets {', '.join(f'{k} ({t.n})' for k, t in tests.items())}; "

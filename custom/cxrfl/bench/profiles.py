@@ -77,6 +77,11 @@ class BenchData:
         """Sorted union of the training sites' classes."""
         return sorted(set().union(*(s.classes for s in self.sites)))
 
+    @property
+    def every_site_labels_every_class(self) -> bool:
+        """Every site labels every class of the union head: the selection rules count the same classes."""
+        return all(set(s.classes) == set(self.union) for s in self.sites)
+
 
 def shared_data_root() -> Path:
     """``$CXRFL_SHARED_DATA``, else the ``shared/data`` folder beside the checkout."""

@@ -176,7 +176,8 @@ RUN_ONLY = ("seeds", "methods", "n_boot", "threads", "jobs", "device")
 statistics, and where and how fast it computes (recorded per run). ``selection`` is left out of
 the protocol too: it decides only the methods whose validation counts other sites' classes
 (:attr:`cxrfl.bench.methods.Method.selection_matters`), so it is recorded in each run and a run of
-the other rule is set aside and trained again (:meth:`cxrfl.bench.runs.RunStore.set_aside_selection`)."""
+the other rule is set aside and trained again (:meth:`cxrfl.bench.runs.RunStore.set_aside_selection`), except
+in a profile where every site labels every class (the rules coincide there)."""
 
 QUICK: dict[str, Any] = {
     "seeds": 2,

@@ -8,8 +8,9 @@ issue's wording on point estimates; where a target asks for p < 0.05 the paired 
 classes (the papers' test) decides, after Holm's adjustment over every comparison of the profile
 (``classes.p_holm``). ``classes.detectable`` is the smallest difference that comparison could
 detect (80 % power at the family's first Holm level), so "not met" can be told from "too few
-classes". A comparison in which either method's selection gave up more than 0.05 validation AUROC is
-not a result (:mod:`cxrfl.bench.selection_cost`): its verdict is None, the rule's kept as ``rule_met``. Binding on ``two-hospitals`` and ``two-hospitals-shared``, and on ``real`` with that
+classes". A comparison in which either method's selection gave up more than 0.05 validation
+AUROC is not a result (:mod:`cxrfl.bench.selection_cost`): its verdict is None, the rule's kept as
+``rule_met``. Binding on ``two-hospitals`` and ``two-hospitals-shared``, and on ``real`` with that
 profile's own targets (:mod:`cxrfl.bench.real_targets`); elsewhere shown for information.
 """
 
