@@ -156,6 +156,15 @@ def test_report_has_the_papers_tables(compare_run):
     assert costs == [run_cost(r) for r in runs]
     (row,) = [line for line in convergence.splitlines() if line.startswith("| FL + SA (FedAvg) |")]
     assert row.endswith(f"| {num_text(sum(costs) / len(costs))} |")
+    # a method whose selection gave up 0.3 of validation AUROC is marked in every effect table
+    res = json.loads((compare_run / "results.json").read_text())
+    res["methods"]["vanilla-fedavg"]["runs"] = [
+        {**r, "curve_rounds": [0, 1], "val_auroc": [0.5, 0.8], "best_round": 0}
+        for r in res["methods"]["vanilla-fedavg"]["runs"]
+    ]
+    effects = format_report(res).split("## Against surgical aggregation")[1]
+    assert "| FL (FedAvg) (NOT A RESULT: selection gave up 0.300) |" in effects
+    assert "| FL (FedAvg) |" not in effects and "| FL + PL (FedAvg) |" in effects
 
 
 def test_plots_are_non_empty_pngs(compare_run):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from cxrfl.bench.reselection import DELTA_HEADER, delta_rows
-from cxrfl.bench.selection_cost import COST_LIMIT, costly_entries, mean_cost, run_cost
+from cxrfl.bench.selection_cost import COST_LIMIT, costly_entries, marked, mean_cost, run_cost
 
 
 def run(val_auroc: list[float | None], best_round: int, first: int = 0) -> dict:
@@ -34,6 +34,8 @@ def test_a_method_is_costly_when_its_mean_over_seeds_is_above_the_limit():
             "nocurve": {"runs": [{"best_round": 0}]},
         }
     }
+    assert marked("FL", 0.06) == "FL (NOT A RESULT: selection gave up 0.060)" and marked("SA", 0.04) == "SA"
+    assert marked("SA", None) == "SA"
     assert costly_entries(results, ["vanilla", "sa", "nocurve", "absent"]) == {"vanilla": pytest.approx(0.06)}
 
 

@@ -9,7 +9,7 @@ from cxrfl.bench.intervals import finite_mean
 from cxrfl.bench.report import effect_row, stars
 from cxrfl.bench.report_text import markdown_table, num_text
 from cxrfl.bench.reselection import DELTA_HEADER, delta_rows
-from cxrfl.bench.selection_cost import COST_LIMIT
+from cxrfl.bench.selection_cost import COST_LIMIT, marked
 
 
 def format_ablation(summary: dict[str, Any]) -> str:
@@ -36,7 +36,11 @@ def format_ablation(summary: dict[str, Any]) -> str:
         rows.append(row)
     ref = summary["methods"].get(summary["reference"], {}).get("label", summary["reference"])
     tests = [
-        effect_row(_effect_label(d, values), d["vs_reference"].get("settings"), d["vs_reference"].get("setting_seeds"))
+        effect_row(
+            marked(d["label"], _mean_cost(d, values)),
+            d["vs_reference"].get("settings"),
+            d["vs_reference"].get("setting_seeds"),
+        )
         for d in summary["methods"].values()
         if d.get("vs_reference")
     ]

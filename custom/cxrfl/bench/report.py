@@ -18,7 +18,7 @@ from cxrfl.bench.report_text import ci_text as _ci
 from cxrfl.bench.report_text import markdown_table, num_text
 from cxrfl.bench.report_text import p_text as _p
 from cxrfl.bench.reselection import format_deltas
-from cxrfl.bench.selection_cost import COST_LIMIT, mean_cost
+from cxrfl.bench.selection_cost import COST_LIMIT, marked, mean_cost
 from cxrfl.bench.target_text import targets_section
 
 
@@ -263,13 +263,18 @@ def _effects(results: dict[str, Any]) -> list[str]:
         "",
         f"Δ = {methods[ref]['label']} - method. Over classes: per-class AUROC averaged over seeds, paired t-test "
         "(the papers' test) and Wilcoxon signed-rank test, t-interval of the mean difference, Cohen's d_z (mean "
-        "difference / SD of the differences). Over seeds: the mean AUROC of each seed, paired by seed.",
+        "difference / SD of the differences). Over seeds: the mean AUROC of each seed, paired by seed. A method "
+        f"whose selection gave up more than {COST_LIMIT:g} of validation AUROC (see Convergence) is marked: its "
+        "differences do not measure the method.",
         "",
     ]
+    cost = {name: mean_cost(d["runs"]) for name, d in methods.items()}
+    if cost[ref] is not None and cost[ref] > COST_LIMIT:
+        out += [f"{marked(methods[ref]['label'], cost[ref])}: so is every row below.", ""]
     site_views = _views(results, "site")
     for v in site_views + _views(results, "external") + _views(results, "external-by-site"):
         rows = [
-            effect_row(d["label"], _vs(d["test"][v]), _vs(d["test"][v], over="seeds"))
+            effect_row(marked(d["label"], cost[name]), _vs(d["test"][v]), _vs(d["test"][v], over="seeds"))
             for name, d in methods.items()
             if name != ref and _vs(d["test"][v]) is not None
         ]
@@ -277,7 +282,9 @@ def _effects(results: dict[str, Any]) -> list[str]:
             out += [f"### {v}", "", markdown_table(EFFECT_HEADER, rows), ""]
     for part in ("unique", "shared"):
         rows = [
-            effect_row(f"{d['label']} on {v}", _vs(d["test"][v], part), _vs(d["test"][v], part, "seeds"))
+            effect_row(
+                marked(f"{d['label']} on {v}", cost[name]), _vs(d["test"][v], part), _vs(d["test"][v], part, "seeds")
+            )
             for v in site_views
             for name, d in methods.items()
             if name != ref and _vs(d["test"][v], part) is not None

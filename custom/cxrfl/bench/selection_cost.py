@@ -61,3 +61,15 @@ def costly_entries(results: dict[str, Any], entries: Sequence[str]) -> dict[str,
         if cost is not None and cost > COST_LIMIT:
             out[e] = cost
     return out
+
+
+def marked(label: str, cost: float | None) -> str:
+    """A table row's label, marked as not a result when its method's selection cost is above :data:`COST_LIMIT`.
+
+    Args:
+        label: the row's label.
+        cost: the method's mean selection cost (None: unknown).
+    """
+    if cost is None or cost <= COST_LIMIT:
+        return label
+    return f"{label} (NOT A RESULT: selection gave up {cost:.3f})"
