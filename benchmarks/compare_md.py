@@ -134,6 +134,13 @@ def _p_text(stats: dict[str, Any] | None, over: str) -> str:
     return f"p {stats['p']:.2g}{holm} over {stats['n']} {over}"
 
 
+def _cost_text(t: dict[str, Any], methods: dict[str, Any]) -> str:
+    """Whose selection gave up too much validation AUROC for the comparison to be a result (empty: none)."""
+    costs = t.get("selection_cost") or {}
+    given = ", ".join(f"{methods[e]['label']} {c:.3f}" for e, c in costs.items())
+    return f"; selection gave up validation AUROC: {given}" if costs else ""
+
+
 def _old_rule_text(old: dict[str, Any] | None) -> str:
     """How far the difference moved from the old selection rule (empty: not run under it)."""
     if not old:
@@ -160,11 +167,12 @@ def target_verdict_rows(name: str, res: dict[str, Any]) -> list[str]:
             continue
         methods = res["methods"]
         where = f"`{t['view']}`" + (f", {t['part']} classes" if t.get("part") else "")
-        verdict = "not measurable" if t["met"] is None else _met(t["met"])
+        unresolved = "**not a result**" if t.get("selection_cost") else "not measurable"
+        verdict = unresolved if t["met"] is None else _met(t["met"])
         a = methods[t["method"]]["label"]
         if "statement" in t:
             measured = t["statement"]
-        elif t["met"] is None:
+        elif t["met"] is None and not t.get("selection_cost"):
             measured = ""
         elif t["against"] is None:
             lo, hi = t.get("value_ci") or (None, None)
@@ -174,7 +182,7 @@ def target_verdict_rows(name: str, res: dict[str, Any]) -> list[str]:
             measured = (
                 f"{a} {t['value']:.3f} vs {methods[t['against']]['label']} {t['other']:.3f}: "
                 f"{t['difference']:+.3f}" + (f" ({tests})" if tests else "") + _old_rule_text(t.get("old_rule"))
-            )
+            ) + _cost_text(t, methods)
         rows.append(f"| `{name}` | {t['target']} | {where} | {verdict} | {measured} |")
     return rows
 
