@@ -346,6 +346,8 @@ def test_every_report_names_the_code_the_same_way():
 def test_a_report_names_the_cxrfl_command_that_ran_it(monkeypatch):
     monkeypatch.setattr("sys.argv", ["/venv/bin/cxrfl", "bench", "cwt", "--seeds", "5", "--jobs", "2"])
     assert command_line() == "cxrfl bench cwt --seeds 5 --jobs 2"
+    monkeypatch.setattr("sys.argv", ["cxrfl", "bench", "compare", "--profile", "p", "--report-only", "--jobs", "2"])
+    assert command_line() == "cxrfl bench compare --profile p --jobs 2"  # the command that trained the runs
     monkeypatch.setattr("sys.argv", ["python", "benchmarks/cwt_splits.py"])  # not cxrfl: the caller names it
     assert command_line() is None
 

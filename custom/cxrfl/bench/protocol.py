@@ -238,8 +238,11 @@ def code_version(root: str | Path | None = None) -> dict[str, Any]:
 
 
 def command_line() -> str | None:
-    """The ``cxrfl`` command line this process runs, for a report (None: not run as ``cxrfl``)."""
-    return " ".join(["cxrfl", *sys.argv[1:]]) if Path(sys.argv[0]).name == "cxrfl" else None
+    """The ``cxrfl`` command line that trains this process's results, for a report (None: not run as ``cxrfl``).
+    ``--report-only`` is left out: the results it rebuilds come from the same command without it."""
+    if Path(sys.argv[0]).name != "cxrfl":
+        return None
+    return " ".join(["cxrfl", *(a for a in sys.argv[1:] if a != "--report-only")])
 
 
 def code_label(code: dict[str, Any], digits: int = 7) -> str:
