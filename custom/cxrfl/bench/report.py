@@ -269,8 +269,9 @@ def _effects(results: dict[str, Any]) -> list[str]:
         "",
     ]
     cost = {name: mean_cost(d["runs"]) for name, d in methods.items()}
-    if cost[ref] is not None and cost[ref] > COST_LIMIT:
-        out += [f"{marked(methods[ref]['label'], cost[ref])}: so is every row below.", ""]
+    ref_cost = cost[ref]
+    if ref_cost is not None and ref_cost > COST_LIMIT:
+        out += [f"{marked(methods[ref]['label'], ref_cost)}: so is every row below.", ""]
     site_views = _views(results, "site")
     for v in site_views + _views(results, "external") + _views(results, "external-by-site"):
         rows = [
