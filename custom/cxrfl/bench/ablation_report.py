@@ -109,8 +109,8 @@ def _selection_costs(summary: dict[str, Any]) -> list[str]:
         "## Validation AUROC given up by the selection rule",
         "",
         "Per setting, mean over seeds of each run's best mean validation AUROC minus its selected round's. A method "
-        f"above {COST_LIMIT:g} on average over the settings is marked in the table above: its differences measure "
-        "the selection rule, not the method.",
+        f"above {COST_LIMIT:g} on average over the settings is marked in the table above: its differences do not "
+        "measure the method.",
         "",
         markdown_table(["method", *(str(v) for v in values)], rows),
         "",

@@ -11,7 +11,7 @@ rounds minus that of the selected round (rank-based, so calibration does not mov
 
 A comparison between models is a result only when the rule did not give up more validation AUROC
 than the smallest difference the targets call meaningful (:data:`COST_LIMIT`, the issues' 0.05):
-otherwise the difference measures the rule, not the method, and the verdict says so.
+otherwise the difference does not measure the methods, and the verdict says so.
 """
 
 from __future__ import annotations

@@ -103,5 +103,5 @@ def _not_a_result(t: dict[str, Any], methods: dict[str, Any], a: str, b: str, wh
         f"{t['difference']:+.3f} (rule {t['rule']}: the numbers alone would say "
         f"{'met' if t.get('rule_met') else 'not met'}); the selection rule gave up more than "
         f"{COST_LIMIT:g} of mean validation AUROC (best round minus selected round, mean over seeds: {costs}), "
-        f"so the difference measures the rule, not the method{'; ' + stats if stats else ''}."
+        f"so the difference does not measure the methods{'; ' + stats if stats else ''}."
     )
