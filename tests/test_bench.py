@@ -158,6 +158,8 @@ def test_report_has_the_papers_tables(compare_run):
     assert row.endswith(f"| {num_text(sum(costs) / len(costs))} |")
     # a method whose selection gave up 0.3 of validation AUROC is marked in every effect table
     res = json.loads((compare_run / "results.json").read_text())
+    m = res["machines"][0]  # the machine line names the CPU's capability, which decides its speed
+    assert f"{m['cpu']} (torch CPU capability {m['cpu_capability']}, native bf16 " in text
     res["methods"]["vanilla-fedavg"]["runs"] = [
         {**r, "curve_rounds": [0, 1], "val_auroc": [0.5, 0.8], "best_round": 0}
         for r in res["methods"]["vanilla-fedavg"]["runs"]

@@ -89,8 +89,13 @@ def _header(results: dict[str, Any]) -> list[str]:
     ]
     for m in results["machines"]:
         gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""
+        cap = (
+            f" (torch CPU capability {m['cpu_capability']}, native bf16 {'yes' if m.get('native_bf16') else 'no'})"
+            if m.get("cpu_capability")
+            else ""
+        )
         out.append(
-            f"Machine ({m['runs']} run(s)): {m['cpu']}, {m['cores']} core(s) ({m['usable_cores']} usable), "
+            f"Machine ({m['runs']} run(s)): {m['cpu']}{cap}, {m['cores']} core(s) ({m['usable_cores']} usable), "
             f"{m['torch_threads']} torch thread(s), device {m['device']}{gpu}; torch {m['torch']}, "
             f"Python {m['python']}."
         )
