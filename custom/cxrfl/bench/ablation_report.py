@@ -88,16 +88,6 @@ def _mean_cost(d: dict[str, Any], values: list[Any]) -> float | None:
     return finite_mean([d["by_value"][v].get("selection_cost") for v in values])
 
 
-def _effect_label(d: dict[str, Any], values: list[Any]) -> str:
-    """A method's row label, marked when its selection gave up more than :data:`COST_LIMIT` on average."""
-    cost = _mean_cost(d, values)
-    return (
-        d["label"]
-        if cost is None or cost <= COST_LIMIT
-        else f"{d['label']} (NOT A RESULT: selection gave up {cost:.3f})"
-    )
-
-
 def _selection_costs(summary: dict[str, Any]) -> list[str]:
     """The validation AUROC each method's selection gave up per setting (none: no run has a curve)."""
     values = summary["values"]

@@ -18,7 +18,7 @@ from cxrfl.bench.report_text import ci_text as _ci
 from cxrfl.bench.report_text import markdown_table, num_text
 from cxrfl.bench.report_text import p_text as _p
 from cxrfl.bench.reselection import format_deltas
-from cxrfl.bench.selection_cost import COST_LIMIT, marked, mean_cost
+from cxrfl.bench.selection_cost import COST_LIMIT, marked, mean_cost, over_limit
 from cxrfl.bench.target_text import targets_section
 
 
@@ -274,9 +274,8 @@ def _effects(results: dict[str, Any]) -> list[str]:
         "",
     ]
     cost = {name: mean_cost(d["runs"]) for name, d in methods.items()}
-    ref_cost = cost[ref]
-    if ref_cost is not None and ref_cost > COST_LIMIT:
-        out += [f"{marked(methods[ref]['label'], ref_cost)}: so is every row below.", ""]
+    if over_limit(cost[ref]):
+        out += [f"{marked(methods[ref]['label'], cost[ref])}: so is every row below.", ""]
     site_views = _views(results, "site")
     for v in site_views + _views(results, "external") + _views(results, "external-by-site"):
         rows = [

@@ -17,12 +17,21 @@ otherwise the difference does not measure the methods, and the verdict says so.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from cxrfl.bench.intervals import finite_mean
 
 COST_LIMIT = 0.05
 """Mean validation AUROC over seeds a method's selection may give up before its comparisons are not results."""
+
+
+def over_limit(cost: float | None) -> TypeGuard[float]:
+    """Whether a method's mean selection cost is above :data:`COST_LIMIT` (unknown: not).
+
+    Args:
+        cost: the method's :func:`mean_cost`.
+    """
+    return cost is not None and cost > COST_LIMIT
 
 
 def run_cost(run: dict[str, Any]) -> float | None:
@@ -58,7 +67,7 @@ def costly_entries(results: dict[str, Any], entries: Sequence[str]) -> dict[str,
     out = {}
     for e in entries:
         cost = mean_cost(results["methods"].get(e, {}).get("runs") or [])
-        if cost is not None and cost > COST_LIMIT:
+        if over_limit(cost):
             out[e] = cost
     return out
 
@@ -70,6 +79,6 @@ def marked(label: str, cost: float | None) -> str:
         label: the row's label.
         cost: the method's mean selection cost (None: unknown).
     """
-    if cost is None or cost <= COST_LIMIT:
+    if not over_limit(cost):
         return label
     return f"{label} (NOT A RESULT: selection gave up {cost:.3f})"
