@@ -12,6 +12,18 @@ from cxrfl.bench.reselection import DELTA_HEADER, delta_rows
 from cxrfl.bench.selection_cost import COST_LIMIT, marked
 
 
+def _mean_cell(r: dict[str, Any]) -> str:
+    """One setting's cell: the mean ± SD over seeds, marked by the paired test against the reference.
+
+    Args:
+        r: one method's ``by_value`` entry for the setting.
+    """
+    over = r["over_seeds"]
+    text = f"{num_text(over['mean'])}" + (f" ± {over['sd']:.3f}" if over.get("sd") is not None else "")
+    vs = (r.get("vs_reference") or {}).get("seeds") or {}
+    return f"{text} {stars(vs.get('p'))}".strip()
+
+
 def format_ablation(summary: dict[str, Any]) -> str:
     """The Markdown tables of an ablation: mean AUROC on the held-out test set per setting, and
     surgical aggregation against each method paired over the settings (the papers' test) and over
@@ -24,16 +36,7 @@ def format_ablation(summary: dict[str, Any]) -> str:
     what = (
         "number of sites (4 shared classes)" if summary["ablation"] == "sites" else "number of shared classes (4 sites)"
     )
-    rows = []
-    for d in summary["methods"].values():
-        row = [d["label"]]
-        for v in values:
-            r = d["by_value"][v]
-            over = r["over_seeds"]
-            text = f"{num_text(over['mean'])}" + (f" ± {over['sd']:.3f}" if over.get("sd") is not None else "")
-            vs = (r.get("vs_reference") or {}).get("seeds") or {}
-            row.append(f"{text} {stars(vs.get('p'))}".strip())
-        rows.append(row)
+    rows = [[d["label"]] + [_mean_cell(d["by_value"][v]) for v in values] for d in summary["methods"].values()]
     ref = summary["methods"].get(summary["reference"], {}).get("label", summary["reference"])
     tests = [
         effect_row(
