@@ -308,13 +308,15 @@ def test_cli_settings_quick_preset_and_given_options():
         settings("--patience", "0")
 
 
-@pytest.mark.parametrize("n", [2, 3, 10])
-def test_the_detectable_difference_is_found_with_80_percent_power(n):
+@pytest.mark.parametrize(("n", "alpha"), [(2, 0.05), (3, 0.05), (10, 0.05), (2, 0.005)])
+def test_the_detectable_difference_is_found_with_80_percent_power(n, alpha):
+    """(2, 0.005): a Holm family of 10 over 2 pairs; the difference is over 100 SDs (the sites ablation's
+    4-site setting once stopped on it)."""
     from cxrfl.bench.intervals import detectable_difference
 
-    d = detectable_difference(n, 0.05)
+    d = detectable_difference(n, 0.05, alpha=alpha)
     rng = np.random.default_rng(n)
     x = rng.normal(d, 0.05, size=(40000, n))  # differences of that mean, sd 0.05
     t = x.mean(axis=1) / (x.std(axis=1, ddof=1) / np.sqrt(n))
-    assert np.mean(np.abs(t) > stats.t.ppf(0.975, n - 1)) == pytest.approx(0.8, abs=0.01)
+    assert np.mean(np.abs(t) > stats.t.ppf(1 - alpha / 2, n - 1)) == pytest.approx(0.8, abs=0.01)
     assert detectable_difference(1, 0.05) is None and detectable_difference(n, 0.0) is None

@@ -307,4 +307,7 @@ def detectable_difference(n: int, sd: float | None, *, alpha: float = 0.05, powe
         lower = float(stats.nct.cdf(-critical, df, nc))  # the wrong-sign rejections: tiny, and NaN at times
         return (1.0 if math.isnan(upper) else upper) + (0.0 if math.isnan(lower) else lower) - power
 
-    return float(optimize.brentq(shortfall, 1e-9, 100.0)) * float(sd)
+    high = 100.0
+    while shortfall(high) < 0 and high < 1e12:  # few pairs at a small level: many SDs
+        high *= 10.0
+    return float(optimize.brentq(shortfall, 1e-9, high)) * float(sd)
