@@ -389,6 +389,16 @@ def test_site_sends_a_scorer_rule_only_and_refuses_below_the_minimum(tmp_path):
     feats, _, table = site.embed(_params(), "train")
     rule = UCScorer.from_payload(scorer)
     assert rule.margin(feats).shape == (len(table),)
+    # scorer_model: prototype: the config reaches the site, and its rule is the two unit-length means' difference
+    site = _site(
+        data, FedFewConfig(detector="scorer", scorer_model="prototype", min_prototype_images=10, scorer_folds=3)
+    )
+    _, answer = P.handle_task(site, P.DETECTORS, _params(), meta)
+    (proto,) = answer["scorers"]
+    y = table["Hernia"].to_numpy() == 1.0
+    means = [f / np.linalg.norm(f) for f in (feats[y].mean(0), feats[~y].mean(0))]
+    assert proto["unit_input"] and proto["bias"] == 0.0
+    np.testing.assert_allclose(proto["weights"], means[0] - means[1], rtol=1e-4, atol=1e-6)
     site = _site(data, FedFewConfig(detector="scorer", min_prototype_images=n_pos + 1))
     _, refused = P.handle_task(site, P.DETECTORS, _params(), meta)
     assert refused["scorers"] == [] and f"only {n_pos} positive" in refused["refused"]["Hernia"]

@@ -93,6 +93,7 @@ def test_the_payload_is_the_rule_only_and_rejects_what_is_not_finite():
         "n_negative",
         "cv_balanced_accuracy",
         "source",
+        "unit_input",
     }
     assert len(payload["weights"]) == 16  # one number per feature, nothing per image
     back = UCScorer.from_payload(payload, source=3)
@@ -123,3 +124,36 @@ def test_several_sites_vote_and_a_tie_goes_to_the_mean_margin():
     np.testing.assert_allclose(two["margin"], [0.25, 0.75, -0.75, -0.65])
     with pytest.raises(ValueError, match="no scorers"):
         score_ucs(x, [])
+
+
+def test_the_prototype_scorer_is_the_dual_prototype_margin_with_an_out_of_fold_threshold():
+    """The margin is cos(x, p+) - cos(x, p-) - threshold with the site's two means, computed here by hand; it ranks
+    new images as the separation allows, and on noise its out-of-fold balanced accuracy says so."""
+    rng = np.random.default_rng(5)
+
+    def site(r, n_pos, n_neg):  # the negatives spread 3x wider on x0: the best threshold is not at margin 0
+        x, y = _site(r, n_pos, n_neg)
+        x[y == 0, 0] *= 3
+        return x, y
+
+    x, y = site(rng, 60, 600)
+    s = fit_scorer("Edema", x, y, min_images=10, seed=0, model="prototype")
+    assert s.unit_input and s.bias == 0.0 and (s.n_positive, s.n_negative) == (60, 600)
+    p_pos, p_neg = x[y == 1].mean(0), x[y == 0].mean(0)
+    xt, yt = site(np.random.default_rng(6), 500, 500)
+
+    def cos(a, b):
+        return a @ b / (np.linalg.norm(a, axis=1) * np.linalg.norm(b))
+
+    np.testing.assert_allclose(s.margin(xt), cos(xt, p_pos) - cos(xt, p_neg) - s.threshold, atol=1e-6)
+    # the threshold, tuned out of fold on 660 images, is near the best one for new images of the site
+    raw = s.margin(xt) + s.threshold
+    grid = np.quantile(raw, np.linspace(0.01, 0.99, 197))
+    best = max(0.5 * ((raw[yt == 1] > t).mean() + (raw[yt == 0] <= t).mean()) for t in grid)
+    pred = s.margin(xt) > 0
+    assert best - 0.03 < 0.5 * (pred[yt == 1].mean() + (~pred[yt == 0]).mean()) <= best + 0.005
+    assert s.cv_balanced_accuracy == pytest.approx(best, abs=0.06)
+    again = UCScorer.from_payload(json.loads(json.dumps(s.to_payload())))
+    np.testing.assert_allclose(again.margin(xt), s.margin(xt), atol=1e-6)  # unit_input travels
+    noise, labels = rng.normal(size=(80, 40)), np.r_[np.ones(20), np.zeros(60)]
+    assert fit_scorer("Hernia", noise, labels, 10, model="prototype").cv_balanced_accuracy < 0.65

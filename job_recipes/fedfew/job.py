@@ -4,6 +4,7 @@
     python job.py --clients cc-1,cc-2,uc-hernia      # other sites (data: $CXRFL_SITE_CONFIG_DIR/<site>.yaml)
     python job.py --ssl_rounds 5 --rounds 20
     python job.py --detector scorer                  # each UC site's class-balanced scorer instead of the paper's rule
+    python job.py --detector scorer --scorer_model prototype  # the scorer is the dual prototype's cosine margin
     python job.py --tracking tensorboard,mlflow      # MLflow too (an SQLite store in the job's server folder)
     python job.py --quantize blockwise8              # 8-bit messages both ways (BatchNorm statistics exact)
     python job.py --env poc | --env prod --startup_kit KIT --clients SITE,SITE,...
@@ -17,7 +18,7 @@ the server alone and each site gets a client app.
 import argparse
 
 # importing the recipes imports nvflare.recipe, which takes --export/--export-dir out of sys.argv
-from cxrfl.fedfew.config import DETECTORS
+from cxrfl.fedfew.config import DETECTORS, SCORER_MODELS
 from cxrfl.fl.job_script import add_run_arguments, run_recipe
 from cxrfl.fl.recipes import FedFewRecipe
 from cxrfl.jobs import job_spec
@@ -40,6 +41,12 @@ def define_parser() -> argparse.ArgumentParser:
         default=FEDFEW["detector"],
         help="how stage 3 detects a rare class: paper (energy gate + dual prototypes) or scorer",
     )
+    p.add_argument(
+        "--scorer_model",
+        choices=SCORER_MODELS,
+        default=FEDFEW["scorer_model"],
+        help="the scorer's rule (--detector scorer): logistic regression or the dual prototype's cosine margin",
+    )
     add_run_arguments(p)
     return p
 
@@ -61,6 +68,7 @@ def main() -> None:
             "rounds": args.rounds,
             "warmup_rounds": args.warmup_rounds,
             "detector": args.detector,
+            "scorer_model": args.scorer_model,
         },
         model_config={**SETTINGS["model_config"], "image_size": args.image_size},
         task_timeout=SETTINGS["task_timeout"],

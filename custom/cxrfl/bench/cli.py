@@ -227,7 +227,7 @@ def _add_fedfew(bsub: argparse._SubParsersAction) -> None:
         "--methods",
         default=None,
         help="comma-separated subset of mlc,mlc-ssl,mlc-surgical,mlc-pooled,nn-ssl,nn-mlc-ssl,fedfew-no-ebm,"
-        "fedfew,fedfew-balanced,fedfew-lambda1,fedfew-neg-in,fedfew-scorer (fedfew always runs; "
+        "fedfew,fedfew-balanced,fedfew-lambda1,fedfew-neg-in,fedfew-scorer,fedfew-prototype (fedfew always runs; "
         "added to a finished benchmark, only the new ones run)",
     )
     f.add_argument(

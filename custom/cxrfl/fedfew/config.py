@@ -33,6 +33,11 @@ the threshold is matched to the nearer of each UC site's dual prototypes; the de
 ``scorer`` (each UC site fits a class-balanced linear scorer on its positives and negatives, its
 threshold chosen out of fold; :mod:`cxrfl.fedfew.scorer`). The energy threshold is chosen and
 stored either way (a diagnostic under ``scorer``)."""
+SCORER_MODELS = ("logistic", "prototype")
+"""The rule a UC scorer fits: ``logistic`` (a class-balanced L2-penalised logistic regression on standardised
+features, its strength chosen by inner cross-validated AUROC; the default) or ``prototype`` (the dual prototype's
+cosine margin ``cos(x, p+) - cos(x, p-)`` with the means of the site's positives and negatives: nothing tuned
+but the threshold, which is still chosen out of fold)."""
 THRESHOLD_WEIGHTINGS = ("count", "balanced")
 """``count``: the threshold classifies the most training examples correctly (the paper);
 ``balanced``: the mean of the in and out accuracies is maximal."""
@@ -100,6 +105,7 @@ class FedFewConfig(Config):
             one over fewer positives or negatives (so that none describes one patient).
         scorer_folds: cross-validation folds of a scorer (its L2 strength and threshold); a
             scorer also needs this many positives and negatives.
+        scorer_model: see :data:`SCORER_MODELS`.
         threshold_bins: candidate thresholds the sites count errors for.
         threshold_weighting: see :data:`THRESHOLD_WEIGHTINGS`.
         threshold_examples: see :data:`THRESHOLD_EXAMPLES`.
@@ -158,6 +164,7 @@ class FedFewConfig(Config):
     detector: str = field(default="paper", metadata={"choices": DETECTORS})
     min_prototype_images: int = field(default=10, metadata={"ge": 1})
     scorer_folds: int = field(default=5, metadata={"ge": 2})
+    scorer_model: str = field(default="logistic", metadata={"choices": SCORER_MODELS})
     threshold_bins: int = field(default=512, metadata={"ge": 2})
     threshold_weighting: str = field(default="count", metadata={"choices": THRESHOLD_WEIGHTINGS})
     threshold_examples: str = field(default="uc_labelled", metadata={"choices": THRESHOLD_EXAMPLES})

@@ -110,7 +110,7 @@ def fit_detectors(
         ucs: the site's UCs.
         features: [n, D] features of its training images.
         labels: UC -> [n] labels (1, 0, NaN unknown).
-        config: ``min_prototype_images``, ``scorer_folds``, ``seed``.
+        config: ``min_prototype_images``, ``scorer_folds``, ``scorer_model``, ``seed``.
         site: the site's name (in the refusal reasons it keeps in its own log).
 
     Returns:
@@ -123,7 +123,13 @@ def fit_detectors(
         try:
             if kind == "scorer":
                 d: Detector = fit_scorer(
-                    uc, features, y, config.min_prototype_images, folds=config.scorer_folds, seed=config.seed
+                    uc,
+                    features,
+                    y,
+                    config.min_prototype_images,
+                    folds=config.scorer_folds,
+                    seed=config.seed,
+                    model=config.scorer_model,
                 )
             else:
                 d = dual_prototype(uc, features, y, config.min_prototype_images)

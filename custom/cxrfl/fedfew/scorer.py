@@ -4,7 +4,9 @@ Why (docs/fedfew.md): the paper's energy gate does not separate a UC's positives
 negatives, while the stage-2 features do. So for each UC it labels, a site fits a logistic
 regression on the features of its training images, positives AND negatives, with the classes
 weighted equally (``class_weight="balanced"``: 20 positives count as much as 400 negatives) and
-the L2 strength chosen by inner cross-validated AUROC (``LogisticRegressionCV``). Its decision
+the L2 strength chosen by inner cross-validated AUROC (``LogisticRegressionCV``); or, with
+``scorer_model: prototype``, the dual prototype's cosine margin (:class:`CosinePrototypes`), which
+tunes nothing on ~20 positives but its threshold. Its decision
 threshold maximises balanced accuracy on out-of-fold scores
 (``TunedThresholdClassifierCV``), so the threshold is never chosen on the images it was fitted
 on. The dual prototype is a special case (a linear rule ``d(x, p-) - d(x, p+)``).
@@ -26,10 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.linear_model import LogisticRegressionCV
 from sklearn.model_selection import StratifiedKFold, TunedThresholdClassifierCV
 from sklearn.pipeline import Pipeline, make_pipeline
-from sklearn.preprocessing import StandardScaler
+from sklearn.preprocessing import StandardScaler, normalize
 
 from cxrfl.errors import CxrflError
 from cxrfl.fedfew.prototypes import vote
@@ -55,6 +58,7 @@ class UCScorer:
         n_negative: negatives it was fitted on.
         cv_balanced_accuracy: balanced accuracy of the threshold on out-of-fold scores.
         source: anonymous index of the sending site (0, 1, ... per UC).
+        unit_input: the rule reads each image's features scaled to unit length (the prototype rule's cosine).
     """
 
     uc: str
@@ -65,12 +69,15 @@ class UCScorer:
     n_negative: int
     cv_balanced_accuracy: float
     source: int = 0
+    unit_input: bool = False
 
     def margin(self, features: np.ndarray) -> np.ndarray:
-        """``w . x + b - threshold`` of each row of ``features`` [n, D] (> 0: positive)."""
-        return np.atleast_2d(np.asarray(features, np.float64)) @ self.weights.astype(np.float64) + (
-            self.bias - self.threshold
-        )
+        """``w . x + b - threshold`` of each row of ``features`` [n, D] (> 0: positive; ``x`` at unit length
+        with ``unit_input``)."""
+        x = np.atleast_2d(np.asarray(features, np.float64))
+        if self.unit_input:
+            x = normalize(x)
+        return x @ self.weights.astype(np.float64) + (self.bias - self.threshold)
 
     def to_payload(self) -> dict[str, Any]:
         """JSON-friendly dict (what travels to the server and is stored in the model file)."""
@@ -83,6 +90,7 @@ class UCScorer:
             "n_negative": int(self.n_negative),
             "cv_balanced_accuracy": float(self.cv_balanced_accuracy),
             "source": int(self.source),
+            "unit_input": bool(self.unit_input),
         }
 
     @classmethod
@@ -108,23 +116,50 @@ class UCScorer:
             int(d["n_negative"]),
             float(numbers[2]),
             int(d.get("source", 0) if source is None else source),
+            bool(d.get("unit_input", False)),
         )
 
 
-def _model(folds: int, seed: int) -> TunedThresholdClassifierCV:
-    inner = StratifiedKFold(folds, shuffle=True, random_state=seed)
+class CosinePrototypes(ClassifierMixin, BaseEstimator):
+    """The dual prototype as a linear rule: ``cos(x, p+) - cos(x, p-) = x/|x| . (p+/|p+| - p-/|p-|)``.
+
+    ``p+`` and ``p-`` are the mean features of the positives and of the negatives, as
+    :func:`cxrfl.fedfew.prototypes.dual_prototype` takes them.
+    """
+
+    def fit(self, x: np.ndarray, y: np.ndarray) -> CosinePrototypes:
+        """Take the two means; ``coef_`` [D] is the margin's weight on unit-length features."""
+        self.classes_ = np.unique(y)
+        self.coef_ = (
+            normalize(x[y == 1].mean(axis=0, keepdims=True))[0] - normalize(x[y == 0].mean(axis=0, keepdims=True))[0]
+        )
+        return self
+
+    def decision_function(self, x: np.ndarray) -> np.ndarray:
+        """The cosine margin of each row."""
+        return normalize(np.asarray(x, np.float64)) @ self.coef_
+
+
+def _model(folds: int, seed: int, kind: str) -> TunedThresholdClassifierCV:
+    """The rule (``kind``: :data:`cxrfl.fedfew.config.SCORER_MODELS`), its threshold tuned on out-of-fold scores."""
     outer = StratifiedKFold(folds, shuffle=True, random_state=seed + 1)
-    logistic = LogisticRegressionCV(
-        Cs=list(C_GRID),
-        l1_ratios=(0.0,),
-        use_legacy_attributes=False,
-        cv=inner,
-        scoring="roc_auc",
-        class_weight="balanced",
-        max_iter=2000,
-    )
+    if kind == "prototype":
+        rule: Pipeline | CosinePrototypes = CosinePrototypes()
+    elif kind == "logistic":
+        logistic = LogisticRegressionCV(
+            Cs=list(C_GRID),
+            l1_ratios=(0.0,),
+            use_legacy_attributes=False,
+            cv=StratifiedKFold(folds, shuffle=True, random_state=seed),
+            scoring="roc_auc",
+            class_weight="balanced",
+            max_iter=2000,
+        )
+        rule = make_pipeline(StandardScaler(), logistic)
+    else:
+        raise ValueError(f"unknown scorer model {kind!r}")
     return TunedThresholdClassifierCV(
-        make_pipeline(StandardScaler(), logistic),
+        rule,
         scoring="balanced_accuracy",
         response_method="decision_function",
         cv=outer,
@@ -133,7 +168,14 @@ def _model(folds: int, seed: int) -> TunedThresholdClassifierCV:
 
 
 def fit_scorer(
-    uc: str, features: np.ndarray, labels: np.ndarray, min_images: int, *, folds: int = 5, seed: int = 0
+    uc: str,
+    features: np.ndarray,
+    labels: np.ndarray,
+    min_images: int,
+    *,
+    folds: int = 5,
+    seed: int = 0,
+    model: str = "logistic",
 ) -> UCScorer:
     """The site-side fit of one UC's scorer.
 
@@ -145,6 +187,7 @@ def fit_scorer(
             every fold holds both).
         folds: cross-validation folds (threshold and L2 strength).
         seed: seed of the fold assignment.
+        model: the rule, ``logistic`` or ``prototype`` (:data:`cxrfl.fedfew.config.SCORER_MODELS`).
 
     Raises:
         ScorerRefused: fewer than ``max(min_images, folds)`` positives or negatives (nothing is
@@ -165,14 +208,16 @@ def fit_scorer(
             "(fedfew.min_prototype_images, and one per cross-validation fold) so that it never describes a "
             "single patient; not sent"
         )
-    model = _model(folds, seed).fit(x, y)
-    pipe: Pipeline = model.estimator_
-    scaler, logistic = pipe[0], pipe[-1]
-    weights = logistic.coef_[0] / scaler.scale_
-    bias = float(logistic.intercept_[0] - weights @ scaler.mean_)
-    return UCScorer(
-        uc, weights.astype(np.float32), bias, float(model.best_threshold_), n_pos, n_neg, float(model.best_score_)
-    )
+    tuned = _model(folds, seed, model).fit(x, y)
+    fitted = tuned.estimator_
+    if isinstance(fitted, CosinePrototypes):
+        weights, bias, unit = fitted.coef_, 0.0, True
+    else:
+        scaler, logistic = fitted[0], fitted[-1]
+        weights = logistic.coef_[0] / scaler.scale_  # the standardisation folded in
+        bias, unit = float(logistic.intercept_[0] - weights @ scaler.mean_), False
+    threshold, cv_score = float(tuned.best_threshold_), float(tuned.best_score_)
+    return UCScorer(uc, weights.astype(np.float32), bias, threshold, n_pos, n_neg, cv_score, unit_input=unit)
 
 
 def score_ucs(features: np.ndarray, scorers: Sequence[UCScorer]) -> dict[str, Any]:

@@ -11,8 +11,8 @@ weights and the augmentation):
   along the way, then the final model file read back as ``cxrfl predict`` does; ``fedfew-no-ebm``
   (optional): the same with lambda = 0; ``fedfew-balanced``: stage 3 again with the balanced
   threshold rule; ``fedfew-scorer``: stage 3 again with the UC sites' scorers
-  (:mod:`cxrfl.fedfew.scorer`) in place of the energy gate and prototypes
-  (:mod:`~cxrfl.bench.fedfew.seed`);
+  (:mod:`cxrfl.fedfew.scorer`) in place of the energy gate and prototypes, and
+  ``fedfew-prototype`` the same with the prototype scorer (:mod:`~cxrfl.bench.fedfew.seed`);
 * ``mlc`` / ``mlc-ssl``: the plain federated multi-label baseline (until its validation loss stops
   improving); ``nn-ssl`` / ``nn-mlc-ssl``: the paper's local nearest-neighbour classifier
   (:mod:`~cxrfl.bench.fedfew.methods`).

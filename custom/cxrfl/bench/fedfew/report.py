@@ -203,6 +203,11 @@ def _table(table: dict[str, Any]) -> list[str]:
             "\\* FedFew, UC scorers: the same stage-2 model, stage 3 re-run with `detector: scorer` (each UC site's "
             "class-balanced logistic regression on its stage-2 features, threshold chosen out of fold; docs/fedfew.md)."
         )
+    if "fedfew-prototype" in table:
+        lines.append(
+            "\\* FedFew, UC prototype scorers: the same, with `scorer_model: prototype` (the dual prototype's cosine "
+            "margin, the paper's prototypes without the energy gate, its threshold chosen out of fold)."
+        )
     if any(m in table for m in ENERGY_VARIANTS):
         lines.append(
             "\\* "

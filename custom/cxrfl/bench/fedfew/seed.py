@@ -39,6 +39,7 @@ from cxrfl.nn.models import CXRNet, build_model, load_checkpoint, model_from_che
 RUN_ORDER = (
     "fedfew",
     "fedfew-scorer",
+    "fedfew-prototype",
     "fedfew-no-ebm",
     "mlc",
     "mlc-surgical",
@@ -55,6 +56,7 @@ RUN_ORDER = (
 VARIANTS = {
     "fedfew-balanced": ((1, 2), {"threshold_weighting": "balanced"}),
     "fedfew-scorer": ((1, 2), {"detector": "scorer"}),
+    "fedfew-prototype": ((1, 2), {"detector": "scorer", "scorer_model": "prototype"}),
     "fedfew-no-ebm": ((1,), {"energy_weight": 0.0}),
     "fedfew-lambda1": ((1,), {"energy_weight": 1.0}),
     "fedfew-neg-in": ((1,), {"uc_negatives": "in"}),

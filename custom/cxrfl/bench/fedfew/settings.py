@@ -23,6 +23,7 @@ METHODS = (
     "fedfew-lambda1",
     "fedfew-neg-in",
     "fedfew-scorer",
+    "fedfew-prototype",
 )
 """Every method, in report order."""
 LABELS = {
@@ -38,6 +39,7 @@ LABELS = {
     "fedfew-lambda1": "FedFew w/ EBM, lambda = 1*",
     "fedfew-neg-in": "FedFew w/ EBM, UC negatives pushed in*",
     "fedfew-scorer": "FedFew, UC scorers*",
+    "fedfew-prototype": "FedFew, UC prototype scorers*",
 }
 """The paper's names of the methods (``*``: a labelled variant, not the paper's recipe)."""
 ENERGY_VARIANTS = ("fedfew-lambda1", "fedfew-neg-in")
