@@ -127,8 +127,8 @@ def test_several_sites_vote_and_a_tie_goes_to_the_mean_margin():
 
 
 def test_the_prototype_scorer_is_the_dual_prototype_margin_with_an_out_of_fold_threshold():
-    """The margin is cos(x, p+) - cos(x, p-) - threshold with the site's two means, computed here by hand; it ranks
-    new images as the separation allows, and on noise its out-of-fold balanced accuracy says so."""
+    """The margin is cos(x, p+) - cos(x, p-) - threshold with the site's two means, computed here by hand; the
+    threshold chosen out of fold is near the best one for new images, and on noise its balanced accuracy says so."""
     rng = np.random.default_rng(5)
 
     def site(r, n_pos, n_neg):  # the negatives spread 3x wider on x0: the best threshold is not at margin 0
