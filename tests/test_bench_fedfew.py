@@ -15,9 +15,11 @@ import torch
 from cxrfl.bench.fedfew import format_markdown
 from cxrfl.bench.fedfew import run as bench_run
 from cxrfl.bench.fedfew.methods import mean_uc_f1
+from cxrfl.bench.fedfew.report import selection_curve
 from cxrfl.bench.fedfew.seed import SeedRun, stage2_summary
 from cxrfl.bench.fedfew.settings import FedFewBenchSettings
 from cxrfl.bench.protocol import code_version
+from cxrfl.bench.selection_cost import run_cost
 from cxrfl.common.server import RECORDS_DIR
 from cxrfl.errors import ConfigError
 from cxrfl.synth.fedfew_profile import FEDFEW_UCS
@@ -102,8 +104,13 @@ class FakeSeedRun:
             run["stage2"] = {
                 "energy": {"rounds": 10, "best_round": 12, "best_val_loss": 0.3, "uc_energy_gap": 0.2 + 0.2 * self.seed}
             }
-        else:
-            run["training"] = {"rounds": 10, "best_round": 5}
+        else:  # the lowest loss at round 1 while the AUROC climbs to 0.75: the rule gives up 0.25
+            run["training"] = {
+                "rounds": 10,
+                "best_round": 1,
+                "val_loss": [0.3 + 0.01 * k for k in range(10)],
+                "val_cc_auroc": [0.5, 0.6, 0.7, 0.75, 0.74, 0.73, 0.72, 0.71, 0.7, 0.7],
+            }
         return mean_uc_f1(run)
 
 
@@ -188,7 +195,11 @@ def test_results_report_and_plots_and_an_interrupted_run_goes_on(tmp_path, fake_
         "FedFew stage 2: warm-up 8.5 ± 0.7 round(s) (best: stage-2 round 3.0" in report
         and "MLC w/o FSSL 10.0 ± 0.0 round(s)" in report
     )
-    assert saved["plots"] == ["uc_f1.png", "cc_auroc.png", "ssl_probe.png"]
+    assert saved["summary"]["methods"]["mlc"]["selection_cost"]["mean"] == pytest.approx(0.25)
+    assert "| MLC w/o FSSL | 0.250 ± 0.000 (over the limit) |" in report
+    assert "- Edema vs mlc: " in report and "(NOT A RESULT: mlc's selection gave up 0.250)." in report
+    assert "NOT A RESULT: fedfew" not in report  # the fake FedFew runs recorded no curve
+    assert saved["plots"] == ["uc_f1.png", "cc_auroc.png", "ssl_probe.png", "learning_curves.png"]
     for name in saved["plots"]:
         assert (out / name).read_bytes().startswith(PNG_MAGIC)
 
@@ -289,6 +300,7 @@ def test_stage2_summary_reads_the_sites_training_energies_per_round(tmp_path):
             "phase": "warm-up",
             "round": 1,
             "val_loss": 0.5,
+            "site_validation": {"cc-1": {"cc_mean_auroc": 0.6}, "cc-2": {"cc_mean_auroc": 0.7}},
             "site_metrics": {"cc-1": site(**{"in": -2.0, "out": None, "uc_neg": None}), "cc-2": site(**{"in": -3.0})},
         },
         {
@@ -296,6 +308,7 @@ def test_stage2_summary_reads_the_sites_training_energies_per_round(tmp_path):
             "phase": "energy",
             "round": 2,
             "val_loss": 0.4,
+            "site_validation": {"cc-1": {"cc_mean_auroc": 0.8}, "cc-2": {"cc_mean_auroc": None}},
             "site_metrics": {
                 "cc-1": site(**{"in": -2.5}),
                 "uc-a": site(out=-1.0, uc_neg=-2.0),
@@ -307,6 +320,7 @@ def test_stage2_summary_reads_the_sites_training_energies_per_round(tmp_path):
             "phase": "energy",
             "round": 3,
             "val_loss": 0.45,
+            "site_validation": {"cc-1": {"cc_mean_auroc": 0.9}, "cc-2": {"cc_mean_auroc": 0.92}},
             "site_metrics": {"uc-a": site(out=-0.5, uc_neg=-2.5)},
         },
         {"stage": 2, "phase": "energy", "round": 4, "status": "stopped"},
@@ -320,6 +334,7 @@ def test_stage2_summary_reads_the_sites_training_energies_per_round(tmp_path):
         "best_round": 1,
         "best_val_loss": 0.5,
         "uc_energy_gap": None,
+        "curve": [{"round": 1, "val_loss": 0.5, "val_cc_auroc": pytest.approx(0.65)}],
         "energy": [{"round": 1, "in": -2.5, "out": None, "uc_neg": None}],
     }
     energy = phases["energy"]
@@ -329,3 +344,8 @@ def test_stage2_summary_reads_the_sites_training_energies_per_round(tmp_path):
         {"round": 3, "in": None, "out": -0.5, "uc_neg": -2.5},
     ]
     assert energy["uc_energy_gap"] == pytest.approx(0.5)  # at the kept round 2: -1.5 - (-2.0)
+    assert [c["val_cc_auroc"] for c in energy["curve"]] == pytest.approx([0.8, 0.91])  # a site without: left out
+    # the kept model is the energy phase's round 2 (0.8); the best round over stage 2 is round 3 (0.91)
+    curve = selection_curve({"stage2": phases})
+    assert curve is not None and (curve["curve_rounds"], curve["best_round"]) == ([1, 2, 3], 2)
+    assert run_cost(curve) == pytest.approx(0.11)

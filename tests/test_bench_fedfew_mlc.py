@@ -10,8 +10,12 @@ from cxrfl.bench.fedfew import methods
 from cxrfl.bench.fedfew.methods import MLC_CLASSES, _mlc_round
 from cxrfl.bench.fedfew.settings import FedFewBenchSettings
 from cxrfl.common.io import to_numpy
+from cxrfl.data.dataset import make_loader
 from cxrfl.nn.models import HEAD_PREFIX, build_model
+from cxrfl.nn.precision import as_compute
+from cxrfl.synth.fedfew_profile import FEDFEW_CCS
 from PIL import Image
+from sklearn.metrics import roc_auc_score
 
 UC = "Edema"
 CC = "Atelectasis"
@@ -82,3 +86,50 @@ def test_fedavg_mode_dilutes_a_uc_row_with_the_sites_that_do_not_label_it(sites,
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="mode must be one of"):
         methods.train_mlc(None, FedFewBenchSettings(arch="densenet-tiny"), 0, None, print, mode="median")  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def _logits(model, table, settings) -> np.ndarray:
+    """The model's logits on a table's images at the precision the benchmark evaluates in (its device's auto)."""
+    compute = as_compute(torch.device(settings.device))
+    compute.prepare(model).eval()
+    loader = make_loader(table, [], image_size=settings.image_size, train=False, batch_size=64)
+    out = []
+    for x, _, _ in loader:
+        with compute.autocast():
+            out.append(model(compute.inputs(x)).float().numpy())
+    return np.concatenate(out)
+
+
+def test_validation_pools_the_loss_and_averages_the_cc_sites_cc_auroc(sites):
+    """The selection curve's CC AUROC: each site with CC labels scores its own CCs; the UC site none."""
+    settings = FedFewBenchSettings(arch="densenet-tiny", image_size=32, data_image_size=32, mlc_batch_size=4)
+    torch.manual_seed(0)
+    model = build_model(settings.model_config(), len(MLC_CLASSES))
+    cc_site = sites["cc-site"].copy()
+    cc_site.loc[:3, "Atelectasis"] = 1.0 - cc_site.loc[:3, "Atelectasis"]  # two classes with other label orders
+    cc_site.loc[1:4, "Mass"] = 1.0 - cc_site.loc[1:4, "Mass"]
+    tables = {"cc-site": cc_site, "uc-site": sites["uc-site"]}
+    loss, cc_auroc = methods._validation(model, tables, settings)
+
+    logits = _logits(model, cc_site, settings)  # the expectation, by hand with sklearn
+    ccs = [c for c in FEDFEW_CCS if cc_site[c].notna().any()]
+    want = np.mean([roc_auc_score(cc_site[c], logits[:, MLC_CLASSES.index(c)]) for c in ccs])
+    assert cc_auroc == pytest.approx(want, abs=1e-6)
+    total = known = 0.0
+    for t in tables.values():
+        lg = _logits(model, t, settings)
+        y = t[MLC_CLASSES].to_numpy(float)
+        known_mask = ~np.isnan(y)
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(
+            torch.tensor(lg), torch.tensor(np.nan_to_num(y)), reduction="none"
+        ).numpy()
+        total, known = total + bce[known_mask].sum(), known + known_mask.sum()
+    assert loss == pytest.approx(total / known, rel=1e-4)
+
+
+def test_without_a_cc_site_there_is_no_cc_auroc(sites):
+    settings = FedFewBenchSettings(arch="densenet-tiny", image_size=32, data_image_size=32, mlc_batch_size=4)
+    model = build_model(settings.model_config(), len(MLC_CLASSES))
+    loss, cc_auroc = methods._validation(model, {"uc-site": sites["uc-site"]}, settings)
+    assert cc_auroc is None and loss is not None and np.isfinite(loss)

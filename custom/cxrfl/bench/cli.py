@@ -226,7 +226,8 @@ def _add_fedfew(bsub: argparse._SubParsersAction) -> None:
     f.add_argument(
         "--methods",
         default=None,
-        help="comma-separated subset of mlc,mlc-ssl,mlc-surgical,mlc-pooled,nn-ssl,nn-mlc-ssl,fedfew-no-ebm,"
+        help="comma-separated subset of mlc,mlc-ssl,mlc-surgical,mlc-surgical-ssl,mlc-pooled,nn-ssl,nn-mlc-ssl,"
+        "fedfew-no-ebm,"
         "fedfew,fedfew-balanced,fedfew-lambda1,fedfew-neg-in,fedfew-scorer,fedfew-prototype (fedfew always runs; "
         "added to a finished benchmark, only the new ones run)",
     )

@@ -14,8 +14,11 @@ weights and the augmentation):
   (:mod:`cxrfl.fedfew.scorer`) in place of the energy gate and prototypes, and
   ``fedfew-prototype`` the same with the prototype scorer (:mod:`~cxrfl.bench.fedfew.seed`);
 * ``mlc`` / ``mlc-ssl``: the plain federated multi-label baseline (until its validation loss stops
-  improving); ``nn-ssl`` / ``nn-mlc-ssl``: the paper's local nearest-neighbour classifier
-  (:mod:`~cxrfl.bench.fedfew.methods`).
+  improving); ``mlc-surgical`` / ``mlc-surgical-ssl``: the same on masked BCE with each head row
+  stitched from the sites that label its class; ``mlc-pooled``: the upper bound on pooled images;
+  ``nn-ssl`` / ``nn-mlc-ssl``: the paper's local nearest-neighbour classifier
+  (:mod:`~cxrfl.bench.fedfew.methods`). Every trained method records its validation loss and CC
+  validation AUROC per round, so the report shows what its selection gave up.
 
 Output (:mod:`~cxrfl.bench.fedfew.run`): ``OUT/results.json`` (settings, machine, every (method,
 seed) run with its ``mean_cc_auroc``, ``mean_uc_f1``, per-UC detection metrics

@@ -8,9 +8,10 @@ recall, F1; mean CC AUROC; for FedFew the diagnostics of each stage-3 step).
   FedAvg weighted by labelled images, CheXNet's weighted BCE on the labels a site has, from
   scratch / from the stage-1 encoder, until the pooled validation loss stops improving; a UC is
   positive when its probability is >= 0.5;
-* ``mlc-surgical``: the same network trained on the loss it is stopped on (masked BCE, unweighted),
-  each head row averaged over only the sites that label its class (cxrfl's surgical aggregation), so a
-  UC's row is its UC site's alone;
+* ``mlc-surgical`` / ``mlc-surgical-ssl``: the same network trained on the loss it is stopped on (masked
+  BCE, unweighted), each head row averaged over only the sites that label its class (cxrfl's surgical
+  aggregation), so a UC's row is its UC site's alone; from scratch / from the stage-1 encoder (FedFew's
+  stage 2 with a head row per UC trained at its site: the fair baseline on FedFew's encoder);
 * ``mlc-pooled``: the upper bound: the same masked BCE on every site's images pooled in one place
   (not federated: it needs the images);
 * ``nn-ssl`` / ``nn-mlc-ssl``: the paper's hypothetical local nearest-neighbour classifier: each
@@ -107,9 +108,13 @@ def _mlc_tables(data: SeedData, split: str, batch_size: int = 0) -> dict[str, pd
     return tables
 
 
-def _pooled_val_loss(model: CXRNet, tables: dict[str, pd.DataFrame], settings: FedFewBenchSettings) -> float | None:
-    """The sites' validation BCE (unweighted) pooled over their known labels."""
+def _validation(
+    model: CXRNet, tables: dict[str, pd.DataFrame], settings: FedFewBenchSettings
+) -> tuple[float | None, float | None]:
+    """The sites' validation BCE (unweighted) pooled over their known labels, and the mean over the CC sites
+    of their mean CC AUROC (as FedFew's stage 2 records it: rank-based, so calibration does not move it)."""
     total = known = 0.0
+    cc_aurocs = []
     for t in tables.values():
         loader = make_loader(
             t,
@@ -123,7 +128,10 @@ def _pooled_val_loss(model: CXRNet, tables: dict[str, pd.DataFrame], settings: F
         n = float(ev.mask.sum())
         if n and np.isfinite(ev.loss):
             total, known = total + ev.loss * n, known + n
-    return total / known if known else None
+        cc = [ev.aurocs[c] for c in FEDFEW_CCS if ev.aurocs.get(c) is not None]
+        if cc:
+            cc_aurocs.append(float(np.mean(cc)))
+    return (total / known if known else None), (float(np.mean(cc_aurocs)) if cc_aurocs else None)
 
 
 MLC_MODES = ("fedavg", "surgical", "pooled")
@@ -195,7 +203,8 @@ def train_mlc(
         mode: one of :data:`MLC_MODES`.
 
     Returns:
-        the selected network and its training record (``rounds``, ``best_round``, ``val_loss`` per round).
+        the selected network and its training record (``rounds``, ``best_round``; per round ``val_loss`` and
+        ``val_cc_auroc``, the CC sites' mean validation AUROC, which tells what the selection gave up).
     """
     if mode not in MLC_MODES:
         raise ValueError(f"mode must be one of {list(MLC_MODES)}, got {mode!r}")
@@ -208,23 +217,24 @@ def train_mlc(
     if mode == "pooled":
         pooled = pd.concat(list(tables.values()), ignore_index=True)
         tables = {"pooled": pooled.iloc[: len(pooled) - (len(pooled) % settings.mlc_batch_size == 1)]}
-    stopper, curve = EarlyStopping(settings.mlc_patience), []
+    stopper, curve, aurocs = EarlyStopping(settings.mlc_patience), [], []
     name = "mlc" + ("" if mode == "fedavg" else f" ({mode})") + (" (ssl)" if ssl_state is not None else "")
     for rnd in range(1, settings.mlc_rounds + 1):
         state = _mlc_round(model, state, tables, settings, seed * 1000 + rnd, mode)
         model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
-        loss = _pooled_val_loss(model, val, settings)
+        loss, cc_auroc = _validation(model, val, settings)
         curve.append(loss)
+        aurocs.append(cc_auroc)
         if stopper.update(loss, rnd):
             best = state
         log(
-            f"  {name} round {rnd}/{settings.mlc_rounds}: validation loss {loss if loss is None else round(loss, 4)} "
-            f"(best round {stopper.best_step})"
+            f"  {name} round {rnd}/{settings.mlc_rounds}: validation loss {loss if loss is None else round(loss, 4)}, "
+            f"CC AUROC {cc_auroc if cc_auroc is None else round(cc_auroc, 4)} (best round {stopper.best_step})"
         )
         if stopper.should_stop:
             break
     model.load_state_dict({k: torch.as_tensor(v) for k, v in best.items()})
-    return model, {"rounds": len(curve), "best_round": stopper.best_step, "val_loss": curve}
+    return model, {"rounds": len(curve), "best_round": stopper.best_step, "val_loss": curve, "val_cc_auroc": aurocs}
 
 
 def linear_probe(ssl_state: dict[str, Any], data: SeedData, settings: FedFewBenchSettings) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The FedFew benchmark's plots: UC F1 and CC AUROC per method, stage 1's probe AUROC per round budget."""
+"""The FedFew benchmark's plots: UC F1 and CC AUROC per method, stage 1's probe AUROC per round budget,
+learning curves."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from cxrfl.bench.fedfew.settings import METHODS
+from cxrfl.bench.fedfew.report import selection_curve
+from cxrfl.bench.fedfew.settings import LABELS, METHODS
 from cxrfl.synth.fedfew_profile import FEDFEW_UCS
 
 
@@ -84,9 +86,48 @@ def _probe(probe: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _learning_curves(runs: dict[str, dict[str, Any]], path: Path) -> bool:
+    """Validation loss and CC validation AUROC per round of every trained method and seed, the kept round marked.
+
+    Returns:
+        whether any run had a curve (nothing is written otherwise).
+    """
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = 0
+    for m in METHODS:
+        curves = [c for c in (selection_curve(r) for r in (runs.get(m) or {}).values()) if c is not None]
+        for k, c in enumerate(curves):
+            colour = colours[drawn % len(colours)]
+            label = LABELS[m] if k == 0 else None
+            top.plot(c["curve_rounds"], c["val_loss"], color=colour, lw=0.9, label=label)
+            bottom.plot(c["curve_rounds"], c["val_auroc"], color=colour, lw=0.9)
+            if c["best_round"] in c["curve_rounds"]:
+                i = c["curve_rounds"].index(c["best_round"])
+                bottom.plot(c["best_round"], c["val_auroc"][i], "o", color=colour, ms=4)
+        drawn += bool(curves)
+    if not drawn:
+        plt.close(fig)
+        return False
+    top.set_ylabel("validation loss (the selection rule)")
+    bottom.set_ylabel("CC sites' mean validation AUROC")
+    bottom.set_xlabel("round (FedFew: stage-2 round, warm-up then energy)")
+    bottom.axhline(0.5, color="grey", lw=0.8, ls=":")
+    top.legend(fontsize=7, ncol=2)
+    top.set_title("FedFew benchmark: learning curves, one line per seed (dots: the kept round)")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     """``uc_f1.png`` (F1 of each UC and the mean, per method), ``cc_auroc.png`` (mean CC AUROC per
-    method) and ``ssl_probe.png`` (stage 1's probe AUROC per round budget).
+    method), ``ssl_probe.png`` (stage 1's probe AUROC per round budget) and ``learning_curves.png``
+    (validation loss and CC AUROC per round of the runs that recorded them).
 
     Args:
         result: the benchmark's results (with a summary).
@@ -109,4 +150,6 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     if probe:
         _probe(probe, out / "ssl_probe.png")
         names.append("ssl_probe.png")
+    if _learning_curves(result.get("runs") or {}, out / "learning_curves.png"):
+        names.append("learning_curves.png")
     return names

@@ -6,7 +6,7 @@ own workflow and site code) in ``WORK/seed<k>/fedfew``, probing stage 1's encode
 :attr:`~cxrfl.bench.fedfew.settings.FedFewBenchSettings.probe_rounds`; ``fedfew-balanced`` re-runs stage 3 on
 its stage-2 model with ``threshold_weighting: balanced``, ``fedfew-no-ebm`` stages 2-3 with
 lambda = 0 from its stage 1, and the energy variants stages 2-3 with lambda = 1 / ``uc_negatives: in``
-(all through ``resume_from``); ``nn-ssl`` and ``mlc-ssl`` start from
+(all through ``resume_from``); ``nn-ssl``, ``mlc-ssl`` and ``mlc-surgical-ssl`` start from
 its stage-1 encoder; ``nn-mlc-ssl`` uses the ``mlc-ssl`` network (kept as
 ``WORK/seed<k>/mlc-ssl.pt``). A method whose input is not on disk (a fresh work folder) makes it
 first, so any method can run alone, e.g. when an interrupted benchmark goes on. The folder is
@@ -41,6 +41,7 @@ RUN_ORDER = (
     "fedfew-scorer",
     "fedfew-prototype",
     "fedfew-no-ebm",
+    "mlc-surgical-ssl",
     "mlc",
     "mlc-surgical",
     "fedfew-balanced",
@@ -116,9 +117,10 @@ class SeedRun:
         elif method == "mlc":
             model, training = train_mlc(self.data, self.settings, self.seed, None, self.log)
             result = {**eval_mlc(model, self.data, self.settings), "training": training}
-        elif method in ("mlc-surgical", "mlc-pooled"):
-            mode = method.removeprefix("mlc-")
-            model, training = train_mlc(self.data, self.settings, self.seed, None, self.log, mode=mode)
+        elif method in ("mlc-surgical", "mlc-pooled", "mlc-surgical-ssl"):
+            mode = method.removeprefix("mlc-").removesuffix("-ssl")
+            ssl = self._ssl_state() if method.endswith("-ssl") else None
+            model, training = train_mlc(self.data, self.settings, self.seed, ssl, self.log, mode=mode)
             result = {**eval_mlc(model, self.data, self.settings), "training": training}
         elif method == "mlc-ssl":
             model, training = self._mlc_ssl()
@@ -218,7 +220,8 @@ class SeedRun:
 
 def stage2_summary(out: Path) -> dict[str, Any]:
     """Stage 2's rounds per phase from a run's records: how many ran, the best round and its CC validation
-    loss, and per round the sites' mean training-time energies (``energy``: ``in``, ``out``, ``uc_neg``, each
+    loss, per round the CC validation loss and the CC sites' mean validation AUROC (``curve``), and per round
+    the sites' mean training-time energies (``energy``: ``in``, ``out``, ``uc_neg``, each
     the mean over the sites that have such images) with ``uc_energy_gap``, UC positives minus UC negatives
     at the best round (does stage 2 open the gap the threshold needs, on the UC sites' own images?).
 
@@ -229,11 +232,19 @@ def stage2_summary(out: Path) -> dict[str, Any]:
     for r in read_records(out / RECORDS_DIR / "rounds.jsonl"):
         if r.get("stage") != 2 or r.get("status"):
             continue
-        p = phases.setdefault(r["phase"], {"rounds": 0, "best_round": None, "best_val_loss": None, "energy": []})
+        p = phases.setdefault(
+            r["phase"], {"rounds": 0, "best_round": None, "best_val_loss": None, "curve": [], "energy": []}
+        )
         p["rounds"] += 1
         loss = r.get("val_loss")
         if loss is not None and (p["best_val_loss"] is None or loss < p["best_val_loss"]):
             p["best_round"], p["best_val_loss"] = r["round"], loss
+        aurocs = [
+            v["cc_mean_auroc"] for v in (r.get("site_validation") or {}).values() if v.get("cc_mean_auroc") is not None
+        ]
+        p["curve"].append(
+            {"round": r["round"], "val_loss": loss, "val_cc_auroc": sum(aurocs) / len(aurocs) if aurocs else None}
+        )
         p["energy"].append({"round": r["round"], **_site_energies(r.get("site_metrics") or {})})
     for p in phases.values():
         best: dict[str, Any] = next((e for e in p["energy"] if e["round"] == p["best_round"]), {})

@@ -14,6 +14,7 @@ METHODS = (
     "mlc",
     "mlc-ssl",
     "mlc-surgical",
+    "mlc-surgical-ssl",
     "mlc-pooled",
     "nn-ssl",
     "nn-mlc-ssl",
@@ -30,6 +31,7 @@ LABELS = {
     "mlc": "MLC w/o FSSL",
     "mlc-ssl": "MLC w/ FSSL",
     "mlc-surgical": "MLC, masked BCE, rows stitched surgically*",
+    "mlc-surgical-ssl": "MLC w/ FSSL, masked BCE, rows stitched surgically*",
     "mlc-pooled": "MLC, masked BCE, pooled data (oracle, not federated)*",
     "nn-ssl": "NN (FSSL)",
     "nn-mlc-ssl": "NN (MLC w/ FSSL)",
@@ -50,7 +52,7 @@ DEVICES = ("cpu", "cuda")
 IDENTITY_EXCLUDES = ("methods", "jobs", "device")
 """Settings that change which runs happen, how many at once or where, not any run's numbers (``auto`` precision
 trains in bfloat16 on a GPU and on a CPU with native bfloat16; each run records its device)."""
-BASELINES = ("mlc", "mlc-ssl", "mlc-surgical")
+BASELINES = ("mlc", "mlc-ssl", "mlc-surgical", "mlc-surgical-ssl")
 """The baselines the targets compare FedFew with."""
 
 
