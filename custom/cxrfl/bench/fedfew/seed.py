@@ -28,6 +28,7 @@ import torch
 from cxrfl.bench.fedfew.data import SeedData
 from cxrfl.bench.fedfew.methods import MLC_CLASSES, eval_fedfew, eval_mlc, eval_nn, linear_probe, mean_uc_f1, train_mlc
 from cxrfl.bench.fedfew.settings import FedFewBenchSettings, identity
+from cxrfl.bench.intervals import finite_mean
 from cxrfl.common.io import read_records, to_numpy
 from cxrfl.common.server import RECORDS_DIR
 from cxrfl.fedfew.config import FedFewConfig
@@ -239,12 +240,8 @@ def stage2_summary(out: Path) -> dict[str, Any]:
         loss = r.get("val_loss")
         if loss is not None and (p["best_val_loss"] is None or loss < p["best_val_loss"]):
             p["best_round"], p["best_val_loss"] = r["round"], loss
-        aurocs = [
-            v["cc_mean_auroc"] for v in (r.get("site_validation") or {}).values() if v.get("cc_mean_auroc") is not None
-        ]
-        p["curve"].append(
-            {"round": r["round"], "val_loss": loss, "val_cc_auroc": sum(aurocs) / len(aurocs) if aurocs else None}
-        )
+        aurocs = [v.get("cc_mean_auroc") for v in (r.get("site_validation") or {}).values()]
+        p["curve"].append({"round": r["round"], "val_loss": loss, "val_cc_auroc": finite_mean(aurocs)})
         p["energy"].append({"round": r["round"], **_site_energies(r.get("site_metrics") or {})})
     for p in phases.values():
         best: dict[str, Any] = next((e for e in p["energy"] if e["round"] == p["best_round"]), {})
