@@ -27,7 +27,7 @@ from cxrfl.bench.fedfew.targets import (
 )
 from cxrfl.bench.paired import format_stats
 from cxrfl.bench.protocol import code_label, load_text
-from cxrfl.bench.selection_cost import COST_LIMIT, over_limit, run_cost
+from cxrfl.bench.selection_cost import COST_LIMIT, marked, over_limit, run_cost
 from cxrfl.synth.fedfew_profile import FEDFEW_UCS
 
 UC_METRICS = ("auroc", "balanced_accuracy", "mcc", "f1", "f1_flag_all", "f1@prevalence", "precision", "recall")
@@ -380,10 +380,9 @@ def _selection(table: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _cost_mark(methods: dict[str, Any], method: str) -> str:
-    """`` (NOT A RESULT: ...)`` when a method's selection gave up more than the limit, else nothing."""
-    cost = (methods.get(method, {}).get("selection_cost") or {}).get("mean")
-    return f" (NOT A RESULT: {method}'s selection gave up {cost:.3f})" if over_limit(cost) else ""
+def _mean_selection_cost(methods: dict[str, Any], method: str) -> float | None:
+    """A method's mean selection cost over seeds (None: not recorded)."""
+    return (methods.get(method, {}).get("selection_cost") or {}).get("mean")
 
 
 def _verdict(v: dict[str, Any]) -> str:
@@ -437,7 +436,8 @@ def _targets(t: dict[str, Any], methods: dict[str, Any]) -> list[str]:
     if others:
         lines += ["", "Balanced accuracy of the candidate against the baselines (same Holm family):", ""]
         lines += [
-            f"- {k}: {format_stats(c)}; Holm-adjusted p = {_p(c['p_holm'])}{_cost_mark(methods, k.split(' vs ')[-1])}."
+            f"- {marked(k, _mean_selection_cost(methods, k.split(' vs ')[-1]))}: {format_stats(c)}; "
+            f"Holm-adjusted p = {_p(c['p_holm'])}."
             for k, c in others.items()
         ]
     return lines
