@@ -41,20 +41,22 @@ RUN_ORDER = (
     "fedfew",
     "fedfew-scorer",
     "fedfew-prototype",
+    "fedfew-balanced",
     "fedfew-no-ebm",
     "mlc-surgical-ssl",
-    "mlc",
-    "mlc-surgical",
-    "fedfew-balanced",
-    "mlc-pooled",
-    "nn-ssl",
     "mlc-ssl",
+    "nn-ssl",
     "nn-mlc-ssl",
     "fedfew-lambda1",
     "fedfew-neg-in",
+    "mlc",
+    "mlc-surgical",
+    "mlc-pooled",
 )
-"""The order a seed's methods run in: each after what it reuses, the candidate and its closest references first
-(a run stopped early has what the targets compare)."""
+"""The order a seed's methods run in: each after what it reuses, the candidate and its closest references first,
+then every method that reuses ``fedfew``'s stage files, then those that need none. A run stopped early has what
+the targets compare, and one resumed on a machine without the stage files (``--work``) does not have to train
+stage 1 again for a method that reuses it."""
 VARIANTS = {
     "fedfew-balanced": ((1, 2), {"threshold_weighting": "balanced"}),
     "fedfew-scorer": ((1, 2), {"detector": "scorer"}),
