@@ -88,6 +88,30 @@ def test_an_unknown_mode_is_refused():
         methods.train_mlc(None, FedFewBenchSettings(arch="densenet-tiny"), 0, None, print, mode="median")  # type: ignore[arg-type]
 
 
+def _stopping(monkeypatch, warmup_rounds: int, losses: list[float]) -> dict:
+    """``train_mlc``'s record when round k's pooled validation loss is ``losses[k - 1]`` (patience 2, 12 rounds)."""
+    values = iter(losses)
+    monkeypatch.setattr(methods, "_mlc_tables", lambda data, split, batch_size=0: {})
+    monkeypatch.setattr(methods, "_mlc_round", lambda model, state, *args: state)
+    monkeypatch.setattr(methods, "_validation", lambda model, val, settings: (next(values), 0.5))
+    base = FedFewBenchSettings(arch="densenet-tiny")
+    settings = FedFewBenchSettings(
+        arch="densenet-tiny", mlc_rounds=12, mlc_patience=2, fedfew={**base.fedfew, "warmup_rounds": warmup_rounds}
+    )
+    return methods.train_mlc(None, settings, 0, None, print)[1]  # type: ignore[arg-type]
+
+
+def test_the_patience_ends_a_baseline_no_earlier_than_fedfews_warm_up_budget(monkeypatch):
+    noisy = [0.2, 0.5, 0.6, 0.4, 0.3, 0.19, 0.7, 0.8, 0.9, 0.1, 0.1, 0.1]  # round 1 is lowest until round 6
+    early = _stopping(monkeypatch, 0, noisy)  # no minimum: round 3 ends it with round 1 kept
+    assert (early["rounds"], early["best_round"]) == (3, 1)
+    late = _stopping(monkeypatch, 6, noisy)  # not before round 6: it finds round 6 and stops 2 rounds later
+    assert (late["rounds"], late["best_round"]) == (8, 6)
+    assert late["val_loss"] == noisy[:8]
+    capped = _stopping(monkeypatch, 40, noisy)  # a warm-up beyond the budget: every round, the lowest kept
+    assert (capped["rounds"], capped["best_round"]) == (12, 10)
+
+
 @torch.no_grad()
 def _logits(model, table, settings) -> np.ndarray:
     """The model's logits on a table's images at the precision the benchmark evaluates in (its device's auto)."""

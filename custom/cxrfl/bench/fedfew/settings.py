@@ -97,7 +97,8 @@ class FedFewBenchSettings(Config):
         probe_every: stage-1 rounds between two linear probes of the encoder (round 0 and the
             last round always).
         mlc_rounds: most federated rounds of the MLC baselines.
-        mlc_patience: their early stopping (rounds without a lower pooled validation loss).
+        mlc_patience: their early stopping (rounds without a lower pooled validation loss), which ends a
+            baseline no earlier than FedFew's warm-up budget (:func:`cxrfl.bench.fedfew.methods.mlc_min_rounds`).
         mlc_local_epochs: their local epochs per round.
         mlc_lr: their Adam learning rate.
         mlc_batch_size: their minibatch size.
