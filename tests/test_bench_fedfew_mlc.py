@@ -93,7 +93,7 @@ def _stopping(monkeypatch, warmup_rounds: int, losses: list[float]) -> dict:
     values = iter(losses)
     monkeypatch.setattr(methods, "_mlc_tables", lambda data, split, batch_size=0: {})
     monkeypatch.setattr(methods, "_mlc_round", lambda model, state, *args: state)
-    monkeypatch.setattr(methods, "_validation", lambda model, val, settings: (next(values), 0.5))
+    monkeypatch.setattr(methods, "_validation", lambda model, val, settings, weights=None: (next(values), 0.5))
     base = FedFewBenchSettings(arch="densenet-tiny")
     settings = FedFewBenchSettings(
         arch="densenet-tiny", mlc_rounds=12, mlc_patience=2, fedfew={**base.fedfew, "warmup_rounds": warmup_rounds}
@@ -150,6 +150,35 @@ def test_validation_pools_the_loss_and_averages_the_cc_sites_cc_auroc(sites):
         ).numpy()
         total, known = total + bce[known_mask].sum(), known + known_mask.sum()
     assert loss == pytest.approx(total / known, rel=1e-4)
+
+
+def test_a_weighted_baseline_is_validated_on_its_sites_training_weights(sites):
+    """``mlc`` trains on CheXNet's weighted BCE, so it stops on that loss: each site's own weights."""
+    settings = FedFewBenchSettings(arch="densenet-tiny", image_size=32, data_image_size=32, mlc_batch_size=4)
+    torch.manual_seed(0)
+    model = build_model(settings.model_config(), len(MLC_CLASSES))
+    cc_site = sites["cc-site"].copy()
+    cc_site.loc[:2, "Atelectasis"] = 1.0  # 5 of 8 positive: weights other than 1/2 and 1
+    tables = {"cc-site": cc_site, "uc-site": sites["uc-site"]}
+    weights = {s: methods._chexnet_weights(t, MLC_CLASSES) for s, t in tables.items()}
+    loss, _ = methods._validation(model, tables, settings, weights)
+    unweighted, _ = methods._validation(model, tables, settings)
+
+    total = known = 0.0  # by hand: w- x (w+/w- x y log p + (1 - y) log(1 - p)) over the known labels
+    for t in tables.values():
+        y = t[MLC_CLASSES].to_numpy(float)
+        known_mask = ~np.isnan(y)
+        pos = (np.nan_to_num(y) == 1).sum(0)
+        neg = (np.nan_to_num(y, nan=1) == 0).sum(0)
+        defined = (pos > 0) & (neg > 0)
+        cw = np.where(defined, pos / np.maximum(pos + neg, 1), 1.0)
+        pw = np.where(defined, neg / np.maximum(pos, 1), 1.0)
+        p = 1 / (1 + np.exp(-_logits(model, t, settings).astype(float)))
+        yy = np.nan_to_num(y)
+        bce = -cw * (pw * yy * np.log(p) + (1 - yy) * np.log(1 - p))
+        total, known = total + bce[known_mask].sum(), known + known_mask.sum()
+    assert loss == pytest.approx(total / known, rel=1e-3)
+    assert abs(loss - unweighted) > 1e-3
 
 
 def test_without_a_cc_site_there_is_no_cc_auroc(sites):

@@ -6,7 +6,7 @@ recall, F1; mean CC AUROC; for FedFew the diagnostics of each stage-3 step).
   (:func:`eval_fedfew`);
 * ``mlc`` / ``mlc-ssl``: the plain federated multi-label baseline: a head over all 14 classes,
   FedAvg weighted by labelled images, CheXNet's weighted BCE on the labels a site has, from
-  scratch / from the stage-1 encoder, until the pooled validation loss stops improving; a UC is
+  scratch / from the stage-1 encoder, until the pooled validation loss (the same weighted BCE) stops improving; a UC is
   positive when its probability is >= 0.5;
 * ``mlc-surgical`` / ``mlc-surgical-ssl``: the same network trained on the loss it is stopped on (masked
   BCE, unweighted), each head row averaged over only the sites that label its class (cxrfl's surgical
@@ -42,6 +42,7 @@ from cxrfl.fedfew.model import FedFewModel
 from cxrfl.fedfew.prototypes import cosine_distance
 from cxrfl.fedfew.ssl import load_encoder
 from cxrfl.nn.detection import detection_metrics
+from cxrfl.nn.losses import masked_bce
 from cxrfl.nn.metrics import per_class_auroc
 from cxrfl.nn.models import HEAD_PREFIX, CXRNet, build_model
 from cxrfl.nn.training import adam, evaluate, train_epochs
@@ -109,13 +110,24 @@ def _mlc_tables(data: SeedData, split: str, batch_size: int = 0) -> dict[str, pd
 
 
 def _validation(
-    model: CXRNet, tables: dict[str, pd.DataFrame], settings: FedFewBenchSettings
+    model: CXRNet,
+    tables: dict[str, pd.DataFrame],
+    settings: FedFewBenchSettings,
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[float | None, float | None]:
-    """The sites' validation BCE (unweighted) pooled over their known labels, and the mean over the CC sites
-    of their mean CC AUROC (as FedFew's stage 2 records it: rank-based, so calibration does not move it)."""
+    """The sites' validation BCE pooled over their known labels, and the mean over the CC sites of their mean
+    CC AUROC (as FedFew's stage 2 records it: rank-based, so calibration does not move it).
+
+    Args:
+        model: the network.
+        tables: each site's validation rows.
+        settings: image and batch sizes, device.
+        weights: per site, the ``(class_weight, pos_weight)`` it trains with (:func:`_chexnet_weights`), so
+            that a baseline stops on the loss it trains on; None: unweighted.
+    """
     total = known = 0.0
     cc_aurocs = []
-    for t in tables.values():
+    for site, t in tables.items():
         loader = make_loader(
             t,
             MLC_CLASSES,
@@ -126,8 +138,14 @@ def _validation(
         )
         ev = evaluate(model, loader, MLC_CLASSES, torch.device(settings.device))
         n = float(ev.mask.sum())
-        if n and np.isfinite(ev.loss):
-            total, known = total + ev.loss * n, known + n
+        loss = ev.loss
+        if weights is not None and site in weights and n:
+            logits = torch.logit(torch.as_tensor(ev.scores, dtype=torch.float64), eps=1e-7)
+            cw, pw = (w.to(torch.float64) for w in weights[site])
+            y, m = torch.as_tensor(ev.y_true, dtype=torch.float64), torch.as_tensor(ev.mask)
+            loss = float(masked_bce(logits, y, m, pos_weight=pw, class_weight=cw, reduction="sum")) / n
+        if n and np.isfinite(loss):
+            total, known = total + loss * n, known + n
         cc = [ev.aurocs[c] for c in FEDFEW_CCS if ev.aurocs.get(c) is not None]
         if cc:
             cc_aurocs.append(float(np.mean(cc)))
@@ -190,10 +208,10 @@ def train_mlc(
     log: Callable[[str], None],
     mode: str = "fedavg",
 ) -> tuple[CXRNet, dict[str, Any]]:
-    """An MLC baseline (:data:`MLC_MODES`), until the pooled validation loss (unweighted masked BCE) stops
-    improving (:class:`cxrfl.common.selection.EarlyStopping`, ``mlc_patience``; at most ``mlc_rounds``); the
-    round of lowest loss is kept. The patience ends a baseline no earlier than FedFew's warm-up budget
-    (:func:`mlc_min_rounds`).
+    """An MLC baseline (:data:`MLC_MODES`), until the pooled validation loss stops improving
+    (:class:`cxrfl.common.selection.EarlyStopping`, ``mlc_patience``; at most ``mlc_rounds``); the round of lowest
+    loss is kept. The loss is the masked BCE it trains on (CheXNet-weighted in ``fedavg`` mode, unweighted
+    otherwise); the patience ends it no earlier than FedFew's warm-up budget (:func:`mlc_min_rounds`).
 
     Args:
         data: the seed's sites.
@@ -218,12 +236,14 @@ def train_mlc(
     if mode == "pooled":
         pooled = pd.concat(list(tables.values()), ignore_index=True)
         tables = {"pooled": pooled.iloc[: len(pooled) - (len(pooled) % settings.mlc_batch_size == 1)]}
+    # a site stops on the loss it trains on: CheXNet-weighted in fedavg mode (its training labels' weights)
+    weights = {s: _chexnet_weights(t, MLC_CLASSES) for s, t in tables.items()} if mode == "fedavg" else None
     stopper, curve, aurocs = EarlyStopping(settings.mlc_patience), [], []
     name = "mlc" + ("" if mode == "fedavg" else f" ({mode})") + (" (ssl)" if ssl_state is not None else "")
     for rnd in range(1, settings.mlc_rounds + 1):
         state = _mlc_round(model, state, tables, settings, seed * 1000 + rnd, mode)
         model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
-        loss, cc_auroc = _validation(model, val, settings)
+        loss, cc_auroc = _validation(model, val, settings, weights)
         curve.append(loss)
         aurocs.append(cc_auroc)
         if stopper.update(loss, rnd):

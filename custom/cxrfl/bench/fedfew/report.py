@@ -202,9 +202,9 @@ def _header(result: dict[str, Any], commit: str) -> list[str]:
         "examples. MLC: at most "
         f"{s['mlc_rounds']} rounds x {s.get('mlc_local_epochs', 1)} local epoch(s), stopped after "
         f"{s.get('mlc_patience', '-')} "
-        f"round(s) without a lower validation loss (unweighted masked BCE) but not before round "
-        f"{min(ff['warmup_rounds'], s['mlc_rounds'])} (FedFew's warm-up budget), trained on CheXNet's weighted BCE "
-        f"(the surgical and pooled ones on the masked BCE they stop on), batch {s['mlc_batch_size']}.",
+        f"round(s) without a lower validation loss, the loss each trains on (CheXNet's weighted BCE; the "
+        "surgical and pooled ones masked BCE), but not before round "
+        f"{min(ff['warmup_rounds'], s['mlc_rounds'])} (FedFew's warm-up budget), batch {s['mlc_batch_size']}.",
     ]
 
 
