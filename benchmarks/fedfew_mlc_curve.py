@@ -23,7 +23,14 @@ import numpy as np
 import torch
 from cxrfl.bench.fedfew import FedFewBenchSettings
 from cxrfl.bench.fedfew.data import prepare_data
-from cxrfl.bench.fedfew.methods import MLC_CLASSES, _chexnet_weights, _mlc_round, _mlc_tables, eval_mlc
+from cxrfl.bench.fedfew.methods import (
+    MLC_CLASSES,
+    _chexnet_weights,
+    _mlc_round,
+    _mlc_tables,
+    eval_mlc,
+    weighted_bce,
+)
 from cxrfl.common.io import to_numpy
 from cxrfl.data.dataset import make_loader
 from cxrfl.nn.models import build_model
@@ -37,14 +44,11 @@ def site_validation(model: Any, tables: dict, weights: dict, settings: FedFewBen
     for s, t in tables.items():
         loader = make_loader(t, MLC_CLASSES, image_size=settings.image_size, train=False, batch_size=128)
         ev = evaluate(model, loader, MLC_CLASSES, torch.device(settings.device))
-        p = np.clip(ev.scores, 1e-7, 1 - 1e-7)
-        cw, pw = (w.numpy() for w in weights[s])
-        weighted = -(cw * (pw * ev.y_true * np.log(p) + (1 - ev.y_true) * np.log(1 - p))) * ev.mask
         cc = [ev.aurocs[c] for c in FEDFEW_CCS if ev.aurocs.get(c) is not None]
         out[s] = {
             "n": float(ev.mask.sum()),
             "loss": float(ev.loss),
-            "wloss": float(weighted.sum() / ev.mask.sum()),
+            "wloss": weighted_bce(ev, weights[s]),
             "cc_auroc": float(np.mean(cc)) if cc else None,
         }
     return out
