@@ -59,7 +59,11 @@ def test_bench_fedfew_options_reach_the_benchmark(tmp_path, fedfew_calls):
     s = call["settings"]
     assert call["out"] == tmp_path and call["seeds"] == 2 and call["resume"] is False
     assert s.methods == ("mlc", "fedfew") and s.fedfew["rounds"] == 3 and s.jobs == 1 and s.n_cc == QUICK.n_cc
-    assert s.arch == "densenet-tiny" and QUICK.arch == "densenet121"
+    assert s.arch == "densenet-tiny" and QUICK.arch == "densenet121" and call["only"] is None
+    run(["bench", "fedfew", "--seeds", "8", "--only-seeds", "2, 3", "--out", str(tmp_path)])
+    assert fedfew_calls[-1]["seeds"] == 8 and fedfew_calls[-1]["only"] == [2, 3]
+    with pytest.raises(ConfigError, match="--only-seeds takes comma-separated whole numbers"):
+        run(["bench", "fedfew", "--only-seeds", "2-3", "--out", str(tmp_path)])
     with pytest.raises(ConfigError, match="arch must be one of"):
         run(["bench", "fedfew", "--arch", "resnet50", "--out", str(tmp_path)])
     with pytest.raises(ConfigError, match=r"unknown method\(s\) \['mlcc'\]"):

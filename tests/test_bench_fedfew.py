@@ -271,6 +271,29 @@ def test_a_variant_added_to_a_finished_benchmark_runs_alone_and_joins_its_report
     assert "jobs" not in json.loads(marker.read_text()) and "methods" not in json.loads(marker.read_text())
 
 
+def test_methods_without_fedfew_run_alone_on_a_fresh_store(tmp_path, fake_methods):
+    out = tmp_path / "out"
+    only = FedFewBenchSettings(methods=("mlc",), jobs=1)  # a baseline that needs none of fedfew's stage files
+    result = bench_run.run_fedfew_benchmark(out, 2, settings=only, data_root=tmp_path / "data", log=lambda m: None)
+    assert fake_methods.calls == [("mlc", 0), ("mlc", 1)]
+    assert set(result["runs"]) == {"mlc"} and result["complete"]
+    assert result["summary"]["methods"]["mlc"]["mean_uc_f1"]["mean"] == pytest.approx(0.225)
+    assert "| MLC w/o FSSL |" in (out / "report.md").read_text()
+
+
+def test_only_seeds_run_now_and_the_results_keep_every_finished_seed(tmp_path, fake_methods):
+    out, data = tmp_path / "out", tmp_path / "data"
+    first = bench_run.run_fedfew_benchmark(out, 2, settings=SETTINGS, data_root=data, log=lambda m: None, only=[1])
+    assert sorted(fake_methods.calls) == [("fedfew", 1), ("fedfew-scorer", 1), ("mlc", 1)]
+    assert first["seeds_done"] == [1] and not first["complete"]
+    fake_methods.calls = []
+    done = bench_run.run_fedfew_benchmark(out, 2, settings=SETTINGS, data_root=data, log=lambda m: None)
+    assert {seed for _, seed in fake_methods.calls} == {0}  # seed 1's runs are kept, not run again
+    assert done["seeds_done"] == [0, 1] and done["complete"] and set(done["runs"]["mlc"]) == {"0", "1"}
+    with pytest.raises(ConfigError, match=r"--only-seeds \[2\] not among the seeds \[0, 1\]"):
+        bench_run.run_fedfew_benchmark(out, 2, settings=SETTINGS, data_root=data, log=lambda m: None, only=[2])
+
+
 def test_the_work_folder_is_kept_for_other_methods_and_emptied_for_other_settings(tmp_path):
     def kept(settings):
         SeedRun(settings, 0, None, tmp_path, lambda m: None)

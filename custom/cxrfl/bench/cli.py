@@ -14,6 +14,8 @@ import dataclasses
 import time
 from pathlib import Path
 
+from cxrfl.errors import ConfigError
+
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
@@ -87,8 +89,26 @@ def _cmd_fedfew(args: argparse.Namespace) -> int:
         work=args.work,
         log=_say,
         resume=not args.no_resume,
+        only=_seed_list(args.only_seeds),
     )
     return 0
+
+
+def _seed_list(text: str | None) -> list[int] | None:
+    """``--only-seeds``: comma-separated seeds (None: not given).
+
+    Args:
+        text: the option's value.
+
+    Raises:
+        ConfigError: an item is not a whole number.
+    """
+    if text is None:
+        return None
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--only-seeds takes comma-separated whole numbers, e.g. 2,3; got {text!r}") from None
 
 
 def _cmd_speed(args: argparse.Namespace) -> int:
@@ -212,7 +232,12 @@ def _add_fedfew(bsub: argparse._SubParsersAction) -> None:
     f.add_argument(
         "--out", default="benchmarks/results/fedfew", help="output folder (default benchmarks/results/fedfew)"
     )
-    f.add_argument("--seeds", type=int, default=3)
+    f.add_argument("--seeds", type=int, default=3, help="seeds 0 ... SEEDS-1 (default 3)")
+    f.add_argument(
+        "--only-seeds",
+        default=None,
+        help="comma-separated seeds of those to run now (default all); the report keeps every finished seed",
+    )
     f.add_argument("--data-root", default=None, help="where the synthetic sites are written (reused when there)")
     f.add_argument("--work", default=None, help="where the runs' stage files and models go (default DATA_ROOT/runs)")
     f.add_argument("--image-size", type=int, default=None)
@@ -228,8 +253,8 @@ def _add_fedfew(bsub: argparse._SubParsersAction) -> None:
         default=None,
         help="comma-separated subset of mlc,mlc-ssl,mlc-surgical,mlc-surgical-ssl,mlc-pooled,nn-ssl,nn-mlc-ssl,"
         "fedfew-no-ebm,"
-        "fedfew,fedfew-balanced,fedfew-lambda1,fedfew-neg-in,fedfew-scorer,fedfew-prototype (fedfew always runs; "
-        "added to a finished benchmark, only the new ones run)",
+        "fedfew,fedfew-balanced,fedfew-lambda1,fedfew-neg-in,fedfew-scorer,fedfew-prototype (only these run; "
+        "a finished (method, seed) in OUT is not run again, so methods can be added to a finished benchmark)",
     )
     f.add_argument(
         "--device",

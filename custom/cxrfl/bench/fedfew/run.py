@@ -193,6 +193,7 @@ def run_fedfew_benchmark(
     log: Callable[[str], None] = logger.info,
     resume: bool = True,
     command: str | None = None,
+    only: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Run the FedFew benchmark; write ``OUT/results.json``, ``OUT/report.md`` and the plots (and return the results).
 
@@ -206,9 +207,16 @@ def run_fedfew_benchmark(
         log: progress lines.
         resume: go on with the finished (method, seed) runs in ``OUT`` (same settings only).
         command: the command line, for the report.
+        only: run only these of ``seeds`` now (default: all); the results still cover every seed's finished
+            runs, and say ``complete`` only when no (method, seed) is missing.
+
+    Raises:
+        ConfigError: ``only`` names a seed that is not among ``seeds``.
     """
     settings = settings or FedFewBenchSettings()
     seeds = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
+    if only is not None and set(only) - set(seeds):
+        raise ConfigError(f"--only-seeds {sorted(set(only) - set(seeds))} not among the seeds {seeds}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data_root = Path(
@@ -231,6 +239,8 @@ def run_fedfew_benchmark(
     finished = store.runs(seeds, methods)
     todo = {s: [m for m in methods if str(s) not in finished.get(m, {})] for s in seeds}
     todo = {s: ms for s, ms in todo.items() if ms}
+    left = {s: ms for s, ms in todo.items() if only is not None and s not in only}  # not run now
+    todo = {s: ms for s, ms in todo.items() if s not in left}
     if finished:
         log(f"resuming: {sum(len(v) for v in finished.values())} finished (method, seed) run(s) in {store.root}")
     start = time.perf_counter()
@@ -258,6 +268,6 @@ def run_fedfew_benchmark(
     else:
         for seed, ms in todo.items():
             run_seed(settings, seed, ms, data_root, work, out, log, done=write)
-    result = write(complete=True)
+    result = write(complete=not left)
     log(f"wrote {out / RESULTS}, {out / REPORT} and {len(result.get('plots', []))} plot(s)")
     return result

@@ -9,7 +9,8 @@ lambda = 0 from its stage 1, and the energy variants stages 2-3 with lambda = 1 
 (all through ``resume_from``); ``nn-ssl``, ``mlc-ssl`` and ``mlc-surgical-ssl`` start from
 its stage-1 encoder; ``nn-mlc-ssl`` uses the ``mlc-ssl`` network (kept as
 ``WORK/seed<k>/mlc-ssl.pt``). A method whose input is not on disk (a fresh work folder) makes it
-first, so any method can run alone, e.g. when an interrupted benchmark goes on. The folder is
+first, so any method can run alone, e.g. when an interrupted benchmark goes on: only the stages it needs
+(stage 1 for the ``-ssl`` methods and the stage-2 variants), going on from those already there. The folder is
 emptied when it holds files of other settings (``WORK/seed<k>/settings.json``; the methods to run
 and the number of parallel seeds do not count).
 """
@@ -30,7 +31,7 @@ from cxrfl.bench.fedfew.methods import MLC_CLASSES, eval_fedfew, eval_mlc, eval_
 from cxrfl.bench.fedfew.settings import FedFewBenchSettings, identity
 from cxrfl.bench.intervals import finite_mean
 from cxrfl.common.io import read_records, to_numpy
-from cxrfl.common.server import RECORDS_DIR
+from cxrfl.common.server import RECORDS_DIR, RunAborted
 from cxrfl.fedfew.config import FedFewConfig
 from cxrfl.fedfew.inprocess import run_fedfew
 from cxrfl.fedfew.ssl import load_encoder
@@ -66,6 +67,8 @@ VARIANTS = {
     "fedfew-neg-in": ((1,), {"uc_negatives": "in"}),
 }
 """A FedFew variant: the stages it reuses from ``fedfew`` and the settings it changes."""
+RUN_ID = "run"
+"""The run id of ``fedfew``'s stage files (their resume folder), which a later call resumes from."""
 
 
 class SeedRun:
@@ -136,11 +139,32 @@ class SeedRun:
         return mean_uc_f1(result)
 
     # ------------------------------------------------------------------ FedFew
-    def _stages(self) -> Path:
-        """``fedfew``'s stage files (run when they are not there)."""
-        stages = self.folder / "fedfew" / STAGE_DIR
-        if not all((stages / STAGE_FILES[k]).is_file() for k in (1, 2)):
-            self._fedfew(evaluate=False)
+    def _stages(self, last: int = 2) -> Path:
+        """``fedfew``'s stage files up to stage ``last``, run when they are not there: from the stages already
+        there (through ``resume_from``), stopping once stage ``last``'s file is written (a method that needs
+        only stage 1's encoder does not pay for stage 2 on a machine without the stage files).
+
+        Args:
+            last: the last stage needed (1 or 2).
+        """
+        out = self.folder / "fedfew"
+        stages = out / STAGE_DIR
+        if all((stages / STAGE_FILES[k]).is_file() for k in range(1, last + 1)):
+            return stages
+        try:
+            run_fedfew(
+                self.data.train,
+                self.config,
+                out,
+                model_config=self.model_config,
+                device=torch.device(self.settings.device),
+                resume_from=RUN_ID if (stages / STAGE_FILES[1]).is_file() else None,
+                info=lambda m: self.log("  " + m),
+                warning=lambda m: self.log("  WARNING " + m),
+                aborted=lambda: (stages / STAGE_FILES[last]).is_file(),
+            )
+        except RunAborted:  # stage ``last`` is written: the next stage stops at its first message
+            pass
         return stages
 
     def _fedfew(self, evaluate: bool = True) -> dict[str, Any]:
@@ -159,6 +183,7 @@ class SeedRun:
             self.data.train,
             self.config,
             out,
+            run_id=RUN_ID,
             model_config=self.model_config,
             device=torch.device(self.settings.device),
             info=lambda m: self.log("  " + m),
@@ -180,7 +205,7 @@ class SeedRun:
 
     def _variant(self, method: str) -> dict[str, Any]:
         reused, changes = VARIANTS[method]
-        stages = self._stages()
+        stages = self._stages(max(reused))
         out = self.folder / method
         shutil.rmtree(out, ignore_errors=True)
         source = out / "reused"
@@ -203,7 +228,7 @@ class SeedRun:
         return result
 
     def _ssl_state(self) -> dict[str, Any]:
-        obj = torch.load(self._stages() / STAGE_FILES[1], map_location="cpu", weights_only=True)
+        obj = torch.load(self._stages(1) / STAGE_FILES[1], map_location="cpu", weights_only=True)
         return to_numpy(obj["ssl_state"])
 
     # --------------------------------------------------------------------- MLC
