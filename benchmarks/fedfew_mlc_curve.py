@@ -1,10 +1,13 @@
 """The whole learning curve of one FedFew-benchmark MLC baseline, without early stopping (issue 42's diagnostic).
 
-Trains ``mlc`` (``fedavg``) or ``mlc-surgical`` (``surgical``) from scratch on one seed's data for ``--rounds``
-rounds and writes, per round: the pooled validation loss the benchmark stops on, the CC sites' and the UC sites'
-parts of it, the CheXNet-weighted validation loss, the CC sites' mean validation AUROC, and the test CC AUROC and
-each UC's test AUROC. It showed why a patience of 5 rounds ended the baselines at round 1-2
-(``cxrfl.bench.fedfew.methods.mlc_min_rounds``; ``docs/fedfew.md``).
+Trains ``mlc`` (``fedavg``) or ``mlc-surgical`` (``surgical``) on one seed's data for ``--rounds`` rounds, from
+scratch or (``--ssl-state``) from a stage-1 file's SimSiam encoder as ``mlc-ssl`` starts, at every site or
+(``--sites cc``) at the CC sites only, as FedFew's stage-2 warm-up trains; it writes, per round: the pooled
+validation loss the benchmark stops on, the CC sites' and the UC sites' parts of it, the CheXNet-weighted validation
+loss, the CC sites' mean validation AUROC, and the test CC AUROC and each UC's test AUROC. It showed why a
+patience of 5 rounds ended the baselines at round 1-2 (``cxrfl.bench.fedfew.methods.mlc_min_rounds``;
+``docs/fedfew.md``), and why the baselines started from stage 1's encoder learn the CCs slowly
+(``benchmarks/results/fedfew42/diagnostics/README.md``).
 
 Usage: ``python benchmarks/fedfew_mlc_curve.py --seed 0 --mode surgical --out curve.json`` (the seed's data is
 written under ``--data-root`` as ``cxrfl bench fedfew`` writes it, or reused).
@@ -33,6 +36,7 @@ from cxrfl.bench.fedfew.methods import (
 )
 from cxrfl.common.io import to_numpy
 from cxrfl.data.dataset import make_loader
+from cxrfl.fedfew.ssl import load_encoder
 from cxrfl.nn.models import build_model
 from cxrfl.nn.training import evaluate
 from cxrfl.synth.fedfew_profile import FEDFEW_CCS
@@ -65,6 +69,8 @@ def main() -> None:
     p.add_argument("--mode", choices=("fedavg", "surgical"), default="surgical")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--data-root", default="/work/cache/fedfew-bench")
+    p.add_argument("--ssl-state", default=None, help="a stage-1 file whose encoder starts the network")
+    p.add_argument("--sites", choices=("all", "cc"), default="all", help="the sites that train (cc: the CC sites)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -72,9 +78,13 @@ def main() -> None:
     data = prepare_data(settings, Path(args.data_root) / f"seed{args.seed}", args.seed)
     torch.manual_seed(args.seed + 2)  # as train_mlc seeds its network
     model = build_model(settings.model_config(), len(MLC_CLASSES))
+    if args.ssl_state:
+        load_encoder(model, torch.load(args.ssl_state, map_location="cpu", weights_only=True)["ssl_state"])
     state = to_numpy(model.state_dict())
     tables, val = _mlc_tables(data, "train", settings.mlc_batch_size), _mlc_tables(data, "val")
     weights = {s: _chexnet_weights(tables[s], MLC_CLASSES) for s in val}
+    if args.sites == "cc":
+        tables = {s: t for s, t in tables.items() if s.startswith("cc")}
     rows = []
     for rnd in range(1, args.rounds + 1):
         start = time.perf_counter()
@@ -96,7 +106,8 @@ def main() -> None:
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
-        Path(args.out).write_text(json.dumps({"seed": args.seed, "mode": args.mode, "rows": rows}, indent=1))
+        run = {"seed": args.seed, "mode": args.mode, "ssl_state": args.ssl_state, "sites": args.sites}
+        Path(args.out).write_text(json.dumps({**run, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def _seed_list(text: str | None) -> list[int] | None:
     if text is None:
         return None
     try:
-        return [int(s) for s in text.split(",") if s.strip()]
+        return [int(s) for s in _methods(text) or []]
     except ValueError:
         raise ConfigError(f"--only-seeds takes comma-separated whole numbers, e.g. 2,3; got {text!r}") from None
 

@@ -237,10 +237,10 @@ def run_fedfew_benchmark(
     }
     methods = [m for m in RUN_ORDER if m in settings.runs]
     finished = store.runs(seeds, methods)
-    todo = {s: [m for m in methods if str(s) not in finished.get(m, {})] for s in seeds}
-    todo = {s: ms for s, ms in todo.items() if ms}
-    left = {s: ms for s, ms in todo.items() if only is not None and s not in only}  # not run now
-    todo = {s: ms for s, ms in todo.items() if s not in left}
+    missing = {s: [m for m in methods if str(s) not in finished.get(m, {})] for s in seeds}
+    now = set(seeds if only is None else only)
+    todo = {s: ms for s, ms in missing.items() if ms and s in now}
+    left = any(ms for s, ms in missing.items() if s not in now)  # seeds with runs missing, not run now
     if finished:
         log(f"resuming: {sum(len(v) for v in finished.values())} finished (method, seed) run(s) in {store.root}")
     start = time.perf_counter()
