@@ -25,7 +25,8 @@ def _stamped(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _methods(text: str | None) -> list[str] | None:
+def _comma_list(text: str | None) -> list[str] | None:
+    """An option's comma-separated items, stripped, empty ones left out (None: not given)."""
     return [m.strip() for m in text.split(",") if m.strip()] if text else None
 
 
@@ -79,7 +80,7 @@ def _cmd_fedfew(args: argparse.Namespace) -> int:
     if args.image_size is not None:  # the images are written at least as large as they are trained
         changes["data_image_size"] = max(args.image_size, base.data_image_size)
     if args.methods:
-        changes["methods"] = tuple(_methods(args.methods))
+        changes["methods"] = tuple(_comma_list(args.methods))
     settings = dataclasses.replace(base, fedfew=fedfew, **changes)
     run_fedfew_benchmark(
         Path(args.out),
@@ -106,7 +107,7 @@ def _seed_list(text: str | None) -> list[int] | None:
     if text is None:
         return None
     try:
-        return [int(s) for s in _methods(text) or []]
+        return [int(s) for s in _comma_list(text) or []]
     except ValueError:
         raise ConfigError(f"--only-seeds takes comma-separated whole numbers, e.g. 2,3; got {text!r}") from None
 

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cxrfl.bench.cli import _methods, _say, add_parser
+from cxrfl.bench.cli import _comma_list, _say, add_parser
 from cxrfl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def _compare_settings(args: argparse.Namespace) -> CompareSettings:
         "batch_size": args.batch_size,
         "lr": args.lr,
         "warmup_lr": args.warmup_lr,
-        "methods": _methods(args.methods),
+        "methods": _comma_list(args.methods),
         "n_boot": args.n_boot,
         "n_sites": args.sites,
         "n_shared": args.shared,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cxrfl.bench.cli import _methods, _stamped
+from cxrfl.bench.cli import _comma_list, _stamped
 
 RUN_KEYS = ("seeds", "rounds", "patience", "image_size", "steps", "threads", "arch")
 """The settings every in-process benchmark takes: those of :func:`_add_run_args`, and ``--arch``
@@ -36,7 +36,7 @@ def _given(args: argparse.Namespace, *keys: str) -> dict:
 def _cmd_privacy(args: argparse.Namespace) -> int:
     from cxrfl.bench.privacy import OPTIONS, PrivacyBenchSettings, run_privacy
 
-    settings = PrivacyBenchSettings(**_given(args, "profile"), options=tuple(_methods(args.options) or OPTIONS))
+    settings = PrivacyBenchSettings(**_given(args, "profile"), options=tuple(_comma_list(args.options) or OPTIONS))
     run_privacy(settings, Path(args.out), log=_stamped, data_dir=args.data_dir)
     return 0
 
@@ -86,7 +86,7 @@ def _add_privacy(bsub: argparse._SubParsersAction) -> None:
 def _cmd_hostile(args: argparse.Namespace) -> int:
     from cxrfl.bench.hostile import ATTACKS, ROBUST, HostileBenchSettings, run_hostile
 
-    attacks, robust = tuple(_methods(args.attacks) or ATTACKS), tuple(_methods(args.robust) or ROBUST)
+    attacks, robust = tuple(_comma_list(args.attacks) or ATTACKS), tuple(_comma_list(args.robust) or ROBUST)
     given = _given(args, "profile", "sites", "pool", "clip_norm")
     settings = HostileBenchSettings(**given, attacks=attacks, robust=robust)
     run_hostile(settings, Path(args.out), log=_stamped, data_dir=args.data_dir)
@@ -116,7 +116,7 @@ def _add_hostile(bsub: argparse._SubParsersAction) -> None:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from cxrfl.bench.quantize import FORMATS, QuantizeBenchSettings, run_quantize
 
-    settings = QuantizeBenchSettings(**_given(args), formats=tuple(_methods(args.formats) or FORMATS))
+    settings = QuantizeBenchSettings(**_given(args), formats=tuple(_comma_list(args.formats) or FORMATS))
     run_quantize(settings, Path(args.out), log=_stamped, data_dir=args.data_dir)
     return 0
 
@@ -142,7 +142,7 @@ def _cmd_clinical(args: argparse.Namespace) -> int:
 
     given = _given(args, "target_sensitivity", "calibration", "min_cell", "bins", "external")
     if args.profiles:
-        given["profiles"] = tuple(_methods(args.profiles) or ())
+        given["profiles"] = tuple(_comma_list(args.profiles) or ())
     run_clinical(ClinicalBenchSettings(**given), Path(args.out), log=_stamped, data_dir=args.data_dir)
     return 0
 
