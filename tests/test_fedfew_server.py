@@ -217,6 +217,29 @@ def test_stage2_stops_early_on_the_cc_validation_loss_and_keeps_the_best_rounds(
     assert vals[:2] == [("cc-1", "val"), ("cc-2", "val")] and ("uc-1", "val") not in vals
 
 
+def test_without_lambda_stage2_keeps_fedfews_schedule_with_bce_rounds_at_the_cc_sites(tmp_path):
+    # the same scores as above: the warm-up stops after round 3 (best 2); the BCE rounds 4-7 follow
+    # with their own patience, as the energy rounds would, so the ablation trains as long as FedFew
+    cfg = SMALL.replace(warmup_rounds=3, rounds=6, patience=2, energy_weight=0.0)
+    sites = ScriptedSites(val_losses=[0.9, 0.8, 0.85, 0.7, 0.6, 0.65, 0.66])
+    server, _ = _server(tmp_path, sites, config=cfg)
+    outcome = server.run()
+    recs = [r for r in _records(tmp_path) if r["stage"] == 2]
+    assert [(r["round"], r["phase"]) for r in recs] == [(1, "warm-up"), (2, "warm-up"), (3, "warm-up")] + [
+        (r, "bce") for r in (4, 5, 6, 7)
+    ]
+    trains = sites.params_of(P.TRAIN)
+    assert {s for s, _, _ in trains} == {"cc-1", "cc-2"}  # the UC site has no loss without lambda
+    assert all(m["energy_weight"] == 0 for _, _, m in trains)
+    assert not [m for _, _, m in sites.params_of(P.ENERGY) if m["mode"] == "means"]  # no margins to choose
+    start = torch.as_tensor(sites.first(P.TRAIN)[W])
+    warmup_best = start + 2 * 2.5
+    assert torch.allclose(torch.as_tensor(trains[6][1][W]), warmup_best, atol=1e-5)  # round 4 starts from it
+    # the result is round 5: the warm-up's best + two CC-only averages of + 2.5
+    assert torch.allclose(torch.as_tensor(outcome.model_state[W]), warmup_best + 5.0, atol=1e-4)
+    assert outcome.margins["chosen"].startswith("unused")
+
+
 def test_a_round_with_too_few_valid_results_is_run_again_with_the_same_weights(tmp_path):
     sites = ScriptedSites(fail={(P.TRAIN, "cc-1"): 1})  # the warm-up round's first attempt: cc-2 only
     server, msgs = _server(tmp_path, sites, min_clients=2, min_clients_timeout=60)

@@ -51,7 +51,11 @@ def stage2_start(
 
 
 def stage2_phases(config: FedFewConfig, plan: ClassPlan, score: Score | None) -> list[Phase]:
-    """Warm-up (when the margins must be chosen), then the energy rounds; or BCE rounds without lambda.
+    """Warm-up (when the margins must be chosen), then the energy rounds (BCE rounds at the CC sites
+    when lambda is 0).
+
+    Without lambda the schedule stays FedFew's (the same phases, round budgets and patience), so that
+    the ablation differs from FedFew in the hinge terms only, not in how long it trains.
 
     Args:
         config: FedFew settings.
@@ -59,15 +63,15 @@ def stage2_phases(config: FedFewConfig, plan: ClassPlan, score: Score | None) ->
         score: a new model's validation loss (None: the phases are not scored).
     """
     common: dict[str, Any] = {"score": score, "patience": config.patience or 1, "min_delta": config.min_delta}
-    if config.energy_weight <= 0:
-        return [Phase(2, "bce", P.TRAIN, config.rounds, tuple(plan.cc_sites), **common)]
     phases = []
     if not config.margins_given and config.warmup_rounds:
         phases.append(Phase(2, "warm-up", P.TRAIN, config.warmup_rounds, tuple(plan.cc_sites), **common))
-    if config.rounds:
+    if config.rounds and config.energy_weight > 0:
         phases.append(
             Phase(2, "energy", P.TRAIN, config.rounds, tuple(plan.stage2_sites), config.energy_weight, **common)
         )
+    elif config.rounds:  # a UC site has no loss without lambda
+        phases.append(Phase(2, "bce", P.TRAIN, config.rounds, tuple(plan.cc_sites), **common))
     return phases
 
 
