@@ -15,7 +15,7 @@ import torch
 from cxrfl.bench.fedfew import format_markdown
 from cxrfl.bench.fedfew import run as bench_run
 from cxrfl.bench.fedfew.methods import mean_uc_f1
-from cxrfl.bench.fedfew.report import selection_curve
+from cxrfl.bench.fedfew.report import run_code_text, selection_curve
 from cxrfl.bench.fedfew.seed import SeedRun, stage2_summary
 from cxrfl.bench.fedfew.settings import FedFewBenchSettings
 from cxrfl.bench.protocol import code_version
@@ -219,6 +219,15 @@ def test_results_name_the_code_and_machine_that_ran_and_results_written_before_s
     )
     named = f"`{code['commit'][:7]}`" + (" with uncommitted changes" if code["dirty"] else "")
     assert f"Commit: {named}. Machine: {os.cpu_count()} CPU cores, " in (out / "report.md").read_text()
+    # each run names its code too (a benchmark's runs may span commits); runs written before do not
+    runs = {p.stem: json.loads(p.read_text()) for p in (out / "runs" / "seed0").glob("*.json") if p.stem != "data"}
+    assert runs and all(r["code"] == code for r in runs.values())
+    assert f"Runs by code: {named}: mlc (0), fedfew (0), fedfew-scorer (0)." in (out / "report.md").read_text()
+    mixed = {"fedfew": {"0": {}, "1": {"code": {"commit": "a" * 40, "dirty": False}}}, "mlc": {"1": {"code": code}}}
+    assert (
+        run_code_text(mixed) == f"Runs by code: {named}: mlc (1); `aaaaaaa`: fedfew (1); 1 earlier run(s) record none."
+    )
+    assert run_code_text({"fedfew": {"0": {}}}) == ""
     # results.json as the benchmark wrote it before 2026-11-25
     old = {
         **{k: v for k, v in saved.items() if k != "code"},

@@ -164,6 +164,31 @@ def _gpu_text(gpu: Any) -> str:
     return f"GPU {gpu}" if isinstance(gpu, str) else ("a GPU" if gpu else "no GPU")
 
 
+def run_code_text(runs: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """The code of each run, as "Runs by code: `abc1234`: fedfew (4, 5); ..." ("" when no run records one).
+
+    Args:
+        runs: method -> seed -> result (``code``: :func:`~cxrfl.bench.protocol.code_version`, missing in
+            runs written before 2026-12-08).
+    """
+    by_code: dict[str, dict[str, list[str]]] = {}
+    unrecorded = 0
+    for method in [m for m in METHODS if m in runs]:
+        for seed, run in sorted(runs[method].items(), key=lambda kv: int(kv[0])):
+            if run.get("code"):
+                by_code.setdefault(code_label(run["code"]), {}).setdefault(method, []).append(seed)
+            else:
+                unrecorded += 1
+    if not by_code:
+        return ""
+    parts = [
+        f"{label}: " + ", ".join(f"{m} ({', '.join(seeds)})" for m, seeds in methods.items())
+        for label, methods in by_code.items()
+    ]
+    rest = f"; {unrecorded} earlier run(s) record none" if unrecorded else ""
+    return "Runs by code: " + "; ".join(parts) + rest + "."
+
+
 def _header(result: dict[str, Any], commit: str) -> list[str]:
     s, ff, machine = result["settings"], result["settings"]["fedfew"], result["machine"]
     seeds = result["seeds_done"]
@@ -179,6 +204,7 @@ def _header(result: dict[str, Any], commit: str) -> list[str]:
         f"({seed_minutes:.0f} min of method time); load average {load_text(machine)} at the "
         "start." + (f" {result['note']}" if result.get("note") else ""),
         "",
+        *([code, ""] if (code := run_code_text(result["runs"])) else []),
         f"Settings: {arch_label(s)} from scratch at {s['image_size']}x{s['image_size']} (images written at "
         f"{s['data_image_size']}); "
         f"3 CC sites of {s['n_cc']} images ({s['cc_label_fraction']:.0%} of training images labelled), 3 UC "

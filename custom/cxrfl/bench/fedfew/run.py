@@ -134,8 +134,9 @@ def run_seed(
         + ", ".join(f"{s} {c['labelled']}/{c['train']} labelled" for s, c in counts.items())
     )
     runner = SeedRun(settings, seed, data, work, log)
+    code = code_version()  # each run names its code: a benchmark's runs may span commits
     for method in methods:
-        result = {**runner.run(method), "device": settings.device}
+        result = {**runner.run(method), "device": settings.device, "code": code}
         store.save(seed, method, result)
         log(
             f"seed {seed} {method}: mean UC F1 {result['mean_uc_f1']:.3f}"
