@@ -254,7 +254,8 @@ def _add_fedfew(bsub: argparse._SubParsersAction) -> None:
         default=None,
         help="comma-separated subset of mlc,mlc-ssl,mlc-surgical,mlc-surgical-ssl,mlc-pooled,nn-ssl,nn-mlc-ssl,"
         "fedfew-no-ebm,"
-        "fedfew,fedfew-balanced,fedfew-lambda1,fedfew-neg-in,fedfew-scorer,fedfew-prototype (only these run; "
+        "fedfew,fedfew-balanced,fedfew-lambda1,fedfew-neg-in,fedfew-scorer,fedfew-prototype,fedfew-no-ebm-prototype "
+        "(only these run; "
         "a finished (method, seed) in OUT is not run again, so methods can be added to a finished benchmark)",
     )
     f.add_argument(

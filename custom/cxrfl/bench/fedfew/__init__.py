@@ -9,7 +9,8 @@ weights and the augmentation):
 * ``fedfew``: the three stages (:func:`cxrfl.fedfew.inprocess.run_fedfew`: the job's own workflow
   and site code; stage 2 until the CC validation loss stops improving), stage 1's encoder probed
   along the way, then the final model file read back as ``cxrfl predict`` does; ``fedfew-no-ebm``
-  (optional): the same with lambda = 0; ``fedfew-balanced``: stage 3 again with the balanced
+  (optional): the same with lambda = 0 (``fedfew-no-ebm-prototype``: its stage-2 model with the prototype
+  scorers); ``fedfew-balanced``: stage 3 again with the balanced
   threshold rule; ``fedfew-scorer``: stage 3 again with the UC sites' scorers
   (:mod:`cxrfl.fedfew.scorer`) in place of the energy gate and prototypes, and
   ``fedfew-prototype`` the same with the prototype scorer (:mod:`~cxrfl.bench.fedfew.seed`);

@@ -275,6 +275,11 @@ def _table(table: dict[str, Any]) -> list[str]:
             "\\* FedFew, UC prototype scorers: the same, with `scorer_model: prototype` (the dual prototype's cosine "
             "margin, the paper's prototypes without the energy gate, its threshold chosen out of fold)."
         )
+    if "fedfew-no-ebm-prototype" in table:
+        lines.append(
+            "\\* FedFew w/o EBM, UC prototype scorers: the prototype scorers on the stage-2 model trained without the "
+            "energy term (lambda = 0, FedFew's schedule): what the energy training adds to that detector."
+        )
     if any(m in table for m in ENERGY_VARIANTS):
         lines.append(
             "\\* "

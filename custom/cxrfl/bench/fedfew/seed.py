@@ -5,7 +5,8 @@ own workflow and site code) in ``WORK/seed<k>/fedfew``, probing stage 1's encode
 (:func:`~cxrfl.bench.fedfew.methods.linear_probe`) after the rounds of
 :attr:`~cxrfl.bench.fedfew.settings.FedFewBenchSettings.probe_rounds`; ``fedfew-balanced`` re-runs stage 3 on
 its stage-2 model with ``threshold_weighting: balanced``, ``fedfew-no-ebm`` stages 2-3 with
-lambda = 0 from its stage 1, and the energy variants stages 2-3 with lambda = 1 / ``uc_negatives: in``
+lambda = 0 from its stage 1 (``fedfew-no-ebm-prototype`` stage 3 again on that stage-2 model with the prototype
+scorers), and the energy variants stages 2-3 with lambda = 1 / ``uc_negatives: in``
 (all through ``resume_from``); ``nn-ssl``, ``mlc-ssl`` and ``mlc-surgical-ssl`` start from
 its stage-1 encoder; ``nn-mlc-ssl`` uses the ``mlc-ssl`` network (kept as
 ``WORK/seed<k>/mlc-ssl.pt``). A method whose input is not on disk (a fresh work folder) makes it
@@ -44,6 +45,7 @@ RUN_ORDER = (
     "fedfew-prototype",
     "fedfew-balanced",
     "fedfew-no-ebm",
+    "fedfew-no-ebm-prototype",
     "mlc-surgical-ssl",
     "mlc-ssl",
     "nn-ssl",
@@ -58,15 +60,17 @@ RUN_ORDER = (
 then every method that reuses ``fedfew``'s stage files, then those that need none. A run stopped early has what
 the targets compare, and one resumed on a machine without the stage files (``--work``) does not have to train
 stage 1 again for a method that reuses it."""
-VARIANTS = {
-    "fedfew-balanced": ((1, 2), {"threshold_weighting": "balanced"}),
-    "fedfew-scorer": ((1, 2), {"detector": "scorer"}),
-    "fedfew-prototype": ((1, 2), {"detector": "scorer", "scorer_model": "prototype"}),
-    "fedfew-no-ebm": ((1,), {"energy_weight": 0.0}),
-    "fedfew-lambda1": ((1,), {"energy_weight": 1.0}),
-    "fedfew-neg-in": ((1,), {"uc_negatives": "in"}),
+PROTOTYPE = {"detector": "scorer", "scorer_model": "prototype"}
+VARIANTS: dict[str, tuple[str, tuple[int, ...], dict[str, Any]]] = {
+    "fedfew-balanced": ("fedfew", (1, 2), {"threshold_weighting": "balanced"}),
+    "fedfew-scorer": ("fedfew", (1, 2), {"detector": "scorer"}),
+    "fedfew-prototype": ("fedfew", (1, 2), PROTOTYPE),
+    "fedfew-no-ebm": ("fedfew", (1,), {"energy_weight": 0.0}),
+    "fedfew-no-ebm-prototype": ("fedfew-no-ebm", (1, 2), {"energy_weight": 0.0, **PROTOTYPE}),
+    "fedfew-lambda1": ("fedfew", (1,), {"energy_weight": 1.0}),
+    "fedfew-neg-in": ("fedfew", (1,), {"uc_negatives": "in"}),
 }
-"""A FedFew variant: the stages it reuses from ``fedfew`` and the settings it changes."""
+"""A FedFew variant: the method whose stage files it reuses, which of them, and the settings it changes."""
 RUN_ID = "run"
 """The run id of ``fedfew``'s stage files (their resume folder), which a later call resumes from."""
 
@@ -203,9 +207,18 @@ class SeedRun:
         )
         return result
 
+    def _variant_stages(self, method: str, last: int) -> Path:
+        """The stage files of ``method`` (``fedfew`` or a variant) up to stage ``last``, run when not there."""
+        if method == "fedfew":
+            return self._stages(last)
+        stages = self.folder / method / STAGE_DIR
+        if not all((stages / STAGE_FILES[k]).is_file() for k in range(1, last + 1)):
+            self._variant(method)  # its evaluation is not kept: the method runs (and is stored) on its own
+        return stages
+
     def _variant(self, method: str) -> dict[str, Any]:
-        reused, changes = VARIANTS[method]
-        stages = self._stages(max(reused))
+        source_method, reused, changes = VARIANTS[method]
+        stages = self._variant_stages(source_method, max(reused))
         out = self.folder / method
         shutil.rmtree(out, ignore_errors=True)
         source = out / "reused"

@@ -25,6 +25,7 @@ METHODS = (
     "fedfew-neg-in",
     "fedfew-scorer",
     "fedfew-prototype",
+    "fedfew-no-ebm-prototype",
 )
 """Every method, in report order."""
 LABELS = {
@@ -42,6 +43,7 @@ LABELS = {
     "fedfew-neg-in": "FedFew w/ EBM, UC negatives pushed in*",
     "fedfew-scorer": "FedFew, UC scorers*",
     "fedfew-prototype": "FedFew, UC prototype scorers*",
+    "fedfew-no-ebm-prototype": "FedFew w/o EBM, UC prototype scorers*",
 }
 """The paper's names of the methods (``*``: a labelled variant, not the paper's recipe)."""
 ENERGY_VARIANTS = ("fedfew-lambda1", "fedfew-neg-in")
