@@ -15,7 +15,7 @@ import torch
 from cxrfl.bench.fedfew import format_markdown
 from cxrfl.bench.fedfew import run as bench_run
 from cxrfl.bench.fedfew.methods import mean_uc_f1
-from cxrfl.bench.fedfew.report import run_code_text, selection_curve
+from cxrfl.bench.fedfew.report import run_code_text, selection_curve, summarise
 from cxrfl.bench.fedfew.seed import SeedRun, stage2_summary
 from cxrfl.bench.fedfew.settings import FedFewBenchSettings
 from cxrfl.bench.protocol import code_version
@@ -23,6 +23,7 @@ from cxrfl.bench.selection_cost import run_cost
 from cxrfl.common.server import RECORDS_DIR
 from cxrfl.errors import ConfigError
 from cxrfl.synth.fedfew_profile import FEDFEW_UCS
+from scipy.stats import ttest_1samp
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # per (method, seed) the F1 of Edema, Pneumonia, Hernia; mean UC F1: fedfew 0.4 and 0.5, mlc 0.2 and 0.25
@@ -381,3 +382,50 @@ def test_stage2_summary_reads_the_sites_training_energies_per_round(tmp_path):
     curve = selection_curve({"stage2": phases})
     assert curve is not None and (curve["curve_rounds"], curve["best_round"]) == ([1, 2, 3], 2)
     assert run_cost(curve) == pytest.approx(0.11)
+
+
+def _hand_run(cc, ba, auroc=0.8):
+    uc = {u: {"auroc": auroc, "balanced_accuracy": b} for u, b in zip(FEDFEW_UCS, ba)}
+    return {"mean_cc_auroc": cc, "mean_uc_f1": 0.5, "uc": uc}
+
+
+def test_a_post_hoc_design_is_judged_in_its_own_family_and_labelled_so_and_every_seed_is_listed():
+    gains = {"Edema": (0.30, 0.32, 0.34), "Pneumonia": (0.21, 0.25, 0.22), "Hernia": (0.0, 0.05, 0.02)}
+    runs = {
+        "fedfew": {str(s): _hand_run(0.75, (0.5, 0.5, 0.5)) for s in range(3)},
+        "fedfew-scorer": {str(s): _hand_run(0.75, (0.6, 0.6, 0.5)) for s in range(3)},
+        "fedfew-prototype": {
+            str(s): _hand_run(0.75, tuple(0.5 + gains[uc][s] for uc in FEDFEW_UCS), auroc=0.86) for s in range(3)
+        },
+    }
+    summary = summarise(runs)
+    post = summary["post_hoc"]["fedfew-prototype"]
+    # its family is its own three comparisons with the paper's recipe (no baseline ran): Holm by hand
+    p = {uc: ttest_1samp([g - 0.2 for g in gains[uc]], 0.0, alternative="greater").pvalue for uc in FEDFEW_UCS}
+    order = sorted(FEDFEW_UCS, key=p.get)
+    holm, running = {}, 0.0
+    for i, uc in enumerate(order):
+        running = max(running, min(1.0, (3 - i) * p[uc]))
+        holm[uc] = running
+    for uc in FEDFEW_UCS:
+        got = post[f"{uc}_balanced_accuracy_0.2_above_paper"]
+        assert got["p_holm"] == pytest.approx(holm[uc])
+        assert got["met"] == (uc != "Hernia" and holm[uc] < 0.05) and got["judged"] == (uc != "Hernia")
+    assert post["Edema_auroc_at_least_0.85"]["met"]
+    # the pre-registered candidate's verdicts do not see it
+    assert not any("prototype" in k for k in summary["targets"]["comparisons"])
+    assert not summary["targets"]["Edema_balanced_accuracy_0.2_above_paper"]["met"]
+    result = {
+        "settings": FedFewBenchSettings().to_dict(),
+        "machine": {"cores": 2},
+        "command": "cxrfl bench fedfew",
+        "seeds_done": [0, 1, 2],
+        "runs": runs,
+        "summary": summary,
+    }
+    report = format_markdown(result)
+    assert "Post hoc, not pre-registered: FedFew, UC prototype scorers* held to the same targets" in report
+    assert report.index("held to: FedFew, UC scorers*") < report.index("Post hoc, not pre-registered")
+    assert "Balanced accuracy of FedFew, UC prototype scorers against" not in report  # no baseline ran
+    assert "| 2 | FedFew, UC prototype scorers* | 0.750 | 0.860 / 0.840 | 0.860 / 0.720 | 0.860 / 0.520 |" in report
+    assert report.count("| 1 | ") == 3  # every method of seed 1

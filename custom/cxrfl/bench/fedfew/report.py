@@ -15,19 +15,10 @@ import numpy as np
 
 from cxrfl.bench.arch import arch_label
 from cxrfl.bench.fedfew.settings import BASELINES, ENERGY_VARIANTS, LABELS, METHODS
-from cxrfl.bench.fedfew.targets import (
-    AUROC_AT_LEAST,
-    BALANCED_ACCURACY_AT_LEAST,
-    CANDIDATE,
-    CC_MARGIN,
-    GAIN_OVER_PAPER,
-    PAPER,
-    targets,
-    uc_values,
-)
-from cxrfl.bench.paired import format_stats
+from cxrfl.bench.fedfew.target_report import target_lines
+from cxrfl.bench.fedfew.targets import POST_HOC, targets, uc_values
 from cxrfl.bench.protocol import code_label, load_text
-from cxrfl.bench.selection_cost import COST_LIMIT, marked, over_limit, run_cost
+from cxrfl.bench.selection_cost import COST_LIMIT, over_limit, run_cost
 from cxrfl.synth.fedfew_profile import FEDFEW_UCS
 
 UC_METRICS = ("auroc", "balanced_accuracy", "mcc", "f1", "f1_flag_all", "f1@prevalence", "precision", "recall")
@@ -135,7 +126,8 @@ def summarise(runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         runs: method -> seed (as text) -> that run's results.
     """
     table = {m: _summarise_method(m, list(runs[m].values())) for m in METHODS if runs.get(m)}
-    return {"methods": table, "targets": targets(runs)}
+    post_hoc = {m: targets(runs, m) for m in POST_HOC if runs.get(m)}
+    return {"methods": table, "targets": targets(runs), **({"post_hoc": post_hoc} if post_hoc else {})}
 
 
 # ------------------------------------------------------------------------------------- markdown
@@ -412,71 +404,27 @@ def _selection(table: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _mean_selection_cost(methods: dict[str, Any], method: str) -> float | None:
-    """A method's mean selection cost over seeds (None: not recorded)."""
-    return (methods.get(method, {}).get("selection_cost") or {}).get("mean")
+def _per_seed(runs: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Every method and seed: mean CC AUROC and per UC detection AUROC / balanced accuracy."""
 
+    def num(x: Any, digits: int) -> str:
+        return "-" if x is None else f"{x:.{digits}f}"
 
-def _verdict(v: dict[str, Any]) -> str:
-    return ("**met**" if v["met"] else "**not met**") if v.get("judged", True) else "reported, not judged"
-
-
-def _targets(t: dict[str, Any], methods: dict[str, Any]) -> list[str]:
+    seeds = sorted({int(s) for by_seed in runs.values() for s in by_seed})
     lines = [
         "",
-        f"Targets (issue 42, written before the runs; held to: {LABELS[CANDIDATE]}). Statistics over seeds: the "
-        "mean difference with its 95 % CI, Cohen's d_z, paired t-test p-values, Wilcoxon p; the gains over the "
-        "paper's recipe are judged on the one-sided p against the 0.20 margin after Holm's adjustment over every "
-        "UC x comparison below. The old target 'mean UC F1 >= 0.5' is dropped: flagging every image scores 0.667 "
-        "on the balanced UC test sets.",
+        "Per seed (every finished run):",
         "",
+        "| seed | method | mean CC AUROC | " + " | ".join(f"{uc} AUROC / BA" for uc in FEDFEW_UCS) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in FEDFEW_UCS) + " |",
     ]
-    learned = t.get("paper_cc_auroc_at_least_0.7")
-    if learned and learned["value"] is not None:
-        lines.append(
-            f"- The paper's recipe learned (mean CC AUROC >= 0.70): {_verdict(learned)} ({learned['value']:.3f})."
-        )
-    for uc in FEDFEW_UCS:
-        for key, text in (
-            (f"{uc}_auroc_at_least_{AUROC_AT_LEAST}", f"{uc} detection AUROC >= {AUROC_AT_LEAST}"),
-            (
-                f"{uc}_balanced_accuracy_at_least_{BALANCED_ACCURACY_AT_LEAST}",
-                f"{uc} balanced accuracy >= {BALANCED_ACCURACY_AT_LEAST}",
-            ),
-        ):
-            v = t.get(key)
-            if v and v["value"] is not None:
-                lines.append(
-                    f"- {text}: {_verdict(v)} ({v['value']:.3f}; against {v['bound']}: {format_stats(v['stats'])})."
-                )
-        v = t.get(f"{uc}_balanced_accuracy_{GAIN_OVER_PAPER}_above_paper")
-        if v and v["difference"] is not None:
-            wil = v["stats"].get("wilcoxon_p")
-            lines.append(
-                f"- {uc} balanced accuracy >= {GAIN_OVER_PAPER} above the paper's recipe: {_verdict(v)} "
-                f"({format_stats(v['stats'])}; Holm-adjusted p = {_p(v['p_holm'])}"
-                + (f"; Wilcoxon p = {wil:.3g}" if wil is not None else "")
-                + ")."
-            )
-    v = t.get(f"cc_auroc_within_{CC_MARGIN}_of_paper")
-    if v and v["difference"] is not None:
-        lines.append(
-            f"- Mean CC AUROC not below the paper's recipe by more than {CC_MARGIN}: {_verdict(v)} "
-            f"({format_stats(v['stats'])})."
-        )
-    others = {k: c for k, c in (t.get("comparisons") or {}).items() if not k.endswith(f" vs {PAPER}")}
-    if others:
-        lines += ["", "Balanced accuracy of the candidate against the baselines (same Holm family):", ""]
-        lines += [
-            f"- {marked(k, _mean_selection_cost(methods, k.split(' vs ')[-1]))}: {format_stats(c)}; "
-            f"Holm-adjusted p = {_p(c['p_holm'])}."
-            for k, c in others.items()
-        ]
+    for seed in seeds:
+        for m in [m for m in METHODS if str(seed) in runs.get(m, {})]:
+            r = runs[m][str(seed)]
+            ucs = [(r.get("uc") or {}).get(uc) or {} for uc in FEDFEW_UCS]
+            cells = [f"{num(u.get('auroc'), 3)} / {num(u.get('balanced_accuracy'), 3)}" for u in ucs]
+            lines.append(f"| {seed} | {LABELS[m]} | {num(r.get('mean_cc_auroc'), 3)} | {' | '.join(cells)} |")
     return lines
-
-
-def _p(p: float | None) -> str:
-    return "n/a" if p is None else f"{p:.3g}"
 
 
 def format_markdown(result: dict[str, Any], commit: str | None = None) -> str:
@@ -497,7 +445,9 @@ def format_markdown(result: dict[str, Any], commit: str | None = None) -> str:
         *_diagnostics(methods),
         *_energy_variants(methods),
         *_convergence(methods),
-        *_targets(summary.get("targets", {}), methods),
+        *target_lines(summary.get("targets", {}), methods),
+        *[line for m, t in (summary.get("post_hoc") or {}).items() for line in target_lines(t, methods, m)],
+        *(_per_seed(result["runs"]) if result.get("runs") else []),
     ]
     if result.get("plots"):
         lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in result["plots"]) + "."]
