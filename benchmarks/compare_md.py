@@ -2,6 +2,7 @@
 
     python benchmarks/compare_md.py [--results benchmarks/results] [--out BENCHMARKS.md]
                                     [--intro benchmarks/compare_intro.md]
+                                    [--fedfew-notes benchmarks/fedfew_notes.md]
 
 Rewrites two blocks of ``--out``, each between its ``<!-- BEGIN name ... -->`` and
 ``<!-- END name -->`` lines; everything outside them is hand-written and left alone:
@@ -13,7 +14,9 @@ Rewrites two blocks of ``--out``, each between its ``<!-- BEGIN name ... -->`` a
   time, convergence, the papers' Tables 1-4, effect sizes and tests, targets, the learning-curve
   plot), every ablation ``RESULTS/compare/<name>/ablation.json`` (``--ablation``), then the
   framework overhead from ``RESULTS/speed/speed.json`` (``cxrfl bench speed``);
-* ``fedfew`` (issue 5): the table and targets of ``RESULTS/fedfew/results.json`` (``cxrfl bench fedfew``);
+* ``fedfew`` (issue 42): ``--fedfew-notes``, then the report of ``RESULTS/fedfew42/results.json`` (``cxrfl bench
+  fedfew``: per-UC detection metrics, diagnostics, convergence, the targets and post-hoc designs with paired
+  statistics, every method and seed, the plots);
 * ``cwt`` (issue 15): ``RESULTS/cwt/results.json`` (``cxrfl bench cwt``): command, code, machine and time of the
   runs, per dataset the tables, the targets with paired statistics and the plots.
 
@@ -335,19 +338,16 @@ def compare_block(root: Path, intro: Path | None) -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
-def fedfew_block(root: Path) -> str | None:
-    """The ``fedfew`` block: FedFew's table and targets (None: results of issue 5's F1-only benchmark, which
-    the present report cannot read; the block is left as it was generated from them)."""
-    path = root / "fedfew" / "results.json"
+def fedfew_block(root: Path, notes: Path | None) -> str:
+    """The ``fedfew`` block: the hand-written ``notes``, then the report of issue 42's benchmark
+    (``RESULTS/fedfew42/results.json``; its plots linked from the repository root)."""
+    path = root / "fedfew42" / "results.json"
+    intro = notes.read_text().rstrip() + "\n\n" if notes and notes.is_file() else ""
     if not path.is_file():
-        return "(no `fedfew/results.json` yet: run `cxrfl bench fedfew --seeds 3 --out benchmarks/results/fedfew`)\n"
+        return intro + "(no `fedfew42/results.json` yet: run `cxrfl bench fedfew --seeds 8 --out OUT`)\n"
     res = json.loads(path.read_text())
-    table = (res.get("summary") or {}).get("methods") or {}
-    if any("auroc" not in uc for e in table.values() for uc in (e.get("uc") or {}).values()):
-        print(f"{path}: issue 5's F1-only results; the fedfew block is left as it is")
-        return None
-    commit = (code_text(res) or commits(path)["added"]) + " (results; see the note above)"
-    return demote(format_markdown(res, commit=commit).rstrip()) + "\n"
+    commit = code_text(res) or commits(path)["added"]
+    return intro + demote(relink(format_markdown(res, commit=commit), path.parent)).rstrip() + "\n"
 
 
 def relink(markdown: str, folder: Path) -> str:
@@ -386,12 +386,15 @@ def main() -> None:
     p.add_argument("--results", default="benchmarks/results")
     p.add_argument("--out", default="BENCHMARKS.md")
     p.add_argument("--intro", default="benchmarks/compare_intro.md", help="hand-written start of the comparison block")
+    p.add_argument(
+        "--fedfew-notes", default="benchmarks/fedfew_notes.md", help="hand-written start of the FedFew block"
+    )
     args = p.parse_args()
     root = Path(args.results)
     out = Path(args.out)
     blocks = {
         "compare": compare_block(root, Path(args.intro) if args.intro else None),
-        "fedfew": fedfew_block(root),
+        "fedfew": fedfew_block(root, Path(args.fedfew_notes) if args.fedfew_notes else None),
         "cwt": cwt_block(root),
     }
     out.write_text(fill(out.read_text(), blocks))

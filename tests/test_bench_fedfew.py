@@ -201,6 +201,7 @@ def test_results_report_and_plots_and_an_interrupted_run_goes_on(tmp_path, fake_
     assert "- Edema vs mlc (NOT A RESULT: selection gave up 0.250): " in report
     assert "NOT A RESULT: fedfew" not in report  # the fake FedFew runs recorded no curve
     assert saved["plots"] == ["uc_f1.png", "cc_auroc.png", "ssl_probe.png", "learning_curves.png"]
+    assert "![learning curves](learning_curves.png)" in (out / "report.md").read_text()  # shown, not only named
     for name in saved["plots"]:
         assert (out / name).read_bytes().startswith(PNG_MAGIC)
 
@@ -296,10 +297,13 @@ def test_only_seeds_run_now_and_the_results_keep_every_finished_seed(tmp_path, f
     first = bench_run.run_fedfew_benchmark(out, 2, settings=SETTINGS, data_root=data, log=lambda m: None, only=[1])
     assert sorted(fake_methods.calls) == [("fedfew", 1), ("fedfew-scorer", 1), ("mlc", 1)]
     assert first["seeds_done"] == [1] and not first["complete"]
+    interim = "**Interim**: the benchmark goes on, so no verdict below is final. Missing runs: mlc (0); fedfew (0); "
+    assert interim + "fedfew-scorer (0)." in (out / "report.md").read_text()
     fake_methods.calls = []
     done = bench_run.run_fedfew_benchmark(out, 2, settings=SETTINGS, data_root=data, log=lambda m: None)
     assert {seed for _, seed in fake_methods.calls} == {0}  # seed 1's runs are kept, not run again
     assert done["seeds_done"] == [0, 1] and done["complete"] and set(done["runs"]["mlc"]) == {"0", "1"}
+    assert "Interim" not in (out / "report.md").read_text()
     with pytest.raises(ConfigError, match=r"--only-seeds \[2\] not among the seeds \[0, 1\]"):
         bench_run.run_fedfew_benchmark(out, 2, settings=SETTINGS, data_root=data, log=lambda m: None, only=[2])
 

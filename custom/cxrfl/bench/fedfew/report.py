@@ -181,6 +181,23 @@ def run_code_text(runs: dict[str, dict[str, dict[str, Any]]]) -> str:
     return "Runs by code: " + "; ".join(parts) + rest + "."
 
 
+def missing_text(result: dict[str, Any]) -> str:
+    """ "" for a complete benchmark, else a line naming it interim and each method's missing seeds (of the methods
+    that have run for some seed).
+
+    Args:
+        result: the content of ``results.json`` (``complete``, ``seeds``, ``runs``).
+    """
+    if result.get("complete", True):
+        return ""
+    runs, seeds = result.get("runs") or {}, result.get("seeds") or []
+    missing = {m: [s for s in seeds if str(s) not in runs[m]] for m in METHODS if m in runs}
+    parts = [f"{m} ({', '.join(map(str, ss))})" for m, ss in missing.items() if ss]
+    return "**Interim**: the benchmark goes on, so no verdict below is final. Missing runs: " + (
+        "; ".join(parts) + "." if parts else "none of the methods that ran (others not run yet)."
+    )
+
+
 def _header(result: dict[str, Any], commit: str) -> list[str]:
     s, ff, machine = result["settings"], result["settings"]["fedfew"], result["machine"]
     seeds = result["seeds_done"]
@@ -196,6 +213,7 @@ def _header(result: dict[str, Any], commit: str) -> list[str]:
         f"({seed_minutes:.0f} min of method time); load average {load_text(machine)} at the "
         "start." + (f" {result['note']}" if result.get("note") else ""),
         "",
+        *([interim, ""] if (interim := missing_text(result)) else []),
         *([code, ""] if (code := run_code_text(result["runs"])) else []),
         f"Settings: {arch_label(s)} from scratch at {s['image_size']}x{s['image_size']} (images written at "
         f"{s['data_image_size']}); "
@@ -450,5 +468,5 @@ def format_markdown(result: dict[str, Any], commit: str | None = None) -> str:
         *(_per_seed(result["runs"]) if result.get("runs") else []),
     ]
     if result.get("plots"):
-        lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in result["plots"]) + "."]
+        lines += ["", "Plots:", "", *[f"![{p.removesuffix('.png').replace('_', ' ')}]({p})" for p in result["plots"]]]
     return "\n".join(lines) + "\n"
