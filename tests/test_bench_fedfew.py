@@ -299,6 +299,16 @@ def test_only_seeds_run_now_and_the_results_keep_every_finished_seed(tmp_path, f
     assert first["seeds_done"] == [1] and not first["complete"]
     interim = "**Interim**: the benchmark goes on, so no verdict below is final. Missing runs: mlc (0); fedfew (0); "
     assert interim + "fedfew-scorer (0)." in (out / "report.md").read_text()
+    # the results written again from the stored runs, training nothing (seed 0 stays missing)
+    (out / "results.json").unlink()
+    fake_methods.calls = []
+    again = bench_run.run_fedfew_benchmark(
+        out, 2, settings=SETTINGS, data_root=data, log=lambda m: None, report_only=True
+    )
+    assert fake_methods.calls == [] and again["runs"] == first["runs"] and not again["complete"]
+    assert (out / "results.json").is_file()
+    with pytest.raises(ConfigError, match="--report-only reads the stored runs"):
+        bench_run.run_fedfew_benchmark(out, 2, settings=SETTINGS, data_root=data, report_only=True, resume=False)
     fake_methods.calls = []
     done = bench_run.run_fedfew_benchmark(out, 2, settings=SETTINGS, data_root=data, log=lambda m: None)
     assert {seed for _, seed in fake_methods.calls} == {0}  # seed 1's runs are kept, not run again

@@ -91,6 +91,7 @@ def _cmd_fedfew(args: argparse.Namespace) -> int:
         log=_say,
         resume=not args.no_resume,
         only=_seed_list(args.only_seeds),
+        report_only=args.report_only,
     )
     return 0
 
@@ -271,6 +272,7 @@ def _add_fedfew(bsub: argparse._SubParsersAction) -> None:
     f.add_argument(
         "--no-resume", action="store_true", help="start over instead of going on with the finished runs in OUT"
     )
+    f.add_argument("--report-only", action="store_true", help="train nothing: results and report from the stored runs")
     f.set_defaults(func=_cmd_fedfew)
 
 

@@ -195,6 +195,7 @@ def run_fedfew_benchmark(
     resume: bool = True,
     command: str | None = None,
     only: Sequence[int] | None = None,
+    report_only: bool = False,
 ) -> dict[str, Any]:
     """Run the FedFew benchmark; write ``OUT/results.json``, ``OUT/report.md`` and the plots (and return the results).
 
@@ -210,12 +211,16 @@ def run_fedfew_benchmark(
         command: the command line, for the report.
         only: run only these of ``seeds`` now (default: all); the results still cover every seed's finished
             runs, and say ``complete`` only when no (method, seed) is missing.
+        report_only: train nothing: results, report and plots again from the stored runs (e.g. after a run
+            was stopped between two seeds' writes).
 
     Raises:
-        ConfigError: ``only`` names a seed that is not among ``seeds``.
+        ConfigError: ``only`` names a seed that is not among ``seeds``, or ``report_only`` without ``resume``.
     """
     settings = settings or FedFewBenchSettings()
     seeds = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
+    if report_only and not resume:
+        raise ConfigError("--report-only reads the stored runs; it cannot start over (--no-resume)")
     if only is not None and set(only) - set(seeds):
         raise ConfigError(f"--only-seeds {sorted(set(only) - set(seeds))} not among the seeds {seeds}")
     out = Path(out)
@@ -239,7 +244,7 @@ def run_fedfew_benchmark(
     methods = [m for m in RUN_ORDER if m in settings.runs]
     finished = store.runs(seeds, methods)
     missing = {s: [m for m in methods if str(s) not in finished.get(m, {})] for s in seeds}
-    now = set(seeds if only is None else only)
+    now = set() if report_only else set(seeds if only is None else only)
     todo = {s: ms for s, ms in missing.items() if ms and s in now}
     left = any(ms for s, ms in missing.items() if s not in now)  # seeds with runs missing, not run now
     if finished:
