@@ -69,7 +69,7 @@ def _stats(diffs: list[np.ndarray], reference: list[np.ndarray], size: int, larg
 
 
 def measure(patients: int, sizes: list[int], seed: int) -> dict[str, Any]:
-    """Per finding (and Edema's two parts) and size: the sign's contrast, area and what the size loses.
+    """Per finding (and Edema's two parts) and size: the sign's contrast and what the size loses.
 
     Args:
         patients: patients per finding (each with its own anatomy and severity).
@@ -78,12 +78,14 @@ def measure(patients: int, sizes: list[int], seed: int) -> dict[str, Any]:
     """
     largest = max(sizes)
     result: dict[str, Any] = {}
+    # each patient's severity and normal image serve every finding: the same patient with and without it
+    sev = np.clip(np.random.default_rng([seed, 3]).beta(*SEVERITY, patients), 0.03, 1.0)
+    normals = {(size, i): _render({}, i, seed, size) for size in sizes for i in range(patients)}
     for f in FINDINGS:
-        sev = np.clip(np.random.default_rng([seed, 3]).beta(*SEVERITY, patients), 0.03, 1.0)
         parts: dict[str, dict[int, list[np.ndarray]]] = {f: {}, f"{f}: Kerley B lines": {}, f"{f}: the rest": {}}
         for size in sizes:
             for i in range(patients):
-                full, normal = _render({f: float(sev[i])}, i, seed, size), _render({}, i, seed, size)
+                full, normal = _render({f: float(sev[i])}, i, seed, size), normals[size, i]
                 parts[f].setdefault(size, []).append(full - normal)
                 if f == "Edema":
                     with _without_strokes():
